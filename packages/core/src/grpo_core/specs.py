@@ -1,0 +1,92 @@
+"""Typed records that plugins return from the `grpo_*` hooks.
+
+Every record names one thing a config can select (`loss.impl: fused`,
+`mesh.strategy: auto`, ...), the callable that builds it, the dataclass that
+validates its `options:` block, and a one-line description for `grpo-run plugins`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar
+
+
+@dataclass(frozen=True)
+class NoOptions:
+    """Options dataclass for plugins that take no options."""
+
+
+@dataclass(frozen=True)
+class PluginSpec:
+    """Common shape of every spec record.
+
+    name:        the value a config uses to select this entry.
+    factory:     builds the object from a validated options instance
+                 (see the subclass for the exact call signature).
+    options:     a frozen dataclass type; the section's `options:` mapping is
+                 validated against it (unknown keys and wrong types are errors).
+    description: one line shown by `grpo-run plugins`.
+    """
+
+    kind: ClassVar[str] = "plugin"
+    name: str
+    factory: Callable[..., Any]
+    options: type = NoOptions
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.name or not isinstance(self.name, str):
+            raise ValueError(f"{type(self).__name__}.name must be a non-empty string, got {self.name!r}")
+        if not callable(self.factory):
+            raise TypeError(f"{type(self).__name__} {self.name!r}: factory must be callable, got {self.factory!r}")
+        if not dataclasses.is_dataclass(self.options):
+            raise TypeError(
+                f"{type(self).__name__} {self.name!r}: options must be a dataclass type, got {self.options!r}"
+            )
+
+
+@dataclass(frozen=True)
+class LossSpec(PluginSpec):
+    """A per-token log-prob implementation: `factory(options) -> impl` where `impl`
+    is callable as `impl(hidden, lm_head, targets, temperature) -> logp [B, T]`
+    and is differentiable w.r.t. hidden [B, T, H] and lm_head [H, V]."""
+
+    kind: ClassVar[str] = "loss"
+
+
+@dataclass(frozen=True)
+class MeshSpec(PluginSpec):
+    """A mesh strategy: `factory(options) -> strategy`; the strategy builds a
+    `jax.sharding.Mesh` with axes ("dp", "fsdp", "tp") and owns the logical->mesh
+    axis rules."""
+
+    kind: ClassVar[str] = "mesh"
+
+
+@dataclass(frozen=True)
+class RolloutSpec(PluginSpec):
+    """A rollout backend: `factory(options) -> backend` that samples K completions
+    per prompt and returns tokens, masks and sampler log-probs."""
+
+    kind: ClassVar[str] = "rollout"
+
+
+@dataclass(frozen=True)
+class RewardSpec(PluginSpec):
+    """A reward function: `factory(options) -> fn` with
+    `fn(completions: list[str], answers: list[str]) -> list[float]`."""
+
+    kind: ClassVar[str] = "reward"
+
+
+@dataclass(frozen=True)
+class TaskSpec(PluginSpec):
+    """A task (dataset of prompts with reference answers): `factory(options) -> task`."""
+
+    kind: ClassVar[str] = "task"
+
+
+SPEC_TYPES: dict[str, type[PluginSpec]] = {
+    spec.kind: spec for spec in (LossSpec, MeshSpec, RolloutSpec, RewardSpec, TaskSpec)
+}

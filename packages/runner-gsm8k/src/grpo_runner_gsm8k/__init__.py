@@ -1,0 +1,1 @@
+"""grpo_runner_gsm8k."""
