@@ -1,1 +1,15 @@
-"""grpo_core."""
+"""grpo-jax core: plugin hooks and registry, run configuration, Qwen models."""
+
+from grpo_core.hookspecs import hookimpl
+from grpo_core.specs import LossSpec, MeshSpec, NoOptions, PluginSpec, RewardSpec, RolloutSpec, TaskSpec
+
+__all__ = [
+    "hookimpl",
+    "LossSpec",
+    "MeshSpec",
+    "NoOptions",
+    "PluginSpec",
+    "RewardSpec",
+    "RolloutSpec",
+    "TaskSpec",
+]

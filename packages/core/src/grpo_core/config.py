@@ -1,0 +1,191 @@
+"""Run configuration: frozen dataclasses loaded strictly from YAML.
+
+Every field carries its documentation and its allowed values in the field's
+metadata (see `setting`), so validation, error messages and `--print-config`
+all read from one place. Plugin options (`<section>.options`) are validated by
+the selected plugin's own options dataclass (see `grpo_core.validate`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional
+
+Number = float | int
+
+
+def setting(default: Any, doc: str, *, ge: Number | None = None, gt: Number | None = None,
+            le: Number | None = None, lt: Number | None = None) -> Any:
+    """A config field with its documentation and numeric range."""
+    meta = {"doc": doc, "ge": ge, "gt": gt, "le": le, "lt": lt}
+    if isinstance(default, (dict, list)):
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The policy model and its tokenizer."""
+
+    path: Optional[str] = setting(
+        None, "HF model directory or Hub id; null builds a random-init model from `architecture`.")
+    architecture: dict = setting(
+        {"model_type": "qwen2", "vocab_size": 64, "hidden_size": 64, "intermediate_size": 192,
+         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+         "max_position_embeddings": 256, "tie_word_embeddings": True},
+        "HF config.json fields of the random-init model, used only when `path` is null.")
+    tokenizer: Optional[str] = setting(
+        None, "Tokenizer directory or Hub id; null uses `path`; 'char' builds the character tokenizer.")
+    dtype: Literal["float32", "bfloat16"] = setting(
+        "float32", "Parameter and compute dtype (norms and softmax always run in float32).")
+    remat: Literal["none", "dots", "full"] = setting(
+        "none", "Activation rematerialisation per decoder layer during training.")
+    seed: int = setting(0, "Seed of the random initialisation.", ge=0)
+
+
+@dataclass(frozen=True)
+class TaskConfig:
+    """Where prompts and reference answers come from, and how completions are scored."""
+
+    name: str = setting("arithmetic", "Task plugin name (see `grpo-run plugins`).")
+    options: dict = setting({}, "Options of the task plugin, validated by its options dataclass.")
+    system_prompt: Optional[str] = setting(None, "System message of the chat template; null for none.")
+    rewards: dict = setting(
+        {"correctness": 1.0}, "Reward function name -> weight; the total reward is the weighted sum.")
+    reward_options: dict = setting(
+        {}, "Reward function name -> options mapping, validated by that reward's options dataclass.")
+    seed: int = setting(0, "Seed of the data order (shuffled per epoch).", ge=0)
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    """Sampling of completions."""
+
+    backend: str = setting("jax", "Rollout backend plugin name.")
+    options: dict = setting({}, "Options of the rollout backend.")
+    prompts_per_step: int = setting(8, "Prompts P per training step (global, all hosts).", ge=1)
+    n: int = setting(8, "Samples K per prompt (the GRPO group size).", ge=1)
+    max_prompt_length: int = setting(64, "Prompts longer than this many tokens are rejected.", ge=1)
+    max_new_tokens: int = setting(16, "Maximum sampled tokens per completion.", ge=1)
+    temperature: float = setting(1.0, "Sampling temperature; the loss uses the same value.", gt=0.0)
+    top_p: float = setting(1.0, "Nucleus sampling mass (1.0 disables).", gt=0.0, le=1.0)
+    top_k: int = setting(0, "Keep only the k most likely tokens (0 disables).", ge=0)
+    greedy: bool = setting(False, "Take the argmax instead of sampling.")
+    sharding: Literal["legacy", "maxtext"] = setting(
+        "legacy", "Rollout batch sharding: legacy = over dp*fsdp*tp, maxtext = over dp only.")
+    use_sampler_logps: bool = setting(
+        False, "Use the sampler's log-probs as old log-probs instead of one extra forward pass.")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """The policy update."""
+
+    steps: int = setting(60, "Training steps (one rollout batch each).", ge=1)
+    optimizer: Literal["adamw", "lion", "sgd"] = setting("adamw", "Optimizer.")
+    lr: float = setting(1e-3, "Peak learning rate.", gt=0.0)
+    weight_decay: float = setting(0.0, "Decoupled weight decay (adamw, lion).", ge=0.0)
+    b1: float = setting(0.9, "First-moment decay (adamw, lion).", ge=0.0, lt=1.0)
+    b2: float = setting(0.99, "Second-moment decay (adamw, lion).", ge=0.0, lt=1.0)
+    schedule: Literal["constant", "cosine", "linear"] = setting(
+        "constant", "Decay after warmup, down to lr * min_lr_ratio at the last step.")
+    warmup_steps: int = setting(0, "Linear warmup steps from 0 to lr.", ge=0)
+    min_lr_ratio: float = setting(0.1, "Final lr as a fraction of lr (cosine, linear).", ge=0.0, le=1.0)
+    max_grad_norm: Optional[float] = setting(1.0, "Clip by global norm; null disables.", gt=0.0)
+    ppo_epochs: int = setting(1, "Passes over each rollout batch (the clipped ratio matters when > 1).", ge=1)
+    micro_batch_size_per_device: int = setting(
+        0, "Sequences per device per micro-batch; 0 means the whole batch in one micro-batch.", ge=0)
+    seed: int = setting(0, "Seed of sampling and dropout-free training randomness.", ge=0)
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    """The GRPO objective (one math; `impl` picks the implementation)."""
+
+    impl: str = setting("fused", "Loss implementation plugin: jax (reference), fused, pallas.")
+    options: dict = setting({}, "Options of the loss implementation (block sizes, ...).")
+    epsilon_low: float = setting(0.2, "Lower clip: ratio >= 1 - epsilon_low.", ge=0.0, lt=1.0)
+    epsilon_high: float = setting(0.2, "Upper clip: ratio <= 1 + epsilon_high (DAPO uses 0.28).", ge=0.0)
+    epsilon_c: Optional[float] = setting(
+        None, "Dual clip for negative advantages: loss capped at epsilon_c * |A|; null disables.", gt=1.0)
+    logratio_clamp: Optional[float] = setting(
+        None, "Clamp log(ratio) to [-c, c] before exp, against overflow; null disables.", gt=0.0)
+    importance_sampling_level: Literal["token", "sequence"] = setting(
+        "token", "token = per-token ratios (GRPO); sequence = GSPO sequence-mean log-ratio.")
+    beta: float = setting(0.0, "KL coefficient; > 0 loads a frozen reference model.", ge=0.0)
+    kl_estimator: Literal["k1", "k2", "k3"] = setting("k3", "Estimator of KL(policy || reference).")
+    aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "fixed_length_norm"] = setting(
+        "token_mean", "How per-token losses are reduced (fixed_length_norm = Dr.GRPO).")
+    max_completion_length: Optional[int] = setting(
+        None, "Normaliser of fixed_length_norm; null uses rollout.max_new_tokens.", ge=1)
+    entropy_coef: float = setting(0.0, "Entropy bonus coefficient (0 = entropy is only a metric).", ge=0.0)
+    compute_entropy: bool = setting(True, "Report the policy entropy metric.")
+    scale_rewards: Literal["group", "batch", "none"] = setting(
+        "group", "Advantage = (r - group mean) / std, with std of the group, the batch, or 1.")
+    std_ddof: int = setting(1, "Delta degrees of freedom of the advantage std.", ge=0)
+    advantage_eps: float = setting(1e-4, "Added to the std to avoid division by zero.", ge=0.0)
+    dynamic_sampling: bool = setting(False, "Mask out groups whose rewards all agree (zero std).")
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+    """Device mesh and multi-host set-up."""
+
+    strategy: str = setting(
+        "auto", "Mesh strategy plugin (auto, host_local, full_fsdp, fsdp_tp) or an explicit 'dp,fsdp,tp'.")
+    options: dict = setting({}, "Options of the mesh strategy.")
+    require_process_count: Optional[int] = setting(
+        None, "Fail fast unless exactly this many processes joined; null skips the check.", ge=1)
+    distributed: Literal["auto", "on", "off"] = setting(
+        "auto", "Call jax.distributed.initialize: auto = when the environment or pod asks for it.")
+    coordinator_address: Optional[str] = setting(None, "host:port of process 0 (multi-host without auto-detect).")
+    num_processes: Optional[int] = setting(None, "Process count (multi-host without auto-detect).", ge=1)
+    process_id: Optional[int] = setting(None, "This process's id (multi-host without auto-detect).", ge=0)
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """Periodic evaluation on the task's test split."""
+
+    every_steps: int = setting(0, "Evaluate every N steps (0 disables; also runs after the last step).", ge=0)
+    num_questions: int = setting(64, "Test questions per evaluation.", ge=1)
+    greedy: bool = setting(True, "Greedy decoding for accuracy.")
+    n: int = setting(1, "Samples per question; pass@n is reported when > 1.", ge=1)
+    max_new_tokens: Optional[int] = setting(None, "Null uses rollout.max_new_tokens.", ge=1)
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    """Metrics, progress and the run directory."""
+
+    dir: str = setting("runs/tiny", "Run directory: metrics.jsonl, checkpoints, resolved config.")
+    wandb: Literal["online", "offline", "disabled"] = setting("disabled", "Weights & Biases mode.")
+    project: str = setting("grpo-jax", "W&B project.")
+    name: Optional[str] = setting(None, "W&B run name; null lets W&B choose.")
+    group: Optional[str] = setting(None, "W&B group.")
+    every_steps: int = setting(1, "Print a progress line every N steps when not on a TTY.", ge=1)
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """Saving and resuming."""
+
+    every_steps: int = setting(0, "Save every N steps (0 disables periodic saves).", ge=0)
+    keep: int = setting(2, "Most recent checkpoints kept.", ge=1)
+    resume: Literal["auto", "never"] = setting(
+        "auto", "auto = continue from the newest checkpoint in logging.dir when there is one.")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """A whole run. Load with `grpo_core.config_io.load_config`."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
