@@ -1,0 +1,227 @@
+"""Strict YAML -> RunConfig loading, dotted overrides, plugin-option validation.
+
+Nothing here touches JAX devices: a bad config fails in milliseconds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import re
+import types
+import typing
+from pathlib import Path
+from typing import Any, Iterable, Literal, Union
+
+import yaml
+
+from grpo_core.config import RunConfig
+from grpo_core.errors import ConfigError, PluginError
+
+EXPLICIT_MESH = re.compile(r"^\s*-?\d+\s*,\s*-?\d+\s*,\s*-?\d+\s*$")
+
+
+class _Loader(yaml.SafeLoader):
+    """SafeLoader that also reads `1e-6` as a float (YAML 1.1 insists on `1.0e-6`)."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:\d[\d_]*)?(?:\.\d*)?[eE][-+]?\d+$|^[-+]?(?:\d[\d_]*)?\.\d+$|^[-+]?\.(?:inf|Inf|INF)$|^\.(?:nan|NaN|NAN)$"),
+    list("-+0123456789."),
+)
+
+
+def _parse(text: str):
+    return yaml.load(text, Loader=_Loader)
+
+
+def read_yaml(path: str | Path) -> dict:
+    """The mapping in a YAML file; a missing file or a non-mapping is a ConfigError."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} not found; pass an existing YAML file to --config")
+    try:
+        data = _parse(path.read_text())
+    except yaml.YAMLError as exc:
+        where = getattr(exc, "problem_mark", None)
+        line = f" at line {where.line + 1}" if where else ""
+        raise ConfigError(f"config file {str(path)!r} is not valid YAML{line}: "
+                          f"{getattr(exc, 'problem', exc)}; fix the syntax") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {str(path)!r} must hold a mapping of sections, got {type(data).__name__}")
+    return data
+
+
+def apply_override(tree: dict, override: str) -> None:
+    """Applies one `section.key=value` override (value parsed as a YAML scalar) in place."""
+    key, sep, raw = override.partition("=")
+    key = key.strip()
+    if not sep or not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"override {override!r} is not of the form section.key=value "
+                          "(example: train.lr=1e-6)")
+    try:
+        value = _parse(raw) if raw.strip() else None
+    except yaml.YAMLError:
+        raise ConfigError(f"override {key}: value {raw!r} is not a valid YAML scalar; quote it") from None
+    *parents, leaf = key.split(".")
+    node = tree
+    for depth, part in enumerate(parents):
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            where = ".".join(parents[: depth + 1])
+            raise ConfigError(f"override {key}: {where} is a value ({child!r}), not a section")
+        node = child
+    node[leaf] = value
+
+
+def _describe(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (Union, types.UnionType):
+        return " or ".join(_describe(a) for a in typing.get_args(tp))
+    return {type(None): "null", int: "an integer", float: "a number", str: "a string",
+            bool: "true/false", dict: "a mapping", list: "a list"}.get(tp, getattr(tp, "__name__", str(tp)))
+
+
+def _coerce(tp: Any, value: Any) -> tuple[bool, Any]:
+    """(ok, converted value) for `value` against type annotation `tp`."""
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return any(value == a and type(value) is type(a) for a in typing.get_args(tp)), value
+    if origin in (Union, types.UnionType):
+        for arg in typing.get_args(tp):
+            ok, converted = _coerce(arg, value)
+            if ok:
+                return True, converted
+        return False, value
+    if tp is type(None):
+        return value is None, value
+    if tp is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        return ok, float(value) if ok else value
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool), value
+    if tp in (str, bool, dict, list):
+        return isinstance(value, tp), value
+    if tp is Any:
+        return True, value
+    return isinstance(value, tp), value
+
+
+def _check_range(key: str, value: Any, meta: typing.Mapping) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return
+    bounds = [("ge", ">=", lambda v, b: v >= b), ("gt", ">", lambda v, b: v > b),
+              ("le", "<=", lambda v, b: v <= b), ("lt", "<", lambda v, b: v < b)]
+    for name, symbol, holds in bounds:
+        bound = meta.get(name)
+        if bound is not None and not holds(value, bound):
+            allowed = " and ".join(f"{s} {meta[n]}" for n, s, _ in bounds if meta.get(n) is not None)
+            raise ConfigError(f"{key} = {value!r} is out of range: must be {allowed}")
+
+
+def _unknown_key(key: str, valid: Iterable[str], prefix: str) -> ConfigError:
+    full = prefix + key
+    close = difflib.get_close_matches(key, list(valid), n=1, cutoff=0.5)
+    hint = f"; did you mean {prefix + close[0]}?" if close else f"; valid keys: {', '.join(sorted(valid))}"
+    return ConfigError(f"unknown config key {full}{hint}")
+
+
+def build_dataclass(cls: type, data: Any, prefix: str = "") -> Any:
+    """An instance of dataclass `cls` from a mapping, checking keys, types and ranges."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        where = prefix.rstrip(".") or "the config"
+        raise ConfigError(f"{where} must be a mapping, got {type(data).__name__} {data!r}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for key in data:
+        if key not in fields:
+            raise _unknown_key(str(key), fields, prefix)
+    hints = typing.get_type_hints(cls)
+    values = {name: _field_value(hints[name], data[name], prefix + name, fields[name].metadata)
+              for name in data}
+    return cls(**values)
+
+
+def _field_value(tp: Any, value: Any, key: str, meta: typing.Mapping) -> Any:
+    if dataclasses.is_dataclass(tp):
+        return build_dataclass(tp, value, key + ".")
+    ok, converted = _coerce(tp, value)
+    if not ok:
+        raise ConfigError(f"{key} = {value!r} has the wrong type: expected {_describe(tp)}")
+    _check_range(key, converted, meta)
+    return converted
+
+
+def plugin_options(options_cls: type, data: Any, prefix: str) -> Any:
+    """Validates a plugin's `options:` mapping against the plugin's options dataclass."""
+    try:
+        return build_dataclass(options_cls, data, prefix + ".")
+    except TypeError as exc:  # a required option without a default was left out
+        raise ConfigError(f"{prefix}: {exc}") from None
+
+
+def _mesh_plugin_name(strategy: str) -> str:
+    return "explicit" if EXPLICIT_MESH.match(strategy) else strategy
+
+
+def validate_plugins(cfg: RunConfig, registry: Any) -> None:
+    """Every plugin name exists and every `options:` block fits its plugin."""
+    selected = [("loss", cfg.loss.impl, cfg.loss.options, "loss"),
+                ("rollout", cfg.rollout.backend, cfg.rollout.options, "rollout"),
+                ("task", cfg.task.name, cfg.task.options, "task"),
+                ("mesh", _mesh_plugin_name(cfg.mesh.strategy), cfg.mesh.options, "mesh")]
+    selected += [("reward", name, cfg.task.reward_options.get(name, {}), f"task.reward_options.{name}")
+                 for name in cfg.task.rewards]
+    for kind, name, options, where in selected:
+        try:
+            spec = registry.get(kind, name)
+        except PluginError as exc:
+            raise ConfigError(f"{_name_key(kind, where)}: {exc}") from None
+        plugin_options(spec.options, options, where if where.startswith("task.") else f"{where}.options")
+
+
+def _name_key(kind: str, where: str) -> str:
+    return {"loss": "loss.impl", "rollout": "rollout.backend", "task": "task.name",
+            "mesh": "mesh.strategy"}.get(kind, "task.rewards")
+
+
+def validate_cross_fields(cfg: RunConfig) -> None:
+    """Constraints that involve more than one field."""
+    if cfg.rollout.n == 1 and cfg.loss.scale_rewards == "group":
+        raise ConfigError("rollout.n = 1 with loss.scale_rewards = 'group': a group of one sample has no std; "
+                          "set rollout.n >= 2 or loss.scale_rewards=none")
+    for name, weight in cfg.task.rewards.items():
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)):
+            raise ConfigError(f"task.rewards.{name} = {weight!r} has the wrong type: expected a number (the weight)")
+    if not cfg.task.rewards:
+        raise ConfigError("task.rewards is empty: name at least one reward function, e.g. {correctness: 1.0}")
+    for name in cfg.task.reward_options:
+        if name not in cfg.task.rewards:
+            raise ConfigError(f"task.reward_options.{name} configures a reward that task.rewards does not use; "
+                              f"add it to task.rewards or remove the options")
+
+
+def load_config(path: str | Path | None = None, overrides: Iterable[str] = (), registry: Any = None) -> RunConfig:
+    """The validated RunConfig from a YAML file (None = all defaults) plus overrides."""
+    tree = read_yaml(path) if path is not None else {}
+    for override in overrides:
+        apply_override(tree, override)
+    cfg = build_dataclass(RunConfig, tree)
+    validate_cross_fields(cfg)
+    if registry is not None:
+        validate_plugins(cfg, registry)
+    return cfg
+
+
+def config_to_dict(cfg: Any) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def config_to_yaml(cfg: Any) -> str:
+    return yaml.safe_dump(config_to_dict(cfg), sort_keys=False, default_flow_style=False)

@@ -1,0 +1,88 @@
+"""`grpo-run`: the command line of grpo-jax.
+
+    grpo-run [--config X.yaml] [section.key=value ...]   train (defaults: the tiny CPU run)
+    grpo-run --config X.yaml --print-config              print the resolved config
+    grpo-run plugins                                     list every registered plugin
+
+Bad input prints one line to stderr and exits 2; `--debug` shows the traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import traceback
+import warnings
+from typing import Callable
+
+from grpo_core.errors import UserError
+
+EXIT_BAD_INPUT = 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="grpo-run", description="GRPO post-training of LLMs in JAX.")
+    parser.add_argument("--config", help="YAML run config (default: the embedded tiny CPU config)")
+    parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks of input errors")
+    parser.add_argument("overrides", nargs="*", metavar="section.key=value",
+                        help="config overrides, values parsed as YAML scalars (train.lr=1e-6)")
+    return parser
+
+
+def _plugins_command(argv: list[str]) -> int:
+    from grpo_core.registry import HOOK_BY_KIND, default_registry
+
+    registry = default_registry()
+    for kind in HOOK_BY_KIND:
+        print(f"{kind}:")
+        for item in registry.entries(kind):
+            print(f"  {item.spec.name:<14} {item.distribution:<20} {item.spec.description}")
+    return 0
+
+
+def _load(args: argparse.Namespace):
+    from grpo_core.config_io import load_config
+    from grpo_core.registry import default_registry
+
+    return load_config(args.config, args.overrides, registry=default_registry())
+
+
+def _train_command(argv: list[str]) -> int:
+    args = _parser().parse_args(argv)
+    cfg = _load(args)
+    if args.print_config:
+        from grpo_core.config_io import config_to_yaml
+
+        print(config_to_yaml(cfg), end="")
+        return 0
+    raise UserError("training loop not available yet")
+
+
+COMMANDS: dict[str, Callable[[list[str]], int]] = {"plugins": _plugins_command}
+
+
+def run(argv: list[str]) -> int:
+    if argv and argv[0] in COMMANDS:
+        return COMMANDS[argv[0]](argv[1:])
+    return _train_command(argv)
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    print(f"grpo-run: warning: {message}", file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    warnings.showwarning = _show_warning
+    try:
+        return run(argv)
+    except UserError as exc:
+        if "--debug" in argv:
+            traceback.print_exc()
+        print(f"grpo-run: error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+
+
+if __name__ == "__main__":
+    sys.exit(main())
