@@ -1,0 +1,1 @@
+"""A minimal grpo-jax plugin package."""
