@@ -1,0 +1,92 @@
+"""Metric sinks: `<run_dir>/metrics.jsonl`, Weights & Biases, and progress on the terminal."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any, TextIO
+
+from grpo_core.config import LoggingConfig
+
+
+def _plain(value: Any) -> Any:
+    """JSON-safe scalars: numpy/jax scalars become Python numbers, non-finite become null."""
+    if hasattr(value, "item"):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def _number(value: Any) -> float:
+    return float("nan") if value is None else float(value)
+
+
+class Progress:
+    """A one-line bar on a TTY; plain periodic lines otherwise (log files, CI)."""
+
+    def __init__(self, total_steps: int, every_steps: int, stream: TextIO | None = None):
+        self.total, self.every = total_steps, every_steps
+        self.stream = stream or sys.stderr
+        self.tty = self.stream.isatty()
+        self.start = time.monotonic()
+
+    def _line(self, step: int, metrics: dict) -> str:
+        elapsed = time.monotonic() - self.start
+        eta = elapsed / max(step, 1) * (self.total - step)
+        reward = _number(metrics.get("train-reward/total/mean"))
+        tok_s = _number(metrics.get("throughput/train/valid_tokens_per_s"))
+        acc = metrics.get("eval/accuracy")
+        acc_text = f" eval_acc {acc:.3f}" if acc is not None else ""
+        return (f"step {step}/{self.total} reward {reward:.3f} tok/s {tok_s:.0f}{acc_text} "
+                f"elapsed {elapsed:.0f}s eta {eta:.0f}s")
+
+    def update(self, step: int, metrics: dict) -> None:
+        if self.tty:
+            width = 20
+            filled = int(width * step / max(self.total, 1))
+            bar = "#" * filled + "." * (width - filled)
+            self.stream.write(f"\r[{bar}] {self._line(step, metrics)}")
+            self.stream.write("\n" if step >= self.total else "")
+        elif step % self.every == 0 or step >= self.total:
+            self.stream.write(self._line(step, metrics) + "\n")
+        self.stream.flush()
+
+
+class MetricsLogger:
+    """Writes each step's metrics to metrics.jsonl, W&B (unless disabled) and the progress display."""
+
+    def __init__(self, cfg: LoggingConfig, run_dir: Path, total_steps: int, config_dict: dict,
+                 is_main_process: bool = True):
+        self.run_dir = run_dir
+        self.is_main = is_main_process
+        self.progress = Progress(total_steps, cfg.every_steps)
+        self.jsonl = open(run_dir / "metrics.jsonl", "a") if is_main_process else None
+        self.wandb_run = self._start_wandb(cfg, config_dict) if is_main_process else None
+
+    def _start_wandb(self, cfg: LoggingConfig, config_dict: dict):
+        if cfg.wandb == "disabled":
+            return None
+        import wandb
+
+        return wandb.init(mode=cfg.wandb, project=cfg.project, name=cfg.name, group=cfg.group,
+                          dir=str(self.run_dir), config=config_dict)
+
+    def log(self, step: int, metrics: dict) -> None:
+        if not self.is_main:
+            return
+        record = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
+        self.jsonl.write(json.dumps(record) + "\n")
+        self.jsonl.flush()
+        if self.wandb_run is not None:
+            self.wandb_run.log({k: v for k, v in record.items() if k != "step"}, step=step)
+        self.progress.update(step, record)
+
+    def close(self) -> None:
+        if self.jsonl is not None:
+            self.jsonl.close()
+        if self.wandb_run is not None:
+            self.wandb_run.finish()

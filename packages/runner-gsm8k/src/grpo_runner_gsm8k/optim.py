@@ -1,0 +1,37 @@
+"""Optimizer and learning-rate schedule from the `train` config section."""
+
+from __future__ import annotations
+
+import optax
+
+from grpo_core.config import TrainConfig
+
+
+def learning_rate_schedule(cfg: TrainConfig) -> optax.Schedule:
+    """Linear warmup to `lr`, then constant / cosine / linear decay to lr * min_lr_ratio."""
+    decay_steps = max(cfg.steps - cfg.warmup_steps, 1)
+    final = cfg.lr * cfg.min_lr_ratio
+    decay = {
+        "constant": optax.constant_schedule(cfg.lr),
+        "cosine": optax.cosine_decay_schedule(cfg.lr, decay_steps, alpha=cfg.min_lr_ratio),
+        "linear": optax.linear_schedule(cfg.lr, final, decay_steps),
+    }[cfg.schedule]
+    if cfg.warmup_steps == 0:
+        return decay
+    warmup = optax.linear_schedule(0.0, cfg.lr, cfg.warmup_steps)
+    return optax.join_schedules([warmup, decay], [cfg.warmup_steps])
+
+
+def _base_optimizer(cfg: TrainConfig, lr: optax.Schedule) -> optax.GradientTransformation:
+    if cfg.optimizer == "adamw":
+        return optax.adamw(lr, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay)
+    if cfg.optimizer == "lion":
+        return optax.lion(lr, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay)
+    return optax.sgd(lr)
+
+
+def build_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
+    """Clip by global norm (when set), then the configured optimizer with its schedule."""
+    lr = learning_rate_schedule(cfg)
+    parts = [optax.clip_by_global_norm(cfg.max_grad_norm)] if cfg.max_grad_norm else []
+    return optax.chain(*parts, _base_optimizer(cfg, lr))
