@@ -1,0 +1,135 @@
+"""Grouped-query attention and its KV cache.
+
+The cache is a fixed-shape pytree so a jitted decode loop can carry (and donate) it:
+
+    k, v   [L, B, S_max, kv_heads, head_dim]  keys/values of every layer
+    mask   [B, S_max] bool                    slot holds a real (non-pad) token
+    index  [] int32                           next slot to write, shared by all rows
+
+Rows are aligned on slots (left-padded prompts fill slots [0, T_prompt)), so one write
+index serves the whole batch; per-row lengths come from `mask`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+
+from grpo_core.models.config import QwenConfig
+from grpo_core.models.layers import Projection, RMSNorm, apply_rope
+
+# Finite "minus infinity": a row with no visible key (a left-pad query) then gets a
+# uniform softmax instead of NaN; its output is never used.
+_MASKED = float(jnp.finfo(jnp.float32).min)
+
+
+@struct.dataclass
+class KVCache:
+    k: jax.Array  # [L, B, S_max, KV, D]
+    v: jax.Array  # [L, B, S_max, KV, D]
+    mask: jax.Array  # [B, S_max] bool
+    index: jax.Array  # [] int32
+
+    @classmethod
+    def zeros(cls, cfg: QwenConfig, batch: int, max_len: int, dtype: Any) -> "KVCache":
+        shape = (cfg.num_hidden_layers, batch, max_len, cfg.num_key_value_heads, cfg.head_dim)
+        return cls(
+            k=jnp.zeros(shape, dtype),
+            v=jnp.zeros(shape, dtype),
+            mask=jnp.zeros((batch, max_len), jnp.bool_),
+            index=jnp.zeros((), jnp.int32),
+        )
+
+    @staticmethod
+    def logical_axes() -> "KVCache":
+        """Logical axis names of each field, for `grpo_core.sharding.named_sharding`."""
+        kv = ("layers", "batch", "cache_seq", "kv_heads", "head_dim")
+        return KVCache(k=kv, v=kv, mask=("batch", "cache_seq"), index=())
+
+    @property
+    def max_len(self) -> int:
+        return self.mask.shape[1]
+
+    def lengths(self) -> jax.Array:
+        """Real tokens cached per row [B] = the position of each row's next token."""
+        return jnp.sum(self.mask, axis=1, dtype=jnp.int32)
+
+    def with_new_tokens(self, token_mask: jax.Array) -> "KVCache":
+        """Mark slots [index, index+T) with token_mask [B, T]; index is advanced later."""
+        mask = jax.lax.dynamic_update_slice(self.mask, token_mask.astype(jnp.bool_), (0, self.index))
+        return self.replace(mask=mask)
+
+    def visibility(self, num_queries: int) -> jax.Array:
+        """[B, T, S_max]: query t (slot index+t) sees real slots s <= index+t."""
+        query_slot = self.index + jnp.arange(num_queries)  # [T]
+        causal = jnp.arange(self.max_len)[None, :] <= query_slot[:, None]  # [T, S]
+        return self.mask[:, None, :] & causal[None]
+
+    def write_layer(self, layer: int, k: jax.Array, v: jax.Array) -> "KVCache":
+        """Store one layer's new keys/values [B, T, KV, D] at slots [index, index+T)."""
+        start = (layer, 0, self.index, 0, 0)
+        new_k = jax.lax.dynamic_update_slice(self.k, k[None].astype(self.k.dtype), start)
+        new_v = jax.lax.dynamic_update_slice(self.v, v[None].astype(self.v.dtype), start)
+        return self.replace(k=new_k, v=new_v)
+
+    def advance(self, num_tokens: int) -> "KVCache":
+        return self.replace(index=self.index + num_tokens)
+
+
+def causal_visibility(token_mask: jax.Array) -> jax.Array:
+    """[B, T, T] for a cache-free forward: causal and key is a real token."""
+    t = token_mask.shape[1]
+    causal = jnp.tril(jnp.ones((t, t), jnp.bool_))
+    return token_mask[:, None, :].astype(jnp.bool_) & causal[None]
+
+
+def grouped_query_attention(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array) -> jax.Array:
+    """softmax(q k^T / sqrt(D)) v with q [B, T, N, D], k/v [B, S, KV, D], visible [B, T, S].
+
+    Query head n uses kv head n // G (HF repeat_kv order); queries are reshaped to
+    [B, T, KV, G, D] so K/V are never repeated. Scores and softmax are f32.
+    """
+    b, t, n, d = q.shape
+    kv_heads = k.shape[2]
+    q = q.reshape(b, t, kv_heads, n // kv_heads, d)
+    scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
+    scores = jnp.where(visible[:, None, None], scores * d**-0.5, _MASKED)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
+    return out.reshape(b, t, n, d)
+
+
+class Attention(nnx.Module):
+    """Qwen2 (q/k/v bias) / Qwen3 (per-head q/k RMSNorm) self-attention."""
+
+    def __init__(self, cfg: QwenConfig, *, dtype, rngs: nnx.Rngs):
+        h, n, kv, d = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        bias = bool(cfg.attention_bias)
+        self.q_proj = Projection((h,), (n, d), ("embed", "heads", "head_dim"), bias=bias, dtype=dtype, rngs=rngs)
+        self.k_proj = Projection((h,), (kv, d), ("embed", "kv_heads", "head_dim"), bias=bias, dtype=dtype, rngs=rngs)
+        self.v_proj = Projection((h,), (kv, d), ("embed", "kv_heads", "head_dim"), bias=bias, dtype=dtype, rngs=rngs)
+        self.o_proj = Projection(
+            (n, d), (h,), ("heads", "head_dim", "embed"), bias=cfg.has_o_bias, dtype=dtype, rngs=rngs
+        )
+        norm = cfg.has_qk_norm
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype=dtype, rngs=rngs) if norm else None
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype=dtype, rngs=rngs) if norm else None
+
+    def project_qkv(self, x: jax.Array, cos: jax.Array, sin: jax.Array):
+        """x [B, T, H] -> rotated q [B, T, N, D], k [B, T, KV, D], v [B, T, KV, D]."""
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def __call__(self, x, cos, sin, visible, cache: KVCache | None = None, layer: int = 0):
+        """Returns (output [B, T, H], cache with this layer's keys/values written)."""
+        q, k, v = self.project_qkv(x, cos, sin)
+        if cache is not None:
+            cache = cache.write_layer(layer, k, v)
+            k, v = cache.k[layer], cache.v[layer]  # [B, S_max, KV, D]
+        out = grouped_query_attention(q, k.astype(q.dtype), v.astype(q.dtype), visible)
+        return self.o_proj(out), cache

@@ -1,0 +1,116 @@
+"""Forward-pass benchmark: prints one JSON line with tokens/s and compiled temp memory.
+
+    grpo-bench model --preset qwen2.5-0.5b --batch 4 --seq 512 --dtype bfloat16
+    python -m grpo_core.models.bench --family qwen3 --hidden 256 --layers 4 --heads 4 \
+        --kv-heads 2 --intermediate 768 --vocab 4096 --batch 8 --seq 256
+
+Shape flags override the preset (default: the tiny preset of --family). Weights are
+random; the timed function is the jitted decoder forward to final hidden states (the LM
+head is excluded: losses fuse it). Tokens/s is batch * seq / median step time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from grpo_core.models.config import PRESETS, QwenConfig
+from grpo_core.models.qwen import DTYPES, REMAT_MODES, init_from_config
+
+_SHAPE_FLAGS = {
+    "hidden": "hidden_size",
+    "layers": "num_hidden_layers",
+    "heads": "num_attention_heads",
+    "kv_heads": "num_key_value_heads",
+    "head_dim": "head_dim",
+    "intermediate": "intermediate_size",
+    "vocab": "vocab_size",
+}
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="grpo-bench model", description=__doc__.split("\n")[0])
+    p.add_argument("--preset", choices=sorted(PRESETS), help="model shape preset (default tiny-<family>)")
+    p.add_argument("--family", choices=("qwen2", "qwen3"), default=None, help="model family (default qwen2)")
+    for flag in _SHAPE_FLAGS:
+        p.add_argument(f"--{flag.replace('_', '-')}", dest=flag, type=int, default=None)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    p.add_argument("--remat", choices=REMAT_MODES, default="none")
+    p.add_argument("--iters", type=int, default=5, help="timed iterations after one warm-up call")
+    return p
+
+
+def build_config(args: argparse.Namespace) -> QwenConfig:
+    preset = args.preset or f"tiny-{args.family or 'qwen2'}"
+    cfg = PRESETS[preset]
+    changes = {field: getattr(args, flag) for flag, field in _SHAPE_FLAGS.items() if getattr(args, flag) is not None}
+    if args.family and args.family != cfg.model_type:
+        changes.update(model_type=args.family, attention_bias=None)
+    if "hidden_size" in changes or "num_attention_heads" in changes:
+        changes.setdefault("head_dim", 0 if (args.family or cfg.model_type) == "qwen2" else cfg.head_dim)
+    return cfg.replace(**changes)
+
+
+def _time_forward(compiled, state, ids, mask, iters: int) -> list[float]:
+    jax.block_until_ready(compiled(state, ids, mask))  # warm-up
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        jax.block_until_ready(compiled(state, ids, mask))
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def run(args: argparse.Namespace) -> dict:
+    cfg = build_config(args)
+    model = init_from_config(cfg, seed=0, dtype=args.dtype, remat=args.remat)
+    graphdef, state = nnx.split(model)
+    ids = jnp.zeros((args.batch, args.seq), jnp.int32)
+    mask = jnp.ones((args.batch, args.seq), jnp.int32)
+
+    def forward(state, ids, mask):
+        return nnx.merge(graphdef, state)(ids, attention_mask=mask)
+
+    start = time.perf_counter()
+    compiled = jax.jit(forward).lower(state, ids, mask).compile()
+    compile_s = time.perf_counter() - start
+    memory = compiled.memory_analysis()
+    times = _time_forward(compiled, state, ids, mask, args.iters)
+    median = statistics.median(times)
+    return {
+        "bench": "model_forward",
+        "backend": jax.default_backend(),
+        "device": jax.devices()[0].device_kind,
+        "preset": args.preset,
+        "family": cfg.model_type,
+        "params": model.num_params(),
+        "shape": {k: getattr(cfg, v) for k, v in _SHAPE_FLAGS.items()},
+        "batch": args.batch,
+        "seq": args.seq,
+        "dtype": args.dtype,
+        "remat": args.remat,
+        "iters": args.iters,
+        "forward_ms_median": round(median * 1e3, 3),
+        "forward_tokens_per_s": round(args.batch * args.seq / median, 1),
+        "compile_s": round(compile_s, 2),
+        "temp_bytes": None if memory is None else int(memory.temp_size_in_bytes),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    print(json.dumps(run(args)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

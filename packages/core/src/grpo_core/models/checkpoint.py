@@ -1,0 +1,265 @@
+"""Hugging Face safetensors checkpoints: load (straight onto a mesh) and export.
+
+Loading never holds more than one tensor on the host: the model is built abstractly
+(`nnx.eval_shape`), then each checkpoint tensor is read with `safe_open`, laid out by
+`hf_names.HF_TABLE`, cast, and placed on its NamedSharding (or the default device).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from collections import defaultdict
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+import jax
+import numpy as np
+from flax import nnx
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from grpo_core.models import hf_names
+from grpo_core.models.config import QwenConfig
+from grpo_core.models.qwen import QwenModel, resolve_dtype
+from grpo_core.sharding import DEFAULT_RULES, Rules, param_shardings
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3  # the HF save_pretrained default ("5GB")
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+# ---- locating files -------------------------------------------------------------------
+def resolve_model_dir(path_or_hub_id: str | os.PathLike) -> str:
+    """A local directory as is; an `org/name` Hub id downloaded with huggingface_hub."""
+    path = os.fspath(path_or_hub_id)
+    if os.path.isdir(path):
+        return path
+    if os.path.exists(path) or not _HUB_ID.match(path):
+        raise FileNotFoundError(f"{path!r} is not a model directory (config.json + safetensors) nor a Hub id 'org/name'.")
+    from huggingface_hub import snapshot_download
+
+    patterns = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"]
+    try:
+        return snapshot_download(repo_id=path, allow_patterns=patterns)
+    except Exception as e:
+        raise FileNotFoundError(f"{path!r} is not a local directory and downloading it from the Hub failed: {e}") from e
+
+
+def _read_index(index_path: str) -> dict[str, str]:
+    try:
+        with open(index_path) as f:
+            weight_map = json.load(f)["weight_map"]
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise ValueError(f"{index_path} is not a valid safetensors index (needs a 'weight_map'): {e!r}") from e
+    folder = os.path.dirname(index_path)
+    for shard in sorted(set(weight_map.values())):
+        if not os.path.isfile(os.path.join(folder, shard)):
+            raise FileNotFoundError(f"{os.path.join(folder, shard)} is listed in {index_path} but does not exist.")
+    return {name: os.path.join(folder, shard) for name, shard in weight_map.items()}
+
+
+def checkpoint_tensor_files(model_dir: str) -> dict[str, str]:
+    """{HF tensor name: safetensors file}, from the index if there is one."""
+    index_path = os.path.join(model_dir, INDEX_FILE)
+    single_path = os.path.join(model_dir, SINGLE_FILE)
+    if os.path.isfile(single_path):
+        with open_safetensors(single_path) as f:
+            return {name: single_path for name in f.keys()}
+    if os.path.isfile(index_path):
+        return _read_index(index_path)
+    raise FileNotFoundError(
+        f"{model_dir} has neither {SINGLE_FILE} nor {INDEX_FILE}; only safetensors checkpoints are supported "
+        "(convert pytorch_model.bin with transformers' save_pretrained(safe_serialization=True))."
+    )
+
+
+@contextmanager
+def open_safetensors(path: str) -> Iterator[Any]:
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"safetensors file {path} does not exist.")
+    try:
+        handle = safe_open(path, framework="numpy")
+    except Exception as e:  # safetensors raises its own error type for bad headers
+        raise ValueError(f"cannot read safetensors file {path} (corrupt or truncated?): {e}") from e
+    with handle as f:
+        yield f
+
+
+def _read_tensor(f: Any, name: str, path: str) -> np.ndarray:
+    try:
+        return f.get_tensor(name)
+    except Exception as e:
+        raise ValueError(f"cannot read tensor {name!r} from safetensors file {path}: {e}") from e
+
+
+# ---- loading --------------------------------------------------------------------------
+def _dotted(path: tuple) -> str:
+    return ".".join(str(p) for p in path)
+
+
+def _abstract_model(cfg: QwenConfig, dtype: Any, remat: str) -> QwenModel:
+    return nnx.eval_shape(lambda: QwenModel(cfg, dtype=dtype, rngs=nnx.Rngs(0), remat=remat))
+
+
+def _place(host: np.ndarray, sharding: jax.sharding.Sharding | None) -> jax.Array:
+    if sharding is None:
+        return jax.device_put(host)
+    # Each device receives only its own slice of the host tensor.
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
+def _target_path(hf_name: str, cfg: QwenConfig, targets: dict, file: str) -> tuple[str, Any] | None:
+    found = hf_names.hf_to_ours(hf_name)
+    if found is None and hf_names.is_ignored(hf_name):
+        return None
+    if found and found[0] in targets:
+        return found
+    if found and found[0].startswith("lm_head.") and cfg.tie_word_embeddings:
+        return None  # some tied checkpoints also store the (identical) head
+    raise ValueError(
+        f"tensor {hf_name!r} in {file} has no parameter in a {cfg.model_type} model with this config.json "
+        f"(tie_word_embeddings={cfg.tie_word_embeddings}, attention_bias={cfg.attention_bias}); "
+        "is the config from the same checkpoint?"
+    )
+
+
+def _load_tensor(f, hf_name: str, file: str, variable, transform, dtype, sharding) -> jax.Array:
+    host = transform.to_ours(_read_tensor(f, hf_name, file), variable.shape)
+    if host.shape != variable.shape:
+        raise ValueError(f"tensor {hf_name!r} in {file}: shape {host.shape} does not fit parameter shape {variable.shape}.")
+    return _place(host.astype(dtype), sharding)
+
+
+def load_pretrained(
+    path_or_hub_id: str | os.PathLike,
+    dtype: Any = "bfloat16",
+    mesh: jax.sharding.Mesh | None = None,
+    rules: Rules | None = None,
+    remat: str = "none",
+) -> QwenModel:
+    """Load an HF Qwen2/Qwen3 checkpoint (single file or index + shards).
+
+    With `mesh`, every tensor goes directly onto its NamedSharding from `rules`
+    (default `grpo_core.sharding.DEFAULT_RULES`), one tensor at a time.
+    """
+    model_dir = resolve_model_dir(path_or_hub_id)
+    cfg = QwenConfig.from_pretrained_dir(model_dir)
+    np_dtype = resolve_dtype(dtype)
+    graphdef, state = nnx.split(_abstract_model(cfg, np_dtype, remat))
+    targets = {_dotted(p): v for p, v in nnx.to_flat_state(state)}
+    shardings = {}
+    if mesh is not None:
+        shardings = {_dotted(p): v.get_value() for p, v in nnx.to_flat_state(param_shardings(state, mesh, rules or DEFAULT_RULES))}
+    by_file: dict[str, list[str]] = defaultdict(list)
+    for name, file in checkpoint_tensor_files(model_dir).items():
+        by_file[file].append(name)
+    loaded: set[str] = set()
+    for file, names in sorted(by_file.items()):
+        with open_safetensors(file) as f:
+            for hf_name in names:
+                target = _target_path(hf_name, cfg, targets, file)
+                if target is None:
+                    continue
+                path, transform = target
+                value = _load_tensor(f, hf_name, file, targets[path], transform, np_dtype, shardings.get(path))
+                targets[path].set_value(value)
+                loaded.add(path)
+    _check_complete(targets, loaded, model_dir)
+    model = nnx.merge(graphdef, state)
+    if mesh is not None:
+        model.set_activation_sharding(mesh, rules or DEFAULT_RULES)
+    return model
+
+
+def _check_complete(targets: dict, loaded: set[str], model_dir: str) -> None:
+    missing = sorted(set(targets) - loaded)
+    if missing:
+        names = [hf_names.ours_to_hf(p)[0] for p in missing]
+        shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+        raise ValueError(f"checkpoint in {model_dir} is missing {len(names)} tensor(s): {shown}.")
+
+
+# ---- export ---------------------------------------------------------------------------
+def _dtype_name(dtype) -> str:
+    return {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}[np.dtype(dtype).name]
+
+
+def _to_host(x: jax.Array) -> np.ndarray:
+    if not x.is_fully_addressable:
+        from jax.experimental import multihost_utils
+
+        x = multihost_utils.process_allgather(x, tiled=True)
+    return np.asarray(jax.device_get(x))
+
+
+def _hf_tensors(model: QwenModel) -> list[tuple[str, jax.Array, Any]]:
+    """(HF name, parameter array, transform) for every parameter, in model order."""
+    rows = []
+    for path, variable in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        hf_name, transform = hf_names.ours_to_hf(_dotted(path))
+        rows.append((hf_name, variable.get_value(), transform))
+    return rows
+
+
+def _plan_shards(rows: list, max_shard_bytes: int) -> list[list]:
+    """Greedy consecutive packing; a tensor larger than the limit gets its own shard."""
+    shards: list[list] = [[]]
+    size = 0
+    for row in rows:
+        nbytes = row[1].size * row[1].dtype.itemsize
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(row)
+        size += nbytes
+    return shards
+
+
+def _remove_stale_weights(out_dir: str) -> None:
+    # A leftover model.safetensors would shadow a new index (HF checks it first).
+    for name in os.listdir(out_dir):
+        if name == INDEX_FILE or (name.startswith("model") and name.endswith(".safetensors")):
+            os.remove(os.path.join(out_dir, name))
+
+
+def _shard_file_name(i: int, n: int) -> str:
+    return SINGLE_FILE if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+
+
+def export_pretrained(
+    model: QwenModel,
+    out_dir: str | os.PathLike,
+    tokenizer: Any = None,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+) -> str:
+    """Write an HF directory (config.json + safetensors, an index above `max_shard_bytes`)
+    that `transformers.AutoModelForCausalLM.from_pretrained` loads; the tokenizer too if given.
+    Weights keep the model's dtype. Returns the directory."""
+    out_dir = os.fspath(out_dir)
+    rows = _hf_tensors(model)
+    shards = _plan_shards(rows, max_shard_bytes)
+    cfg = model.config.replace(torch_dtype=_dtype_name(model.dtype))
+    if jax.process_index() == 0:
+        os.makedirs(out_dir, exist_ok=True)
+        _remove_stale_weights(out_dir)
+        with open(os.path.join(out_dir, "config.json"), "w") as f:
+            json.dump(cfg.to_hf_dict(), f, indent=2)
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        file_name = _shard_file_name(i, len(shards))
+        tensors = {name: transform.to_hf(_to_host(value)) for name, value, transform in shard}
+        if jax.process_index() == 0:
+            save_file(tensors, os.path.join(out_dir, file_name), metadata={"format": "pt"})
+        weight_map.update({name: file_name for name in tensors})
+    if jax.process_index() == 0:
+        if len(shards) > 1:
+            total = sum(math.prod(v.shape) * v.dtype.itemsize for _, v, _ in rows)
+            with open(os.path.join(out_dir, INDEX_FILE), "w") as f:
+                json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(out_dir)
+    return out_dir

@@ -1,0 +1,251 @@
+"""`QwenConfig`: the architecture of a Qwen2 / Qwen2.5 / Qwen3 model, read from and
+written to a Hugging Face `config.json`.
+
+Only options this implementation reproduces exactly are accepted; anything else
+(rope scaling, sliding-window attention, another activation, ...) is a ValueError that
+names the key, the value seen, and what is supported.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+SUPPORTED_FAMILIES = ("qwen2", "qwen3")
+SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
+
+_ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+# Bookkeeping keys of HF configs that do not change the forward pass.
+_IGNORED_KEYS = frozenset(
+    {
+        "architectures", "auto_map", "transformers_version", "use_cache", "initializer_range",
+        "pad_token_id", "sliding_window", "max_window_layers", "_name_or_path", "output_attentions",
+        "output_hidden_states", "return_dict", "layer_types",
+    }
+)
+
+# Keys that change the forward pass in ways not implemented here: allowed value only.
+_ONLY_ALLOWED = {"quantization_config": None, "partial_rotary_factor": 1.0, "mlp_bias": False}
+
+
+def _unsupported(key: str, value: Any, supported: str) -> ValueError:
+    return ValueError(f"config.json: {key}={value!r} is not supported; supported: {supported}.")
+
+
+@dataclass(frozen=True)
+class QwenConfig:
+    """Architecture hyper-parameters, named as in HF `config.json`."""
+
+    model_type: str = "qwen2"
+    vocab_size: int = 151936
+    hidden_size: int = 896
+    intermediate_size: int = 4864
+    num_hidden_layers: int = 24
+    num_attention_heads: int = 14
+    num_key_value_heads: int = 2
+    head_dim: int = 0  # 0 = hidden_size // num_attention_heads (the Qwen2 rule)
+    rope_theta: float = 1_000_000.0
+    rms_norm_eps: float = 1e-6
+    hidden_act: str = "silu"
+    tie_word_embeddings: bool = True
+    max_position_embeddings: int = 32768
+    torch_dtype: str = "bfloat16"
+    attention_bias: bool | None = None  # None = family default: qwen2 True, qwen3 False
+    bos_token_id: int | None = None
+    eos_token_id: int | tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.model_type not in SUPPORTED_FAMILIES:
+            raise _unsupported("model_type", self.model_type, " | ".join(SUPPORTED_FAMILIES))
+        if not self.head_dim:
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
+        if self.attention_bias is None:
+            object.__setattr__(self, "attention_bias", self.model_type == "qwen2")
+        if isinstance(self.eos_token_id, list):
+            object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
+        self._validate()
+
+    def _validate(self) -> None:
+        if self.hidden_act != "silu":
+            raise _unsupported("hidden_act", self.hidden_act, "'silu'")
+        if self.model_type == "qwen2" and not self.attention_bias:
+            raise _unsupported("attention_bias", self.attention_bias, "True for qwen2 (HF Qwen2 always has q/k/v bias)")
+        if self.torch_dtype not in SUPPORTED_DTYPES:
+            raise _unsupported("torch_dtype", self.torch_dtype, " | ".join(SUPPORTED_DTYPES))
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"QwenConfig.{name} must be positive, got {getattr(self, name)}.")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads={self.num_attention_heads} must be a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads} (grouped-query attention)."
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings.")
+
+    # ---- derived -------------------------------------------------------------------
+    @property
+    def q_groups(self) -> int:
+        """Query heads sharing one key/value head."""
+        return self.num_attention_heads // self.num_key_value_heads
+
+    @property
+    def has_qk_norm(self) -> bool:
+        return self.model_type == "qwen3"
+
+    @property
+    def has_o_bias(self) -> bool:
+        # HF Qwen2 never biases o_proj; HF Qwen3 biases all four projections together.
+        return self.model_type == "qwen3" and bool(self.attention_bias)
+
+    def replace(self, **changes: Any) -> "QwenConfig":
+        return dataclasses.replace(self, **changes)
+
+    # ---- HF config.json ------------------------------------------------------------
+    @classmethod
+    def from_hf_dict(cls, d: dict[str, Any]) -> "QwenConfig":
+        """Build from a parsed HF `config.json` (transformers 4.x or 5.x layout)."""
+        d = dict(d)
+        _check_rope(d)
+        _check_attention_options(d)
+        fields = {f.name for f in dataclasses.fields(cls)}
+        kwargs: dict[str, Any] = {}
+        dtype = d.pop("torch_dtype", None) or d.pop("dtype", None)
+        d.pop("dtype", None)
+        if dtype is not None:
+            kwargs["torch_dtype"] = str(dtype).removeprefix("torch.")
+        for key, value in d.items():
+            if key in fields:
+                kwargs[key] = value
+        if kwargs.get("head_dim") is None:
+            kwargs.pop("head_dim", None)
+        return cls(**kwargs)
+
+    @classmethod
+    def from_pretrained_dir(cls, path: str | os.PathLike) -> "QwenConfig":
+        config_path = os.path.join(os.fspath(path), "config.json")
+        if not os.path.isfile(config_path):
+            raise FileNotFoundError(f"{config_path} not found: a model directory needs an HF config.json.")
+        try:
+            with open(config_path) as f:
+                d = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{config_path} is not valid JSON ({e}).") from e
+        return cls.from_hf_dict(d)
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """An HF `config.json` dict that transformers 4.50+ and 5.x both load."""
+        d: dict[str, Any] = {
+            "architectures": [_ARCHITECTURES[self.model_type]],
+            "model_type": self.model_type,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "hidden_act": self.hidden_act,
+            "max_position_embeddings": self.max_position_embeddings,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": None,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "torch_dtype": self.torch_dtype,
+            "use_sliding_window": False,
+            "attention_dropout": 0.0,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": list(self.eos_token_id) if isinstance(self.eos_token_id, tuple) else self.eos_token_id,
+        }
+        if self.model_type == "qwen3":
+            d["head_dim"] = self.head_dim
+            d["attention_bias"] = self.attention_bias
+        elif self.head_dim != self.hidden_size // self.num_attention_heads:
+            d["head_dim"] = self.head_dim  # HF Qwen2 honours an explicit head_dim attribute
+        return d
+
+    # ---- presets -------------------------------------------------------------------
+    @classmethod
+    def preset(cls, name: str, **changes: Any) -> "QwenConfig":
+        if name not in PRESETS:
+            raise ValueError(f"unknown model preset {name!r}; available: {', '.join(sorted(PRESETS))}.")
+        return PRESETS[name].replace(**changes)
+
+    @classmethod
+    def tiny(cls, model_type: str = "qwen2", **changes: Any) -> "QwenConfig":
+        """A few-kB model for tests and CPU smoke runs."""
+        base = cls(
+            model_type=model_type, vocab_size=128, hidden_size=32, intermediate_size=64,
+            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16 if model_type == "qwen3" else 0, rope_theta=10_000.0,
+            tie_word_embeddings=True, max_position_embeddings=512, torch_dtype="float32",
+        )
+        return base.replace(**changes)
+
+
+def _check_rope(d: dict[str, Any]) -> None:
+    """Accept only default RoPE, read theta from either HF layout into d['rope_theta']."""
+    params = d.pop("rope_parameters", None) or {}
+    scaling = d.pop("rope_scaling", None) or {}
+    for key, block in (("rope_parameters", params), ("rope_scaling", scaling)):
+        kind = block.get("rope_type", block.get("type", "default"))
+        if kind != "default":
+            raise _unsupported(f"{key}.rope_type", kind, "'default' RoPE (no scaling)")
+    if "rope_theta" in params:
+        d.setdefault("rope_theta", params["rope_theta"])
+
+
+def _check_attention_options(d: dict[str, Any]) -> None:
+    if d.get("use_sliding_window"):
+        raise _unsupported("use_sliding_window", d["use_sliding_window"], "false (full causal attention only)")
+    d.pop("use_sliding_window", None)
+    dropout = d.pop("attention_dropout", 0.0) or 0.0
+    if dropout != 0.0:
+        raise _unsupported("attention_dropout", dropout, "0.0")
+    for key, allowed in _ONLY_ALLOWED.items():
+        if d.get(key, allowed) not in (allowed, None):
+            raise _unsupported(key, d[key], repr(allowed))
+        d.pop(key, None)
+    for key in _IGNORED_KEYS:
+        d.pop(key, None)
+
+
+PRESETS: dict[str, QwenConfig] = {
+    "tiny-qwen2": QwenConfig.tiny("qwen2"),
+    "tiny-qwen3": QwenConfig.tiny("qwen3"),
+    "qwen2.5-0.5b": QwenConfig(
+        hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+        num_key_value_heads=2, tie_word_embeddings=True,
+    ),
+    "qwen2.5-1.5b": QwenConfig(
+        hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+        num_key_value_heads=2, tie_word_embeddings=True,
+    ),
+    "qwen2.5-3b": QwenConfig(
+        hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,
+        num_key_value_heads=2, tie_word_embeddings=True,
+    ),
+    "qwen2.5-7b": QwenConfig(
+        vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+        num_attention_heads=28, num_key_value_heads=4, tie_word_embeddings=False,
+    ),
+    "qwen3-0.6b": QwenConfig(
+        model_type="qwen3", hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+        num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
+        max_position_embeddings=40960,
+    ),
+    "qwen3-1.7b": QwenConfig(
+        model_type="qwen3", hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+        num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
+        max_position_embeddings=40960,
+    ),
+    "qwen3-8b": QwenConfig(
+        model_type="qwen3", hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False,
+        max_position_embeddings=40960,
+    ),
+}

@@ -1,0 +1,200 @@
+"""Qwen2 / Qwen2.5 / Qwen3 decoder in Flax NNX, numerically matching HF transformers.
+
+Parameter tree (mirrors the HF module names; kernels are [in..., out...]):
+
+    embed_tokens.embedding                   [V, H]      (vocab, embed)
+    layers[i].input_layernorm.scale          [H]         (norm,)
+    layers[i].self_attn.q_proj.kernel        [H, N, D]   (embed, heads, head_dim)
+    layers[i].self_attn.q_proj.bias          [N, D]      (heads, head_dim)        qwen2 / qwen3+attention_bias
+    layers[i].self_attn.{k,v}_proj.kernel    [H, KV, D]  (embed, kv_heads, head_dim)
+    layers[i].self_attn.{k,v}_proj.bias      [KV, D]     (kv_heads, head_dim)
+    layers[i].self_attn.o_proj.kernel        [N, D, H]   (heads, head_dim, embed)
+    layers[i].self_attn.o_proj.bias          [H]         (embed,)                 qwen3+attention_bias only
+    layers[i].self_attn.{q,k}_norm.scale     [D]         (norm,)                  qwen3 only
+    layers[i].post_attention_layernorm.scale [H]         (norm,)
+    layers[i].mlp.{gate,up}_proj.kernel      [H, I]      (embed, mlp)
+    layers[i].mlp.down_proj.kernel           [I, H]      (mlp, embed)
+    norm.scale                               [H]         (norm,)
+    lm_head.kernel                           [H, V]      (embed, vocab)           untied only
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+
+from grpo_core.models.attention import Attention, KVCache, causal_visibility
+from grpo_core.models.config import QwenConfig
+from grpo_core.models.layers import MLP, Embedding, Projection, RMSNorm, rope_tables
+from grpo_core.sharding import Rules, check_auto_mesh, divides, freeze_rules, logical_to_spec
+
+REMAT_POLICIES = {
+    # Keep projection matmul outputs, recompute attention and elementwise ops.
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    # Save nothing inside a layer: only its input survives the forward pass.
+    "full": jax.checkpoint_policies.nothing_saveable,
+}
+REMAT_MODES = ("none", *REMAT_POLICIES)
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+def resolve_dtype(dtype: Any) -> jnp.dtype:
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype={dtype!r} is not supported; use one of {', '.join(DTYPES)}.")
+        return jnp.dtype(DTYPES[dtype])
+    return jnp.dtype(dtype)
+
+
+def check_remat(remat: str) -> str:
+    if remat not in REMAT_MODES:
+        raise ValueError(f"remat={remat!r} is not supported; use one of {', '.join(REMAT_MODES)}.")
+    return remat
+
+
+def positions_from_mask(token_mask: jax.Array) -> jax.Array:
+    """[B, T] positions counting only real tokens: cumsum(mask) - 1, clipped at 0."""
+    return jnp.maximum(jnp.cumsum(token_mask.astype(jnp.int32), axis=1) - 1, 0)
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: QwenConfig, *, dtype, rngs: nnx.Rngs):
+        h, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.input_layernorm = RMSNorm(h, eps, dtype=dtype, rngs=rngs)
+        self.self_attn = Attention(cfg, dtype=dtype, rngs=rngs)
+        self.post_attention_layernorm = RMSNorm(h, eps, dtype=dtype, rngs=rngs)
+        self.mlp = MLP(h, cfg.intermediate_size, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x, cos, sin, visible, cache: KVCache | None = None, layer: int = 0):
+        attn_out, cache = self.self_attn(self.input_layernorm(x), cos, sin, visible, cache, layer)
+        x = x + attn_out
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return x, cache
+
+
+def _layer_forward(layer: DecoderLayer, x, cos, sin, visible):
+    return layer(x, cos, sin, visible)[0]
+
+
+class QwenModel(nnx.Module):
+    """Decoder returning final hidden states; the LM head is applied separately.
+
+    Cache-free (training / scoring):
+
+        hidden = model(input_ids, attention_mask=mask)          # [B, T, H]
+        logits = model.logits(hidden)                           # [B, T, V] f32
+
+    Left padding is handled by the mask: positions are cumsum(mask) - 1, so a padded
+    row gives the same hidden states on its real tokens as the unpadded row.
+
+    KV-cached (rollout) contract:
+
+        cache = model.init_cache(batch, max_len)                # index 0, empty mask
+        hidden, cache = model(prompt_ids, attention_mask=prompt_mask, cache=cache)
+        # step: ids [B, 1], mask [B, 1] (0 for rows that finished: slot stays invisible)
+        hidden, cache = model(ids, attention_mask=step_mask, cache=cache)
+
+    A call with a cache writes its T tokens to slots [cache.index, cache.index + T) of
+    every row, marks those slots real where attention_mask is 1, attends over the whole
+    cache (static shapes: [B, T, S_max] visibility, no repeated K/V) and returns the
+    cache with index advanced by T. Positions default to cache.lengths() plus the
+    running count of real tokens in the call; pass `positions` [B, T] to override.
+    The caller keeps cache.index + T <= max_len (slices past the end are clamped by
+    XLA, not checked). Shapes are static, so a jitted step can donate the cache:
+
+        graphdef, state = nnx.split(model)
+        @functools.partial(jax.jit, donate_argnums=2)
+        def step(state, ids, cache, mask):
+            return nnx.merge(graphdef, state)(ids, attention_mask=mask, cache=cache)
+
+    which is the body a `lax.while_loop` sampler runs; with T = 1 the attention is a
+    single-query [B, KV, G, 1, S_max] product.
+    """
+
+    def __init__(self, cfg: QwenConfig, *, dtype: Any = "float32", rngs: nnx.Rngs, remat: str = "none"):
+        dtype = resolve_dtype(dtype)
+        self.config = cfg
+        self.remat = check_remat(remat)
+        self.activation_sharding = None  # (mesh, rules) once sharded; see set_activation_sharding
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
+        self.layers = nnx.List([DecoderLayer(cfg, dtype=dtype, rngs=rngs) for _ in range(cfg.num_hidden_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, rngs=rngs)
+        untied = not cfg.tie_word_embeddings
+        self.lm_head = (
+            Projection((cfg.hidden_size,), (cfg.vocab_size,), ("embed", "vocab"), bias=False, dtype=dtype, rngs=rngs)
+            if untied
+            else None
+        )
+
+    @property
+    def dtype(self) -> jnp.dtype:
+        return self.embed_tokens.embedding.dtype
+
+    def set_activation_sharding(self, mesh: Mesh | None, rules: Rules | None = None) -> None:
+        """Constrain the residual stream [B, T, H] to logical axes (batch, act_seq, act_embed)
+        on `mesh` (None turns it off). A dimension that does not divide its mesh axes
+        is left to sharding propagation."""
+        if mesh is not None:
+            check_auto_mesh(mesh)
+        self.activation_sharding = None if mesh is None else (mesh, freeze_rules(rules or ()))
+
+    def _constrain(self, x: jax.Array) -> jax.Array:
+        if self.activation_sharding is None:
+            return x
+        mesh, rules = self.activation_sharding
+        spec = logical_to_spec(("batch", "act_seq", "act_embed"), rules)
+        if not divides(x.shape, spec, mesh):
+            return x
+        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+    def lm_head_weight(self) -> jax.Array:
+        """[H, V]: the untied head, or the tied embedding transposed."""
+        if self.lm_head is not None:
+            return self.lm_head.kernel[...]
+        return self.embed_tokens.embedding[...].T
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """[B, T, H] -> [B, T, V] in f32 (f32 accumulation whatever the param dtype)."""
+        return jnp.einsum("bth,hv->btv", hidden, self.lm_head_weight(), preferred_element_type=jnp.float32)
+
+    def init_cache(self, batch: int, max_len: int, dtype: Any = None) -> KVCache:
+        return KVCache.zeros(self.config, batch, max_len, resolve_dtype(dtype) if dtype else self.dtype)
+
+    def __call__(self, input_ids, attention_mask=None, *, positions=None, cache: KVCache | None = None):
+        token_mask = jnp.ones(input_ids.shape, jnp.bool_) if attention_mask is None else attention_mask.astype(jnp.bool_)
+        if positions is None:
+            positions = positions_from_mask(token_mask)
+            if cache is not None:
+                positions = positions + cache.lengths()[:, None]
+        cos, sin = rope_tables(positions, self.config.head_dim, self.config.rope_theta)  # [B, T, D/2]
+        x = self._constrain(self.embed_tokens(input_ids))  # [B, T, H]
+        if cache is None:
+            x = self._run_layers(x, cos, sin, causal_visibility(token_mask))
+            return self.norm(x)
+        cache = cache.with_new_tokens(token_mask)
+        visible = cache.visibility(input_ids.shape[1])  # [B, T, S_max]
+        for i, layer in enumerate(self.layers):
+            x, cache = layer(x, cos, sin, visible, cache, i)
+            x = self._constrain(x)
+        return self.norm(x), cache.advance(input_ids.shape[1])
+
+    def _run_layers(self, x, cos, sin, visible):
+        forward = _layer_forward
+        if self.remat != "none":
+            forward = nnx.remat(_layer_forward, policy=REMAT_POLICIES[self.remat])
+        for layer in self.layers:
+            x = self._constrain(forward(layer, x, cos, sin, visible))
+        return x
+
+    def num_params(self) -> int:
+        return sum(x.size for x in jax.tree.leaves(nnx.state(self, nnx.Param)))
+
+
+def init_from_config(cfg: QwenConfig, seed: int = 0, dtype: Any = "float32", remat: str = "none") -> QwenModel:
+    """A randomly initialised model (normal(0.02) kernels, zero biases, unit norms)."""
+    return QwenModel(cfg, dtype=dtype, rngs=nnx.Rngs(params=seed), remat=remat)

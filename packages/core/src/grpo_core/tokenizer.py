@@ -1,0 +1,81 @@
+"""Tokenizers: HF `AutoTokenizer` for real checkpoints, and an in-process
+character-level tokenizer (built with the `tokenizers` library) for tests and tiny runs.
+
+Both are `transformers` tokenizers, so chat templates, padding and `save_pretrained`
+behave the same way; rollouts left-pad, so `padding_side` defaults to "left".
+"""
+
+from __future__ import annotations
+
+import os
+import string
+from typing import Any, Sequence
+
+ENDOFTEXT = "<|endoftext|>"
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+UNK = "<|unk|>"
+SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END, UNK)
+
+# Qwen2.5-style ChatML, without the default system prompt.
+CHATML_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+DEFAULT_CHARS = string.digits + string.ascii_letters + string.punctuation + " \n"
+
+
+def load_tokenizer(path_or_hub_id: str | os.PathLike, padding_side: str = "left") -> Any:
+    """`transformers.AutoTokenizer` from a local directory or a Hub id."""
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(os.fspath(path_or_hub_id))
+    except (OSError, ValueError) as e:
+        raise FileNotFoundError(f"cannot load a tokenizer from {os.fspath(path_or_hub_id)!r}: {e}") from e
+    tokenizer.padding_side = padding_side
+    return tokenizer
+
+
+def build_char_tokenizer(
+    chars: str = DEFAULT_CHARS, extra_special_tokens: Sequence[str] = (), padding_side: str = "left"
+) -> Any:
+    """A character-level `PreTrainedTokenizerFast` with Qwen special tokens and ChatML.
+
+    Ids: special tokens first (<|endoftext|>=0, <|im_start|>=1, <|im_end|>=2, <|unk|>=3,
+    then `extra_special_tokens`), then one id per character of `chars` in order.
+    pad = <|endoftext|> and eos = <|im_end|> as in Qwen2.5-Instruct.
+    """
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = [*SPECIAL_TOKENS, *extra_special_tokens]
+    vocab = {tok: i for i, tok in enumerate(specials)}
+    for ch in dict.fromkeys(chars):  # keeps first occurrence, drops repeats
+        vocab.setdefault(ch, len(vocab))
+    backend = Tokenizer(models.WordLevel(vocab, unk_token=UNK))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    backend.decoder = decoders.Fuse()  # concatenate characters, no separators
+    backend.add_special_tokens(specials)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        eos_token=IM_END,
+        pad_token=ENDOFTEXT,
+        unk_token=UNK,
+        additional_special_tokens=[IM_START, *extra_special_tokens],
+        chat_template=CHATML_TEMPLATE,
+        padding_side=padding_side,
+        model_max_length=1 << 20,
+    )
+
+
+def apply_chat_template(
+    tokenizer: Any, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True, tokenize: bool = False
+) -> Any:
+    """The tokenizer's own chat template applied to `messages` ([{"role", "content"}])."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"tokenizer {type(tokenizer).__name__} has no chat_template; set tokenizer.chat_template.")
+    return tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt, tokenize=tokenize)
