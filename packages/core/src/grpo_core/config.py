@@ -141,6 +141,9 @@ class MeshConfig:
     coordinator_address: Optional[str] = setting(None, "host:port of process 0 (multi-host without auto-detect).")
     num_processes: Optional[int] = setting(None, "Process count (multi-host without auto-detect).", ge=1)
     process_id: Optional[int] = setting(None, "This process's id (multi-host without auto-detect).", ge=0)
+    # Pods start their workers within seconds; a worker that never comes is reported after this.
+    init_timeout_s: int = setting(
+        60, "Seconds jax.distributed waits for every process to join before the run exits with an error.", ge=1)
 
 
 @dataclass(frozen=True)

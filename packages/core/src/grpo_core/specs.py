@@ -57,9 +57,17 @@ class LossSpec(PluginSpec):
 
 @dataclass(frozen=True)
 class MeshSpec(PluginSpec):
-    """A mesh strategy: `factory(options) -> strategy`; the strategy builds a
-    `jax.sharding.Mesh` with axes ("dp", "fsdp", "tp") and owns the logical->mesh
-    axis rules."""
+    """A mesh strategy: `factory(options) -> strategy`, where the strategy has
+
+      strategy.mesh_shape(devices=None) -> (dp, fsdp, tp)   sizes covering `devices`
+      strategy.build_mesh(devices=None) -> jax.sharding.Mesh
+          axes ("dp", "fsdp", "tp"), all AxisType.Auto; devices default to jax.devices()
+      strategy.param_rules, strategy.activation_rules
+          tuples of (logical_name, mesh_axis | tuple of mesh axes | None) pairs,
+          e.g. (("embed", "fsdp"), ("heads", "tp"), ("batch", ("dp", "fsdp")))
+
+    `mesh.strategy: "dp,fsdp,tp"` (e.g. "1,-1,2") selects the `explicit` strategy
+    with that shape. The built-in strategies are `grpo_meshes.MeshStrategy`s."""
 
     kind: ClassVar[str] = "mesh"
 
