@@ -136,7 +136,7 @@ def _initialize_failure_message(mesh_config: MeshConfig, reason: str, exc: Excep
                "mesh.process_id, run on a TPU pod / Slurm where they are detected, or set mesh.distributed: off")
     return (f"jax.distributed.initialize failed ({reason}; coordinator_address="
             f"{mesh_config.coordinator_address!r}, num_processes={mesh_config.num_processes!r}, "
-            f"process_id={mesh_config.process_id!r}): {exc}; {fix}")
+            f"process_id={mesh_config.process_id!r}): {str(exc).rstrip('.')}; {fix}")
 
 
 def _report_join_timeout(mesh_config: MeshConfig, reason: str) -> None:

@@ -61,7 +61,7 @@ class MeshStrategy:
 class HostLocalStrategy(MeshStrategy):
     """dp = number of processes, fsdp = devices per process, tp = 1."""
 
-    shape: tuple[int, int, int] = (-1, -1, 1)
+    shape: tuple[int, int, int] = (-1, -1, 1)  # sizes come from the devices, see mesh_shape
     process_major: bool = True
 
     def mesh_shape(self, devices: Sequence[Any] | None = None) -> MeshShape:

@@ -8,8 +8,8 @@ Divisibility rules (no padding is done anywhere):
   rollout batch (prompts * samples)   multiple of dp*fsdp*tp (legacy) or dp (maxtext)
   training micro-batch                multiple of dp*fsdp
 A vocabulary that tp does not divide must be padded to a multiple of tp in the
-checkpoint (extra rows never sampled); Qwen's 151936 = 2^7 * 1187 needs no
-padding for tp <= 128.
+checkpoint (extra rows never sampled); Qwen's 151936 = 2^7 * 1187 and
+152064 = 2^9 * 297 need no padding for tp <= 128.
 """
 
 from __future__ import annotations
