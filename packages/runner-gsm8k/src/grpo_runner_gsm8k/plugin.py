@@ -1,0 +1,16 @@
+"""Built-in tasks and rewards, registered through the `grpo` entry point like any plugin."""
+
+from grpo_core import RewardSpec, TaskSpec, hookimpl
+
+from grpo_runner_gsm8k.rewards import REWARD_SPECS
+from grpo_runner_gsm8k.tasks import TASK_SPECS
+
+
+@hookimpl
+def grpo_tasks() -> list[TaskSpec]:
+    return list(TASK_SPECS)
+
+
+@hookimpl
+def grpo_rewards() -> list[RewardSpec]:
+    return list(REWARD_SPECS)

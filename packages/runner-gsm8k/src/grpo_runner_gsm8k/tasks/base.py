@@ -1,0 +1,138 @@
+"""What every task gives the training loop: examples, a resumable order, prompt text."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Example:
+    """One prompt with its reference answer.
+
+    question: the user message (problem text plus the task's answer-format instruction).
+    answer:   the reference final answer the rewards compare with, e.g. "72".
+    id:       where it came from, e.g. "gsm8k/test/17" (for logs and eval dumps).
+    """
+
+    question: str
+    answer: str
+    id: str = ""
+
+    def messages(self, system_prompt: str | None = None) -> list[dict[str, str]]:
+        """Chat messages in the `apply_chat_template` format."""
+        system = [{"role": "system", "content": system_prompt}] if system_prompt else []
+        return system + [{"role": "user", "content": self.question}]
+
+
+@runtime_checkable
+class Task(Protocol):
+    """What the runner needs from a task (built by `TaskSpec.factory`).
+
+    Factories are called as `factory(options, *, seed=0, process_index=0,
+    process_count=1)`; each process then sees only its own shard of the data.
+    """
+
+    use_chat_template: bool
+
+    def train_batch(self, n: int) -> list[Example]:
+        """The next `n` training examples of this process's shard."""
+
+    def test_examples(self, limit: int | None = None) -> list[Example]:
+        """This process's share of the first `limit` test examples (all when None)."""
+
+    def state(self) -> dict[str, Any]:
+        """JSON-serialisable position in the training order, for checkpoints."""
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Continues from a position returned by `state()`."""
+
+
+def render_prompt(tokenizer: Any, example: Example, system_prompt: str | None = None,
+                  use_chat_template: bool = True) -> str:
+    """The prompt text to tokenize: the chat template with the generation prompt
+    appended, or (`use_chat_template=False`) the system prompt and question joined
+    by a newline, for tokenizers without a template."""
+    if not use_chat_template:
+        return f"{system_prompt}\n{example.question}" if system_prompt else example.question
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"tokenizer {type(tokenizer).__name__} has no chat template; set the task option "
+                         f"use_chat_template: false to use the raw question as the prompt")
+    return tokenizer.apply_chat_template(example.messages(system_prompt), add_generation_prompt=True,
+                                         tokenize=False)
+
+
+def check_process(process_index: int, process_count: int) -> None:
+    if process_count < 1 or not 0 <= process_index < process_count:
+        raise ValueError(f"process_index={process_index} with process_count={process_count}: "
+                         f"need process_count >= 1 and 0 <= process_index < process_count")
+
+
+def shard_of(count: int, process_index: int, process_count: int) -> range:
+    """Positions of this process among the first `count` items, strided, equal for
+    every process (the last `count % process_count` items are left out)."""
+    usable = count - count % process_count
+    return range(process_index, usable, process_count)
+
+
+class EpochOrder:
+    """Real epochs over a dataset of `size` rows, split across processes.
+
+    Each epoch is a fresh permutation of all rows (seeded by `seed` and the epoch
+    number); process `p` of `k` takes every k-th row of it starting at `p`, so the
+    shards of one epoch are disjoint and, together, cover every row except at most
+    `k - 1` (a different few each epoch). All processes hold the same position.
+    """
+
+    def __init__(self, size: int, seed: int, process_index: int = 0, process_count: int = 1):
+        check_process(process_index, process_count)
+        if size < process_count:
+            raise ValueError(f"{size} rows cannot be split over {process_count} processes; "
+                             f"use a larger dataset or fewer processes")
+        self.size, self.seed = size, seed
+        self.process_index, self.process_count = process_index, process_count
+        self.epoch, self.offset = 0, 0
+        self._cached: tuple[int, np.ndarray] | None = None
+
+    @property
+    def shard_size(self) -> int:
+        return self.size // self.process_count
+
+    def _epoch_rows(self, epoch: int) -> np.ndarray:
+        if self._cached is None or self._cached[0] != epoch:
+            permutation = np.random.default_rng([self.seed, epoch]).permutation(self.size)
+            shard = shard_of(self.size, self.process_index, self.process_count)
+            self._cached = (epoch, permutation[shard.start:shard.stop:shard.step])
+        return self._cached[1]
+
+    def take(self, n: int) -> list[int]:
+        """The next `n` row indices, continuing into the next epoch when this one ends."""
+        if n < 1:
+            raise ValueError(f"batch size must be >= 1, got {n}")
+        rows: list[int] = []
+        while len(rows) < n:
+            epoch_rows = self._epoch_rows(self.epoch)
+            taken = epoch_rows[self.offset:self.offset + n - len(rows)]
+            rows += taken.tolist()
+            self.offset += len(taken)
+            if self.offset == self.shard_size:
+                self.epoch, self.offset = self.epoch + 1, 0
+        return rows
+
+    def state(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "offset": self.offset, "seed": self.seed, "size": self.size,
+                "process_count": self.process_count}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        expected = {"seed": self.seed, "size": self.size, "process_count": self.process_count}
+        changed = {k: (state.get(k), v) for k, v in expected.items() if state.get(k) != v}
+        if changed:
+            detail = ", ".join(f"{k} was {old!r}, now {new!r}" for k, (old, new) in changed.items())
+            raise ValueError(f"cannot resume the data order: {detail}; resume with the original "
+                             f"task seed, data and process count, or start a new run directory")
+        if not 0 <= state["offset"] < self.shard_size or state["epoch"] < 0:
+            raise ValueError(f"data position epoch={state['epoch']} offset={state['offset']} is out of "
+                             f"range for a shard of {self.shard_size} rows")
+        self.epoch, self.offset = int(state["epoch"]), int(state["offset"])
