@@ -30,10 +30,11 @@ class ModelConfig:
     path: Optional[str] = setting(
         None, "HF model directory or Hub id; null builds a random-init model from `architecture`.")
     architecture: dict = setting(
-        {"model_type": "qwen2", "vocab_size": 64, "hidden_size": 64, "intermediate_size": 192,
+        {"model_type": "qwen2", "hidden_size": 64, "intermediate_size": 192,
          "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
          "max_position_embeddings": 256, "tie_word_embeddings": True},
-        "HF config.json fields of the random-init model, used only when `path` is null.")
+        "HF config.json fields of the random-init model, used only when `path` is null "
+        "(vocab_size defaults to the tokenizer's size).")
     tokenizer: Optional[str] = setting(
         None, "Tokenizer directory or Hub id; null uses `path`; 'char' builds the character tokenizer.")
     dtype: Literal["float32", "bfloat16"] = setting(

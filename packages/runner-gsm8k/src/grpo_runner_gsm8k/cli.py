@@ -48,6 +48,14 @@ def _load(args: argparse.Namespace):
     return load_config(args.config, args.overrides, registry=default_registry())
 
 
+def _train(cfg) -> None:
+    from grpo_core.registry import default_registry
+
+    from grpo_runner_gsm8k.loop import train
+
+    train(cfg, default_registry())
+
+
 def _train_command(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     cfg = _load(args)
@@ -56,7 +64,8 @@ def _train_command(argv: list[str]) -> int:
 
         print(config_to_yaml(cfg), end="")
         return 0
-    raise UserError("training loop not available yet")
+    _train(cfg)
+    return 0
 
 
 COMMANDS: dict[str, Callable[[list[str]], int]] = {"plugins": _plugins_command}
@@ -80,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as exc:
         if "--debug" in argv:
             traceback.print_exc()
-        print(f"grpo-run: error: {exc}", file=sys.stderr)
+        one_line = " ".join(str(exc).split())
+        print(f"grpo-run: error: {one_line}", file=sys.stderr)
         return EXIT_BAD_INPUT
 
 

@@ -1,0 +1,176 @@
+"""Everything a run needs, built from a validated RunConfig in dependency order."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jax
+from jax.sharding import Mesh
+
+from grpo_core.config import RunConfig
+from grpo_core.config_io import plugin_options
+from grpo_core.errors import UserError
+from grpo_core.models import QwenConfig, init_from_config, load_pretrained
+from grpo_core.registry import Registry
+from grpo_core.sharding import shard_model
+from grpo_core.tokenizer import build_char_tokenizer, load_tokenizer
+from grpo_meshes import (ModelDims, ProcessLayout, build_mesh_from_config, rollout_batch_sharding,
+                         setup_processes, validate_plan)
+from grpo_rollout.sampling import SamplingParams
+
+
+@dataclass
+class Components:
+    """The built pieces of a run (model params live in `model`)."""
+
+    cfg: RunConfig
+    layout: ProcessLayout
+    mesh: Mesh
+    param_rules: Any
+    tokenizer: Any
+    model: Any
+    task: Any
+    rewards: dict[str, tuple[Any, float]]
+    logps_impl: Any
+    rollout: Any
+    sampling: SamplingParams
+    eval_sampling: SamplingParams
+
+    @property
+    def rollout_sharding(self):
+        return rollout_batch_sharding(self.mesh, self.cfg.rollout.sharding)
+
+
+def _from_plugin(registry: Registry, kind: str, name: str, options: dict, where: str, **kwargs) -> Any:
+    spec = registry.get(kind, name)
+    return spec.factory(plugin_options(spec.options, options, where), **kwargs)
+
+
+def build_tokenizer(cfg: RunConfig) -> Any:
+    source = cfg.model.tokenizer or cfg.model.path
+    if source == "char":
+        return build_char_tokenizer()
+    if source is None:
+        raise UserError("model.tokenizer and model.path are both null: set model.tokenizer to 'char' "
+                        "or to a tokenizer directory / Hub id")
+    try:
+        return load_tokenizer(source)
+    except FileNotFoundError as exc:
+        raise UserError(f"model.tokenizer: {exc}; point it at a directory holding tokenizer files") from None
+
+
+def model_config(cfg: RunConfig, tokenizer: Any) -> QwenConfig:
+    """The architecture of the run's model, read before any weights are loaded."""
+    if cfg.model.path:
+        try:
+            return QwenConfig.from_pretrained_dir(cfg.model.path)
+        except (FileNotFoundError, OSError) as exc:
+            raise UserError(f"model.path: {exc}") from None
+    arch = {"vocab_size": len(tokenizer), **cfg.model.architecture}
+    try:
+        return QwenConfig.from_hf_dict(arch)
+    except (ValueError, TypeError, KeyError) as exc:
+        raise UserError(f"model.architecture: {exc}") from None
+
+
+def check_tokenizer_fits(qcfg: QwenConfig, tokenizer: Any) -> None:
+    if len(tokenizer) > qcfg.vocab_size:
+        raise UserError(f"the tokenizer has {len(tokenizer)} tokens but the model's vocab_size is "
+                        f"{qcfg.vocab_size}; use a matching tokenizer or raise model.architecture.vocab_size")
+
+
+def build_model(cfg: RunConfig, qcfg: QwenConfig, mesh: Mesh, rules: Any) -> Any:
+    if cfg.model.path:
+        return load_pretrained(cfg.model.path, dtype=cfg.model.dtype, mesh=mesh, rules=rules,
+                               remat=cfg.model.remat)
+    model = init_from_config(qcfg, seed=cfg.model.seed, dtype=cfg.model.dtype, remat=cfg.model.remat)
+    return shard_model(model, mesh, rules)
+
+
+def sampling_params(cfg: RunConfig, tokenizer: Any, *, for_eval: bool = False) -> SamplingParams:
+    r = cfg.rollout
+    stop = tuple(sorted({tokenizer.eos_token_id} - {None}))
+    if for_eval:
+        return SamplingParams(max_new_tokens=cfg.eval.max_new_tokens or r.max_new_tokens, n=cfg.eval.n,
+                              temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                              greedy=cfg.eval.greedy, stop_token_ids=stop)
+    return SamplingParams(max_new_tokens=r.max_new_tokens, n=r.n, temperature=r.temperature, top_p=r.top_p,
+                          top_k=r.top_k, greedy=r.greedy, stop_token_ids=stop)
+
+
+def check_lengths(cfg: RunConfig, qcfg: QwenConfig) -> None:
+    longest = cfg.rollout.max_prompt_length + max(cfg.rollout.max_new_tokens, cfg.eval.max_new_tokens or 0)
+    if longest > qcfg.max_position_embeddings:
+        raise UserError(f"rollout.max_prompt_length + max_new_tokens = {longest} exceeds the model's "
+                        f"max_position_embeddings {qcfg.max_position_embeddings}; lower rollout.max_new_tokens "
+                        "or rollout.max_prompt_length")
+
+
+def rows_per_step(cfg: RunConfig) -> int:
+    return cfg.rollout.prompts_per_step * cfg.rollout.n
+
+
+def micro_batches(cfg: RunConfig, mesh: Mesh) -> int:
+    """Gradient-accumulation steps: rows / (micro_batch_size_per_device * data-parallel devices)."""
+    rows = rows_per_step(cfg)
+    per_device = cfg.train.micro_batch_size_per_device
+    if per_device == 0:
+        return 1
+    global_micro = per_device * mesh.shape["dp"] * mesh.shape["fsdp"]
+    if rows % global_micro:
+        raise UserError(f"train.micro_batch_size_per_device={per_device} gives micro-batches of {global_micro} "
+                        f"rows, which do not divide the {rows} rows of a step (rollout.prompts_per_step * "
+                        "rollout.n); pick a per-device size that divides it")
+    return rows // global_micro
+
+
+def preflight(cfg: RunConfig, mesh: Mesh, qcfg: QwenConfig) -> None:
+    rows = rows_per_step(cfg)
+    validate_plan(mesh, ModelDims.from_config(qcfg), rollout_batch=rows,
+                  train_micro_batch=rows // micro_batches(cfg, mesh), rollout_style=cfg.rollout.sharding,
+                  device_count=len(jax.devices()))
+    check_lengths(cfg, qcfg)
+
+
+def build_components(cfg: RunConfig, registry: Registry) -> Components:
+    layout = setup_processes(cfg.mesh)
+    resolved = build_mesh_from_config(cfg.mesh, registry.mesh)
+    tokenizer = build_tokenizer(cfg)
+    qcfg = model_config(cfg, tokenizer)
+    check_tokenizer_fits(qcfg, tokenizer)
+    preflight(cfg, resolved.mesh, qcfg)
+    rules = resolved.strategy.param_rules
+    task = _from_plugin(registry, "task", cfg.task.name, cfg.task.options, "task.options", seed=cfg.task.seed,
+                        process_index=layout.process_index, process_count=layout.process_count)
+    rewards = {name: (_from_plugin(registry, "reward", name, cfg.task.reward_options.get(name, {}),
+                                   f"task.reward_options.{name}"), float(weight))
+               for name, weight in cfg.task.rewards.items()}
+    return Components(
+        cfg=cfg, layout=layout, mesh=resolved.mesh, param_rules=rules, tokenizer=tokenizer,
+        model=build_model(cfg, qcfg, resolved.mesh, rules), task=task, rewards=rewards,
+        logps_impl=_from_plugin(registry, "loss", cfg.loss.impl, cfg.loss.options, "loss.options"),
+        rollout=_from_plugin(registry, "rollout", cfg.rollout.backend, cfg.rollout.options, "rollout.options"),
+        sampling=sampling_params(cfg, tokenizer), eval_sampling=sampling_params(cfg, tokenizer, for_eval=True))
+
+
+def prepare_run_dir(cfg: RunConfig) -> Path:
+    run_dir = Path(cfg.logging.dir)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe = run_dir / ".write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as exc:
+        raise UserError(f"logging.dir {str(run_dir)!r} is not writable ({exc.strerror}); "
+                        "choose a writable directory") from None
+    return run_dir
+
+
+def loss_config_for_run(cfg: RunConfig):
+    """The loss section with max_completion_length filled from the rollout when null."""
+    if cfg.loss.max_completion_length is None:
+        return dataclasses.replace(cfg.loss, max_completion_length=cfg.rollout.max_new_tokens)
+    return cfg.loss

@@ -1,0 +1,228 @@
+"""The GRPO loop: rollout -> rewards -> advantages -> update -> eval -> log.
+
+One step: P prompts x K samples are rolled out with the current policy, scored,
+turned into group-relative advantages, and used for `train.ppo_epochs` updates,
+each accumulating exact gradients over micro-batches (see step.py).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from grpo_core.config import RunConfig
+from grpo_core.config_io import config_to_dict, config_to_yaml
+from grpo_core.errors import UserError
+from grpo_core.registry import Registry
+from grpo_losses import compute_advantages
+from grpo_meshes import train_batch_sharding
+from grpo_rollout.result import RolloutResult
+
+from grpo_runner_gsm8k.build import (Components, build_components, loss_config_for_run, micro_batches,
+                                     prepare_run_dir)
+from grpo_runner_gsm8k.metrics import MetricsLogger
+from grpo_runner_gsm8k.optim import build_optimizer, learning_rate_schedule
+from grpo_runner_gsm8k.rewards import score
+from grpo_runner_gsm8k.step import UpdateBatch, completion_logps, make_update
+from grpo_runner_gsm8k.tasks.base import render_prompt
+
+
+@dataclass
+class TrainState:
+    """What changes from step to step (and what a checkpoint holds)."""
+
+    params: Any
+    opt_state: Any
+    key: jax.Array
+    step: int = 0
+    skipped_steps: int = 0
+    step_times: deque = field(default_factory=lambda: deque(maxlen=10))
+
+
+def tokenize_prompts(c: Components, examples: list) -> list[list[int]]:
+    texts = [render_prompt(c.tokenizer, ex, c.cfg.task.system_prompt, c.task.use_chat_template) for ex in examples]
+    ids = c.tokenizer(texts, add_special_tokens=False)["input_ids"]
+    limit = c.cfg.rollout.max_prompt_length
+    for ex, row in zip(examples, ids):
+        if len(row) > limit:
+            raise UserError(f"prompt of example {ex.id or ex.question[:40]!r} has {len(row)} tokens, more than "
+                            f"rollout.max_prompt_length={limit}; raise rollout.max_prompt_length")
+    return ids
+
+
+def decode_completions(c: Components, result: RolloutResult) -> list[str]:
+    ids = np.asarray(result.completion_ids)
+    mask = np.asarray(result.completion_mask).astype(bool)
+    return c.tokenizer.batch_decode([row[m].tolist() for row, m in zip(ids, mask)], skip_special_tokens=True)
+
+
+def rollout(c: Components, params, graphdef, examples: list, key, sampling) -> RolloutResult:
+    model = nnx.merge(graphdef, params)
+    prompts = tokenize_prompts(c, examples)
+    return c.rollout.generate_from_lists(model, prompts, key, sampling, pad_token_id=c.tokenizer.pad_token_id,
+                                         batch_sharding=c.rollout_sharding)
+
+
+class Trainer:
+    """Owns the compiled functions and runs steps; `run()` is the whole job."""
+
+    def __init__(self, cfg: RunConfig, registry: Registry):
+        self.cfg = cfg
+        self.run_dir = prepare_run_dir(cfg)
+        self.c = build_components(cfg, registry)
+        self.loss_cfg = loss_config_for_run(cfg)
+        self.optimizer = build_optimizer(cfg.train)
+        self.lr_at = learning_rate_schedule(cfg.train)
+        self.graphdef, params = nnx.split(self.c.model)
+        self.ref_params = jax.tree.map(jnp.copy, params) if cfg.loss.beta > 0 else None
+        self.state = TrainState(params, self.optimizer.init(params), jax.random.key(cfg.train.seed))
+        self.update = make_update(self.graphdef, self.c.logps_impl, self.loss_cfg, self.optimizer,
+                                  cfg.rollout.temperature, micro_batches(cfg, self.c.mesh))
+        self.logps = jax.jit(completion_logps, static_argnums=(0, 2, 6, 7))
+        self.train_sharding = train_batch_sharding(self.c.mesh)
+        self.row_sharding = train_batch_sharding(self.c.mesh, ndim=1)
+
+    # ---- one step -------------------------------------------------------------
+    def step(self) -> dict:
+        start = time.monotonic()
+        self.state.key, key = jax.random.split(self.state.key)
+        examples = self.c.task.train_batch(self.cfg.rollout.prompts_per_step)
+        result = rollout(self.c, self.state.params, self.graphdef, examples, key, self.c.sampling)
+        jax.block_until_ready(result.completion_ids)
+        rollout_s = time.monotonic() - start
+
+        reward_start = time.monotonic()
+        answers = [ex.answer for ex in examples for _ in range(self.cfg.rollout.n)]
+        scores = score(self.c.rewards, decode_completions(self.c, result), answers)
+        advantages = compute_advantages(jnp.asarray(scores.total), self.cfg.rollout.n, self.loss_cfg)
+        reward_s = time.monotonic() - reward_start
+
+        update_start = time.monotonic()
+        batch = self.update_batch(result, advantages)
+        train_metrics = self.run_updates(batch)
+        update_s = time.monotonic() - update_start
+
+        step_s = time.monotonic() - start
+        self.state.step += 1
+        self.state.step_times.append(step_s)
+        return self.step_metrics(result, scores, advantages, train_metrics,
+                                 dict(rollout_s=rollout_s, reward_s=reward_s, update_s=update_s, step_s=step_s))
+
+    def update_batch(self, result: RolloutResult, advantages) -> UpdateBatch:
+        trimmed = self.c.rollout.trim(result)
+        width = trimmed.prompt_width
+        put = lambda x: jax.device_put(x, self.train_sharding)  # noqa: E731
+        input_ids, attention_mask = put(trimmed.input_ids), put(trimmed.attention_mask)
+        targets = put(trimmed.input_ids[:, width:])
+        loss_mask = put(trimmed.completion_mask[:, width:] * advantages.keep[:, None])
+        old_logp = self.old_logps(trimmed, input_ids, attention_mask, targets, width)
+        ref_logp = None
+        if self.ref_params is not None:
+            ref_logp = self.logps(self.graphdef, self.ref_params, self.c.logps_impl, input_ids, attention_mask,
+                                  targets, width, self.cfg.rollout.temperature)
+        return UpdateBatch(input_ids, attention_mask, targets, loss_mask, jax.device_put(advantages.advantages, self.row_sharding),
+                           old_logp, ref_logp, prompt_width=width)
+
+    def old_logps(self, trimmed, input_ids, attention_mask, targets, width) -> Optional[jax.Array]:
+        """Sampler log-probs when asked; None (exactly on-policy) for a single epoch; else one forward."""
+        if self.cfg.rollout.use_sampler_logps:
+            return jax.device_put(trimmed.sampler_logps[:, width:], self.train_sharding)
+        if self.cfg.train.ppo_epochs == 1:
+            return None  # params do not change before the only update: ratio is exactly 1
+        return self.logps(self.graphdef, self.state.params, self.c.logps_impl, input_ids, attention_mask,
+                          targets, width, self.cfg.rollout.temperature)
+
+    def run_updates(self, batch: UpdateBatch) -> dict:
+        totals: dict[str, float] = {}
+        for _ in range(self.cfg.train.ppo_epochs):
+            self.state.params, self.state.opt_state, metrics = self.update(
+                self.state.params, self.state.opt_state, batch)
+            metrics = jax.device_get(metrics)
+            self.state.skipped_steps += int(metrics["skipped"])
+            totals = metrics  # the last epoch's metrics describe the final update
+        return totals
+
+    # ---- metrics ---------------------------------------------------------------
+    def step_metrics(self, result, scores, advantages, train: dict, times: dict) -> dict:
+        lengths = np.asarray(result.lengths)
+        prompt_lengths = np.asarray(result.prompt_mask).sum(axis=1)
+        total = scores.total
+        out = {f"time/train/{k}": v for k, v in times.items()}
+        out["time/train/step_avg_last10_s"] = float(np.mean(self.state.step_times))
+        out["throughput/train/valid_tokens_per_s"] = float(lengths.sum() / times["step_s"])
+        out.update({"train-reward/total/mean": float(total.mean()), "train-reward/total/std": float(total.std()),
+                    "train-reward/total/min": float(total.min()), "train-reward/total/max": float(total.max())})
+        for name, values in scores.per_fn.items():
+            out[f"train-reward/func/{name}/mean"] = float(values.mean())
+            out[f"train-reward/func/{name}/errors"] = scores.errors[name]
+        out.update({
+            "train-other/loss": train["loss"], "train-other/grad_norm": train["grad_norm"],
+            "train-other/clip_frac_low": train["clip_frac_low"], "train-other/clip_frac_high": train["clip_frac_high"],
+            "train-other/ratio_mean": train["ratio_mean"],
+            "train-other/entropy": train.get("entropy_mean", float("nan")),
+            "train-other/kl": train.get("kl_mean", 0.0),
+            "train-other/lr": float(self.lr_at(self.state.step - 1)),
+            "train-other/skipped_steps": self.state.skipped_steps,
+            "train-other/zero_std_frac": float(np.mean(np.asarray(advantages.zero_std))),
+            "train-seq_len/prompt/mean": float(prompt_lengths.mean()), "train-seq_len/prompt/max": int(prompt_lengths.max()),
+            "train-seq_len/completion/mean": float(lengths.mean()), "train-seq_len/completion/max": int(lengths.max()),
+        })
+        out.update(memory_metrics())
+        return out
+
+    # ---- eval ------------------------------------------------------------------
+    def evaluate(self) -> dict:
+        examples = self.c.task.test_examples(self.cfg.eval.num_questions)
+        n = self.c.eval_sampling.n
+        self.state.key, key = jax.random.split(self.state.key)
+        result = rollout(self.c, self.state.params, self.graphdef, examples, key, self.c.eval_sampling)
+        correctness = self.c.rewards.get("correctness") or next(iter(self.c.rewards.values()))
+        answers = [ex.answer for ex in examples for _ in range(n)]
+        correct = score({"correctness": (correctness[0], 1.0)}, decode_completions(self.c, result), answers)
+        per_question = correct.total.reshape(len(examples), n) >= 1.0
+        out = {"eval/accuracy": float(per_question[:, 0].mean())}
+        if n > 1:
+            out[f"eval/pass@{n}"] = float(per_question.any(axis=1).mean())
+        return out
+
+    def eval_due(self) -> bool:
+        every = self.cfg.eval.every_steps
+        return every > 0 and (self.state.step % every == 0 or self.state.step == self.cfg.train.steps)
+
+    # ---- the job -----------------------------------------------------------------
+    def run(self) -> dict:
+        (self.run_dir / "config.yaml").write_text(config_to_yaml(self.cfg))
+        logger = MetricsLogger(self.cfg.logging, self.run_dir, self.cfg.train.steps, config_to_dict(self.cfg),
+                               is_main_process=self.c.layout.process_index == 0)
+        metrics: dict = {}
+        try:
+            while self.state.step < self.cfg.train.steps:
+                metrics = self.step()
+                if self.eval_due():
+                    metrics.update(self.evaluate())
+                logger.log(self.state.step, metrics)
+        finally:
+            logger.close()
+        return metrics
+
+
+def memory_metrics() -> dict:
+    """Device memory where the backend reports it (TPU/GPU); CPU reports nothing."""
+    stats = [d.memory_stats() for d in jax.local_devices()]
+    if not stats or any(s is None for s in stats):
+        return {}
+    gib = float(1 << 30)
+    return {"memory/train/bytes_in_use_max_gib": max(s.get("bytes_in_use", 0) for s in stats) / gib,
+            "memory/train/peak_bytes_in_use_max_gib": max(s.get("peak_bytes_in_use", 0) for s in stats) / gib}
+
+
+def train(cfg: RunConfig, registry: Registry) -> dict:
+    """Runs the whole job; returns the last step's metrics."""
+    return Trainer(cfg, registry).run()

@@ -1,0 +1,109 @@
+"""The jitted policy update: micro-batched GRPO loss with exact gradient accumulation.
+
+One call = one optimizer update over the whole rollout batch:
+    grads = sum_k grad(numerator_k) / sum_k denominator_k
+which is the gradient of the big-batch loss for every aggregation, because the
+denominators depend on the masks only (see grpo_losses.objective). A non-finite
+loss or gradient leaves params and optimizer state untouched.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx, struct
+
+from grpo_core.config import LossConfig
+from grpo_losses import LossMetrics, finalize_loss, grpo_loss, per_token_logps
+
+
+@struct.dataclass
+class UpdateBatch:
+    """A rollout batch ready for the update. N rows, T columns, C = T - prompt_width.
+
+    input_ids, attention_mask [N, T]; targets, loss_mask [N, C] (completion tokens,
+    already multiplied by the dynamic-sampling keep mask); advantages [N];
+    old_logp / ref_logp [N, C] or None.
+    """
+
+    input_ids: jax.Array
+    attention_mask: jax.Array
+    targets: jax.Array
+    loss_mask: jax.Array
+    advantages: jax.Array
+    old_logp: Optional[jax.Array] = None
+    ref_logp: Optional[jax.Array] = None
+    prompt_width: int = struct.field(pytree_node=False, default=1)
+
+
+def completion_hidden(graphdef: nnx.GraphDef, params: nnx.State, input_ids, attention_mask,
+                      prompt_width: int) -> tuple[jax.Array, jax.Array]:
+    """Hidden states that predict the completion tokens [N, C, H], and the LM head [H, V].
+
+    Only completion positions go through the LM head: the prompt never needs logits.
+    """
+    model = nnx.merge(graphdef, params)
+    hidden = model(input_ids, attention_mask=attention_mask)  # [N, T, H]
+    return hidden[:, prompt_width - 1 : -1], model.lm_head_weight()
+
+
+def completion_logps(graphdef, params, impl, input_ids, attention_mask, targets, prompt_width: int,
+                     temperature: float) -> jax.Array:
+    """Per-token log-probs [N, C] of the completion tokens (no gradient needed)."""
+    hidden, lm_head = completion_hidden(graphdef, params, input_ids, attention_mask, prompt_width)
+    return per_token_logps(impl, hidden, lm_head, targets, temperature)
+
+
+def _split_micro(batch: UpdateBatch, micro_batches: int) -> UpdateBatch:
+    """[N, ...] leaves -> [M, N / M, ...] for lax.scan."""
+    return jax.tree.map(lambda x: x.reshape(micro_batches, x.shape[0] // micro_batches, *x.shape[1:]), batch)
+
+
+def _merge_stacked(stacked: LossMetrics, count: int) -> LossMetrics:
+    parts = [jax.tree.map(lambda x: x[i], stacked) for i in range(count)]
+    return functools.reduce(LossMetrics.merge, parts)
+
+
+def _where_tree(pred, new, old):
+    return jax.tree.map(lambda a, b: jnp.where(pred, a, b), new, old)
+
+
+def make_update(graphdef: nnx.GraphDef, impl: Any, loss_cfg: LossConfig, optimizer: optax.GradientTransformation,
+                temperature: float, micro_batches: int):
+    """A jitted `update(params, opt_state, batch) -> (params, opt_state, metrics)`."""
+
+    def micro_numerator(params, mb: UpdateBatch):
+        hidden, lm_head = completion_hidden(graphdef, params, mb.input_ids, mb.attention_mask, mb.prompt_width)
+        out = grpo_loss(impl, hidden, lm_head, mb.targets, mb.loss_mask, mb.advantages, mb.old_logp,
+                        mb.ref_logp, loss_cfg, temperature=temperature)
+        return out.numerator, (out.denominator, out.metrics)
+
+    grad_fn = jax.value_and_grad(micro_numerator, has_aux=True)
+
+    def accumulate(params, batch: UpdateBatch):
+        def body(grads, mb):
+            (num, (den, metrics)), g = grad_fn(params, mb)
+            return jax.tree.map(jnp.add, grads, g), (num, den, metrics)
+
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        grads, (nums, dens, metrics) = jax.lax.scan(body, zeros, _split_micro(batch, micro_batches))
+        return grads, jnp.sum(nums), jnp.sum(dens), _merge_stacked(metrics, micro_batches)
+
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    def update(params, opt_state, batch: UpdateBatch):
+        grads, numerator, denominator, metrics = accumulate(params, batch)
+        grads = jax.tree.map(lambda g: g / jnp.maximum(denominator, 1.0), grads)
+        loss = finalize_loss(numerator, denominator)
+        grad_norm = optax.global_norm(grads)
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        updates, new_opt_state = optimizer.update(grads, opt_state, params)
+        new_params = optax.apply_updates(params, updates)
+        out = {"loss": loss, "grad_norm": grad_norm, "skipped": (~finite).astype(jnp.float32),
+               **metrics.summary()}
+        return _where_tree(finite, new_params, params), _where_tree(finite, new_opt_state, opt_state), out
+
+    return update
