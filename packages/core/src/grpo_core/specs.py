@@ -90,7 +90,10 @@ class RewardSpec(PluginSpec):
 
 @dataclass(frozen=True)
 class TaskSpec(PluginSpec):
-    """A task (dataset of prompts with reference answers): `factory(options) -> task`."""
+    """A task (dataset of prompts with reference answers):
+    `factory(options, *, seed, process_index, process_count) -> task`, where the task
+    gives `train_batch(n)`, `test_examples(limit)`, `state()`, `restore(state)` and
+    `use_chat_template` (see grpo_runner_gsm8k.tasks.base.Task)."""
 
     kind: ClassVar[str] = "task"
 
