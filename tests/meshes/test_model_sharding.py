@@ -110,3 +110,13 @@ def test_kv_cache_follows_the_rollout_style(style, kv_spec):
     mesh = resolve("2,2,2").mesh
     shardings = sharding.tree_shardings(models.KVCache.logical_axes(), mesh, rollout_activation_rules(style))
     assert shardings.k.spec == kv_spec and shardings.v.spec == kv_spec
+
+
+def test_activation_rules_give_batch_and_head_splits():
+    strategy = resolve("2,2,2").strategy
+    to_spec = sharding.logical_to_spec
+    assert to_spec(("batch", "length", "embed"), strategy.activation_rules) == P(("dp", "fsdp"), None, None)
+    assert to_spec(("batch", "length", "heads", "head_dim"), strategy.activation_rules) == P(
+        ("dp", "fsdp"), None, "tp", None)
+    assert to_spec(("batch", "length", "vocab"), rollout_activation_rules("legacy")) == P(
+        ("dp", "fsdp", "tp"), None, None)
