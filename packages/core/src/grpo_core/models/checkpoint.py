@@ -128,9 +128,16 @@ def _target_path(hf_name: str, cfg: QwenConfig, targets: dict, file: str) -> tup
 
 
 def _load_tensor(f, hf_name: str, file: str, variable, transform, dtype, sharding) -> jax.Array:
-    host = transform.to_ours(_read_tensor(f, hf_name, file), variable.shape)
-    if host.shape != variable.shape:
-        raise ValueError(f"tensor {hf_name!r} in {file}: shape {host.shape} does not fit parameter shape {variable.shape}.")
+    raw = _read_tensor(f, hf_name, file)
+    try:
+        host = transform.to_ours(raw, variable.shape)
+    except ValueError:  # reshape of the wrong number of elements
+        host = None
+    if host is None or host.shape != variable.shape:
+        raise ValueError(
+            f"tensor {hf_name!r} in {file} has shape {raw.shape}, which does not fit the parameter shape "
+            f"{variable.shape} implied by config.json; are config.json and the weights from the same model?"
+        )
     return _place(host.astype(dtype), sharding)
 
 
@@ -240,6 +247,11 @@ def export_pretrained(
     that `transformers.AutoModelForCausalLM.from_pretrained` loads; the tokenizer too if given.
     Weights keep the model's dtype. Returns the directory."""
     out_dir = os.fspath(out_dir)
+    if tokenizer is not None and len(tokenizer) > model.config.vocab_size:
+        raise ValueError(
+            f"tokenizer has {len(tokenizer)} tokens but the model's vocab_size is {model.config.vocab_size}; "
+            "ids past the embedding table would be invalid. Use a model with vocab_size >= len(tokenizer)."
+        )
     rows = _hf_tensors(model)
     shards = _plan_shards(rows, max_shard_bytes)
     cfg = model.config.replace(torch_dtype=_dtype_name(model.dtype))

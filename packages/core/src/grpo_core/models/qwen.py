@@ -40,6 +40,10 @@ REMAT_POLICIES = {
 }
 REMAT_MODES = ("none", *REMAT_POLICIES)
 
+# Logical names of the residual stream [B, T, H]; `act_embed` is separate from the
+# parameter axis `embed` so FSDP rules (embed -> fsdp) do not shard activations' hidden dim.
+ACTIVATION_AXES = ("batch", "length", "act_embed")
+
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
@@ -136,9 +140,9 @@ class QwenModel(nnx.Module):
         return self.embed_tokens.embedding.dtype
 
     def set_activation_sharding(self, mesh: Mesh | None, rules: Rules | None = None) -> None:
-        """Constrain the residual stream [B, T, H] to logical axes (batch, act_seq, act_embed)
-        on `mesh` (None turns it off). A dimension that does not divide its mesh axes
-        is left to sharding propagation."""
+        """Constrain the residual stream [B, T, H] to logical axes ACTIVATION_AXES on
+        `mesh` (None turns it off). Nothing is constrained when the rules map none of
+        them, or when a dimension does not divide its mesh axes (propagation decides)."""
         if mesh is not None:
             check_auto_mesh(mesh)
         self.activation_sharding = None if mesh is None else (mesh, freeze_rules(rules or ()))
@@ -147,8 +151,8 @@ class QwenModel(nnx.Module):
         if self.activation_sharding is None:
             return x
         mesh, rules = self.activation_sharding
-        spec = logical_to_spec(("batch", "act_seq", "act_embed"), rules)
-        if not divides(x.shape, spec, mesh):
+        spec = logical_to_spec(ACTIVATION_AXES, rules)
+        if all(axes is None for axes in spec) or not divides(x.shape, spec, mesh):
             return x
         return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 

@@ -1,0 +1,118 @@
+"""Regenerate the golden fixtures under tests/core/models/golden/ (needs torch).
+
+    uv pip install torch==2.13.0   # CPU wheel; never a runtime dependency
+    uv run python tests/core/models/make_golden.py
+
+For each family a tiny HF model is built from its config with seeded random weights,
+saved with HF `save_pretrained` (config.json + model.safetensors), and run in f32 on a
+fixed left-padded batch; `io.npz` keeps the inputs and HF's logits. Tests without torch
+load the HF-saved weights with `load_pretrained` and compare against those logits.
+
+Importable without torch: the tests reuse FAMILIES, INPUTS and the helpers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import numpy as np
+
+GOLDEN_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden")
+
+# Tiny configs covering: Qwen2 tied (Qwen2.5 <= 3B), Qwen2 untied with one KV head
+# (7B-style untied head, maximal grouping), Qwen3 (q/k norm, head_dim * heads != hidden).
+_COMMON = dict(
+    vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, max_position_embeddings=256,
+    hidden_act="silu", torch_dtype="float32", use_sliding_window=False,
+)
+FAMILIES: dict[str, dict] = {
+    "qwen2_tied": dict(
+        _COMMON, model_type="qwen2", num_attention_heads=4, num_key_value_heads=2,
+        rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
+    ),
+    "qwen2_untied": dict(
+        _COMMON, model_type="qwen2", num_attention_heads=4, num_key_value_heads=1,
+        rope_theta=1000000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
+    ),
+    "qwen3": dict(
+        _COMMON, model_type="qwen3", num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        attention_bias=False, rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
+    ),
+}
+SEEDS = {"qwen2_tied": 11, "qwen2_untied": 12, "qwen3": 13}
+WEIGHT_STD = 0.2  # large enough that logits are O(1) and layout mistakes show
+
+
+def golden_inputs(vocab_size: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """A left-padded batch [3, 10]: no padding, 3 pads, 6 pads (pad id 0)."""
+    rng = np.random.RandomState(seed)
+    ids = rng.randint(1, vocab_size, size=(3, 10)).astype(np.int32)
+    mask = np.ones_like(ids)
+    for row, pads in ((1, 3), (2, 6)):
+        mask[row, :pads] = 0
+        ids[row, :pads] = 0
+    return ids, mask
+
+
+def positions(mask: np.ndarray) -> np.ndarray:
+    return np.maximum(np.cumsum(mask, axis=1) - 1, 0)
+
+
+def build_hf_model(config: dict, seed: int):
+    """An HF CausalLM from `config` with every parameter redrawn (norms around 1)."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    hf_config = transformers.AutoConfig.for_model(**config)
+    model = transformers.AutoModelForCausalLM.from_config(hf_config, attn_implementation="eager")
+    model = model.float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(0.0, WEIGHT_STD)
+            if "norm" in name:
+                p.add_(1.0)
+    return model
+
+
+def hf_logits(model, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """Logits with positions from the mask (HF's plain forward would count pads)."""
+    import torch
+
+    with torch.no_grad():
+        out = model(
+            input_ids=torch.tensor(ids, dtype=torch.long),
+            attention_mask=torch.tensor(mask, dtype=torch.long),
+            position_ids=torch.tensor(positions(mask), dtype=torch.long),
+        )
+    return out.logits.float().numpy()
+
+
+def write_family(name: str) -> None:
+    import torch
+    import transformers
+
+    out = os.path.join(GOLDEN_DIR, name)
+    model = build_hf_model(FAMILIES[name], SEEDS[name])
+    model.save_pretrained(out)
+    for extra in ("generation_config.json",):
+        if os.path.exists(os.path.join(out, extra)):
+            os.remove(os.path.join(out, extra))
+    ids, mask = golden_inputs(FAMILIES[name]["vocab_size"])
+    np.savez_compressed(os.path.join(out, "io.npz"), input_ids=ids, attention_mask=mask, logits=hf_logits(model, ids, mask))
+    meta = {"torch": torch.__version__, "transformers": transformers.__version__, "seed": SEEDS[name]}
+    with open(os.path.join(out, "versions.json"), "w") as f:
+        json.dump(meta, f, indent=2)
+
+
+def main() -> int:
+    for name in FAMILIES:
+        write_family(name)
+        print(f"wrote {os.path.join(GOLDEN_DIR, name)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,93 @@
+import json
+
+import pytest
+from flax import nnx
+
+from grpo_core.models import PRESETS, QwenConfig, QwenModel
+
+
+def _qwen25_style(**overrides):
+    """A transformers-4.x style Qwen2.5 config.json (as published on the Hub)."""
+    d = {
+        "architectures": ["Qwen2ForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 151643,
+        "eos_token_id": 151645, "hidden_act": "silu", "hidden_size": 896, "initializer_range": 0.02,
+        "intermediate_size": 4864, "max_position_embeddings": 32768, "max_window_layers": 21,
+        "model_type": "qwen2", "num_attention_heads": 14, "num_hidden_layers": 24, "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "sliding_window": 32768, "tie_word_embeddings": True,
+        "torch_dtype": "bfloat16", "transformers_version": "4.43.1", "use_cache": True,
+        "use_sliding_window": False, "vocab_size": 151936,
+    }
+    d.update(overrides)
+    return d
+
+
+def test_hub_style_config_matches_preset():
+    cfg = QwenConfig.from_hf_dict(_qwen25_style())
+    assert cfg.replace(bos_token_id=None, eos_token_id=None) == PRESETS["qwen2.5-0.5b"]
+    assert cfg.head_dim == 64 and cfg.attention_bias is True and cfg.eos_token_id == 151645
+
+
+def test_transformers5_layout_equals_4x_layout():
+    v4 = _qwen25_style()
+    v5 = {k: v for k, v in v4.items() if k not in ("rope_theta", "torch_dtype")}
+    v5.update(rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, dtype="bfloat16",
+              layer_types=["full_attention"] * 24)
+    assert QwenConfig.from_hf_dict(v5) == QwenConfig.from_hf_dict(v4)
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen2", "tiny-qwen3", "qwen2.5-7b", "qwen3-8b"])
+def test_hf_dict_round_trip(name):
+    cfg = PRESETS[name]
+    assert QwenConfig.from_hf_dict(json.loads(json.dumps(cfg.to_hf_dict()))) == cfg
+
+
+def test_qwen3_head_dim_is_explicit():
+    cfg = PRESETS["qwen3-0.6b"]
+    assert cfg.head_dim * cfg.num_attention_heads != cfg.hidden_size
+    assert cfg.attention_bias is False and cfg.has_qk_norm
+
+
+def _param_count(cfg):
+    model = nnx.eval_shape(lambda: QwenModel(cfg, rngs=nnx.Rngs(0)))
+    return sum(x.size for x in __import__("jax").tree.leaves(nnx.state(model, nnx.Param)))
+
+
+def test_preset_parameter_counts_match_published_sizes():
+    # Published totals: Qwen2.5-0.5B 494,032,768; Qwen3-0.6B 596,049,920 (tied heads).
+    assert _param_count(PRESETS["qwen2.5-0.5b"]) == 494_032_768
+    assert _param_count(PRESETS["qwen3-0.6b"]) == 596_049_920
+
+
+@pytest.mark.parametrize(
+    "overrides, key, value",
+    [
+        ({"rope_scaling": {"type": "yarn", "factor": 4.0}}, "rope_scaling.rope_type", "yarn"),
+        ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e6}}, "rope_parameters.rope_type", "dynamic"),
+        ({"use_sliding_window": True}, "use_sliding_window", "True"),
+        ({"hidden_act": "gelu"}, "hidden_act", "gelu"),
+        ({"model_type": "llama"}, "model_type", "llama"),
+        ({"attention_dropout": 0.1}, "attention_dropout", "0.1"),
+        ({"quantization_config": {"quant_method": "gptq"}}, "quantization_config", "gptq"),
+        ({"torch_dtype": "int8"}, "torch_dtype", "int8"),
+    ],
+)
+def test_unsupported_options_are_named_errors(overrides, key, value):
+    with pytest.raises(ValueError) as err:
+        QwenConfig.from_hf_dict(_qwen25_style(**overrides))
+    msg = str(err.value)
+    assert key in msg and value in msg and "supported" in msg
+
+
+def test_grouping_must_divide():
+    with pytest.raises(ValueError, match="multiple of num_key_value_heads=3"):
+        QwenConfig.tiny("qwen2", num_key_value_heads=3)
+
+
+def test_missing_config_json_names_the_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        QwenConfig.from_pretrained_dir(tmp_path)
+
+
+def test_unknown_preset_lists_available():
+    with pytest.raises(ValueError, match="qwen2.5-0.5b"):
+        QwenConfig.preset("qwen9")
