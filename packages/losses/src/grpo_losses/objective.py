@@ -1,0 +1,227 @@
+"""The GRPO objective: one definition of the math for every implementation.
+
+Per token (masked positions contribute nothing):
+    log r  = logp - old_logp                    (old = stop_grad(logp) when None)
+             GSPO (`importance_sampling_level: sequence`): the masked mean of
+             log r over the sequence, shared by all its tokens
+    log r  = clip(log r, -logratio_clamp, +logratio_clamp)   when set
+    pg     = -min(r * A, clip(r, 1 - epsilon_low, 1 + epsilon_high) * A)
+    pg     = min(pg, epsilon_c * |A|) where A < 0        (dual clip, when set)
+    loss   = pg + beta * KL_k(policy || ref) - entropy_coef * entropy
+with KL estimators on log q = ref_logp - logp:  k1 = -log q,  k2 = (log q)^2 / 2,
+k3 = exp(log q) - log q - 1.
+
+Exact gradient accumulation. `grpo_loss` returns a `numerator` and a
+`denominator` per micro-batch; the big-batch loss is
+    sum_k numerator_k / sum_k denominator_k
+for every aggregation, because each denominator counts only things a
+micro-batch owns (micro-batches split whole sequences):
+    token_mean           num = sum m*l                      den = sum m (tokens)
+    seq_mean_token_mean  num = sum_i (sum_t m*l / n_i)      den = #sequences
+    seq_mean_token_sum   num = sum m*l                      den = #sequences
+    fixed_length_norm    num = sum m*l                      den = #sequences * max_completion_length
+(n_i = tokens of sequence i; a sequence counts when it has >= 1 unmasked token,
+so padding rows and groups dropped by dynamic sampling count nowhere; TRL's
+formulas count every row, which is the same whenever no row is fully masked.)
+Denominators depend on the mask only, so the runner may compute the total up
+front with `loss_denominator` and differentiate each numerator_k / total, or
+sum grad(numerator_k) and divide once at the end.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+
+from grpo_core.config import LossConfig
+from grpo_losses.logps import Array, TokenLogpsImpl
+
+F32 = jnp.float32
+
+
+class LossMetrics(NamedTuple):
+    """Sums over unmasked tokens, so micro-batches merge exactly (`merge`) before
+    `summary()` turns them into means. `kl_sum` is None without ref_logp,
+    `entropy_sum` None unless entropy was computed."""
+
+    tokens: Array
+    clip_low: Array  # tokens with A < 0 and r < 1 - epsilon_low
+    clip_high: Array  # tokens with A > 0 and r > 1 + epsilon_high
+    ratio_sum: Array
+    ratio_min: Array  # +inf when no token is unmasked
+    ratio_max: Array  # -inf when no token is unmasked
+    kl_sum: Optional[Array] = None
+    entropy_sum: Optional[Array] = None
+
+    def merge(self, other: "LossMetrics") -> "LossMetrics":
+        """The metrics of both micro-batches together."""
+        def combine(name, a, b):
+            if a is None:
+                return None
+            return {"ratio_min": jnp.minimum, "ratio_max": jnp.maximum}.get(name, jnp.add)(a, b)
+
+        return LossMetrics(*(combine(name, a, b) for name, a, b in zip(self._fields, self, other)))
+
+    def summary(self) -> dict[str, Array]:
+        """clip_frac_low/high, ratio_mean/min/max, kl_mean, entropy_mean (the last
+        two only when available)."""
+        tokens = jnp.maximum(self.tokens, 1.0)
+        out = {"clip_frac_low": self.clip_low / tokens, "clip_frac_high": self.clip_high / tokens,
+               "ratio_mean": self.ratio_sum / tokens, "ratio_min": self.ratio_min, "ratio_max": self.ratio_max}
+        if self.kl_sum is not None:
+            out["kl_mean"] = self.kl_sum / tokens
+        if self.entropy_sum is not None:
+            out["entropy_mean"] = self.entropy_sum / tokens
+        return out
+
+
+class LossOutput(NamedTuple):
+    """What `grpo_loss` returns for one micro-batch.
+
+    numerator, denominator: float32 scalars; loss = sum numerators / sum denominators.
+    logp: per-token log-probs [B, T] float32 (differentiable).
+    metrics: `LossMetrics` sums.
+    """
+
+    numerator: Array
+    denominator: Array
+    logp: Array
+    metrics: LossMetrics
+
+    @property
+    def loss(self) -> Array:
+        """The loss of this micro-batch alone (= the batch loss when there is one)."""
+        return finalize_loss(self.numerator, self.denominator)
+
+
+def finalize_loss(numerator: Array, denominator: Array) -> Array:
+    """numerator / denominator; 0 when nothing is unmasked (denominators are counts)."""
+    return numerator / jnp.maximum(denominator, 1.0)
+
+
+def grpo_loss(impl: TokenLogpsImpl, hidden: Array, lm_head: Array, targets: Array, mask: Array,
+              advantages: Array, old_logp: Optional[Array], ref_logp: Optional[Array], cfg: LossConfig,
+              *, temperature: float | Array = 1.0) -> LossOutput:
+    """The GRPO loss of one micro-batch through `impl`.
+
+    hidden [B, T, H] (states that predict `targets`, i.e. already shifted),
+    lm_head [H, V], targets [B, T] int, mask [B, T] (1 = completion token),
+    advantages [B], old_logp / ref_logp [B, T] float32 or None (None old means
+    on-policy: ratio 1 with the policy gradient intact), temperature = the
+    sampling temperature. Differentiate `numerator` (see module doc).
+    """
+    _check_config(cfg, ref_logp)
+    need_entropy = cfg.compute_entropy or cfg.entropy_coef > 0
+    out = impl(hidden, lm_head, targets, temperature, entropy=need_entropy)
+    entropy = out.entropy if cfg.entropy_coef > 0 else _metric_only(out.entropy)
+    mask = mask.astype(F32)
+    per_token, metrics = token_losses(out.logp, entropy, mask, advantages, old_logp, ref_logp, cfg)
+    numerator, denominator = aggregate(per_token, mask, cfg)
+    return LossOutput(numerator, denominator, out.logp, metrics)
+
+
+def _metric_only(entropy: Optional[Array]) -> Optional[Array]:
+    return None if entropy is None else jax.lax.stop_gradient(entropy)
+
+
+def _check_config(cfg: LossConfig, ref_logp: Optional[Array]) -> None:
+    if cfg.beta > 0 and ref_logp is None:
+        raise ValueError(f"loss.beta is {cfg.beta} but ref_logp is None; pass reference log-probs "
+                         "(per_token_logps of the reference model) or set loss.beta: 0")
+    if cfg.aggregation == "fixed_length_norm" and cfg.max_completion_length is None:
+        raise ValueError("loss.aggregation is fixed_length_norm but loss.max_completion_length is null; "
+                         "set it (the runner fills it from rollout.max_new_tokens)")
+
+
+def token_losses(logp: Array, entropy: Optional[Array], mask: Array, advantages: Array,
+                 old_logp: Optional[Array], ref_logp: Optional[Array],
+                 cfg: LossConfig) -> tuple[Array, LossMetrics]:
+    """Per-token loss [B, T] (zero where mask is 0) and the metric sums."""
+    ratio = importance_ratio(logp, old_logp, mask, cfg)  # [B, T] or [B, 1]
+    adv = advantages.astype(F32)[:, None]  # [B, 1]
+    per_token = clipped_surrogate(ratio, adv, cfg)
+    kl = None if ref_logp is None else kl_estimate(logp, ref_logp, mask, cfg.kl_estimator)
+    if cfg.beta > 0:
+        per_token = per_token + cfg.beta * kl
+    if cfg.entropy_coef > 0:
+        per_token = per_token - cfg.entropy_coef * entropy
+    ratio = jnp.broadcast_to(ratio, logp.shape)
+    metrics = _metrics(ratio, adv, mask, kl, entropy if cfg.compute_entropy else None, cfg)
+    return per_token * mask, metrics
+
+
+def importance_ratio(logp: Array, old_logp: Optional[Array], mask: Array, cfg: LossConfig) -> Array:
+    """exp(log r): per token [B, T], or per sequence [B, 1] for GSPO."""
+    old = jax.lax.stop_gradient(logp) if old_logp is None else old_logp
+    log_ratio = jnp.where(mask > 0, logp - old, 0.0)  # padding may hold any old_logp
+    if cfg.importance_sampling_level == "sequence":
+        log_ratio = jnp.sum(log_ratio, axis=1, keepdims=True) / _tokens_per_sequence(mask)
+    if cfg.logratio_clamp is not None:
+        log_ratio = jnp.clip(log_ratio, -cfg.logratio_clamp, cfg.logratio_clamp)
+    return jnp.exp(log_ratio)
+
+
+def clipped_surrogate(ratio: Array, adv: Array, cfg: LossConfig) -> Array:
+    """PPO clipped policy loss, with the dual clip for negative advantages."""
+    clipped = jnp.clip(ratio, 1.0 - cfg.epsilon_low, 1.0 + cfg.epsilon_high)
+    loss = -jnp.minimum(ratio * adv, clipped * adv)
+    if cfg.epsilon_c is not None:
+        loss = jnp.where(adv < 0, jnp.minimum(loss, -cfg.epsilon_c * adv), loss)
+    return loss
+
+
+def kl_estimate(logp: Array, ref_logp: Array, mask: Array, estimator: str) -> Array:
+    """Per-token estimate of KL(policy || reference) [B, T] (Schulman's k1/k2/k3)."""
+    log_q = jnp.where(mask > 0, ref_logp - logp, 0.0)  # padding may hold any ref_logp
+    if estimator == "k1":
+        return -log_q
+    if estimator == "k2":
+        return 0.5 * jnp.square(log_q)
+    if estimator == "k3":
+        return jnp.exp(log_q) - log_q - 1.0
+    raise ValueError(f"loss.kl_estimator must be k1, k2 or k3, got {estimator!r}")
+
+
+def aggregate(per_token: Array, mask: Array, cfg: LossConfig) -> tuple[Array, Array]:
+    """(numerator, denominator) of the configured aggregation (see module doc)."""
+    total = jnp.sum(per_token * mask)
+    if cfg.aggregation == "seq_mean_token_mean":
+        per_sequence = jnp.sum(per_token * mask, axis=1, keepdims=True) / _tokens_per_sequence(mask)
+        total = jnp.sum(per_sequence)
+    elif cfg.aggregation not in ("token_mean", "seq_mean_token_sum", "fixed_length_norm"):
+        raise ValueError(f"unknown loss.aggregation {cfg.aggregation!r}; use token_mean, seq_mean_token_mean, "
+                         "seq_mean_token_sum or fixed_length_norm")
+    return total, loss_denominator(mask, cfg)
+
+
+def loss_denominator(mask: Array, cfg: LossConfig) -> Array:
+    """The denominator of `aggregate` for this mask [B, T]; additive over micro-batches."""
+    mask = mask.astype(F32)
+    if cfg.aggregation == "token_mean":
+        return jnp.sum(mask)
+    sequences = jnp.sum(jnp.any(mask > 0, axis=1).astype(F32))
+    if cfg.aggregation == "fixed_length_norm":
+        if cfg.max_completion_length is None:
+            raise ValueError("fixed_length_norm needs loss.max_completion_length (got null)")
+        return sequences * cfg.max_completion_length
+    return sequences
+
+
+def _tokens_per_sequence(mask: Array) -> Array:
+    return jnp.maximum(jnp.sum(mask, axis=1, keepdims=True), 1.0)  # [B, 1]
+
+
+def _metrics(ratio: Array, adv: Array, mask: Array, kl: Optional[Array], entropy: Optional[Array],
+             cfg: LossConfig) -> LossMetrics:
+    ratio = jax.lax.stop_gradient(ratio)
+    low = (ratio < 1.0 - cfg.epsilon_low) & (adv < 0)
+    high = (ratio > 1.0 + cfg.epsilon_high) & (adv > 0)
+    valid = mask > 0
+    return LossMetrics(
+        tokens=jnp.sum(mask), clip_low=jnp.sum(low * mask), clip_high=jnp.sum(high * mask),
+        ratio_sum=jnp.sum(ratio * mask),
+        ratio_min=jnp.min(jnp.where(valid, ratio, jnp.inf)), ratio_max=jnp.max(jnp.where(valid, ratio, -jnp.inf)),
+        kl_sum=None if kl is None else jnp.sum(jax.lax.stop_gradient(kl) * mask),
+        entropy_sum=None if entropy is None else jnp.sum(jax.lax.stop_gradient(entropy) * mask))

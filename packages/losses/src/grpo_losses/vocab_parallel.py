@@ -1,0 +1,170 @@
+"""custom_vjp + shard_map plumbing shared by the blockwise implementations.
+
+A `VocabKernels` object computes, on ONE device's slice of tokens and vocab,
+the online softmax state (forward) and the gradients from recomputed logits
+blocks (backward). This module turns it into a differentiable
+`(hidden, lm_head, targets, temperature) -> TokenLogps`:
+
+- Without a mesh (or a one-device mesh) the kernels see everything.
+- With a mesh (passed in, or the one set by `jax.set_mesh`), the work runs in
+  `jax.shard_map` over every mesh axis: lm_head's V dim is split over
+  `vocab_axis` (default "tp"), tokens over the remaining axes. Each vocab shard
+  computes its partial state; `finish_stats` combines them with pmax/psum, so
+  every shard sees the exact global log-sum-exp. In the backward each shard
+  builds dL/dz for its own columns only; d hidden is psum-ed over `vocab_axis`
+  and d lm_head over the token axes. No device ever holds more than its
+  [H, V / tp] weight slice plus one logits block.
+
+The shard_maps run with check_vma=False: kernels start loop carries from
+constants, which the varying-axes checker rejects; the collectives here are
+placed by hand and nothing is differentiated through shard_map itself.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Protocol
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import AbstractMesh, Mesh
+from jax.sharding import PartitionSpec as P
+
+from grpo_losses.blockmath import F32, TokenStats, VocabStats, finish_stats
+from grpo_losses.logps import Array, TokenLogps
+
+
+class VocabKernels(Protocol):
+    """Per-device blockwise kernels. Shapes are the device-local ones:
+    h [N, H], w [H, Vl], targets [N, 1] int32 as LOCAL column ids (-1 when
+    the target lives on another vocab shard), inv_temp float32 scalar, per-token
+    statistics and cotangents [N, 1] float32."""
+
+    def stats(self, h: Array, w: Array, targets: Array, inv_temp: Array, with_entropy: bool) -> VocabStats:
+        """Online softmax state over this device's vocab columns."""
+        ...
+
+    def grads(self, h: Array, w: Array, targets: Array, inv_temp: Array, stats: TokenStats,
+              g_lp: Array, g_ent: Optional[Array]) -> tuple[Array, Array]:
+        """(d h [N, H], d w [H, Vl]), float32, from this device's columns only."""
+        ...
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """How the token and vocab dims map onto mesh axes."""
+
+    mesh: Mesh | AbstractMesh
+    token_axes: tuple[str, ...]
+    vocab_axis: Optional[str]
+
+    def specs(self) -> dict[str, P]:
+        tokens = self.token_axes or None
+        return {"tokens": P(tokens), "hidden": P(tokens, None), "lm_head": P(None, self.vocab_axis)}
+
+
+def plan_sharding(mesh: Mesh | AbstractMesh | None, vocab_axis: str, n_tokens: int, vocab: int) -> Optional[ShardPlan]:
+    """The shard_map layout for `mesh` (None: the context mesh); None when unsharded.
+
+    Tokens split over all non-vocab axes when they divide the token count, else
+    they are replicated (still exact, just redundant work).
+    """
+    mesh = _context_mesh() if mesh is None else mesh
+    if mesh is None or mesh.empty or math.prod(mesh.shape.values()) == 1:
+        return None
+    sizes = dict(mesh.shape)
+    vocab_axis_used = vocab_axis if sizes.get(vocab_axis, 1) > 1 else None
+    if vocab_axis_used and vocab % sizes[vocab_axis]:
+        raise ValueError(
+            f"lm_head vocab size {vocab} is not divisible by mesh axis {vocab_axis!r} of size "
+            f"{sizes[vocab_axis]}; pad the LM head's vocab to a multiple of it or use a {vocab_axis} size that divides it")
+    token_axes = tuple(name for name in mesh.axis_names if name != vocab_axis_used and sizes[name] > 1)
+    if n_tokens % math.prod(sizes[name] for name in token_axes):
+        token_axes = ()
+    return ShardPlan(mesh, token_axes, vocab_axis_used)
+
+
+def _context_mesh() -> AbstractMesh | None:
+    """The mesh set by `jax.set_mesh` (visible inside and outside jit), or None."""
+    abstract = jax.sharding.get_abstract_mesh()
+    return None if abstract.empty else abstract
+
+
+def blockwise_token_logps(kernels: VocabKernels, hidden: Array, lm_head: Array, targets: Array,
+                          temperature: float | Array, *, entropy: bool, vocab_axis: str = "tp",
+                          mesh: Mesh | AbstractMesh | None = None) -> TokenLogps:
+    """TokenLogps [B, T] of hidden [B, T, H] and lm_head [H, V] through `kernels`.
+
+    Never builds [B, T, V]; the backward recomputes logits blocks. Gradients flow
+    to hidden and lm_head; temperature receives a zero cotangent.
+    """
+    batch, time, width = hidden.shape
+    plan = plan_sharding(mesh, vocab_axis, batch * time, lm_head.shape[1])
+    fn = _differentiable(kernels, plan, entropy)
+    inv_temp = 1.0 / jnp.asarray(temperature, F32)
+    targets = targets.reshape(batch * time, 1).astype(jnp.int32)
+    logp, ent = fn(hidden.reshape(batch * time, width), lm_head, targets, inv_temp)
+    return TokenLogps(logp.reshape(batch, time), None if ent is None else ent.reshape(batch, time))
+
+
+def _differentiable(kernels: VocabKernels, plan: Optional[ShardPlan], with_entropy: bool):
+    @jax.custom_vjp
+    def logps(h, w, targets, inv_temp):
+        stats = _forward(kernels, plan, with_entropy, h, w, targets, inv_temp)
+        return stats.logp, stats.entropy
+
+    def forward(h, w, targets, inv_temp):
+        stats = _forward(kernels, plan, with_entropy, h, w, targets, inv_temp)
+        return (stats.logp, stats.entropy), (h, w, targets, inv_temp, stats)
+
+    def backward(residuals, cotangents):
+        h, w, targets, inv_temp, stats = residuals
+        g_lp, g_ent = cotangents
+        dh, dw = _backward(kernels, plan, h, w, targets, inv_temp, stats, g_lp, g_ent)
+        return dh.astype(h.dtype), dw.astype(w.dtype), None, jnp.zeros_like(inv_temp)
+
+    logps.defvjp(forward, backward)
+    return logps
+
+
+def _forward(kernels, plan, with_entropy, h, w, targets, inv_temp) -> TokenStats:
+    def local(h, w, targets, inv_temp):
+        local_targets = _local_targets(targets, w.shape[1], plan and plan.vocab_axis)
+        return finish_stats(kernels.stats(h, w, local_targets, inv_temp, with_entropy), plan and plan.vocab_axis)
+
+    if plan is None:
+        return local(h, w, targets, inv_temp)
+    spec = plan.specs()
+    return jax.shard_map(local, mesh=plan.mesh, in_specs=(spec["hidden"], spec["lm_head"], spec["tokens"], P()),
+                         out_specs=spec["tokens"], check_vma=False)(h, w, targets, inv_temp)
+
+
+def _backward(kernels, plan, h, w, targets, inv_temp, stats, g_lp, g_ent):
+    def local(h, w, targets, inv_temp, stats, g_lp, g_ent):
+        local_targets = _local_targets(targets, w.shape[1], plan and plan.vocab_axis)
+        dh, dw = kernels.grads(h, w, local_targets, inv_temp, stats, g_lp, g_ent)
+        if plan is None:
+            return dh, dw
+        if plan.vocab_axis:
+            dh = lax.psum(dh, plan.vocab_axis)  # every vocab shard contributes to each token
+        if plan.token_axes:
+            dw = lax.psum(dw, plan.token_axes)  # every token shard contributes to each column
+        return dh, dw
+
+    if plan is None:
+        return local(h, w, targets, inv_temp, stats, g_lp, g_ent)
+    spec = plan.specs()
+    return jax.shard_map(
+        local, mesh=plan.mesh,
+        in_specs=(spec["hidden"], spec["lm_head"], spec["tokens"], P(), spec["tokens"], spec["tokens"], spec["tokens"]),
+        out_specs=(spec["hidden"], spec["lm_head"]), check_vma=False)(h, w, targets, inv_temp, stats, g_lp, g_ent)
+
+
+def _local_targets(targets: Array, local_vocab: int, vocab_axis: Optional[str]) -> Array:
+    """Global target ids -> column ids of this vocab shard, -1 when elsewhere."""
+    if vocab_axis is None:
+        return targets
+    local = targets - lax.axis_index(vocab_axis) * local_vocab
+    return jnp.where((local >= 0) & (local < local_vocab), local, -1)
