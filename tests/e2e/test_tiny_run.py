@@ -1,0 +1,91 @@
+"""A few steps of the real loop on the tiny config: metrics, files, W&B offline, NaN skip."""
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from grpo_core import LossSpec, NoOptions, hookimpl
+from grpo_core.config_io import load_config
+from grpo_core.registry import default_registry
+from grpo_core.testing import registry_with
+from grpo_losses import TokenLogps, ReferenceLogps
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = REPO / "configs" / "tiny.yaml"
+FAST = ["train.steps=2", "rollout.prompts_per_step=4", "rollout.n=4", "rollout.max_new_tokens=4",
+        "eval.every_steps=2", "eval.num_questions=8"]
+
+EXPECTED_KEYS = [
+    *(f"time/train/{k}" for k in ("rollout_s", "reward_s", "update_s", "step_s", "step_avg_last10_s")),
+    "throughput/train/valid_tokens_per_s",
+    *(f"train-reward/total/{k}" for k in ("mean", "std", "min", "max")),
+    "train-reward/func/correctness/mean", "train-reward/func/correctness/errors",
+    *(f"train-other/{k}" for k in ("loss", "entropy", "kl", "clip_frac_low", "clip_frac_high", "grad_norm",
+                                   "lr", "skipped_steps")),
+    *(f"train-seq_len/{part}/{k}" for part in ("prompt", "completion") for k in ("mean", "max")),
+    "eval/accuracy",
+]
+
+
+def _trainer(tmp_path, *overrides, registry=None):
+    from grpo_runner_gsm8k.loop import Trainer
+
+    registry = registry or default_registry()
+    cfg = load_config(TINY, [*FAST, f"logging.dir={tmp_path}", *overrides], registry=registry)
+    return Trainer(cfg, registry)
+
+
+def _run(tmp_path, *overrides, registry=None):
+    trainer = _trainer(tmp_path, *overrides, registry=registry)
+    return trainer, trainer.run()
+
+
+def _records(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_tiny_run_writes_every_metric(tmp_path):
+    _, last = _run(tmp_path, "loss.beta=0.01", "logging.wandb=offline")
+    records = _records(tmp_path)
+    assert [r["step"] for r in records] == [1, 2]
+    for key in EXPECTED_KEYS:
+        assert key in records[-1], key
+        assert records[-1][key] is not None and math.isfinite(records[-1][key]), (key, records[-1][key])
+    assert (tmp_path / "config.yaml").is_file()
+    summaries = list(tmp_path.glob("wandb/offline-run-*/files/wandb-summary.json"))
+    assert summaries, list(tmp_path.rglob("*"))
+    summary = json.loads(summaries[0].read_text())
+    assert "train-reward/total/mean" in summary and "eval/accuracy" in summary
+
+
+class NanLoss:
+    """A loss implementation whose log-probs are NaN: the update must be skipped."""
+
+    @hookimpl
+    def grpo_losses(self):
+        def build(options):
+            reference = ReferenceLogps()
+
+            def nan_logps(hidden, lm_head, targets, temperature=1.0, *, entropy=False):
+                out = reference(hidden, lm_head, targets, temperature, entropy=entropy)
+                return TokenLogps(out.logp * jnp.nan, out.entropy)
+
+            return nan_logps
+
+        return [LossSpec("nan_loss", build, NoOptions, "always NaN")]
+
+
+def test_non_finite_loss_skips_the_update(tmp_path):
+    trainer = _trainer(tmp_path, "loss.impl=nan_loss", "eval.every_steps=0", registry=registry_with(NanLoss()))
+    initial = jax.tree.map(np.array, trainer.state.params)
+    last = trainer.run()
+    assert last["train-other/skipped_steps"] == 2
+    assert math.isnan(last["train-other/loss"])
+    diffs = jax.tree.map(lambda a, b: float(np.max(np.abs(np.asarray(a) - b))), trainer.state.params, initial)
+    assert max(jax.tree.leaves(diffs)) == 0.0
