@@ -28,24 +28,32 @@ def golden():
 
 
 def randomize_params(model: nnx.Module, seed: int, std: float = 0.2) -> nnx.Module:
-    """Redraw every parameter ~ N(0, std) (in place, host RNG) so logits are O(1)."""
+    """Redraw every parameter ~ N(0, std), norm scales ~ N(1, std), in place (host RNG),
+    so logits are O(1) like a trained model's and layout mistakes cannot hide."""
     rng = np.random.RandomState(seed)
+
+    def draw(path, x):
+        centre = 1.0 if path[-1] == "scale" else 0.0
+        return jnp.asarray(rng.normal(centre, std, x.shape), x.dtype)
+
     state = nnx.state(model, nnx.Param)
-    fresh = jax.tree.map(lambda x: jnp.asarray(rng.normal(0.0, std, x.shape), x.dtype), state)
-    nnx.update(model, fresh)
+    nnx.update(
+        model, jax.tree_util.tree_map_with_path(lambda p, x: draw([k.key for k in p if hasattr(k, "key")], x), state)
+    )
     return model
 
 
 @nnx.jit
-def forward_logits(model, ids, mask):
+def forward_logits(model, ids, mask, positions):
     """Jitted model(ids, mask) -> logits [B, T, V] (eager op-by-op dispatch is slow)."""
-    return model.logits(model(ids, attention_mask=mask))
+    return model.logits(model(ids, attention_mask=mask, positions=positions))
 
 
-def logits_np(model, ids, mask=None) -> np.ndarray:
+def logits_np(model, ids, mask=None, positions=None) -> np.ndarray:
     ids = jnp.asarray(ids)
     mask = jnp.ones(ids.shape, jnp.int32) if mask is None else jnp.asarray(mask)
-    return np.asarray(forward_logits(model, ids, mask))
+    positions = None if positions is None else jnp.asarray(positions)
+    return np.asarray(forward_logits(model, ids, mask, positions))
 
 
 @pytest.fixture
@@ -55,7 +63,7 @@ def randomize():
 
 @pytest.fixture
 def logits_of():
-    """logits_of(model, ids, mask=None) -> numpy logits, jitted."""
+    """logits_of(model, ids, mask=None, positions=None) -> numpy logits, jitted."""
     return logits_np
 
 

@@ -23,22 +23,45 @@ GOLDEN_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden")
 
 # Tiny configs covering: Qwen2 tied (Qwen2.5 <= 3B), Qwen2 untied with one KV head
 # (7B-style untied head, maximal grouping), Qwen3 (q/k norm, head_dim * heads != hidden).
-_COMMON = dict(
-    vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, max_position_embeddings=256,
-    hidden_act="silu", torch_dtype="float32", use_sliding_window=False,
-)
+_COMMON = {
+    "vocab_size": 96,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "max_position_embeddings": 4096,
+    "hidden_act": "silu",
+    "torch_dtype": "float32",
+    "use_sliding_window": False,
+}
 FAMILIES: dict[str, dict] = {
     "qwen2_tied": dict(
-        _COMMON, model_type="qwen2", num_attention_heads=4, num_key_value_heads=2,
-        rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
+        _COMMON,
+        model_type="qwen2",
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
     ),
     "qwen2_untied": dict(
-        _COMMON, model_type="qwen2", num_attention_heads=4, num_key_value_heads=1,
-        rope_theta=1000000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        _COMMON,
+        model_type="qwen2",
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
     ),
     "qwen3": dict(
-        _COMMON, model_type="qwen3", num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        attention_bias=False, rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
+        _COMMON,
+        model_type="qwen3",
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        attention_bias=False,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
     ),
 }
 SEEDS = {"qwen2_tied": 11, "qwen2_untied": 12, "qwen3": 13}
@@ -77,7 +100,11 @@ def build_hf_model(config: dict, seed: int):
     return model
 
 
-def hf_logits(model, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
+# Far positions exercise RoPE tables where f32 angle rounding matters.
+POSITION_OFFSET = 3000
+
+
+def hf_logits(model, ids: np.ndarray, mask: np.ndarray, position_offset: int = 0) -> np.ndarray:
     """Logits with positions from the mask (HF's plain forward would count pads)."""
     import torch
 
@@ -85,7 +112,7 @@ def hf_logits(model, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
         out = model(
             input_ids=torch.tensor(ids, dtype=torch.long),
             attention_mask=torch.tensor(mask, dtype=torch.long),
-            position_ids=torch.tensor(positions(mask), dtype=torch.long),
+            position_ids=torch.tensor(positions(mask) + position_offset, dtype=torch.long),
         )
     return out.logits.float().numpy()
 
@@ -101,7 +128,13 @@ def write_family(name: str) -> None:
         if os.path.exists(os.path.join(out, extra)):
             os.remove(os.path.join(out, extra))
     ids, mask = golden_inputs(FAMILIES[name]["vocab_size"])
-    np.savez_compressed(os.path.join(out, "io.npz"), input_ids=ids, attention_mask=mask, logits=hf_logits(model, ids, mask))
+    np.savez_compressed(
+        os.path.join(out, "io.npz"),
+        input_ids=ids,
+        attention_mask=mask,
+        logits=hf_logits(model, ids, mask),
+        logits_far=hf_logits(model, ids, mask, POSITION_OFFSET),  # positions + POSITION_OFFSET
+    )
     meta = {"torch": torch.__version__, "transformers": transformers.__version__, "seed": SEEDS[name]}
     with open(os.path.join(out, "versions.json"), "w") as f:
         json.dump(meta, f, indent=2)

@@ -9,7 +9,7 @@ def test_bench_prints_one_json_line(capsys):
     assert len(lines) == 1
     result = json.loads(lines[0])
     assert result["family"] == "qwen3" and result["forward_tokens_per_s"] > 0
-    assert isinstance(result["temp_bytes"], int) and result["shape"]["head_dim"] == 16
+    assert isinstance(result["compiled_temp_bytes"], int) and result["shape"]["head_dim"] == 16
 
 
 def test_bench_shape_flags_override_preset():

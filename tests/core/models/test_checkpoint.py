@@ -14,12 +14,10 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
-from jax.sharding import NamedSharding
-from safetensors.numpy import load_file
-
 from grpo_core.models import QwenConfig, export_pretrained, init_from_config, load_pretrained
 from grpo_core.sharding import DEFAULT_RULES, param_shardings
 from grpo_core.tokenizer import build_char_tokenizer, load_tokenizer
+from safetensors.numpy import load_file
 
 FAMILIES = ("qwen2_tied", "qwen2_untied", "qwen3")
 PARITY_ATOL = 1e-4  # issue requirement for f32; observed max diff is ~3e-7
@@ -34,6 +32,10 @@ def _golden_io(golden, name):
     return io["input_ids"], io["attention_mask"], io["logits"]
 
 
+def _golden_far_logits(golden, name):
+    return np.load(os.path.join(_golden_dir(golden, name), "io.npz"))["logits_far"]
+
+
 def _flat_params(model):
     return {".".join(map(str, p)): v.get_value() for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
 
@@ -44,6 +46,8 @@ def test_golden_hf_checkpoint_logits(golden, name, logits_of):
     model = load_pretrained(_golden_dir(golden, name), dtype="float32")
     real = mask.astype(bool)
     assert np.abs(logits_of(model, ids, mask) - hf_logits)[real].max() <= PARITY_ATOL
+    far = golden.positions(mask) + golden.POSITION_OFFSET
+    assert np.abs(logits_of(model, ids, mask, far) - _golden_far_logits(golden, name))[real].max() <= PARITY_ATOL
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -71,7 +75,9 @@ def test_load_with_mesh_places_each_tensor_on_its_sharding(golden, mesh8, logits
     source = _golden_dir(golden, "qwen3")
     plain = load_pretrained(source, dtype="float32")
     sharded = load_pretrained(source, dtype="float32", mesh=mesh8, rules=DEFAULT_RULES)
-    expected = {".".join(map(str, p)): v.get_value() for p, v in nnx.to_flat_state(param_shardings(plain, mesh8, DEFAULT_RULES))}
+    expected = {
+        ".".join(map(str, p)): v.get_value() for p, v in nnx.to_flat_state(param_shardings(plain, mesh8, DEFAULT_RULES))
+    }
     params = _flat_params(sharded)
     assert any(len(s.device_set) == 8 and s.spec != jax.sharding.PartitionSpec(None) for s in expected.values())
     for path, value in params.items():
@@ -107,7 +113,9 @@ def test_export_saves_tokenizer(tmp_path):
     text = "<|im_start|>user\n1+1=?<|im_end|>\n"
     assert reloaded(text)["input_ids"] == tokenizer(text)["input_ids"]
     with pytest.raises(ValueError, match="tokenizer has 100 tokens but the model's vocab_size is 64"):
-        export_pretrained(init_from_config(QwenConfig.tiny("qwen2", vocab_size=64)), tmp_path / "x", tokenizer=tokenizer)
+        export_pretrained(
+            init_from_config(QwenConfig.tiny("qwen2", vocab_size=64)), tmp_path / "x", tokenizer=tokenizer
+        )
 
 
 # ---- errors name the file ---------------------------------------------------------------
@@ -155,7 +163,9 @@ def test_missing_and_unexpected_tensors_are_named(golden_copy):
     save_file({k: v for k, v in tensors.items() if "layers.1.mlp.up_proj" not in k}, golden_copy / "model.safetensors")
     with pytest.raises(ValueError, match=r"missing 1 tensor\(s\): model\.layers\.1\.mlp\.up_proj\.weight"):
         load_pretrained(golden_copy)
-    save_file({**tensors, "model.layers.0.self_attn.q_norm.weight": np.ones(8, np.float32)}, golden_copy / "model.safetensors")
+    save_file(
+        {**tensors, "model.layers.0.self_attn.q_norm.weight": np.ones(8, np.float32)}, golden_copy / "model.safetensors"
+    )
     with pytest.raises(ValueError, match=r"q_norm\.weight.*ckpt/model\.safetensors has no parameter in a qwen2 model"):
         load_pretrained(golden_copy)
 

@@ -2,20 +2,35 @@ import json
 
 import pytest
 from flax import nnx
-
 from grpo_core.models import PRESETS, QwenConfig, QwenModel
 
 
 def _qwen25_style(**overrides):
     """A transformers-4.x style Qwen2.5 config.json (as published on the Hub)."""
     d = {
-        "architectures": ["Qwen2ForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 151643,
-        "eos_token_id": 151645, "hidden_act": "silu", "hidden_size": 896, "initializer_range": 0.02,
-        "intermediate_size": 4864, "max_position_embeddings": 32768, "max_window_layers": 21,
-        "model_type": "qwen2", "num_attention_heads": 14, "num_hidden_layers": 24, "num_key_value_heads": 2,
-        "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "sliding_window": 32768, "tie_word_embeddings": True,
-        "torch_dtype": "bfloat16", "transformers_version": "4.43.1", "use_cache": True,
-        "use_sliding_window": False, "vocab_size": 151936,
+        "architectures": ["Qwen2ForCausalLM"],
+        "attention_dropout": 0.0,
+        "bos_token_id": 151643,
+        "eos_token_id": 151645,
+        "hidden_act": "silu",
+        "hidden_size": 896,
+        "initializer_range": 0.02,
+        "intermediate_size": 4864,
+        "max_position_embeddings": 32768,
+        "max_window_layers": 21,
+        "model_type": "qwen2",
+        "num_attention_heads": 14,
+        "num_hidden_layers": 24,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-06,
+        "rope_theta": 1000000.0,
+        "sliding_window": 32768,
+        "tie_word_embeddings": True,
+        "torch_dtype": "bfloat16",
+        "transformers_version": "4.43.1",
+        "use_cache": True,
+        "use_sliding_window": False,
+        "vocab_size": 151936,
     }
     d.update(overrides)
     return d
@@ -30,8 +45,11 @@ def test_hub_style_config_matches_preset():
 def test_transformers5_layout_equals_4x_layout():
     v4 = _qwen25_style()
     v5 = {k: v for k, v in v4.items() if k not in ("rope_theta", "torch_dtype")}
-    v5.update(rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, dtype="bfloat16",
-              layer_types=["full_attention"] * 24)
+    v5.update(
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        dtype="bfloat16",
+        layer_types=["full_attention"] * 24,
+    )
     assert QwenConfig.from_hf_dict(v5) == QwenConfig.from_hf_dict(v4)
 
 

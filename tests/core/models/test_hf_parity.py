@@ -13,8 +13,8 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from grpo_core.models import QwenConfig, export_pretrained, init_from_config, load_pretrained  # noqa: E402
-from grpo_core.tokenizer import build_char_tokenizer  # noqa: E402
+from grpo_core.models import QwenConfig, export_pretrained, init_from_config, load_pretrained
+from grpo_core.tokenizer import build_char_tokenizer
 
 FAMILIES = ("qwen2_tied", "qwen2_untied", "qwen3")
 PARITY_ATOL = 1e-4
@@ -49,9 +49,27 @@ def test_golden_fixtures_match_current_transformers(golden, name):
     """The committed HF logits still equal what HF computes from the committed weights."""
     path = os.path.join(golden.GOLDEN_DIR, name)
     io = np.load(os.path.join(path, "io.npz"))
+    ids, mask = io["input_ids"], io["attention_mask"]
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
-    fresh = golden.hf_logits(hf.eval(), io["input_ids"], io["attention_mask"])
-    assert _max_real_diff(fresh, io["logits"], io["attention_mask"]) <= 1e-6
+    assert _max_real_diff(golden.hf_logits(hf.eval(), ids, mask), io["logits"], mask) <= 1e-6
+    far = golden.hf_logits(hf, ids, mask, golden.POSITION_OFFSET)
+    assert _max_real_diff(far, io["logits_far"], mask) <= 1e-6
+
+
+def test_qwen3_with_attention_bias(golden, tmp_path, logits_of):
+    """Qwen3's attention_bias=True adds biases to q/k/v and o_proj."""
+    config = dict(golden.FAMILIES["qwen3"], attention_bias=True, tie_word_embeddings=False)
+    hf = golden.build_hf_model(config, seed=21)
+    hf.save_pretrained(tmp_path)
+    ids, mask = golden.golden_inputs(config["vocab_size"], seed=3)
+    model = load_pretrained(tmp_path, dtype="float32")
+    assert model.layers[0].self_attn.o_proj.bias is not None
+    assert _max_real_diff(logits_of(model, ids, mask), golden.hf_logits(hf, ids, mask), mask) <= PARITY_ATOL
+    export_pretrained(model, tmp_path / "export")
+    back = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "export", dtype=torch.float32, attn_implementation="eager"
+    )
+    assert _max_real_diff(golden.hf_logits(back.eval(), ids, mask), golden.hf_logits(hf, ids, mask), mask) == 0.0
 
 
 def test_sharded_export_with_tokenizer_loads_in_transformers(golden, tmp_path, randomize, logits_of):
@@ -62,7 +80,9 @@ def test_sharded_export_with_tokenizer_loads_in_transformers(golden, tmp_path, r
     assert (tmp_path / "model.safetensors.index.json").exists()
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32, attn_implementation="eager")
     hf_tok = transformers.AutoTokenizer.from_pretrained(tmp_path)
-    prompt = hf_tok.apply_chat_template([{"role": "user", "content": "2+3=?"}], add_generation_prompt=True, tokenize=False)
+    prompt = hf_tok.apply_chat_template(
+        [{"role": "user", "content": "2+3=?"}], add_generation_prompt=True, tokenize=False
+    )
     ids = np.array([hf_tok(prompt)["input_ids"]], dtype=np.int32)
     assert ids.max() < cfg.vocab_size and ids.tolist() == [tokenizer(prompt)["input_ids"]]
     mask = np.ones_like(ids)

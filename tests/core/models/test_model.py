@@ -11,7 +11,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-
 from grpo_core.models import QwenConfig, QwenModel, init_from_config
 from grpo_core.models.attention import causal_visibility, grouped_query_attention
 
@@ -106,7 +105,9 @@ def test_kv_cache_prefill_and_decode_equal_full_forward(model, left_padded, logi
     logits, cache = _cached_step(graphdef, state, jnp.asarray(ids[:, :prompt]), cache, jnp.asarray(mask[:, :prompt]))
     pieces = [np.asarray(logits)]
     for t in range(prompt, prompt + steps):
-        logits, cache = _cached_step(graphdef, state, jnp.asarray(ids[:, t : t + 1]), cache, jnp.asarray(mask[:, t : t + 1]))
+        logits, cache = _cached_step(
+            graphdef, state, jnp.asarray(ids[:, t : t + 1]), cache, jnp.asarray(mask[:, t : t + 1])
+        )
         pieces.append(np.asarray(logits))
     cached = np.concatenate(pieces, axis=1)
     real = mask.astype(bool)

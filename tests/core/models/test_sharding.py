@@ -5,9 +5,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
-
 from grpo_core.models import KVCache, QwenConfig, init_from_config
 from grpo_core.sharding import (
     DEFAULT_RULES,
@@ -17,10 +14,18 @@ from grpo_core.sharding import (
     shard_model,
     tree_shardings,
 )
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 RULES = (
-    ("vocab", "tp"), ("embed", "fsdp"), ("heads", "tp"), ("kv_heads", "tp"), ("mlp", "tp"),
-    ("batch", ("dp", "fsdp")), ("norm", None), ("head_dim", None),
+    ("vocab", "tp"),
+    ("embed", "fsdp"),
+    ("heads", "tp"),
+    ("kv_heads", "tp"),
+    ("mlp", "tp"),
+    ("batch", ("dp", "fsdp")),
+    ("norm", None),
+    ("head_dim", None),
 )
 # Qwen3 with 4 heads / 2 kv heads: both divide tp=2; hidden 32 and vocab 128 divide 4 and 2.
 CFG = QwenConfig.tiny("qwen3", tie_word_embeddings=False)
@@ -76,7 +81,9 @@ def test_shard_model_places_params_and_matches_unsharded_forward(mesh8, randomiz
 
 def test_indivisible_dimension_is_a_clear_error(mesh8):
     model = init_from_config(QwenConfig.tiny("qwen2", num_attention_heads=2, num_key_value_heads=1, head_dim=16))
-    with pytest.raises(ValueError, match=r"self_attn\.k_proj\.\w+: dimension 0 of size 1 cannot be split over mesh axes tp"):
+    with pytest.raises(
+        ValueError, match=r"self_attn\.k_proj\.\w+: dimension 0 of size 1 cannot be split over mesh axes tp"
+    ):
         param_shardings(model, mesh8, RULES)
 
 

@@ -1,5 +1,4 @@
 import pytest
-
 from grpo_core.tokenizer import (
     ENDOFTEXT,
     IM_END,
@@ -35,7 +34,9 @@ def test_unknown_character_maps_to_unk(tokenizer):
 
 
 def test_chat_template_is_chatml(tokenizer):
-    text = apply_chat_template(tokenizer, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "1+1?"}])
+    text = apply_chat_template(
+        tokenizer, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "1+1?"}]
+    )
     assert text == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n1+1?<|im_end|>\n<|im_start|>assistant\n"
 
 
@@ -50,7 +51,10 @@ def test_save_and_load_tokenizer(tokenizer, tmp_path):
     loaded = load_tokenizer(tmp_path)
     messages = [{"role": "user", "content": "What is 6*7?"}]
     assert apply_chat_template(loaded, messages) == apply_chat_template(tokenizer, messages)
-    assert loaded(apply_chat_template(loaded, messages))["input_ids"] == tokenizer(apply_chat_template(tokenizer, messages))["input_ids"]
+    assert (
+        loaded(apply_chat_template(loaded, messages))["input_ids"]
+        == tokenizer(apply_chat_template(tokenizer, messages))["input_ids"]
+    )
     assert loaded.padding_side == "left" and len(loaded) == len(tokenizer)
 
 

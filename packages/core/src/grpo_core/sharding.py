@@ -15,7 +15,8 @@ its next rule, or is replicated.
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 from flax import nnx

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import os
 import string
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 ENDOFTEXT = "<|endoftext|>"
 IM_START = "<|im_start|>"

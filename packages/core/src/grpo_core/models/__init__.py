@@ -6,11 +6,11 @@ from grpo_core.models.config import PRESETS, QwenConfig
 from grpo_core.models.qwen import REMAT_MODES, QwenModel, init_from_config, positions_from_mask
 
 __all__ = [
-    "KVCache",
     "PRESETS",
+    "REMAT_MODES",
+    "KVCache",
     "QwenConfig",
     "QwenModel",
-    "REMAT_MODES",
     "export_pretrained",
     "init_from_config",
     "load_pretrained",

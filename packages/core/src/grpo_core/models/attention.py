@@ -34,7 +34,7 @@ class KVCache:
     index: jax.Array  # [] int32
 
     @classmethod
-    def zeros(cls, cfg: QwenConfig, batch: int, max_len: int, dtype: Any) -> "KVCache":
+    def zeros(cls, cfg: QwenConfig, batch: int, max_len: int, dtype: Any) -> KVCache:
         shape = (cfg.num_hidden_layers, batch, max_len, cfg.num_key_value_heads, cfg.head_dim)
         return cls(
             k=jnp.zeros(shape, dtype),
@@ -44,7 +44,7 @@ class KVCache:
         )
 
     @staticmethod
-    def logical_axes() -> "KVCache":
+    def logical_axes() -> KVCache:
         """Logical axis names of each field, for `grpo_core.sharding.named_sharding`."""
         kv = ("layers", "batch", "cache_seq", "kv_heads", "head_dim")
         return KVCache(k=kv, v=kv, mask=("batch", "cache_seq"), index=())
@@ -57,7 +57,7 @@ class KVCache:
         """Real tokens cached per row [B] = the position of each row's next token."""
         return jnp.sum(self.mask, axis=1, dtype=jnp.int32)
 
-    def with_new_tokens(self, token_mask: jax.Array) -> "KVCache":
+    def with_new_tokens(self, token_mask: jax.Array) -> KVCache:
         """Mark slots [index, index+T) with token_mask [B, T]; index is advanced later."""
         mask = jax.lax.dynamic_update_slice(self.mask, token_mask.astype(jnp.bool_), (0, self.index))
         return self.replace(mask=mask)
@@ -68,14 +68,14 @@ class KVCache:
         causal = jnp.arange(self.max_len)[None, :] <= query_slot[:, None]  # [T, S]
         return self.mask[:, None, :] & causal[None]
 
-    def write_layer(self, layer: int, k: jax.Array, v: jax.Array) -> "KVCache":
+    def write_layer(self, layer: int, k: jax.Array, v: jax.Array) -> KVCache:
         """Store one layer's new keys/values [B, T, KV, D] at slots [index, index+T)."""
         start = (layer, 0, self.index, 0, 0)
         new_k = jax.lax.dynamic_update_slice(self.k, k[None].astype(self.k.dtype), start)
         new_v = jax.lax.dynamic_update_slice(self.v, v[None].astype(self.v.dtype), start)
         return self.replace(k=new_k, v=new_v)
 
-    def advance(self, num_tokens: int) -> "KVCache":
+    def advance(self, num_tokens: int) -> KVCache:
         return self.replace(index=self.index + num_tokens)
 
 

@@ -102,7 +102,7 @@ def run(args: argparse.Namespace) -> dict:
         "forward_ms_median": round(median * 1e3, 3),
         "forward_tokens_per_s": round(args.batch * args.seq / median, 1),
         "compile_s": round(compile_s, 2),
-        "temp_bytes": None if memory is None else int(memory.temp_size_in_bytes),
+        "compiled_temp_bytes": None if memory is None else int(memory.temp_size_in_bytes),
     }
 
 

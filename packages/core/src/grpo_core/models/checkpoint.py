@@ -12,8 +12,9 @@ import math
 import os
 import re
 from collections import defaultdict
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any
 
 import jax
 import numpy as np
@@ -39,7 +40,9 @@ def resolve_model_dir(path_or_hub_id: str | os.PathLike) -> str:
     if os.path.isdir(path):
         return path
     if os.path.exists(path) or not _HUB_ID.match(path):
-        raise FileNotFoundError(f"{path!r} is not a model directory (config.json + safetensors) nor a Hub id 'org/name'.")
+        raise FileNotFoundError(
+            f"{path!r} is not a model directory (config.json + safetensors) nor a Hub id 'org/name'."
+        )
     from huggingface_hub import snapshot_download
 
     patterns = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"]
@@ -68,7 +71,8 @@ def checkpoint_tensor_files(model_dir: str) -> dict[str, str]:
     single_path = os.path.join(model_dir, SINGLE_FILE)
     if os.path.isfile(single_path):
         with open_safetensors(single_path) as f:
-            return {name: single_path for name in f.keys()}
+            names = f.keys()  # a safetensors handle, not a dict
+        return dict.fromkeys(names, single_path)
     if os.path.isfile(index_path):
         return _read_index(index_path)
     raise FileNotFoundError(
@@ -141,6 +145,37 @@ def _load_tensor(f, hf_name: str, file: str, variable, transform, dtype, shardin
     return _place(host.astype(dtype), sharding)
 
 
+def _names_by_file(model_dir: str) -> list[tuple[str, list[str]]]:
+    by_file: dict[str, list[str]] = defaultdict(list)
+    for name, file in checkpoint_tensor_files(model_dir).items():
+        by_file[file].append(name)
+    return sorted(by_file.items())
+
+
+def _shardings_by_path(state: nnx.State, mesh, rules: Rules) -> dict[str, jax.sharding.Sharding]:
+    if mesh is None:
+        return {}
+    return {_dotted(p): v.get_value() for p, v in nnx.to_flat_state(param_shardings(state, mesh, rules))}
+
+
+def _fill_state(state: nnx.State, cfg: QwenConfig, model_dir: str, dtype, shardings: dict) -> None:
+    """Set every Variable of the abstract `state` from the checkpoint, one tensor at a time."""
+    targets = {_dotted(p): v for p, v in nnx.to_flat_state(state)}
+    loaded: set[str] = set()
+    for file, names in _names_by_file(model_dir):
+        with open_safetensors(file) as f:
+            for hf_name in names:
+                target = _target_path(hf_name, cfg, targets, file)
+                if target is None:
+                    continue
+                path, transform = target
+                targets[path].set_value(
+                    _load_tensor(f, hf_name, file, targets[path], transform, dtype, shardings.get(path))
+                )
+                loaded.add(path)
+    _check_complete(targets, loaded, model_dir)
+
+
 def load_pretrained(
     path_or_hub_id: str | os.PathLike,
     dtype: Any = "bfloat16",
@@ -148,37 +183,21 @@ def load_pretrained(
     rules: Rules | None = None,
     remat: str = "none",
 ) -> QwenModel:
-    """Load an HF Qwen2/Qwen3 checkpoint (single file or index + shards).
+    """Load an HF Qwen2/Qwen3 checkpoint (single file or index + shards) from a local
+    directory or a Hub id, with parameters in `dtype` ("bfloat16" | "float32").
 
     With `mesh`, every tensor goes directly onto its NamedSharding from `rules`
-    (default `grpo_core.sharding.DEFAULT_RULES`), one tensor at a time.
+    (default `grpo_core.sharding.DEFAULT_RULES`), one tensor at a time, and the model's
+    activation sharding is set from the same rules.
     """
     model_dir = resolve_model_dir(path_or_hub_id)
     cfg = QwenConfig.from_pretrained_dir(model_dir)
-    np_dtype = resolve_dtype(dtype)
-    graphdef, state = nnx.split(_abstract_model(cfg, np_dtype, remat))
-    targets = {_dotted(p): v for p, v in nnx.to_flat_state(state)}
-    shardings = {}
-    if mesh is not None:
-        shardings = {_dotted(p): v.get_value() for p, v in nnx.to_flat_state(param_shardings(state, mesh, rules or DEFAULT_RULES))}
-    by_file: dict[str, list[str]] = defaultdict(list)
-    for name, file in checkpoint_tensor_files(model_dir).items():
-        by_file[file].append(name)
-    loaded: set[str] = set()
-    for file, names in sorted(by_file.items()):
-        with open_safetensors(file) as f:
-            for hf_name in names:
-                target = _target_path(hf_name, cfg, targets, file)
-                if target is None:
-                    continue
-                path, transform = target
-                value = _load_tensor(f, hf_name, file, targets[path], transform, np_dtype, shardings.get(path))
-                targets[path].set_value(value)
-                loaded.add(path)
-    _check_complete(targets, loaded, model_dir)
+    rules = rules or DEFAULT_RULES
+    graphdef, state = nnx.split(_abstract_model(cfg, resolve_dtype(dtype), remat))
+    _fill_state(state, cfg, model_dir, resolve_dtype(dtype), _shardings_by_path(state, mesh, rules))
     model = nnx.merge(graphdef, state)
     if mesh is not None:
-        model.set_activation_sharding(mesh, rules or DEFAULT_RULES)
+        model.set_activation_sharding(mesh, rules)
     return model
 
 

@@ -22,9 +22,19 @@ _ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 # Bookkeeping keys of HF configs that do not change the forward pass.
 _IGNORED_KEYS = frozenset(
     {
-        "architectures", "auto_map", "transformers_version", "use_cache", "initializer_range",
-        "pad_token_id", "sliding_window", "max_window_layers", "_name_or_path", "output_attentions",
-        "output_hidden_states", "return_dict", "layer_types",
+        "architectures",
+        "auto_map",
+        "transformers_version",
+        "use_cache",
+        "initializer_range",
+        "pad_token_id",
+        "sliding_window",
+        "max_window_layers",
+        "_name_or_path",
+        "output_attentions",
+        "output_hidden_states",
+        "return_dict",
+        "layer_types",
     }
 )
 
@@ -76,8 +86,16 @@ class QwenConfig:
             raise _unsupported("attention_bias", self.attention_bias, "True for qwen2 (HF Qwen2 always has q/k/v bias)")
         if self.torch_dtype not in SUPPORTED_DTYPES:
             raise _unsupported("torch_dtype", self.torch_dtype, " | ".join(SUPPORTED_DTYPES))
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                     "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"QwenConfig.{name} must be positive, got {getattr(self, name)}.")
         if self.num_attention_heads % self.num_key_value_heads:
@@ -103,12 +121,12 @@ class QwenConfig:
         # HF Qwen2 never biases o_proj; HF Qwen3 biases all four projections together.
         return self.model_type == "qwen3" and bool(self.attention_bias)
 
-    def replace(self, **changes: Any) -> "QwenConfig":
+    def replace(self, **changes: Any) -> QwenConfig:
         return dataclasses.replace(self, **changes)
 
     # ---- HF config.json ------------------------------------------------------------
     @classmethod
-    def from_hf_dict(cls, d: dict[str, Any]) -> "QwenConfig":
+    def from_hf_dict(cls, d: dict[str, Any]) -> QwenConfig:
         """Build from a parsed HF `config.json` (transformers 4.x or 5.x layout)."""
         d = dict(d)
         _check_rope(d)
@@ -127,7 +145,7 @@ class QwenConfig:
         return cls(**kwargs)
 
     @classmethod
-    def from_pretrained_dir(cls, path: str | os.PathLike) -> "QwenConfig":
+    def from_pretrained_dir(cls, path: str | os.PathLike) -> QwenConfig:
         config_path = os.path.join(os.fspath(path), "config.json")
         if not os.path.isfile(config_path):
             raise FileNotFoundError(f"{config_path} not found: a model directory needs an HF config.json.")
@@ -170,19 +188,27 @@ class QwenConfig:
 
     # ---- presets -------------------------------------------------------------------
     @classmethod
-    def preset(cls, name: str, **changes: Any) -> "QwenConfig":
+    def preset(cls, name: str, **changes: Any) -> QwenConfig:
         if name not in PRESETS:
             raise ValueError(f"unknown model preset {name!r}; available: {', '.join(sorted(PRESETS))}.")
         return PRESETS[name].replace(**changes)
 
     @classmethod
-    def tiny(cls, model_type: str = "qwen2", **changes: Any) -> "QwenConfig":
+    def tiny(cls, model_type: str = "qwen2", **changes: Any) -> QwenConfig:
         """A few-kB model for tests and CPU smoke runs."""
         base = cls(
-            model_type=model_type, vocab_size=128, hidden_size=32, intermediate_size=64,
-            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            head_dim=16 if model_type == "qwen3" else 0, rope_theta=10_000.0,
-            tie_word_embeddings=True, max_position_embeddings=512, torch_dtype="float32",
+            model_type=model_type,
+            vocab_size=128,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16 if model_type == "qwen3" else 0,
+            rope_theta=10_000.0,
+            tie_word_embeddings=True,
+            max_position_embeddings=512,
+            torch_dtype="float32",
         )
         return base.replace(**changes)
 
@@ -218,34 +244,69 @@ PRESETS: dict[str, QwenConfig] = {
     "tiny-qwen2": QwenConfig.tiny("qwen2"),
     "tiny-qwen3": QwenConfig.tiny("qwen3"),
     "qwen2.5-0.5b": QwenConfig(
-        hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-        num_key_value_heads=2, tie_word_embeddings=True,
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
     ),
     "qwen2.5-1.5b": QwenConfig(
-        hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
-        num_key_value_heads=2, tie_word_embeddings=True,
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
     ),
     "qwen2.5-3b": QwenConfig(
-        hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,
-        num_key_value_heads=2, tie_word_embeddings=True,
+        hidden_size=2048,
+        intermediate_size=11008,
+        num_hidden_layers=36,
+        num_attention_heads=16,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
     ),
     "qwen2.5-7b": QwenConfig(
-        vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
-        num_attention_heads=28, num_key_value_heads=4, tie_word_embeddings=False,
+        vocab_size=152064,
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        tie_word_embeddings=False,
     ),
     "qwen3-0.6b": QwenConfig(
-        model_type="qwen3", hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-        num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
+        model_type="qwen3",
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        tie_word_embeddings=True,
         max_position_embeddings=40960,
     ),
     "qwen3-1.7b": QwenConfig(
-        model_type="qwen3", hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
-        num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
+        model_type="qwen3",
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        tie_word_embeddings=True,
         max_position_embeddings=40960,
     ),
     "qwen3-8b": QwenConfig(
-        model_type="qwen3", hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
-        num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False,
+        model_type="qwen3",
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        tie_word_embeddings=False,
         max_position_embeddings=40960,
     ),
 }

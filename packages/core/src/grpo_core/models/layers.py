@@ -7,7 +7,7 @@ Logical axis names used on parameters (mapped to mesh axes by `grpo_core.shardin
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -19,9 +19,7 @@ Names = tuple[str | None, ...]
 INIT_STD = 0.02
 
 
-def logical_param(
-    rngs: nnx.Rngs, init: Callable, shape: Sequence[int], dtype: jnp.dtype, names: Names
-) -> nnx.Param:
+def logical_param(rngs: nnx.Rngs, init: Callable, shape: Sequence[int], dtype: jnp.dtype, names: Names) -> nnx.Param:
     """A parameter whose `out_sharding` metadata holds its logical axis names.
 
     Eager sharding is off: placement is decided later from a rule table
@@ -55,7 +53,7 @@ class Projection(nnx.Module):
         in_shape, out_shape = tuple(in_shape), tuple(out_shape)
         self.n_in = len(in_shape)
         self.kernel = logical_param(rngs, _normal, in_shape + out_shape, dtype, names)
-        self.bias = logical_param(rngs, _zeros, out_shape, dtype, names[self.n_in:]) if bias else None
+        self.bias = logical_param(rngs, _zeros, out_shape, dtype, names[self.n_in :]) if bias else None
 
     def __call__(self, x: jax.Array) -> jax.Array:
         y = jnp.tensordot(x, self.kernel[...], axes=self.n_in)

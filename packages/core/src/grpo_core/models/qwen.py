@@ -170,7 +170,9 @@ class QwenModel(nnx.Module):
         return KVCache.zeros(self.config, batch, max_len, resolve_dtype(dtype) if dtype else self.dtype)
 
     def __call__(self, input_ids, attention_mask=None, *, positions=None, cache: KVCache | None = None):
-        token_mask = jnp.ones(input_ids.shape, jnp.bool_) if attention_mask is None else attention_mask.astype(jnp.bool_)
+        token_mask = (
+            jnp.ones(input_ids.shape, jnp.bool_) if attention_mask is None else attention_mask.astype(jnp.bool_)
+        )
         if positions is None:
             positions = positions_from_mask(token_mask)
             if cache is not None:
