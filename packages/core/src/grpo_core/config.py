@@ -72,6 +72,8 @@ class RolloutConfig:
     top_p: float = setting(1.0, "Nucleus sampling mass (1.0 disables).", gt=0.0, le=1.0)
     top_k: int = setting(0, "Keep only the k most likely tokens (0 disables).", ge=0)
     greedy: bool = setting(False, "Take the argmax instead of sampling.")
+    ignore_eos: bool = setting(
+        False, "Never stop at EOS: every row samples max_new_tokens (benchmarks with comparable token counts).")
     sharding: Literal["legacy", "maxtext"] = setting(
         "legacy", "Rollout batch sharding: legacy = over dp*fsdp*tp, maxtext = over dp only.")
     use_sampler_logps: bool = setting(

@@ -92,7 +92,7 @@ def build_model(cfg: RunConfig, qcfg: QwenConfig, mesh: Mesh, rules: Any) -> Any
 
 def sampling_params(cfg: RunConfig, tokenizer: Any, *, for_eval: bool = False) -> SamplingParams:
     r = cfg.rollout
-    stop = tuple(sorted({tokenizer.eos_token_id} - {None}))
+    stop = () if r.ignore_eos else tuple(sorted({tokenizer.eos_token_id} - {None}))
     if for_eval:
         return SamplingParams(max_new_tokens=cfg.eval.max_new_tokens or r.max_new_tokens, n=cfg.eval.n,
                               temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
