@@ -87,6 +87,11 @@ def test_indivisible_dimension_is_a_clear_error(mesh8):
         param_shardings(model, mesh8, RULES)
 
 
+def test_rule_naming_an_absent_mesh_axis(mesh8):
+    with pytest.raises(ValueError, match=r"mesh axes \['sp'\] that the mesh"):
+        param_shardings(init_from_config(CFG), mesh8, (("embed", "sp"),))
+
+
 def test_explicit_mesh_is_rejected_with_fix(mesh8):
     explicit = jax.make_mesh((1, 4, 2), ("dp", "fsdp", "tp"), axis_types=(jax.sharding.AxisType.Explicit,) * 3)
     with pytest.raises(ValueError, match="AxisType.Auto"):

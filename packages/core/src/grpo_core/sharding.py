@@ -64,9 +64,17 @@ def logical_to_spec(names: Sequence[str | None], rules: Rules) -> PartitionSpec:
     return PartitionSpec(*spec)
 
 
+def _ways(mesh: Mesh, axes: MeshAxes) -> int:
+    """Devices a dimension sharded over `axes` is split across."""
+    unknown = [a for a in _as_tuple(axes) if a not in mesh.shape]
+    if unknown:
+        raise ValueError(f"sharding rules use mesh axes {unknown} that the mesh {dict(mesh.shape)} does not have.")
+    return math.prod(mesh.shape[a] for a in _as_tuple(axes))
+
+
 def divides(shape: Sequence[int], spec: PartitionSpec, mesh: Mesh) -> bool:
     """Whether every dimension is a multiple of the devices it is split over."""
-    return all(size % math.prod(mesh.shape[a] for a in _as_tuple(axes)) == 0 for size, axes in zip(shape, spec))
+    return all(size % _ways(mesh, axes) == 0 for size, axes in zip(shape, spec))
 
 
 def freeze_rules(rules: Rules) -> tuple[tuple[str, MeshAxes], ...]:
@@ -77,7 +85,7 @@ def freeze_rules(rules: Rules) -> tuple[tuple[str, MeshAxes], ...]:
 def check_divisible(shape: Sequence[int], spec: PartitionSpec, mesh: Mesh, what: str) -> None:
     """Raise if a dimension is not a multiple of the mesh axes it is sharded over."""
     for dim, (size, axes) in enumerate(zip(shape, spec)):
-        ways = math.prod(mesh.shape[a] for a in _as_tuple(axes))
+        ways = _ways(mesh, axes)
         if size % ways:
             raise ValueError(
                 f"{what}: dimension {dim} of size {size} cannot be split over mesh axes {axes} "

@@ -56,10 +56,12 @@ class Projection(nnx.Module):
         self.bias = logical_param(rngs, _zeros, out_shape, dtype, names[self.n_in :]) if bias else None
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = jnp.tensordot(x, self.kernel[...], axes=self.n_in)
+        contract = (tuple(range(x.ndim - self.n_in, x.ndim)), tuple(range(self.n_in)))
+        # f32 accumulation for bf16 params too (as HF's bf16 matmuls do), result in x's dtype.
+        y = jax.lax.dot_general(x, self.kernel[...], (contract, ((), ())), preferred_element_type=jnp.float32)
         if self.bias is not None:
             y = y + self.bias[...]
-        return y
+        return y.astype(x.dtype)
 
 
 class RMSNorm(nnx.Module):
