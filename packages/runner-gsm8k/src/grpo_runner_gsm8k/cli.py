@@ -10,6 +10,7 @@ Bad input prints one line to stderr and exits 2; `--debug` shows the traceback.
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 import traceback
 import warnings
@@ -25,6 +26,14 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--config", help="YAML run config (default: the embedded tiny CPU config)")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     parser.add_argument("--debug", action="store_true", help="show tracebacks of input errors")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue from the newest checkpoint in logging.dir (an error if there is none)")
+    parser.add_argument("--plan", action="store_true",
+                        help="AOT-compile rollout and train step with abstract inputs and print per-device memory")
+    parser.add_argument("--sweep", metavar="FIELD",
+                        help="with --plan: find the largest value of FIELD that fits (micro_batch_size_per_device)")
+    parser.add_argument("--capacity-gib", type=float, metavar="GIB",
+                        help="with --plan: device memory budget to plan against (default: what the device reports)")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value",
                         help="config overrides, values parsed as YAML scalars (train.lr=1e-6)")
     return parser
@@ -48,12 +57,17 @@ def _load(args: argparse.Namespace):
     return load_config(args.config, args.overrides, registry=default_registry())
 
 
-def _train(cfg) -> None:
+def _train(cfg, args: argparse.Namespace) -> int:
     from grpo_core.registry import default_registry
 
+    if args.plan:
+        from grpo_runner_gsm8k.plan import plan_command
+
+        return plan_command(cfg, default_registry(), sweep=args.sweep, capacity_gib=args.capacity_gib)
     from grpo_runner_gsm8k.loop import train
 
-    train(cfg, default_registry())
+    train(cfg, default_registry(), resume=args.resume)
+    return 0
 
 
 def _train_command(argv: list[str]) -> int:
@@ -64,11 +78,23 @@ def _train_command(argv: list[str]) -> int:
 
         print(config_to_yaml(cfg), end="")
         return 0
-    _train(cfg)
-    return 0
+    return _train(cfg, args)
 
 
-COMMANDS: dict[str, Callable[[list[str]], int]] = {"plugins": _plugins_command}
+def _lazy(module: str) -> Callable[[list[str]], int]:
+    """A subcommand whose module is imported only when it runs (keeps `grpo-run plugins` fast)."""
+    def command(argv: list[str]) -> int:
+        return importlib.import_module(module).main(argv)
+
+    return command
+
+
+COMMANDS: dict[str, Callable[[list[str]], int]] = {
+    "plugins": _plugins_command,
+    "export": _lazy("grpo_runner_gsm8k.export"),  # run dir -> HF directory
+    "report": _lazy("grpo_runner_gsm8k.report"),  # metrics.jsonl -> PNG
+    "launch": _lazy("grpo_runner_gsm8k.launch"),  # per-host commands of a multi-host run
+}
 
 
 def run(argv: list[str]) -> int:

@@ -223,6 +223,6 @@ def memory_metrics() -> dict:
             "memory/train/peak_bytes_in_use_max_gib": max(s.get("peak_bytes_in_use", 0) for s in stats) / gib}
 
 
-def train(cfg: RunConfig, registry: Registry) -> dict:
+def train(cfg: RunConfig, registry: Registry, resume: bool = False) -> dict:
     """Runs the whole job; returns the last step's metrics."""
     return Trainer(cfg, registry).run()
