@@ -1,0 +1,137 @@
+"""The `jax` rollout backend: bucketed prompts, jitted prefill + while-loop decode."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding
+
+from grpo_rollout.decode import batch_spec_axes, decode, prefill
+from grpo_rollout.prompts import DEFAULT_PROMPT_BUCKETS, fit_to_bucket, left_pad, repeat_samples
+from grpo_rollout.result import DEFAULT_TRIM_BUCKET, RolloutResult, TrainBatch, trim_batch
+from grpo_rollout.sampling import DEFAULT_TOP_P_CANDIDATES, SamplingParams
+
+CACHE_DTYPES = (None, "float32", "bfloat16")
+
+
+@dataclass(frozen=True)
+class JaxRolloutOptions:
+    """`rollout.options` of the `jax` backend.
+
+    prompt_buckets:   allowed prompt widths (tokens); a batch is left-padded to the
+                      smallest one that fits its longest prompt.
+    trim_bucket:      training sequences are cut to the real max length rounded up to this.
+    cache_dtype:      KV-cache dtype; null uses the model's dtype.
+    cdf_block:        vocabulary block width of the two-level inverse-CDF sampler;
+                      0 picks a divisor near sqrt(vocab).
+    top_p_candidates: top-p first searches the nucleus among this many tokens and falls
+                      back to an exact full-vocabulary threshold search when it is larger.
+    """
+
+    prompt_buckets: list | tuple = DEFAULT_PROMPT_BUCKETS  # YAML gives a list; stored as a tuple
+    trim_bucket: int = DEFAULT_TRIM_BUCKET
+    cache_dtype: str | None = None
+    cdf_block: int = 0
+    top_p_candidates: int = DEFAULT_TOP_P_CANDIDATES
+
+    def __post_init__(self) -> None:
+        buckets = tuple(sorted(int(b) for b in self.prompt_buckets))
+        object.__setattr__(self, "prompt_buckets", buckets)
+        if not buckets or buckets[0] < 1:
+            raise ValueError(f"prompt_buckets={list(buckets)} must be non-empty positive token counts.")
+        if self.trim_bucket < 1:
+            raise ValueError(f"trim_bucket={self.trim_bucket} must be >= 1.")
+        if self.cache_dtype not in CACHE_DTYPES:
+            raise ValueError(f"cache_dtype={self.cache_dtype!r} is not supported; use null, float32 or bfloat16.")
+        if self.cdf_block < 0 or self.top_p_candidates < 1:
+            raise ValueError(f"cdf_block={self.cdf_block} must be >= 0 and "
+                             f"top_p_candidates={self.top_p_candidates} >= 1.")
+
+
+class JaxRollout:
+    """Samples `sampling.n` completions per prompt with the KV-cached jitted decoder.
+
+    Example::
+
+        rollout = JaxRollout(JaxRolloutOptions())
+        sampling = SamplingParams(max_new_tokens=64, n=8, temperature=1.0,
+                                  stop_token_ids=(tokenizer.eos_token_id,))
+        result = rollout.generate_from_lists(model, token_lists, jax.random.key(0), sampling,
+                                             pad_token_id=tokenizer.pad_token_id)
+        batch = rollout.trim(result)
+    """
+
+    def __init__(self, options: JaxRolloutOptions | None = None):
+        self.options = options or JaxRolloutOptions()
+
+    def generate_from_lists(self, model: nnx.Module, prompts: Sequence[Sequence[int]], key: jax.Array,
+                            sampling: SamplingParams, *, pad_token_id: int = 0,
+                            batch_sharding: NamedSharding | None = None) -> RolloutResult:
+        """Token lists (unpadded) -> RolloutResult; see `generate`."""
+        ids, mask = left_pad(prompts, pad_token_id, self.options.prompt_buckets)
+        return self.generate(model, ids, mask, key, sampling, pad_token_id=pad_token_id,
+                             batch_sharding=batch_sharding)
+
+    def generate(self, model: nnx.Module, prompt_ids: Any, prompt_mask: Any, key: jax.Array,
+                 sampling: SamplingParams, *, pad_token_id: int = 0,
+                 batch_sharding: NamedSharding | None = None) -> RolloutResult:
+        """Sample `sampling.n` completions for each left-padded prompt row.
+
+        prompt_ids, prompt_mask: [P, T] host arrays, left-padded; re-padded to a bucket.
+        key:            a jax PRNG key; the same key, prompts and params give the same rollout.
+        batch_sharding: NamedSharding of the [P * n, ...] rollout batch (dimension 0 over
+                        the data axes of the mesh), or None for the default device.
+        """
+        ids, mask = fit_to_bucket(prompt_ids, prompt_mask, pad_token_id, self.options.prompt_buckets)
+        ids, mask = repeat_samples(ids, sampling.n), repeat_samples(mask, sampling.n)
+        check_batch_divisible(ids.shape[0], sampling.n, batch_sharding)
+        ids, mask = place(ids, batch_sharding), place(mask, batch_sharding)
+        graphdef, weights = nnx.split(model)
+        static = self.static_args(graphdef, sampling, pad_token_id, batch_sharding)
+        cache, state = prefill(weights, ids, mask, key, **static)
+        _, state = decode(weights, cache, state, key, **static)
+        return finish(ids, mask, state, sampling)
+
+    def static_args(self, graphdef, sampling: SamplingParams, pad_token_id: int,
+                    batch_sharding: NamedSharding | None) -> dict[str, Any]:
+        """The static (compile-time) arguments shared by `prefill` and `decode`."""
+        return dict(graphdef=graphdef, params=sampling, pad_id=int(pad_token_id),
+                    cache_dtype=self.options.cache_dtype, batch_sharding=batch_sharding,
+                    block=self.options.cdf_block or None, top_p_candidates=self.options.top_p_candidates)
+
+    def trim(self, result: RolloutResult) -> TrainBatch:
+        return trim_batch(result, self.options.trim_bucket)
+
+
+def check_batch_divisible(rows: int, n: int, batch_sharding: NamedSharding | None) -> None:
+    """The rollout batch must split evenly over the devices of its batch axes."""
+    axes = batch_spec_axes(batch_sharding)
+    if axes is None:
+        return
+    axes = (axes,) if isinstance(axes, str) else tuple(axes)
+    shards = math.prod(batch_sharding.mesh.shape[a] for a in axes)
+    if rows % shards:
+        raise ValueError(
+            f"rollout batch of {rows} rows ({rows // n} prompts x n={n}) cannot be split over the "
+            f"{shards} devices of mesh axes {axes}; make prompts_per_step * n a multiple of {shards}.")
+
+
+def place(array: np.ndarray, batch_sharding: NamedSharding | None) -> jax.Array:
+    return jnp.asarray(array) if batch_sharding is None else jax.device_put(array, batch_sharding)
+
+
+def finish(ids: jax.Array, mask: jax.Array, state, sampling: SamplingParams) -> RolloutResult:
+    """Final loop state -> RolloutResult (masks from the per-row lengths)."""
+    columns = jnp.arange(sampling.max_new_tokens)[None, :]
+    completion_mask = (columns < state.lengths[:, None]).astype(jnp.int32)  # [N, Tn]
+    return RolloutResult(
+        prompt_ids=ids, prompt_mask=mask, completion_ids=state.tokens, completion_mask=completion_mask,
+        lengths=state.lengths, sampler_logps=state.logps, finished=state.done,
+        num_prompts=ids.shape[0] // sampling.n, n=sampling.n,
+    )

@@ -1,0 +1,204 @@
+"""`grpo-bench rollout`: tokens/s of the `jax` rollout backend on a random Qwen model.
+
+Prints ONE JSON line. With `--compare-hf` it also times transformers `generate` (torch
+CPU, KV cache on) on the same shape in a subprocess and reports the speedup; `--engine hf`
+runs only that side. Defaults are the issue's reference shape: tiny Qwen2 (hidden 256,
+4 layers, 4 heads, 2 KV heads, intermediate 768, vocab 151,936, untied, f32), batch 64,
+prompt 32, 128 new tokens, EOS suppressed, multinomial sampling at T=1.
+
+    grpo-bench rollout                       # or: python -m grpo_rollout.bench
+    grpo-bench rollout --compare-hf --repeats 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+# glibc returns freed pages to the OS eagerly by default; torch's per-step allocations
+# then page-fault on every token. These keep the heap (the tuned HF baseline).
+HF_MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "4294967296", "MALLOC_TRIM_THRESHOLD_": "68719476736",
+                 "MALLOC_TOP_PAD_": "1073741824"}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="grpo-bench rollout", description=__doc__.splitlines()[0])
+    shape = p.add_argument_group("model shape")
+    shape.add_argument("--model-type", choices=("qwen2", "qwen3"), default="qwen2")
+    shape.add_argument("--hidden", type=int, default=256)
+    shape.add_argument("--layers", type=int, default=4)
+    shape.add_argument("--heads", type=int, default=4)
+    shape.add_argument("--kv-heads", type=int, default=2)
+    shape.add_argument("--head-dim", type=int, default=0, help="0: hidden / heads")
+    shape.add_argument("--intermediate", type=int, default=768)
+    shape.add_argument("--vocab", type=int, default=151936)
+    shape.add_argument("--tied", action="store_true", help="tie the LM head to the embedding")
+    shape.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    run = p.add_argument_group("rollout")
+    run.add_argument("--batch", type=int, default=64, help="rows (prompts x n)")
+    run.add_argument("--prompt-len", type=int, default=32)
+    run.add_argument("--new-tokens", type=int, default=128)
+    run.add_argument("--eos", type=int, default=None,
+                     help="stop token id; omitted: EOS suppressed, every row decodes --new-tokens")
+    run.add_argument("--temperature", type=float, default=1.0)
+    run.add_argument("--top-p", type=float, default=1.0)
+    run.add_argument("--top-k", type=int, default=0)
+    run.add_argument("--greedy", action="store_true")
+    run.add_argument("--repeats", type=int, default=3, help="timed runs after one warm-up; the best is reported")
+    run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--engine", choices=("jax", "hf"), default="jax")
+    run.add_argument("--compare-hf", action="store_true", help="also time transformers generate")
+    run.add_argument("--threads", type=int, default=0, help="torch threads for --engine hf (0: all cores)")
+    return p.parse_args(argv)
+
+
+def qwen_config(args: argparse.Namespace):
+    from grpo_core.models import QwenConfig
+
+    return QwenConfig(
+        model_type=args.model_type, vocab_size=args.vocab, hidden_size=args.hidden,
+        intermediate_size=args.intermediate, num_hidden_layers=args.layers,
+        num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, head_dim=args.head_dim,
+        tie_word_embeddings=args.tied, max_position_embeddings=max(4096, args.prompt_len + args.new_tokens),
+        torch_dtype=args.dtype, rope_theta=10_000.0,
+    )
+
+
+def random_prompts(args: argparse.Namespace) -> np.ndarray:
+    rng = np.random.default_rng(args.seed)
+    return rng.integers(0, args.vocab, size=(args.batch, args.prompt_len), dtype=np.int32)
+
+
+# ---- jax ---------------------------------------------------------------------------------
+def bench_jax(args: argparse.Namespace) -> dict[str, Any]:
+    import jax
+
+    from grpo_core.models import init_from_config
+    from grpo_rollout.backend import JaxRollout, finish
+    from grpo_rollout.decode import decode, prefill
+    from grpo_rollout.sampling import SamplingParams
+
+    model = init_from_config(qwen_config(args), seed=args.seed, dtype=args.dtype)
+    sampling = SamplingParams(
+        max_new_tokens=args.new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        greedy=args.greedy, stop_token_ids=() if args.eos is None else (args.eos,))
+    from flax import nnx
+
+    graphdef, weights = nnx.split(model)
+    static = JaxRollout().static_args(graphdef, sampling, 0, None)
+    ids = jax.numpy.asarray(random_prompts(args))
+    mask = jax.numpy.ones_like(ids)
+    key = jax.random.key(args.seed)
+    temp_bytes = compiled_temp_bytes(prefill, decode, weights, ids, mask, key, static)
+
+    def run_once():
+        start = time.perf_counter()
+        cache, state = jax.block_until_ready(prefill(weights, ids, mask, key, **static))
+        middle = time.perf_counter()
+        _, state = jax.block_until_ready(decode(weights, cache, state, key, **static))
+        end = time.perf_counter()
+        return middle - start, end - middle, int(finish(ids, mask, state, sampling).lengths.sum()), int(state.step)
+
+    run_once()  # compile + warm-up
+    best = min((run_once() for _ in range(args.repeats)), key=lambda r: r[0] + r[1])
+    prefill_s, decode_s, tokens, steps = best
+    return {
+        "engine": "jax", "tokens_per_s": tokens / (prefill_s + decode_s), "prefill_ms": prefill_s * 1e3,
+        "decode_ms_per_token": decode_s * 1e3 / max(steps - 1, 1), "decode_steps": steps,
+        "generated_tokens": tokens, "compiled_temp_bytes": temp_bytes, "backend": jax.default_backend(),
+        "devices": jax.device_count(),
+    }
+
+
+def compiled_temp_bytes(prefill, decode, weights, ids, mask, key, static) -> dict[str, int]:
+    """XLA's temporary buffer sizes of the two compiled phases."""
+    import jax
+
+    compiled_prefill = prefill.lower(weights, ids, mask, key, **static).compile()
+    cache, state = jax.eval_shape(lambda: prefill(weights, ids, mask, key, **static))
+    compiled_decode = decode.lower(weights, cache, state, key, **static).compile()
+    return {"prefill": temp_size(compiled_prefill), "decode": temp_size(compiled_decode)}
+
+
+def temp_size(compiled) -> int:
+    analysis = compiled.memory_analysis()
+    return int(getattr(analysis, "temp_size_in_bytes", -1)) if analysis is not None else -1
+
+
+# ---- transformers ---------------------------------------------------------------------
+def bench_hf(args: argparse.Namespace) -> dict[str, Any]:
+    try:
+        import torch
+        import transformers
+    except ImportError as e:
+        raise SystemExit(f"--engine hf needs torch and transformers ({e}); install the torch CPU wheel.")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cfg = transformers.AutoConfig.for_model(**qwen_config(args).to_hf_dict())
+    torch.manual_seed(args.seed)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, torch_dtype=getattr(torch, args.dtype)).eval()
+    ids = torch.from_numpy(random_prompts(args).astype(np.int64))
+    kwargs = hf_generate_kwargs(args)
+
+    def run_once():
+        start = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
+        return time.perf_counter() - start, out.shape[1] - ids.shape[1]
+
+    run_once()
+    seconds, new = min((run_once() for _ in range(args.repeats)), key=lambda r: r[0])
+    return {"engine": "hf", "tokens_per_s": args.batch * new / seconds, "seconds": seconds,
+            "new_tokens": new, "torch": torch.__version__, "torch_threads": torch.get_num_threads()}
+
+
+def hf_generate_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    kwargs: dict[str, Any] = dict(max_new_tokens=args.new_tokens, use_cache=True, pad_token_id=0)
+    if args.greedy:
+        kwargs.update(do_sample=False)
+    else:  # HF's default top_k=50 would change the distribution: set every warper explicitly
+        kwargs.update(do_sample=True, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k or None)
+    if args.eos is None:  # EOS suppressed: every row runs to max_new_tokens
+        kwargs.update(min_new_tokens=args.new_tokens, eos_token_id=None)
+    else:
+        kwargs.update(eos_token_id=args.eos)
+    return kwargs
+
+
+def hf_in_subprocess(argv: list[str]) -> dict[str, Any]:
+    env = {**os.environ, **HF_MALLOC_ENV}
+    cmd = [sys.executable, "-m", "grpo_rollout.bench", *argv, "--engine", "hf"]
+    out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse_args(argv)
+    if args.engine == "hf":
+        print(json.dumps(bench_hf(args)))
+        return 0
+    result = bench_jax(args)
+    result.update(shape_fields(args))
+    if args.compare_hf:
+        hf = hf_in_subprocess([a for a in argv if a != "--compare-hf"])
+        result.update(hf_tokens_per_s=hf["tokens_per_s"], speedup_vs_hf=result["tokens_per_s"] / hf["tokens_per_s"])
+    print(json.dumps(result))
+    return 0
+
+
+def shape_fields(args: argparse.Namespace) -> dict[str, Any]:
+    keys = ("model_type", "hidden", "layers", "heads", "kv_heads", "intermediate", "vocab", "tied", "dtype",
+            "batch", "prompt_len", "new_tokens", "eos", "temperature", "top_p", "top_k", "greedy")
+    return {k: getattr(args, k) for k in keys}
+
+
+if __name__ == "__main__":
+    sys.exit(main())

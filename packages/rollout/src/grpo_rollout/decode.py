@@ -1,0 +1,145 @@
+"""KV-cached generation: one jitted prefill, then the whole decode in ONE jitted
+`lax.while_loop` (no host round trip per token), exiting as soon as every row ended.
+
+The model contract used (grpo_core.models.QwenModel):
+    cache = model.init_cache(batch, max_len, dtype)
+    hidden, cache = model(ids [B, T], attention_mask=mask [B, T], cache=cache)
+    logits = model.logits(hidden)                       # [B, T, V] f32
+Rows are left-padded, so all rows write the same cache slot each step; a finished row
+feeds mask 0, which keeps its slot invisible. With T = 1 the model's attention is a
+single-query product grouped by KV head ([B, KV, G, 1, S], K/V never repeated).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+from jax.sharding import NamedSharding, PartitionSpec
+
+from grpo_rollout.sampling import DEFAULT_TOP_P_CANDIDATES, SamplingParams, sample_next
+
+
+@struct.dataclass
+class LoopState:
+    """Decode loop carry. step: index of the next completion column to fill."""
+
+    step: jax.Array  # [] int32
+    last: jax.Array  # [N] int32 token fed at the next step
+    done: jax.Array  # [N] bool   row sampled a stop token
+    lengths: jax.Array  # [N] int32 tokens sampled while the row was live
+    tokens: jax.Array  # [N, Tn] int32
+    logps: jax.Array  # [N, Tn] f32
+
+    def record(self, sampled, logps, params: SamplingParams, pad_id: int) -> "LoopState":
+        live = ~self.done
+        sampled = jnp.where(live, sampled, pad_id)
+        logps = jnp.where(live, logps, 0.0)
+        column = (0, self.step)
+        return LoopState(
+            step=self.step + 1,
+            last=sampled,
+            done=self.done | (live & is_stop(sampled, params.stop_token_ids)),
+            lengths=self.lengths + live.astype(jnp.int32),
+            tokens=jax.lax.dynamic_update_slice(self.tokens, sampled[:, None], column),
+            logps=jax.lax.dynamic_update_slice(self.logps, logps[:, None], column),
+        )
+
+
+def is_stop(tokens: jax.Array, stop_ids: tuple[int, ...]) -> jax.Array:
+    """[N] bool: token is one of stop_ids."""
+    if not stop_ids:
+        return jnp.zeros(tokens.shape, jnp.bool_)
+    return jnp.any(tokens[:, None] == jnp.asarray(stop_ids, tokens.dtype)[None, :], axis=1)
+
+
+def step_uniforms(key: jax.Array, step: jax.Array, rows: int) -> jax.Array:
+    """[rows] uniforms of one step; a function of (key, step) only, so the same seed
+    reproduces a rollout whatever the sharding (threefry is partitionable)."""
+    return jax.random.uniform(jax.random.fold_in(key, step), (rows,), jnp.float32)
+
+
+# ---- sharding of the batch -----------------------------------------------------------
+def batch_spec_axes(batch_sharding: NamedSharding | None):
+    """Mesh axes the batch dimension is split over (None: not sharded)."""
+    if batch_sharding is None:
+        return None
+    spec = batch_sharding.spec
+    return spec[0] if len(spec) else None
+
+
+def constrain(x: jax.Array, batch_sharding: NamedSharding | None, batch_dim: int = 0) -> jax.Array:
+    """Pin x's batch dimension to the batch sharding (other dimensions replicated)."""
+    if batch_sharding is None:
+        return x
+    spec = [None] * x.ndim
+    spec[batch_dim] = batch_spec_axes(batch_sharding)
+    return jax.lax.with_sharding_constraint(x, NamedSharding(batch_sharding.mesh, PartitionSpec(*spec)))
+
+
+def constrain_cache(cache, batch_sharding):
+    """k/v [L, B, S, KV, D] and mask [B, S]: batch dimension sharded."""
+    return cache.replace(k=constrain(cache.k, batch_sharding, 1), v=constrain(cache.v, batch_sharding, 1),
+                         mask=constrain(cache.mask, batch_sharding, 0))
+
+
+def merge_for_rollout(graphdef, weights, batch_sharding):
+    """The model, with its residual-stream sharding following the rollout batch sharding
+    (a model sharded for training may pin activations to other batch axes)."""
+    model = nnx.merge(graphdef, weights)
+    if batch_sharding is not None and hasattr(model, "set_activation_sharding"):
+        model.set_activation_sharding(batch_sharding.mesh, (("batch", batch_spec_axes(batch_sharding)),))
+    return model
+
+
+# ---- jitted phases -------------------------------------------------------------------
+_STATIC = ("graphdef", "params", "pad_id", "cache_dtype", "batch_sharding", "block", "top_p_candidates")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def prefill(weights, prompt_ids, prompt_mask, key, *, graphdef, params: SamplingParams, pad_id: int,
+            cache_dtype=None, batch_sharding=None, block=None, top_p_candidates=DEFAULT_TOP_P_CANDIDATES):
+    """Run the prompts [N, Tp] through the model into a fresh cache of Tp + Tn - 1 slots and
+    sample the first completion token. Returns (cache, LoopState at step 1)."""
+    model = merge_for_rollout(graphdef, weights, batch_sharding)
+    rows, width = prompt_ids.shape
+    cache = constrain_cache(model.init_cache(rows, width + params.max_new_tokens - 1, cache_dtype), batch_sharding)
+    hidden, cache = model(prompt_ids, attention_mask=prompt_mask, cache=cache)  # [N, Tp, H]
+    logits = model.logits(hidden[:, -1:])[:, 0]  # [N, V]; left padding: last column is real
+    sampled, logps = sample_next(logits, step_uniforms(key, 0, rows), params, block=block,
+                                 top_p_candidates=top_p_candidates)
+    start = LoopState(
+        step=jnp.zeros((), jnp.int32),
+        last=sampled,
+        done=jnp.zeros((rows,), jnp.bool_),
+        lengths=jnp.zeros((rows,), jnp.int32),
+        tokens=constrain(jnp.full((rows, params.max_new_tokens), pad_id, jnp.int32), batch_sharding),
+        logps=constrain(jnp.zeros((rows, params.max_new_tokens), jnp.float32), batch_sharding),
+    )
+    return constrain_cache(cache, batch_sharding), start.record(sampled, logps, params, pad_id)
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("cache", "state"))
+def decode(weights, cache, state: LoopState, key, *, graphdef, params: SamplingParams, pad_id: int,
+           cache_dtype=None, batch_sharding=None, block=None, top_p_candidates=DEFAULT_TOP_P_CANDIDATES):
+    """Sample columns state.step .. Tn-1 in one while loop; the cache and loop state are
+    donated and updated in place. Returns (cache, final LoopState)."""
+    del cache_dtype  # part of the shared static signature only
+    rows = state.last.shape[0]
+
+    def unfinished(carry):
+        _, s = carry
+        return (s.step < params.max_new_tokens) & ~jnp.all(s.done)
+
+    def one_token(carry):
+        cache, s = carry
+        model = merge_for_rollout(graphdef, weights, batch_sharding)
+        hidden, cache = model(s.last[:, None], attention_mask=~s.done[:, None], cache=cache)  # [N, 1, H]
+        logits = model.logits(hidden)[:, 0]  # [N, V]
+        sampled, logps = sample_next(logits, step_uniforms(key, s.step, rows), params, block=block,
+                                     top_p_candidates=top_p_candidates)
+        return constrain_cache(cache, batch_sharding), s.record(sampled, logps, params, pad_id)
+
+    return jax.lax.while_loop(unfinished, one_token, (cache, state))

@@ -1,0 +1,105 @@
+"""What a rollout returns, and the trimmed training batch built from it."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+# Training sequence widths are rounded up to a multiple of this: few compiled shapes,
+# little padding.
+DEFAULT_TRIM_BUCKET = 16
+
+
+@struct.dataclass
+class RolloutResult:
+    """K completions per prompt; N = num_prompts * n rows, rows p*n .. p*n+n-1 share prompt p.
+
+    prompt_ids       [N, Tp] int32  left-padded prompts (Tp a prompt bucket)
+    prompt_mask      [N, Tp] int32  1 on real prompt tokens
+    completion_ids   [N, Tn] int32  sampled tokens, pad id after a row ended (Tn = max_new_tokens)
+    completion_mask  [N, Tn] int32  1 on sampled tokens, the stop token included
+    lengths          [N]     int32  completion_mask.sum(1)
+    sampler_logps    [N, Tn] f32    the sampler's log-prob of each token at the sampling
+                                    temperature (unfiltered by default, see SamplingParams);
+                                    0 where completion_mask is 0
+    finished         [N]     bool   ended on a stop token (False: cut at max_new_tokens)
+    """
+
+    prompt_ids: jax.Array
+    prompt_mask: jax.Array
+    completion_ids: jax.Array
+    completion_mask: jax.Array
+    lengths: jax.Array
+    sampler_logps: jax.Array
+    finished: jax.Array
+    num_prompts: int = struct.field(pytree_node=False, default=0)
+    n: int = struct.field(pytree_node=False, default=1)
+
+    @property
+    def group_ids(self) -> np.ndarray:
+        """[N] index of the prompt each row was sampled from."""
+        return np.arange(self.num_prompts * self.n) // self.n
+
+    def trim(self, bucket: int = DEFAULT_TRIM_BUCKET) -> "TrainBatch":
+        return trim_batch(self, bucket)
+
+
+@struct.dataclass
+class TrainBatch:
+    """Prompt + completion as one left-padded sequence batch, cut to the longest real row.
+
+    Column t holds token t; `sampler_logps[:, t]` is the log-prob of token t given the
+    tokens before it, so with targets = input_ids[:, 1:] the matching logps are
+    sampler_logps[:, 1:] and the loss mask is completion_mask[:, 1:].
+
+    input_ids        [N, T] int32
+    attention_mask   [N, T] int32  1 on real prompt and completion tokens
+    completion_mask  [N, T] int32  1 on completion tokens (the ones trained on)
+    sampler_logps    [N, T] f32    0 outside the completion
+    prompt_width: columns [0, prompt_width) are prompt, the rest completion.
+    """
+
+    input_ids: jax.Array
+    attention_mask: jax.Array
+    completion_mask: jax.Array
+    sampler_logps: jax.Array
+    prompt_width: int = struct.field(pytree_node=False, default=0)
+
+
+def trimmed_widths(prompt_len: int, completion_len: int, prompt_cap: int, completion_cap: int,
+                   bucket: int) -> tuple[int, int]:
+    """(prompt columns, completion columns) covering the real lengths, total rounded up to
+    a multiple of bucket (never past the caps); extra columns go to the completion side."""
+    total = min(math.ceil((prompt_len + completion_len) / bucket) * bucket, prompt_cap + completion_cap)
+    completion_width = min(completion_cap, total - prompt_len)
+    return total - completion_width, completion_width
+
+
+def trim_batch(result: RolloutResult, bucket: int = DEFAULT_TRIM_BUCKET) -> TrainBatch:
+    """Cut prompt + completion to the real maximum length of the batch, rounded to bucket.
+
+    Reads the per-row lengths back to the host (two small vectors) to pick the width.
+    """
+    if bucket < 1:
+        raise ValueError(f"trim bucket={bucket} must be >= 1.")
+    prompt_len = int(jnp.max(jnp.sum(result.prompt_mask, axis=1)))
+    completion_len = max(int(jnp.max(result.lengths)), 1)
+    prompt_w, completion_w = trimmed_widths(
+        prompt_len, completion_len, result.prompt_ids.shape[1], result.completion_ids.shape[1], bucket)
+
+    def join(prompt_part, completion_part):  # [N, Tp], [N, Tn] -> [N, prompt_w + completion_w]
+        return jnp.concatenate([prompt_part[:, prompt_part.shape[1] - prompt_w:],
+                                completion_part[:, :completion_w]], axis=1)
+
+    zeros_i = jnp.zeros_like(result.prompt_mask)
+    return TrainBatch(
+        input_ids=join(result.prompt_ids, result.completion_ids),
+        attention_mask=join(result.prompt_mask, result.completion_mask),
+        completion_mask=join(zeros_i, result.completion_mask),
+        sampler_logps=join(jnp.zeros(result.prompt_ids.shape, jnp.float32), result.sampler_logps),
+        prompt_width=prompt_w,
+    )
