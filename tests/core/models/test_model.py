@@ -84,6 +84,14 @@ def test_remat_modes_same_outputs_and_grads(randomize, left_padded):
         jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-5), grads, ref_grads)
 
 
+@pytest.mark.parametrize("mode, count", [("none", 0), ("dots", 2), ("full", 2)])
+def test_remat_wraps_each_decoder_layer(mode, count):
+    model = init_from_config(FAMILIES["qwen2_tied"], remat=mode)  # 2 layers
+    graphdef, state = nnx.split(model)
+    jaxpr = jax.make_jaxpr(lambda s, x: nnx.merge(graphdef, s)(x).sum())(state, jnp.ones((1, 4), jnp.int32))
+    assert str(jaxpr).count("remat2[") + str(jaxpr).count("checkpoint[") == count
+
+
 def test_bad_remat_mode():
     with pytest.raises(ValueError, match="remat='some'.*none, dots, full"):
         init_from_config(FAMILIES["qwen3"], remat="some")
