@@ -48,9 +48,20 @@ class PluginSpec:
 
 @dataclass(frozen=True)
 class LossSpec(PluginSpec):
-    """A per-token log-prob implementation: `factory(options) -> impl` where `impl`
-    is callable as `impl(hidden, lm_head, targets, temperature) -> logp [B, T]`
-    and is differentiable w.r.t. hidden [B, T, H] and lm_head [H, V]."""
+    """A per-token log-prob implementation selected by `loss.impl`.
+
+    `factory(options) -> impl`, with `impl` callable as
+        impl(hidden, lm_head, targets, temperature=1.0, *, entropy=False) -> TokenLogps
+    hidden [B, T, H] and lm_head [H, V] (float32 or bfloat16), targets [B, T] int
+    in [0, V), temperature > 0 (python float or scalar array). The result is a
+    NamedTuple `(logp, entropy)` of float32 [B, T]: logp = log_softmax(hidden @
+    lm_head / temperature)[target], entropy of that softmax (None unless
+    `entropy=True`). Differentiable w.r.t. hidden and lm_head (temperature gets a
+    zero cotangent). Padding positions are computed like any token; the loss
+    masks them. V may be sharded over the `tp` mesh axis. The GRPO math on top
+    (`grpo_losses.grpo_loss`) is shared by every implementation; see
+    `grpo_losses.logps.TokenLogpsImpl`.
+    """
 
     kind: ClassVar[str] = "loss"
 

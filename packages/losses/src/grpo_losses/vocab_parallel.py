@@ -8,12 +8,13 @@ blocks (backward). This module turns it into a differentiable
 - Without a mesh (or a one-device mesh) the kernels see everything.
 - With a mesh (passed in, or the one set by `jax.set_mesh`), the work runs in
   `jax.shard_map` over every mesh axis: lm_head's V dim is split over
-  `vocab_axis` (default "tp"), tokens over the remaining axes. Each vocab shard
+  `vocab_axis` (default "tp"), the batch over the remaining axes. Each vocab shard
   computes its partial state; `finish_stats` combines them with pmax/psum, so
   every shard sees the exact global log-sum-exp. In the backward each shard
   builds dL/dz for its own columns only; d hidden is psum-ed over `vocab_axis`
-  and d lm_head over the token axes. No device ever holds more than its
-  [H, V / tp] weight slice plus one logits block.
+  and d lm_head over the batch axes. A device holds its [H, V / tp] weight
+  slice (gathered over other axes, e.g. fsdp, as any FSDP matmul would) and its
+  gradient, plus a few logits blocks.
 
 The shard_maps run with check_vma=False: kernels start loop carries from
 constants, which the varying-axes checker rejects; the collectives here are
@@ -29,7 +30,7 @@ from typing import Optional, Protocol
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.sharding import AbstractMesh, Mesh
+from jax.sharding import AbstractMesh, AxisType, Mesh
 from jax.sharding import PartitionSpec as P
 
 from grpo_losses.blockmath import F32, TokenStats, VocabStats, finish_stats
@@ -54,22 +55,29 @@ class VocabKernels(Protocol):
 
 @dataclass(frozen=True)
 class ShardPlan:
-    """How the token and vocab dims map onto mesh axes."""
+    """How the batch and vocab dims map onto mesh axes."""
 
     mesh: Mesh | AbstractMesh
-    token_axes: tuple[str, ...]
+    batch_axes: tuple[str, ...]
     vocab_axis: Optional[str]
 
     def specs(self) -> dict[str, P]:
-        tokens = self.token_axes or None
-        return {"tokens": P(tokens), "hidden": P(tokens, None), "lm_head": P(None, self.vocab_axis)}
+        batch = self.batch_axes or None
+        return {"tokens": P(batch, None), "hidden": P(batch, None, None), "lm_head": P(None, self.vocab_axis)}
+
+    def conform(self, args: tuple, specs: tuple) -> tuple:
+        """Reshard args to `specs` where the mesh has Explicit axes (shard_map does
+        not reshard those itself); Auto axes are left to shard_map."""
+        if AxisType.Explicit not in tuple(self.mesh.axis_types):
+            return args
+        return tuple(jax.tree.map(lambda x, s=spec: jax.sharding.reshard(x, s), arg) for arg, spec in zip(args, specs))
 
 
-def plan_sharding(mesh: Mesh | AbstractMesh | None, vocab_axis: str, n_tokens: int, vocab: int) -> Optional[ShardPlan]:
+def plan_sharding(mesh: Mesh | AbstractMesh | None, vocab_axis: str, batch: int, vocab: int) -> Optional[ShardPlan]:
     """The shard_map layout for `mesh` (None: the context mesh); None when unsharded.
 
-    Tokens split over all non-vocab axes when they divide the token count, else
-    they are replicated (still exact, just redundant work).
+    The batch dim splits over all non-vocab axes when they divide it, else it is
+    replicated (still exact, just redundant work).
     """
     mesh = _context_mesh() if mesh is None else mesh
     if mesh is None or mesh.empty or math.prod(mesh.shape.values()) == 1:
@@ -80,10 +88,10 @@ def plan_sharding(mesh: Mesh | AbstractMesh | None, vocab_axis: str, n_tokens: i
         raise ValueError(
             f"lm_head vocab size {vocab} is not divisible by mesh axis {vocab_axis!r} of size "
             f"{sizes[vocab_axis]}; pad the LM head's vocab to a multiple of it or use a {vocab_axis} size that divides it")
-    token_axes = tuple(name for name in mesh.axis_names if name != vocab_axis_used and sizes[name] > 1)
-    if n_tokens % math.prod(sizes[name] for name in token_axes):
-        token_axes = ()
-    return ShardPlan(mesh, token_axes, vocab_axis_used)
+    batch_axes = tuple(name for name in mesh.axis_names if name != vocab_axis_used and sizes[name] > 1)
+    if batch % math.prod(sizes[name] for name in batch_axes):
+        batch_axes = ()
+    return ShardPlan(mesh, batch_axes, vocab_axis_used)
 
 
 def _context_mesh() -> AbstractMesh | None:
@@ -100,13 +108,10 @@ def blockwise_token_logps(kernels: VocabKernels, hidden: Array, lm_head: Array, 
     Never builds [B, T, V]; the backward recomputes logits blocks. Gradients flow
     to hidden and lm_head; temperature receives a zero cotangent.
     """
-    batch, time, width = hidden.shape
-    plan = plan_sharding(mesh, vocab_axis, batch * time, lm_head.shape[1])
+    plan = plan_sharding(mesh, vocab_axis, hidden.shape[0], lm_head.shape[1])
     fn = _differentiable(kernels, plan, entropy)
-    inv_temp = 1.0 / jnp.asarray(temperature, F32)
-    targets = targets.reshape(batch * time, 1).astype(jnp.int32)
-    logp, ent = fn(hidden.reshape(batch * time, width), lm_head, targets, inv_temp)
-    return TokenLogps(logp.reshape(batch, time), None if ent is None else ent.reshape(batch, time))
+    logp, ent = fn(hidden, lm_head, targets.astype(jnp.int32), 1.0 / jnp.asarray(temperature, F32))
+    return TokenLogps(logp, ent)
 
 
 def _differentiable(kernels: VocabKernels, plan: Optional[ShardPlan], with_entropy: bool):
@@ -130,36 +135,45 @@ def _differentiable(kernels: VocabKernels, plan: Optional[ShardPlan], with_entro
 
 
 def _forward(kernels, plan, with_entropy, h, w, targets, inv_temp) -> TokenStats:
+    """TokenStats [B, T] each; kernels see tokens flattened to [N, ...] columns."""
     def local(h, w, targets, inv_temp):
-        local_targets = _local_targets(targets, w.shape[1], plan and plan.vocab_axis)
-        return finish_stats(kernels.stats(h, w, local_targets, inv_temp, with_entropy), plan and plan.vocab_axis)
+        batch, time, width = h.shape
+        local_targets = _local_targets(targets.reshape(-1, 1), w.shape[1], plan and plan.vocab_axis)
+        state = kernels.stats(h.reshape(-1, width), w, local_targets, inv_temp, with_entropy)
+        stats = finish_stats(state, plan and plan.vocab_axis)
+        return TokenStats(*(None if x is None else x.reshape(batch, time) for x in stats))
 
     if plan is None:
         return local(h, w, targets, inv_temp)
     spec = plan.specs()
-    return jax.shard_map(local, mesh=plan.mesh, in_specs=(spec["hidden"], spec["lm_head"], spec["tokens"], P()),
-                         out_specs=spec["tokens"], check_vma=False)(h, w, targets, inv_temp)
+    in_specs = (spec["hidden"], spec["lm_head"], spec["tokens"], P())
+    args = plan.conform((h, w, targets, inv_temp), in_specs)
+    return jax.shard_map(local, mesh=plan.mesh, in_specs=in_specs, out_specs=spec["tokens"], check_vma=False)(*args)
 
 
 def _backward(kernels, plan, h, w, targets, inv_temp, stats, g_lp, g_ent):
     def local(h, w, targets, inv_temp, stats, g_lp, g_ent):
-        local_targets = _local_targets(targets, w.shape[1], plan and plan.vocab_axis)
-        dh, dw = kernels.grads(h, w, local_targets, inv_temp, stats, g_lp, g_ent)
+        batch, time, width = h.shape
+        column = lambda x: None if x is None else x.reshape(-1, 1)  # noqa: E731
+        local_targets = _local_targets(column(targets), w.shape[1], plan and plan.vocab_axis)
+        dh, dw = kernels.grads(h.reshape(-1, width), w, local_targets, inv_temp,
+                               TokenStats(*(column(x) for x in stats)), column(g_lp), column(g_ent))
+        dh = dh.reshape(batch, time, width)
         if plan is None:
             return dh, dw
         if plan.vocab_axis:
             dh = lax.psum(dh, plan.vocab_axis)  # every vocab shard contributes to each token
-        if plan.token_axes:
-            dw = lax.psum(dw, plan.token_axes)  # every token shard contributes to each column
+        if plan.batch_axes:
+            dw = lax.psum(dw, plan.batch_axes)  # every batch shard contributes to each column
         return dh, dw
 
     if plan is None:
         return local(h, w, targets, inv_temp, stats, g_lp, g_ent)
     spec = plan.specs()
-    return jax.shard_map(
-        local, mesh=plan.mesh,
-        in_specs=(spec["hidden"], spec["lm_head"], spec["tokens"], P(), spec["tokens"], spec["tokens"], spec["tokens"]),
-        out_specs=(spec["hidden"], spec["lm_head"]), check_vma=False)(h, w, targets, inv_temp, stats, g_lp, g_ent)
+    in_specs = (spec["hidden"], spec["lm_head"], spec["tokens"], P(), spec["tokens"], spec["tokens"], spec["tokens"])
+    args = plan.conform((h, w, targets, inv_temp, stats, g_lp, g_ent), in_specs)
+    return jax.shard_map(local, mesh=plan.mesh, in_specs=in_specs, out_specs=(spec["hidden"], spec["lm_head"]),
+                         check_vma=False)(*args)
 
 
 def _local_targets(targets: Array, local_vocab: int, vocab_axis: Optional[str]) -> Array:
