@@ -1,0 +1,61 @@
+"""Greedy generation equals transformers `generate` token for token (golden fixtures made
+by make_golden.py; the live comparison needs torch and is skipped without it)."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from grpo_core.models import load_pretrained
+from grpo_rollout import JaxRollout, SamplingParams
+
+GOLDEN = Path(__file__).parent / "golden"
+FAMILIES = ["qwen2", "qwen3"]
+
+
+def golden(name):
+    return json.loads((GOLDEN / name / "golden.json").read_text())
+
+
+def greedy_tokens(name, eos=None):
+    record = golden(name)
+    model = load_pretrained(GOLDEN / name, dtype="float32")
+    params = SamplingParams(max_new_tokens=record["max_new_tokens"], greedy=True,
+                            stop_token_ids=() if eos is None else (eos,))
+    result = JaxRollout().generate_from_lists(model, record["prompts"], jax.random.key(0), params,
+                                              pad_token_id=record["pad_id"])
+    return np.asarray(result.completion_ids), result
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_greedy_equals_transformers_generate(name):
+    tokens, _ = greedy_tokens(name)
+    np.testing.assert_array_equal(tokens, golden(name)["tokens"])
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_greedy_with_eos_equals_transformers_generate(name):
+    record = golden(name)
+    tokens, result = greedy_tokens(name, eos=record["eos"])
+    np.testing.assert_array_equal(tokens, record["tokens_with_eos"])
+    assert bool(result.finished.any()) and not bool(result.finished.all())  # the fixture ends some rows early
+
+
+def load_maker():
+    spec = importlib.util.spec_from_file_location("make_golden", Path(__file__).parent / "make_golden.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_live_transformers_generate_matches(name):
+    pytest.importorskip("torch")
+    maker = load_maker()
+    record = golden(name)
+    hf_tokens, _ = maker.hf_greedy(GOLDEN / name, record["prompts"], eos=record["eos"])
+    tokens, _ = greedy_tokens(name, eos=record["eos"])
+    np.testing.assert_array_equal(tokens, hf_tokens)

@@ -1,0 +1,36 @@
+"""Registration of the `jax` backend and the `grpo-bench rollout` JSON line."""
+
+import json
+
+import pytest
+
+from grpo_core.config_io import plugin_options
+from grpo_core.errors import ConfigError
+from grpo_core.registry import build_registry
+from grpo_rollout import JaxRollout, JaxRolloutOptions, bench
+
+
+def test_jax_backend_is_registered_with_its_options():
+    spec = build_registry(strict=True).rollout("jax")
+    options = plugin_options(spec.options, {"prompt_buckets": [64, 8], "cache_dtype": "bfloat16"}, "rollout.options")
+    assert options.prompt_buckets == (8, 64)
+    assert isinstance(spec.factory(options), JaxRollout)
+
+
+def test_bad_options_are_errors():
+    with pytest.raises(ConfigError, match="rollout.options.prompt_bucket"):
+        plugin_options(JaxRolloutOptions, {"prompt_bucket": [8]}, "rollout.options")
+    with pytest.raises(ValueError, match="cache_dtype"):
+        JaxRolloutOptions(cache_dtype="int8")
+
+
+def test_bench_prints_one_json_line(capsys):
+    flags = ["--vocab", "96", "--hidden", "32", "--intermediate", "64", "--layers", "1", "--batch", "2",
+             "--prompt-len", "4", "--new-tokens", "3", "--repeats", "1"]
+    assert bench.main(flags) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 1
+    record = json.loads(lines[0])
+    assert record["generated_tokens"] == 6 and record["tokens_per_s"] > 0
+    assert set(record["compiled_temp_bytes"]) == {"prefill", "decode"}
+    assert {"prefill_ms", "decode_ms_per_token", "vocab", "batch"} <= set(record)
