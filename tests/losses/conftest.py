@@ -10,7 +10,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from grpo_core.config import LossConfig
 
 # Every value of every math option of the `loss` section.
@@ -98,13 +97,12 @@ def covering_cases(options: dict[str, list], strength: int = 2) -> list[dict]:
                  for vals in itertools.product(*(range(len(options[names[c]])) for c in cols))}
     candidates = list(itertools.product(*(range(len(options[n])) for n in names)))
     cases = []
+    def tuples_of(cand) -> set:
+        return {(cols, tuple(cand[c] for c in cols)) for cols in itertools.combinations(range(len(names)), strength)}
+
     while uncovered:
-        def gain(cand):
-            return sum((cols, tuple(cand[c] for c in cols)) in uncovered
-                       for cols in itertools.combinations(range(len(names)), strength))
-        best = max(candidates, key=gain)
-        uncovered -= {(cols, tuple(best[c] for c in cols))
-                      for cols in itertools.combinations(range(len(names)), strength)}
+        best = max(candidates, key=lambda cand, todo=uncovered: len(tuples_of(cand) & todo))
+        uncovered -= tuples_of(best)
         cases.append({n: options[n][i] for n, i in zip(names, best)})
     return cases
 

@@ -14,7 +14,6 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
-
 from grpo_core.config import LossConfig
 from grpo_losses import FusedLogps, FusedOptions, compute_advantages, grpo_loss, per_token_logps
 

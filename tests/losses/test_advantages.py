@@ -5,7 +5,6 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
-
 from grpo_core.config import LossConfig
 from grpo_losses import compute_advantages, group_advantages, zero_std_groups
 

@@ -6,7 +6,6 @@ value), with padding masks, an odd vocab and T not a multiple of the blocks."""
 from __future__ import annotations
 
 import jax
-
 from grpo_losses import FusedLogps, FusedOptions, PallasLogps, PallasOptions, ReferenceLogps, grpo_loss
 
 REFERENCE = ReferenceLogps()

@@ -6,9 +6,15 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import pytest
-
-from grpo_losses import (FusedLogps, FusedOptions, PallasLogps, PallasOptions, ReferenceLogps, per_token_logps,
-                         validate_block_shape)
+from grpo_losses import (
+    FusedLogps,
+    FusedOptions,
+    PallasLogps,
+    PallasOptions,
+    ReferenceLogps,
+    per_token_logps,
+    validate_block_shape,
+)
 from grpo_losses.pallas_kernels import PallasKernels
 from grpo_losses.vocab_parallel import blockwise_token_logps
 

@@ -10,7 +10,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from grpo_core.config import LossConfig
 from grpo_losses import FusedLogps, FusedOptions, aggregate, finalize_loss, grpo_loss, token_losses
 

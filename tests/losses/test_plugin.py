@@ -7,7 +7,6 @@ from importlib.metadata import entry_points
 
 import jax.numpy as jnp
 import pluggy
-
 from grpo_core import LossSpec, hookspecs
 from grpo_losses import FusedOptions, PallasOptions, TokenLogps
 

@@ -30,7 +30,7 @@ def test_bench_compile_only_reports_memory_without_running(capsys):
 
 def test_standalone_check_script():
     script = Path(__file__).with_name("standalone_check.py")
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr[-2000:]
     record = json.loads(done.stdout.strip().splitlines()[-1])
     assert record["grad_norm"] > 0

@@ -6,11 +6,10 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
-from jax.sharding import AxisType, Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
-
 from grpo_core.config import LossConfig
 from grpo_losses import FusedLogps, FusedOptions, PallasLogps, PallasOptions, ReferenceLogps, grpo_loss
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 CFG = LossConfig(beta=0.05, entropy_coef=0.01, aggregation="seq_mean_token_mean")
 VOCAB = 8 * 29  # 29 columns per device at tp=8: ragged against vocab blocks of 16
@@ -59,6 +58,5 @@ def test_explicit_axis_mesh(helpers):
 
 def test_vocab_not_divisible_by_tp_is_a_clear_error(helpers):
     p = helpers.make_problem(2, 3, 8, VOCAB + 1)
-    with pytest.raises(ValueError, match="not divisible by mesh axis 'tp' of size 8"):
-        with jax.set_mesh(mesh_of((1, 1, 8))):
-            jax.jit(lambda h, w: IMPLS["fused"](h, w, p.targets).logp)(p.hidden, p.lm_head)
+    with pytest.raises(ValueError, match="not divisible by mesh axis 'tp' of size 8"), jax.set_mesh(mesh_of((1, 1, 8))):
+        jax.jit(lambda h, w: IMPLS["fused"](h, w, p.targets).logp)(p.hidden, p.lm_head)

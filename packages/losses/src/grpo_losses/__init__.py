@@ -13,15 +13,39 @@ Typical use in a training step::
 from grpo_losses.advantages import Advantages, compute_advantages, group_advantages, zero_std_groups
 from grpo_losses.fused import FusedLogps, FusedOptions
 from grpo_losses.logps import TokenLogps, TokenLogpsImpl, per_token_logps
-from grpo_losses.objective import (LossMetrics, LossOutput, aggregate, finalize_loss, grpo_loss, kl_estimate,
-                                   loss_denominator, token_losses)
+from grpo_losses.objective import (
+                                   LossMetrics,
+                                   LossOutput,
+                                   aggregate,
+                                   finalize_loss,
+                                   grpo_loss,
+                                   kl_estimate,
+                                   loss_denominator,
+                                   token_losses,
+)
 from grpo_losses.pallas_kernels import PallasLogps, PallasOptions, validate_block_shape
 from grpo_losses.reference import ReferenceLogps
 
 __all__ = [
-    "Advantages", "compute_advantages", "group_advantages", "zero_std_groups",
-    "FusedLogps", "FusedOptions", "PallasLogps", "PallasOptions", "ReferenceLogps", "validate_block_shape",
-    "TokenLogps", "TokenLogpsImpl", "per_token_logps",
-    "LossMetrics", "LossOutput", "aggregate", "finalize_loss", "grpo_loss", "kl_estimate", "loss_denominator",
-    "token_losses",
+                                   "Advantages",
+                                   "FusedLogps",
+                                   "FusedOptions",
+                                   "LossMetrics",
+                                   "LossOutput",
+                                   "PallasLogps",
+                                   "PallasOptions",
+                                   "ReferenceLogps",
+                                   "TokenLogps",
+                                   "TokenLogpsImpl",
+                                   "aggregate",
+                                   "compute_advantages",
+                                   "finalize_loss",
+                                   "group_advantages",
+                                   "grpo_loss",
+                                   "kl_estimate",
+                                   "loss_denominator",
+                                   "per_token_logps",
+                                   "token_losses",
+                                   "validate_block_shape",
+                                   "zero_std_groups",
 ]

@@ -13,7 +13,6 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-
 from grpo_core.config import LossConfig
 
 Array = jax.Array

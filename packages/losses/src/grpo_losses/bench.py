@@ -17,12 +17,12 @@ import argparse
 import json
 import statistics
 import time
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
-
 from grpo_core.config import LossConfig
+
 from grpo_losses.fused import FusedLogps, FusedOptions
 from grpo_losses.objective import grpo_loss
 from grpo_losses.pallas_kernels import PallasLogps, PallasOptions
@@ -31,7 +31,7 @@ from grpo_losses.reference import ReferenceLogps
 GIB = 1024 ** 3
 
 
-def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="grpo-bench loss", description=__doc__.split("\n\n")[0])
     parser.add_argument("--impl", choices=["jax", "fused", "pallas"], required=True)
     parser.add_argument("--batch", type=int, default=2)
@@ -48,7 +48,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def build_impl(name: str, block_size: Optional[int], time_block: Optional[int]):
+def build_impl(name: str, block_size: int | None, time_block: int | None):
     overrides = {k: v for k, v in (("block_size", block_size), ("time_block", time_block)) if v is not None}
     if name == "fused":
         return FusedLogps(FusedOptions(**overrides))
@@ -116,7 +116,7 @@ def median_ms(fn, inputs, repeats: int) -> float:
 
 def max_abs_diff(result, reference) -> dict[str, float]:
     (loss, (d_hidden, d_lm_head)), (ref_loss, (ref_hidden, ref_lm_head)) = result, reference
-    diff = lambda a, b: float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))  # noqa: E731
+    diff = lambda a, b: float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
     return {"loss": diff(loss, ref_loss), "d_hidden": diff(d_hidden, ref_hidden),
             "d_lm_head": diff(d_lm_head, ref_lm_head)}
 
@@ -152,7 +152,7 @@ def run(args: argparse.Namespace) -> dict:
     return record
 
 
-def main(argv: Optional[Sequence[str]] = None) -> None:
+def main(argv: Sequence[str] | None = None) -> None:
     print(json.dumps(run(parse_args(argv))))
 
 

@@ -18,7 +18,8 @@ because d lse/dz_v = p_v and d entropy/dz_v = -p_v * (z_v - E_p[z]).
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple, Optional, TypeVar
+from collections.abc import Callable
+from typing import NamedTuple, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -35,10 +36,10 @@ class VocabStats(NamedTuple):
     m: Array
     s: Array
     zt: Array
-    a: Optional[Array] = None
+    a: Array | None = None
 
     @classmethod
-    def empty(cls, rows: int, with_entropy: bool) -> "VocabStats":
+    def empty(cls, rows: int, with_entropy: bool) -> VocabStats:
         zeros = jnp.zeros((rows, 1), F32)
         return cls(jnp.full((rows, 1), -jnp.inf, F32), zeros, zeros, zeros if with_entropy else None)
 
@@ -48,9 +49,9 @@ class TokenStats(NamedTuple):
     when entropy was not asked for. `lse` and `mean_logit` feed the backward."""
 
     logp: Array
-    entropy: Optional[Array]
+    entropy: Array | None
     lse: Array
-    mean_logit: Optional[Array]
+    mean_logit: Array | None
 
 
 def fold_blocks(step: Callable[[Carry, Array, Array], Carry], carry: Carry, size: int, block: int) -> Carry:
@@ -99,7 +100,7 @@ def online_update(acc: VocabStats, z: Array, hits: Array) -> VocabStats:
     return VocabStats(m, s, zt, a)
 
 
-def finish_stats(local: VocabStats, vocab_axis: Optional[str]) -> TokenStats:
+def finish_stats(local: VocabStats, vocab_axis: str | None) -> TokenStats:
     """Combine the per-shard states over `vocab_axis` (inside shard_map; None when
     the vocab is not split) and derive logp, entropy and the backward residuals."""
     m = local.m if vocab_axis is None else lax.pmax(local.m, vocab_axis)
@@ -112,12 +113,12 @@ def finish_stats(local: VocabStats, vocab_axis: Optional[str]) -> TokenStats:
     return TokenStats(zt - lse, lse - mean_logit, lse, mean_logit)
 
 
-def _vocab_sum(x: Array, vocab_axis: Optional[str]) -> Array:
+def _vocab_sum(x: Array, vocab_axis: str | None) -> Array:
     return x if vocab_axis is None else lax.psum(x, vocab_axis)
 
 
-def logits_grad(z: Array, hits: Array, lse: Array, g_lp: Array, mean_logit: Optional[Array],
-                g_ent: Optional[Array], inv_temp: Array) -> Array:
+def logits_grad(z: Array, hits: Array, lse: Array, g_lp: Array, mean_logit: Array | None,
+                g_ent: Array | None, inv_temp: Array) -> Array:
     """dL/d(h . w) for one block: z [N, W] scaled logits, per-token columns [N, 1].
 
     Returns float32 [N, W]; the trailing `inv_temp` is the chain rule through

@@ -14,13 +14,20 @@ was already covered (see `blockmath.fold_blocks`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import jax.numpy as jnp
 from jax import lax
 
-from grpo_losses.blockmath import (F32, TokenStats, VocabStats, fold_blocks, fresh, logits_grad, online_update,
-                                   target_hits)
+from grpo_losses.blockmath import (
+    F32,
+    TokenStats,
+    VocabStats,
+    fold_blocks,
+    fresh,
+    logits_grad,
+    online_update,
+    target_hits,
+)
 from grpo_losses.logps import Array, TokenLogps
 from grpo_losses.vocab_parallel import blockwise_token_logps
 
@@ -74,7 +81,7 @@ class FusedKernels:
         return fold_blocks(vocab_block, VocabStats.empty(h.shape[0], with_entropy), w.shape[1], self.block_size)
 
     def grads(self, h: Array, w: Array, targets: Array, inv_temp: Array, stats: TokenStats,
-              g_lp: Array, g_ent: Optional[Array]) -> tuple[Array, Array]:
+              g_lp: Array, g_ent: Array | None) -> tuple[Array, Array]:
         rows = min(self.time_block, h.shape[0])
         per_token = (targets, stats.lse, g_lp, stats.mean_logit, g_ent)
 

@@ -9,7 +9,7 @@ vocab blocks, Pallas kernels) is the implementation's business.
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional, Protocol
+from typing import NamedTuple, Protocol
 
 import jax
 
@@ -24,7 +24,7 @@ class TokenLogps(NamedTuple):
     """
 
     logp: Array
-    entropy: Optional[Array] = None
+    entropy: Array | None = None
 
 
 class TokenLogpsImpl(Protocol):

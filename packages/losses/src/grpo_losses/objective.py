@@ -30,12 +30,12 @@ sum grad(numerator_k) and divide once at the end.
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-
 from grpo_core.config import LossConfig
+
 from grpo_losses.logps import Array, TokenLogpsImpl
 
 F32 = jnp.float32
@@ -52,10 +52,10 @@ class LossMetrics(NamedTuple):
     ratio_sum: Array
     ratio_min: Array  # +inf when no token is unmasked
     ratio_max: Array  # -inf when no token is unmasked
-    kl_sum: Optional[Array] = None
-    entropy_sum: Optional[Array] = None
+    kl_sum: Array | None = None
+    entropy_sum: Array | None = None
 
-    def merge(self, other: "LossMetrics") -> "LossMetrics":
+    def merge(self, other: LossMetrics) -> LossMetrics:
         """The metrics of both micro-batches together."""
         def combine(name, a, b):
             if a is None:
@@ -102,7 +102,7 @@ def finalize_loss(numerator: Array, denominator: Array) -> Array:
 
 
 def grpo_loss(impl: TokenLogpsImpl, hidden: Array, lm_head: Array, targets: Array, mask: Array,
-              advantages: Array, old_logp: Optional[Array], ref_logp: Optional[Array], cfg: LossConfig,
+              advantages: Array, old_logp: Array | None, ref_logp: Array | None, cfg: LossConfig,
               *, temperature: float | Array = 1.0) -> LossOutput:
     """The GRPO loss of one micro-batch through `impl`.
 
@@ -122,11 +122,11 @@ def grpo_loss(impl: TokenLogpsImpl, hidden: Array, lm_head: Array, targets: Arra
     return LossOutput(numerator, denominator, out.logp, metrics)
 
 
-def _metric_only(entropy: Optional[Array]) -> Optional[Array]:
+def _metric_only(entropy: Array | None) -> Array | None:
     return None if entropy is None else jax.lax.stop_gradient(entropy)
 
 
-def _check_config(cfg: LossConfig, ref_logp: Optional[Array]) -> None:
+def _check_config(cfg: LossConfig, ref_logp: Array | None) -> None:
     if cfg.beta > 0 and ref_logp is None:
         raise ValueError(f"loss.beta is {cfg.beta} but ref_logp is None; pass reference log-probs "
                          "(per_token_logps of the reference model) or set loss.beta: 0")
@@ -135,8 +135,8 @@ def _check_config(cfg: LossConfig, ref_logp: Optional[Array]) -> None:
                          "set it (the runner fills it from rollout.max_new_tokens)")
 
 
-def token_losses(logp: Array, entropy: Optional[Array], mask: Array, advantages: Array,
-                 old_logp: Optional[Array], ref_logp: Optional[Array],
+def token_losses(logp: Array, entropy: Array | None, mask: Array, advantages: Array,
+                 old_logp: Array | None, ref_logp: Array | None,
                  cfg: LossConfig) -> tuple[Array, LossMetrics]:
     """Per-token loss [B, T] (zero where mask is 0) and the metric sums."""
     ratio = importance_ratio(logp, old_logp, mask, cfg)  # [B, T] or [B, 1]
@@ -152,7 +152,7 @@ def token_losses(logp: Array, entropy: Optional[Array], mask: Array, advantages:
     return per_token * mask, metrics
 
 
-def importance_ratio(logp: Array, old_logp: Optional[Array], mask: Array, cfg: LossConfig) -> Array:
+def importance_ratio(logp: Array, old_logp: Array | None, mask: Array, cfg: LossConfig) -> Array:
     """exp(log r): per token [B, T], or per sequence [B, 1] for GSPO."""
     old = jax.lax.stop_gradient(logp) if old_logp is None else old_logp
     log_ratio = jnp.where(mask > 0, logp - old, 0.0)  # padding may hold any old_logp
@@ -213,7 +213,7 @@ def _tokens_per_sequence(mask: Array) -> Array:
     return jnp.maximum(jnp.sum(mask, axis=1, keepdims=True), 1.0)  # [B, 1]
 
 
-def _metrics(ratio: Array, adv: Array, mask: Array, kl: Optional[Array], entropy: Optional[Array],
+def _metrics(ratio: Array, adv: Array, mask: Array, kl: Array | None, entropy: Array | None,
              cfg: LossConfig) -> LossMetrics:
     ratio = jax.lax.stop_gradient(ratio)
     low = (ratio < 1.0 - cfg.epsilon_low) & (adv < 0)

@@ -20,16 +20,15 @@ kernel zeroes out-of-range token rows (whose inputs hold undefined data).
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from grpo_losses.blockmath import (F32, TokenStats, VocabStats, column_ids, logits_grad, online_update,
-                                   target_hits)
+from grpo_losses.blockmath import F32, TokenStats, VocabStats, column_ids, logits_grad, online_update, target_hits
 from grpo_losses.logps import Array, TokenLogps
 from grpo_losses.vocab_parallel import blockwise_token_logps
 
@@ -47,7 +46,7 @@ class PallasOptions:
     # d_w accumulator, 2 MiB each) inside the 16 MiB default TPU scoped VMEM.
     block_size: int = 256
     time_block: int = 256
-    interpret: Optional[bool] = None  # None: interpret exactly when the default backend is cpu
+    interpret: bool | None = None  # None: interpret exactly when the default backend is cpu
     vocab_axis: str = "tp"  # mesh axis that splits lm_head's V dim
 
     def __post_init__(self) -> None:
@@ -100,7 +99,7 @@ class PallasKernels:
         return VocabStats(*out) if with_entropy else VocabStats(*out, None)
 
     def grads(self, h: Array, w: Array, targets: Array, inv_temp: Array, stats: TokenStats,
-              g_lp: Array, g_ent: Optional[Array]) -> tuple[Array, Array]:
+              g_lp: Array, g_ent: Array | None) -> tuple[Array, Array]:
         grid = _Grid.of(self, h, w)
         per_token = [stats.lse, g_lp] + ([] if g_ent is None else [stats.mean_logit, g_ent])
         rows = jnp.concatenate([x.astype(F32) for x in per_token], axis=1)  # [N, 2 or 4]
@@ -116,7 +115,7 @@ class PallasKernels:
                         grid.grad_in_specs(grid.vocab_major(), rows.shape[1], h, w))[0]
         return dh, dw
 
-    def _call(self, kernel, order: "_Order", out_shape, out_specs, inv_temp, arrays, in_specs):
+    def _call(self, kernel, order: _Order, out_shape, out_specs, inv_temp, arrays, in_specs):
         """pallas_call with the temperature as a (1, 1) block first, after checking every block."""
         operands = (inv_temp.reshape(1, 1).astype(F32),) + tuple(arrays)
         in_specs = [pl.BlockSpec((1, 1), order.fixed)] + list(in_specs)
@@ -168,7 +167,7 @@ class _Grid:
     cols: int
 
     @classmethod
-    def of(cls, kernels: PallasKernels, h: Array, w: Array) -> "_Grid":
+    def of(cls, kernels: PallasKernels, h: Array, w: Array) -> _Grid:
         n_tokens, vocab = h.shape[0], w.shape[1]
         return cls(n_tokens, vocab, min(kernels.time_block, n_tokens), min(kernels.block_size, vocab))
 
@@ -197,7 +196,8 @@ def _stats_kernel(inv_ref, targets_ref, h_ref, w_ref, *state_refs, vocab: int, c
 
     @pl.when(j == 0)
     def _init():
-        for ref, value in zip(state_refs, VocabStats.empty(ref_rows(state_refs[0]), len(state_refs) == 4)):
+        rows, with_entropy = state_refs[0].shape[0], len(state_refs) == 4
+        for ref, value in zip(state_refs, VocabStats.empty(rows, with_entropy)):
             ref[...] = value
 
     valid = column_ids(j * cols, cols) < vocab  # [1, cols]
@@ -206,10 +206,6 @@ def _stats_kernel(inv_ref, targets_ref, h_ref, w_ref, *state_refs, vocab: int, c
     acc = VocabStats(*(ref[...] for ref in state_refs))
     for ref, value in zip(state_refs, online_update(acc, z, target_hits(targets_ref[...], j * cols, cols))):
         ref[...] = value
-
-
-def ref_rows(ref) -> int:
-    return ref.shape[0]
 
 
 def _dh_kernel(inv_ref, targets_ref, rows_ref, h_ref, w_ref, dh_ref, *, vocab: int, cols: int):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from grpo_core import LossSpec, NoOptions, hookimpl
+
 from grpo_losses.fused import FusedOptions, build_fused
 from grpo_losses.pallas_kernels import PallasOptions, build_pallas
 from grpo_losses.reference import build_reference

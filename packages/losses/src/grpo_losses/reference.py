@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
-
 from grpo_core import NoOptions
+
 from grpo_losses.logps import Array, TokenLogps
 
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional, Protocol
+from typing import Protocol
 
 import jax
 import jax.numpy as jnp
@@ -48,7 +48,7 @@ class VocabKernels(Protocol):
         ...
 
     def grads(self, h: Array, w: Array, targets: Array, inv_temp: Array, stats: TokenStats,
-              g_lp: Array, g_ent: Optional[Array]) -> tuple[Array, Array]:
+              g_lp: Array, g_ent: Array | None) -> tuple[Array, Array]:
         """(d h [N, H], d w [H, Vl]), float32, from this device's columns only."""
         ...
 
@@ -59,7 +59,7 @@ class ShardPlan:
 
     mesh: Mesh | AbstractMesh
     batch_axes: tuple[str, ...]
-    vocab_axis: Optional[str]
+    vocab_axis: str | None
 
     def specs(self) -> dict[str, P]:
         batch = self.batch_axes or None
@@ -73,7 +73,7 @@ class ShardPlan:
         return tuple(jax.tree.map(lambda x, s=spec: jax.sharding.reshard(x, s), arg) for arg, spec in zip(args, specs))
 
 
-def plan_sharding(mesh: Mesh | AbstractMesh | None, vocab_axis: str, batch: int, vocab: int) -> Optional[ShardPlan]:
+def plan_sharding(mesh: Mesh | AbstractMesh | None, vocab_axis: str, batch: int, vocab: int) -> ShardPlan | None:
     """The shard_map layout for `mesh` (None: the context mesh); None when unsharded.
 
     The batch dim splits over all non-vocab axes when they divide it, else it is
@@ -114,7 +114,7 @@ def blockwise_token_logps(kernels: VocabKernels, hidden: Array, lm_head: Array, 
     return TokenLogps(logp, ent)
 
 
-def _differentiable(kernels: VocabKernels, plan: Optional[ShardPlan], with_entropy: bool):
+def _differentiable(kernels: VocabKernels, plan: ShardPlan | None, with_entropy: bool):
     @jax.custom_vjp
     def logps(h, w, targets, inv_temp):
         stats = _forward(kernels, plan, with_entropy, h, w, targets, inv_temp)
@@ -154,7 +154,7 @@ def _forward(kernels, plan, with_entropy, h, w, targets, inv_temp) -> TokenStats
 def _backward(kernels, plan, h, w, targets, inv_temp, stats, g_lp, g_ent):
     def local(h, w, targets, inv_temp, stats, g_lp, g_ent):
         batch, time, width = h.shape
-        column = lambda x: None if x is None else x.reshape(-1, 1)  # noqa: E731
+        column = lambda x: None if x is None else x.reshape(-1, 1)
         local_targets = _local_targets(column(targets), w.shape[1], plan and plan.vocab_axis)
         dh, dw = kernels.grads(h.reshape(-1, width), w, local_targets, inv_temp,
                                TokenStats(*(column(x) for x in stats)), column(g_lp), column(g_ent))
@@ -176,7 +176,7 @@ def _backward(kernels, plan, h, w, targets, inv_temp, stats, g_lp, g_ent):
                          check_vma=False)(*args)
 
 
-def _local_targets(targets: Array, local_vocab: int, vocab_axis: Optional[str]) -> Array:
+def _local_targets(targets: Array, local_vocab: int, vocab_axis: str | None) -> Array:
     """Global target ids -> column ids of this vocab shard, -1 when elsewhere."""
     if vocab_axis is None:
         return targets
