@@ -22,9 +22,16 @@ EXPLICIT_MESH = re.compile(r"^\s*-?\d+\s*,\s*-?\d+\s*,\s*-?\d+\s*$")
 
 
 class _Loader(yaml.SafeLoader):
-    """SafeLoader that also reads `1e-6` as a float (YAML 1.1 insists on `1.0e-6`)."""
+    """SafeLoader that also reads `1e-6` as a float (YAML 1.1 insists on `1.0e-6`) and takes only
+    true/false as booleans (YAML 1.1 also reads on/off/yes/no, so `distributed: on` became True)."""
 
 
+_BOOL = "tag:yaml.org,2002:bool"
+_Loader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag != _BOOL]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_Loader.add_implicit_resolver(_BOOL, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
 _Loader.add_implicit_resolver(
     "tag:yaml.org,2002:float",
     re.compile(r"^[-+]?(?:\d[\d_]*)?(?:\.\d*)?[eE][-+]?\d+$|^[-+]?(?:\d[\d_]*)?\.\d+$|^[-+]?\.(?:inf|Inf|INF)$|^\.(?:nan|NaN|NAN)$"),
