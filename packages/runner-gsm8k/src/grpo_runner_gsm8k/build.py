@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -14,12 +15,15 @@ from grpo_core.config import RunConfig
 from grpo_core.config_io import plugin_options
 from grpo_core.errors import UserError
 from grpo_core.models import QwenConfig, init_from_config, load_pretrained
+from grpo_core.models.checkpoint import resolve_model_dir
 from grpo_core.registry import Registry
 from grpo_core.sharding import shard_model
 from grpo_core.tokenizer import build_char_tokenizer, load_tokenizer
 from grpo_meshes import (ModelDims, ProcessLayout, build_mesh_from_config, rollout_batch_sharding,
                          setup_processes, validate_plan)
 from grpo_rollout.sampling import SamplingParams
+
+from grpo_runner_gsm8k.tasks.base import render_prompt
 
 
 @dataclass
@@ -44,9 +48,17 @@ class Components:
         return rollout_batch_sharding(self.mesh, self.cfg.rollout.sharding)
 
 
+def _input_error(key: str, exc: Exception, fix: str) -> UserError:
+    """A UserError for a bad value of `key`, keeping the cause's message."""
+    return UserError(f"{key}: {str(exc).rstrip('.')}; {fix}")
+
+
 def _from_plugin(registry: Registry, kind: str, name: str, options: dict, where: str, **kwargs) -> Any:
     spec = registry.get(kind, name)
-    return spec.factory(plugin_options(spec.options, options, where), **kwargs)
+    try:
+        return spec.factory(plugin_options(spec.options, options, where), **kwargs)
+    except (ValueError, OSError) as exc:  # plugins reject bad options or missing files this way
+        raise UserError(f"{where} of {kind} {name!r}: {exc}") from None
 
 
 def build_tokenizer(cfg: RunConfig) -> Any:
@@ -56,19 +68,29 @@ def build_tokenizer(cfg: RunConfig) -> Any:
     if source is None:
         raise UserError("model.tokenizer and model.path are both null: set model.tokenizer to 'char' "
                         "or to a tokenizer directory / Hub id")
+    key = "model.tokenizer" if cfg.model.tokenizer else "model.path"
+    if _looks_like_path(source) and not os.path.isdir(source):
+        raise UserError(f"{key} {source!r} is not a directory; point {key} at a directory holding tokenizer "
+                        "files, a Hub id 'org/name', or set model.tokenizer=char")
     try:
         return load_tokenizer(source)
     except FileNotFoundError as exc:
-        raise UserError(f"model.tokenizer: {exc}; point it at a directory holding tokenizer files") from None
+        raise _input_error(key, exc, f"point {key} at a directory holding tokenizer files") from None
+
+
+def _looks_like_path(source: str) -> bool:
+    """Absolute, relative or existing paths; anything else may be a Hub id."""
+    return os.path.isabs(source) or source.startswith(("./", "../", "~")) or os.path.exists(source)
 
 
 def model_config(cfg: RunConfig, tokenizer: Any) -> QwenConfig:
     """The architecture of the run's model, read before any weights are loaded."""
     if cfg.model.path:
         try:
-            return QwenConfig.from_pretrained_dir(cfg.model.path)
-        except (FileNotFoundError, OSError) as exc:
-            raise UserError(f"model.path: {exc}") from None
+            return QwenConfig.from_pretrained_dir(resolve_model_dir(cfg.model.path))
+        except (OSError, ValueError) as exc:
+            raise _input_error("model.path", exc, "point model.path at an HF model directory "
+                               "(config.json + *.safetensors) or a Hub id") from None
     arch = {"vocab_size": len(tokenizer), **cfg.model.architecture}
     try:
         return QwenConfig.from_hf_dict(arch)
@@ -84,8 +106,11 @@ def check_tokenizer_fits(qcfg: QwenConfig, tokenizer: Any) -> None:
 
 def build_model(cfg: RunConfig, qcfg: QwenConfig, mesh: Mesh, rules: Any) -> Any:
     if cfg.model.path:
-        return load_pretrained(cfg.model.path, dtype=cfg.model.dtype, mesh=mesh, rules=rules,
-                               remat=cfg.model.remat)
+        try:
+            return load_pretrained(cfg.model.path, dtype=cfg.model.dtype, mesh=mesh, rules=rules,
+                                   remat=cfg.model.remat)
+        except (OSError, ValueError) as exc:  # missing, corrupt or mismatched safetensors
+            raise _input_error("model.path", exc, "re-download or re-export the checkpoint") from None
     model = init_from_config(qcfg, seed=cfg.model.seed, dtype=cfg.model.dtype, remat=cfg.model.remat)
     return shard_model(model, mesh, rules)
 
@@ -102,11 +127,41 @@ def sampling_params(cfg: RunConfig, tokenizer: Any, *, for_eval: bool = False) -
 
 
 def check_lengths(cfg: RunConfig, qcfg: QwenConfig) -> None:
-    longest = cfg.rollout.max_prompt_length + max(cfg.rollout.max_new_tokens, cfg.eval.max_new_tokens or 0)
+    new_tokens_key = "rollout.max_new_tokens"
+    if (cfg.eval.max_new_tokens or 0) > cfg.rollout.max_new_tokens:
+        new_tokens_key = "eval.max_new_tokens"
+    new_tokens = max(cfg.rollout.max_new_tokens, cfg.eval.max_new_tokens or 0)
+    longest = cfg.rollout.max_prompt_length + new_tokens
     if longest > qcfg.max_position_embeddings:
-        raise UserError(f"rollout.max_prompt_length + max_new_tokens = {longest} exceeds the model's "
-                        f"max_position_embeddings {qcfg.max_position_embeddings}; lower rollout.max_new_tokens "
-                        "or rollout.max_prompt_length")
+        raise UserError(f"rollout.max_prompt_length + {new_tokens_key} = {cfg.rollout.max_prompt_length} + "
+                        f"{new_tokens} = {longest} exceeds the model's max_position_embeddings "
+                        f"{qcfg.max_position_embeddings}; lower {new_tokens_key} or rollout.max_prompt_length")
+
+
+def prompt_token_ids(cfg: RunConfig, tokenizer: Any, use_chat_template: bool, examples: list) -> list[list[int]]:
+    """Token ids of the rendered prompts; one longer than rollout.max_prompt_length is a UserError."""
+    try:
+        texts = [render_prompt(tokenizer, ex, cfg.task.system_prompt, use_chat_template) for ex in examples]
+    except ValueError as exc:  # a tokenizer without a chat template
+        raise _input_error("task.options.use_chat_template", exc, "or use a tokenizer with a chat template") from None
+    ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    limit = cfg.rollout.max_prompt_length
+    for ex, row in zip(examples, ids):
+        if len(row) > limit:
+            raise UserError(f"prompt of example {ex.id or ex.question[:40]!r} has {len(row)} tokens, more than "
+                            f"rollout.max_prompt_length={limit}; raise rollout.max_prompt_length")
+    return ids
+
+
+def check_first_prompts(cfg: RunConfig, tokenizer: Any, task: Any) -> None:
+    """Renders the first training batch and the eval questions, so a prompt format or length
+    that cannot work fails before the run starts (the task's position is left unchanged)."""
+    position = task.state()
+    examples = task.train_batch(cfg.rollout.prompts_per_step)
+    task.restore(position)
+    if cfg.eval.every_steps:
+        examples += task.test_examples(cfg.eval.num_questions)
+    prompt_token_ids(cfg, tokenizer, task.use_chat_template, examples)
 
 
 def rows_per_step(cfg: RunConfig) -> int:
@@ -148,12 +203,26 @@ def build_components(cfg: RunConfig, registry: Registry) -> Components:
     rewards = {name: (_from_plugin(registry, "reward", name, cfg.task.reward_options.get(name, {}),
                                    f"task.reward_options.{name}"), float(weight))
                for name, weight in cfg.task.rewards.items()}
+    check_first_prompts(cfg, tokenizer, task)
     return Components(
         cfg=cfg, layout=layout, mesh=resolved.mesh, param_rules=rules, tokenizer=tokenizer,
         model=build_model(cfg, qcfg, resolved.mesh, rules), task=task, rewards=rewards,
         logps_impl=_from_plugin(registry, "loss", cfg.loss.impl, cfg.loss.options, "loss.options"),
         rollout=_from_plugin(registry, "rollout", cfg.rollout.backend, cfg.rollout.options, "rollout.options"),
         sampling=sampling_params(cfg, tokenizer), eval_sampling=sampling_params(cfg, tokenizer, for_eval=True))
+
+
+def check_run_dir(cfg: RunConfig) -> None:
+    """Fails when logging.dir cannot be created and written, without creating anything."""
+    run_dir = Path(cfg.logging.dir).absolute()
+    existing = next(p for p in (run_dir, *run_dir.parents) if p.exists())
+    if not existing.is_dir():
+        where = "it" if existing == run_dir else repr(str(existing))
+        raise UserError(f"logging.dir {str(run_dir)!r} cannot be used as a directory: {where} is a file; "
+                        "choose another logging.dir")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UserError(f"logging.dir {str(run_dir)!r} is not writable (no write permission on "
+                        f"{str(existing)!r}); choose a writable logging.dir")
 
 
 def prepare_run_dir(cfg: RunConfig) -> Path:

@@ -19,19 +19,17 @@ from flax import nnx
 
 from grpo_core.config import RunConfig
 from grpo_core.config_io import config_to_dict, config_to_yaml
-from grpo_core.errors import UserError
 from grpo_core.registry import Registry
 from grpo_losses import compute_advantages
 from grpo_meshes import train_batch_sharding
 from grpo_rollout.result import RolloutResult
 
-from grpo_runner_gsm8k.build import (Components, build_components, loss_config_for_run, micro_batches,
-                                     prepare_run_dir)
+from grpo_runner_gsm8k.build import (Components, build_components, check_run_dir, loss_config_for_run,
+                                     micro_batches, prepare_run_dir, prompt_token_ids)
 from grpo_runner_gsm8k.metrics import MetricsLogger
 from grpo_runner_gsm8k.optim import build_optimizer, learning_rate_schedule
 from grpo_runner_gsm8k.rewards import score
 from grpo_runner_gsm8k.step import UpdateBatch, completion_logps, make_update
-from grpo_runner_gsm8k.tasks.base import render_prompt
 
 
 @dataclass
@@ -47,14 +45,7 @@ class TrainState:
 
 
 def tokenize_prompts(c: Components, examples: list) -> list[list[int]]:
-    texts = [render_prompt(c.tokenizer, ex, c.cfg.task.system_prompt, c.task.use_chat_template) for ex in examples]
-    ids = c.tokenizer(texts, add_special_tokens=False)["input_ids"]
-    limit = c.cfg.rollout.max_prompt_length
-    for ex, row in zip(examples, ids):
-        if len(row) > limit:
-            raise UserError(f"prompt of example {ex.id or ex.question[:40]!r} has {len(row)} tokens, more than "
-                            f"rollout.max_prompt_length={limit}; raise rollout.max_prompt_length")
-    return ids
+    return prompt_token_ids(c.cfg, c.tokenizer, c.task.use_chat_template, examples)
 
 
 def decode_completions(c: Components, result: RolloutResult) -> list[str]:
@@ -75,8 +66,9 @@ class Trainer:
 
     def __init__(self, cfg: RunConfig, registry: Registry):
         self.cfg = cfg
-        self.run_dir = prepare_run_dir(cfg)
+        check_run_dir(cfg)  # bad input fails before anything is built or written
         self.c = build_components(cfg, registry)
+        self.run_dir = prepare_run_dir(cfg)
         self.loss_cfg = loss_config_for_run(cfg)
         self.optimizer = build_optimizer(cfg.train)
         self.lr_at = learning_rate_schedule(cfg.train)
