@@ -21,8 +21,15 @@ from grpo_core.errors import UserError
 EXIT_BAD_INPUT = 2
 
 
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse whose usage errors are UserErrors, so they print as one line like every other bad input."""
+
+    def error(self, message: str):
+        raise UserError(f"{message}; see {self.prog} --help")
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="grpo-run", description="GRPO post-training of LLMs in JAX.")
+    parser = ArgumentParser(prog="grpo-run", description="GRPO post-training of LLMs in JAX.")
     parser.add_argument("--config", help="YAML run config (default: the embedded tiny CPU config)")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     parser.add_argument("--debug", action="store_true", help="show tracebacks of input errors")
