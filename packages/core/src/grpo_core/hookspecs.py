@@ -32,10 +32,13 @@ def grpo_losses() -> list[LossSpec]:
             upcast: bool = True
 
         def build(options: Options):
-            def token_logps(hidden, lm_head, targets, temperature):
+            def token_logps(hidden, lm_head, targets, temperature=1.0, *, entropy=False):
+                from grpo_losses import TokenLogps
                 logits = jnp.einsum("bth,hv->btv", hidden, lm_head) / temperature
                 logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-                return jnp.take_along_axis(logp, targets[..., None], -1)[..., 0]
+                target_logp = jnp.take_along_axis(logp, targets[..., None], -1)[..., 0]
+                ent = -jnp.sum(jnp.exp(logp) * logp, axis=-1) if entropy else None
+                return TokenLogps(target_logp, ent)
             return token_logps
 
         @hookimpl
