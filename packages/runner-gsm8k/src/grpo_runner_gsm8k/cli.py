@@ -28,7 +28,7 @@ class ArgumentParser(argparse.ArgumentParser):
         raise UserError(f"{message}; see {self.prog} --help")
 
 
-def _parser() -> argparse.ArgumentParser:
+def train_parser() -> argparse.ArgumentParser:
     parser = ArgumentParser(prog="grpo-run", description="GRPO post-training of LLMs in JAX.")
     parser.add_argument("--config", help="YAML run config (default: the embedded tiny CPU config)")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
@@ -78,7 +78,7 @@ def _train(cfg, args: argparse.Namespace) -> int:
 
 
 def _train_command(argv: list[str]) -> int:
-    args = _parser().parse_args(argv)
+    args = train_parser().parse_args(argv)
     cfg = _load(args)
     if args.print_config:
         from grpo_core.config_io import config_to_yaml
