@@ -58,7 +58,8 @@ def read_yaml(path: str | Path) -> dict:
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise ConfigError(f"config file {str(path)!r} must hold a mapping of sections, got {type(data).__name__}")
+        raise ConfigError(f"config file {str(path)!r} must hold a mapping of sections, got {type(data).__name__}; "
+                          "write the sections (model:, task:, rollout:, train:, ...) as top-level keys")
     return data
 
 
