@@ -1,0 +1,263 @@
+"""The bad-input catalogue: every case goes through `grpo-run` end to end and must exit 2 with
+exactly one stderr line that names the problem and the fix, no traceback, and nothing written."""
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from grpo_runner_gsm8k.cli import main
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = str(REPO / "configs" / "tiny.yaml")
+FAST = ["train.steps=1", "rollout.prompts_per_step=4", "rollout.n=4"]
+MODEL_CONFIG = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": 128, "hidden_size": 32,
+                "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+                "num_key_value_heads": 2, "max_position_embeddings": 256, "rms_norm_eps": 1e-6,
+                "rope_theta": 10000.0, "tie_word_embeddings": False, "hidden_act": "silu"}
+
+
+@dataclass(frozen=True)
+class Bad:
+    """One bad input: `args` follow the config ('{tmp}' is the scratch directory of the test)."""
+
+    id: str
+    args: tuple[str, ...]
+    problem: str  # a piece of the message naming what is wrong
+    fix: str  # a piece of the message saying what to do
+    config: str | None = None  # YAML text used instead of configs/tiny.yaml
+
+
+CATALOGUE = [
+    # ---- the config file and the command line
+    Bad("malformed-yaml", (), "is not valid YAML at line 3: mapping values are not allowed here", "fix the syntax",
+        config="train:\n  lr: 1e-3\n  steps: 3: 4\n"),
+    Bad("yaml-not-a-mapping", (), "must hold a mapping of sections, got list", "as top-level keys", config="- a\n- b\n"),
+    Bad("typo-key-in-file", (), "unknown config key train.stpes", "did you mean train.steps?",
+        config="train:\n  stpes: 3\n"),
+    Bad("missing-config-file", ("--config", "{tmp}/absent.yaml"), "absent.yaml' not found",
+        "pass an existing YAML file to --config"),
+    Bad("typo-section", ("rolout.n=4",), "unknown config key rolout", "did you mean rollout?"),
+    Bad("typo-key", ("loss.epsilon_hgih=0.3",), "unknown config key loss.epsilon_hgih", "did you mean loss.epsilon_high?"),
+    Bad("override-without-value", ("train.lr",), "override 'train.lr' is not of the form section.key=value",
+        "example: train.lr=1e-6"),
+    Bad("unknown-flag", ("--confg", "x.yaml"), "unrecognized arguments: --confg", "see grpo-run --help"),
+    Bad("wrong-type-number", ("train.lr=fast",), "train.lr = 'fast' has the wrong type", "expected a number"),
+    Bad("wrong-type-integer", ("rollout.n=2.5",), "rollout.n = 2.5 has the wrong type", "expected an integer"),
+    Bad("wrong-choice", ("model.dtype=float16",), "model.dtype = 'float16' has the wrong type",
+        "expected one of 'float32', 'bfloat16'"),
+    Bad("yaml11-boolean-word", ("mesh.distributed=yes",), "mesh.distributed = 'yes' has the wrong type",
+        "expected one of 'auto', 'on', 'off'"),
+    Bad("zero-prompts", ("rollout.prompts_per_step=0",), "rollout.prompts_per_step = 0 is out of range", "must be >= 1"),
+    Bad("negative-new-tokens", ("rollout.max_new_tokens=-5",), "rollout.max_new_tokens = -5 is out of range",
+        "must be >= 1"),
+    Bad("negative-lr", ("train.lr=-1e-3",), "train.lr = -0.001 is out of range", "must be > 0.0"),
+    Bad("k1-with-group-std", ("rollout.n=1",), "rollout.n = 1 with loss.scale_rewards = 'group'",
+        "set rollout.n >= 2 or loss.scale_rewards=none"),
+    Bad("no-rewards", ("task.rewards={}",), "task.rewards is empty", "name at least one reward function"),
+    Bad("options-for-unused-reward", ("task.reward_options={format: {}}",),
+        "task.reward_options.format configures a reward that task.rewards does not use", "add it to task.rewards"),
+    # ---- plugin names and options
+    Bad("unknown-loss", ("loss.impl=fusd",), "loss.impl: unknown loss 'fusd'", "Did you mean 'fused'?"),
+    Bad("unknown-mesh", ("mesh.strategy=fsdp_pt",), "mesh.strategy: unknown mesh 'fsdp_pt'", "available: auto"),
+    Bad("unknown-task", ("task.name=gsm9k",), "task.name: unknown task 'gsm9k'", "Did you mean 'gsm8k'?"),
+    Bad("unknown-reward", ("task.rewards={corectness: 1.0}",), "task.rewards: unknown reward 'corectness'",
+        "available: correctness"),
+    Bad("unknown-rollout", ("rollout.backend=vllm",), "rollout.backend: unknown rollout 'vllm'", "available: jax"),
+    Bad("task-option-typo", ("task.options.digit=2",), "unknown config key task.options.digit",
+        "did you mean task.options.digits?"),
+    Bad("task-option-range", ("task.options.digits=0",), "task.options.digits = 0 is out of range", "must be >= 1"),
+    Bad("options-of-another-task", ("task.name=gsm8k",), "unknown config key task.options.digits",
+        "valid keys: hub_config"),
+    # ---- the mesh against the devices (8 fake CPU devices) and the model
+    Bad("batch-not-divisible-by-devices", ("rollout.prompts_per_step=3", "rollout.n=3"),
+        "rollout batch of 9 rows is not divisible by dp*fsdp*tp = 8", "the nearest being 8 or 16"),
+    Bad("mesh-product-mismatch", ("mesh.strategy=2,2,3",), "mesh shape 2,2,3 (dp*fsdp*tp = 12) does not match the 8 devices",
+        "try '1,-1,1'"),
+    Bad("mesh-fixed-axes-do-not-divide", ("mesh.strategy=1,-1,3",), "the fixed axes multiply to 3, which does not divide 8",
+        "try '1,-1,1'"),
+    Bad("tp-not-dividing-heads", ("mesh.strategy=1,1,8",), "tp=8 does not divide num_attention_heads=4",
+        "use tp in [1, 2]"),
+    Bad("tp-not-dividing-kv-heads", ("mesh.strategy=1,2,4",), "tp=4 does not divide num_key_value_heads=2",
+        "use tp in [1, 2]"),
+    Bad("maxtext-batch-not-divisible-by-dp", ("mesh.strategy=8,1,1", "rollout.sharding=maxtext",
+                                              "rollout.prompts_per_step=3", "rollout.n=2"),
+        "rollout batch of 6 rows is not divisible by dp = 8", "use a multiple of 8"),
+    Bad("micro-batch-not-dividing", ("train.micro_batch_size_per_device=3",),
+        "micro-batches of 24 rows, which do not divide the 16 rows of a step", "pick a per-device size that divides it"),
+    Bad("process-count-not-met", ("mesh.require_process_count=2",),
+        "only 1 of the 2 processes required by mesh.require_process_count joined", "launch it on every host"),
+    Bad("heads-not-multiple-of-kv-heads", ("model.architecture.num_attention_heads=3",),
+        "num_attention_heads=3 must be a multiple of num_key_value_heads=2", "must be a multiple"),
+    Bad("unsupported-model-type", ("model.architecture.model_type=llama",), "model_type='llama' is not supported",
+        "supported: qwen2"),
+    Bad("vocab-smaller-than-tokenizer", ("model.architecture.vocab_size=10",),
+        "the tokenizer has 100 tokens but the model's vocab_size is 10", "raise model.architecture.vocab_size"),
+    Bad("max-new-tokens-beyond-positions", ("rollout.max_new_tokens=100",),
+        "rollout.max_prompt_length + rollout.max_new_tokens = 16 + 100 = 116 exceeds the model's "
+        "max_position_embeddings 64", "lower rollout.max_new_tokens"),
+    Bad("eval-new-tokens-beyond-positions", ("eval.max_new_tokens=60",),
+        "rollout.max_prompt_length + eval.max_new_tokens = 16 + 60 = 76 exceeds", "lower eval.max_new_tokens"),
+    Bad("prompt-longer-than-max-prompt-length", ("rollout.max_prompt_length=2",),
+        "prompt of example 'arithmetic/train/0' has 4 tokens, more than rollout.max_prompt_length=2",
+        "raise rollout.max_prompt_length"),
+    # ---- files: model, tokenizer, data, run directory
+    Bad("missing-model-dir", ("model.path=/nonexistent", "model.tokenizer=char"),
+        "model.path: '/nonexistent' is not a model directory", "point model.path at an HF model directory"),
+    Bad("missing-model-dir-as-tokenizer", ("model.path=/nonexistent", "model.tokenizer=null"), "model.path '/nonexistent' is not a directory",
+        "set model.tokenizer=char"),
+    Bad("model-dir-without-config", ("model.path={tmp}/empty_model", "model.tokenizer=char"),
+        "empty_model/config.json not found", "point model.path at an HF model directory"),
+    Bad("corrupt-safetensors", ("model.path={tmp}/corrupt_model", "model.tokenizer=char"),
+        "cannot read safetensors file", "re-download or re-export the checkpoint"),
+    Bad("missing-tokenizer", ("model.tokenizer=/nonexistent",), "model.tokenizer '/nonexistent' is not a directory",
+        "point model.tokenizer at a directory holding tokenizer files"),
+    Bad("missing-dataset", ("task.name=gsm8k", "task.options={path: /nonexistent}"),
+        "gsm8k path '/nonexistent' is not a directory", "give a directory with train.jsonl"),
+    Bad("missing-dataset-split-file", ("task.name=gsm8k", "task.options={path: '/nonexistent/{split}.jsonl'}"),
+        "/nonexistent/train.jsonl does not exist", "check task.options.path"),
+    Bad("dataset-line-not-json", ("task.name=gsm8k", "task.options={path: {tmp}/bad_data}"),
+        "bad_data/train.jsonl:2 is not valid JSON", "fix or remove the line"),
+    Bad("dataset-prompt-too-long", ("task.name=gsm8k", "task.options={path: {tmp}/long_data}"),
+        "prompt of example 'gsm8k/train/0' has", "raise rollout.max_prompt_length"),
+    Bad("run-dir-under-a-file", ("logging.dir={tmp}/file/run",), "is a file", "choose another logging.dir"),
+    Bad("run-dir-is-a-file", ("logging.dir={tmp}/file",), "cannot be used as a directory: it is a file",
+        "choose another logging.dir"),
+]
+
+
+def _gsm8k_rows(question: str) -> str:
+    return json.dumps({"question": question, "answer": "2 + 2 = 4\n#### 4"}) + "\n"
+
+
+@pytest.fixture
+def scratch(tmp_path) -> Path:
+    """The files the catalogue points at: a regular file, broken model dirs, broken datasets."""
+    (tmp_path / "file").write_text("not a directory\n")
+    (tmp_path / "empty_model").mkdir()
+    corrupt = tmp_path / "corrupt_model"
+    corrupt.mkdir()
+    (corrupt / "config.json").write_text(json.dumps(MODEL_CONFIG))
+    (corrupt / "model.safetensors").write_bytes(b"\x00garbage, not a safetensors header" * 4)
+    for name, train in [("bad_data", _gsm8k_rows("What is 2 + 2?") + "{not json\n"),
+                        ("long_data", _gsm8k_rows("What is 2 + 2? " * 20))]:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "train.jsonl").write_text(train)
+        (tmp_path / name / "test.jsonl").write_text(_gsm8k_rows("What is 1 + 3?"))
+    return tmp_path
+
+
+def _argv(case: Bad, tmp: Path) -> list[str]:
+    config = TINY
+    if case.config is not None:
+        config = str(tmp / "config.yaml")
+        Path(config).write_text(case.config)
+    args = [arg.replace("{tmp}", str(tmp)) for arg in case.args]
+    return ["--config", config, *FAST, f"logging.dir={tmp / 'run'}", *args]
+
+
+def _files(root: Path) -> set[Path]:
+    return set(root.rglob("*"))
+
+
+def _assert_one_line(err: str, case: Bad) -> None:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("grpo-run: error: "), lines[0]
+    assert case.problem in lines[0] and case.fix in lines[0], lines[0]
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("case", CATALOGUE, ids=[c.id for c in CATALOGUE])
+def test_bad_input_exits_2_with_one_line_and_writes_nothing(case, scratch, capsys):
+    argv = _argv(case, scratch)
+    before = _files(scratch)
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    _assert_one_line(captured.err, case)
+    assert captured.out == ""
+    assert _files(scratch) == before
+    assert not (scratch / "run").exists()
+
+
+def test_the_catalogue_holds_25_distinct_inputs():
+    assert len({c.id for c in CATALOGUE}) == len(CATALOGUE) >= 25
+    assert len({(c.config, c.args) for c in CATALOGUE}) == len(CATALOGUE)
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only directories; the file cases cover it")
+def test_read_only_parent_of_the_run_dir(tmp_path, capsys):
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    try:
+        assert main(["--config", TINY, *FAST, f"logging.dir={locked / 'run'}"]) == 2
+        _assert_one_line(capsys.readouterr().err, Bad("read-only", (), "is not writable", "choose a writable logging.dir"))
+        assert list(locked.iterdir()) == []
+    finally:
+        locked.chmod(0o700)
+
+
+# The console script itself: what a user sees in a terminal.
+CONSOLE_CASES = [c for c in CATALOGUE if c.id in ("malformed-yaml", "corrupt-safetensors", "unknown-flag")] + [
+    # jax.distributed is initialised at most once per process, so this one only runs in a subprocess
+    Bad("distributed-on-without-coordinator", ("mesh.distributed=on",),
+        "jax.distributed.initialize failed (mesh.distributed is 'on'; coordinator_address=None",
+        "set mesh.coordinator_address"),
+]
+
+
+@pytest.mark.parametrize("case", CONSOLE_CASES, ids=[c.id for c in CONSOLE_CASES])
+def test_console_prints_one_line_and_exits_2(case, scratch):
+    before = _files(scratch)
+    proc = subprocess.run([sys.executable, "-m", "grpo_runner_gsm8k.cli", *_argv(case, scratch)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    _assert_one_line(proc.stderr, case)
+    assert proc.stdout == ""
+    assert _files(scratch) - before <= {scratch / "config.yaml"}
+    assert not (scratch / "run").exists()
+
+
+# ---- resuming (needs the checkpoint module; the run it resumes is trained once per module)
+RESUME_CASES = [
+    Bad("resume-with-incompatible-config", ("rollout.n=8",),
+        "the config differs in rollout.n (saved 4, now 8)", "use the saved values, or set logging.dir to a new directory"),
+    Bad("checkpoints-with-resume-never", ("checkpoint.resume=never",),
+        "already holds checkpoints (newest: step 1) and checkpoint.resume is 'never'", "pass --resume"),
+]
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory) -> Path:
+    pytest.importorskip("grpo_runner_gsm8k.checkpoint")
+    run_dir = tmp_path_factory.mktemp("trained") / "run"
+    assert main(["--config", TINY, *FAST, "eval.every_steps=0", f"logging.dir={run_dir}"]) == 0
+    return run_dir
+
+
+def _state(root: Path) -> dict[Path, tuple[int, int]]:
+    return {p: (p.stat().st_size, p.stat().st_mtime_ns) for p in root.rglob("*")}
+
+
+@pytest.mark.parametrize("case", RESUME_CASES, ids=[c.id for c in RESUME_CASES])
+def test_refused_resume_exits_2_and_changes_nothing(case, trained_run, capsys):
+    capsys.readouterr()
+    before = _state(trained_run)
+    assert main(["--config", TINY, *FAST, "eval.every_steps=0", f"logging.dir={trained_run}", *case.args]) == 2
+    captured = capsys.readouterr()
+    _assert_one_line(captured.err, case)
+    assert captured.out == ""
+    assert _state(trained_run) == before
+
+
+def test_resume_without_a_checkpoint_exits_2(tmp_path, capsys):
+    pytest.importorskip("grpo_runner_gsm8k.checkpoint")
+    case = Bad("resume-without-checkpoint", (), "--resume: no complete checkpoint in", "run without --resume to start")
+    assert main(["--config", TINY, *FAST, f"logging.dir={tmp_path / 'run'}", "--resume"]) == 2
+    _assert_one_line(capsys.readouterr().err, case)
+    assert list(tmp_path.iterdir()) == []
