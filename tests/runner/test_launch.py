@@ -65,6 +65,7 @@ def test_tpu_dry_run_prints_one_gcloud_command_requiring_every_worker(capsys):
     assert argv[:6] == ["gcloud", "compute", "tpus", "tpu-vm", "ssh", "my-pod"]
     assert argv[6:10] == ["--zone", "us-east5-b", "--worker=all", "--command"]
     program, *train_args = shlex.split(argv[10])
+    assert program == "grpo-run"
     cfg = _config_of(train_args)
     assert cfg.mesh.require_process_count == 4
     assert (cfg.mesh.distributed, cfg.mesh.coordinator_address) == ("auto", None)
@@ -79,7 +80,9 @@ BAD_LAUNCHES = [
     (["--hosts", "a,b", "--coordinator-port", "70000"], "--coordinator-port 70000 is not a TCP port"),
     (["--hosts", "a,b", "--coordinator-port", "x"], "invalid int value: 'x'"),
     (["--tpu", "pod", "--num-workers", "4"], "--tpu pod also needs --zone"),
-    (["--tpu", "pod", "--zone", "z", "--num-workers", "4", "--coordinator-port", "1"], "no --coordinator-port"),
+    (["--tpu", "pod", "--zone", "z", "--num-workers", "0"], "--num-workers 0: a pod slice has at least 1 worker"),
+    (["--tpu", "pod", "--zone", "z", "--num-workers", "4", "--coordinator-port", "1"],
+     "--coordinator-port goes with --hosts"),
     (["--hosts", "a,b", "--zone", "z"], "go with --tpu"),
     (["--hosts", "a,b", "--tpu", "pod"], "not allowed with argument --hosts"),
     ([], "one of the arguments --hosts --tpu is required"),
@@ -93,6 +96,15 @@ def test_bad_launch_arguments_exit_2_with_one_line(launch_args, hint, capsys):
     err = captured.err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("grpo-run: error: ") and hint in err[0], err
     assert captured.out == ""
+
+
+def test_tpu_launch_owns_only_the_process_count(capsys):
+    assert main(["launch", "--tpu", "pod", "--zone", "z", "--num-workers", "2", "--dry-run", "--",
+                 "--config", TINY, "mesh.distributed=on"]) == 0
+    assert "mesh.distributed=on" in capsys.readouterr().out
+    assert main(["launch", "--tpu", "pod", "--zone", "z", "--num-workers", "2", "--dry-run", "--",
+                 "--config", TINY, "mesh.require_process_count=4"]) == 2
+    assert "grpo-run launch sets mesh.require_process_count itself" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("train_args,hint", [

@@ -20,7 +20,7 @@ import subprocess
 import sys
 import threading
 from dataclasses import dataclass
-from typing import IO, Optional
+from typing import IO
 
 from grpo_core.errors import UserError
 
@@ -28,9 +28,6 @@ from grpo_runner_gsm8k.cli import ArgumentParser, train_parser
 
 DEFAULT_PORT = 8476
 HOST_NAME = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?$")
-# The keys the launcher owns; setting them in the training arguments would contradict it.
-LAUNCH_KEYS = ("mesh.distributed", "mesh.coordinator_address", "mesh.num_processes", "mesh.process_id",
-               "mesh.require_process_count")
 
 
 def _parser() -> ArgumentParser:
@@ -52,7 +49,7 @@ def _parser() -> ArgumentParser:
 
 
 # ---- arguments -------------------------------------------------------------------------------
-def split_argv(argv: list[str]) -> tuple[list[str], Optional[list[str]]]:
+def split_argv(argv: list[str]) -> tuple[list[str], list[str] | None]:
     """(launcher arguments, training arguments or None), separated by the first `--`."""
     if "--" not in argv:
         return argv, None
@@ -75,13 +72,17 @@ def parse_hosts(text: str) -> list[str]:
 
 def check_launch_args(args) -> None:
     if args.tpu is not None:
-        missing = [flag for flag, value in (("--zone", args.zone), ("--num-workers", args.num_workers)) if not value]
+        missing = [flag for flag, value in (("--zone", args.zone), ("--num-workers", args.num_workers))
+                   if value is None]
         if missing:
             raise UserError(f"--tpu {args.tpu} also needs {' and '.join(missing)}; "
                             "e.g. --tpu my-pod --zone us-east5-b --num-workers 4")
-        if args.num_workers < 1 or args.coordinator_port is not None:
-            raise UserError("--tpu takes --num-workers >= 1 and no --coordinator-port (the pod finds its coordinator)")
-    elif args.zone or args.num_workers:
+        if args.num_workers < 1:
+            raise UserError(f"--num-workers {args.num_workers}: a pod slice has at least 1 worker; "
+                            "give its host count")
+        if args.coordinator_port is not None:
+            raise UserError("--coordinator-port goes with --hosts; on a TPU pod JAX finds the coordinator itself")
+    elif args.zone is not None or args.num_workers is not None:
         raise UserError("--zone and --num-workers go with --tpu; with --hosts the host list gives the count")
     port = args.coordinator_port
     if port is not None and not 1 <= port <= 65535:
@@ -95,9 +96,10 @@ def check_training_args(train_argv: list[str], launch_overrides: list[str]) -> N
     from grpo_core.registry import default_registry
 
     train_args = train_parser().parse_args(train_argv)
-    taken = [o for o in train_args.overrides if o.partition("=")[0].strip() in LAUNCH_KEYS]
+    owned = [o.partition("=")[0] for o in launch_overrides]
+    taken = [o for o in train_args.overrides if o.partition("=")[0].strip() in owned]
     if taken:
-        raise UserError(f"{', '.join(taken)}: grpo-run launch sets {', '.join(LAUNCH_KEYS)} itself; "
+        raise UserError(f"{', '.join(taken)}: grpo-run launch sets {', '.join(owned)} itself; "
                         "remove them from the training arguments")
     load_config(train_args.config, [*train_args.overrides, *launch_overrides], registry=default_registry())
 
@@ -110,7 +112,7 @@ def host_overrides(process_id: int, num_processes: int, coordinator: str) -> lis
             f"mesh.require_process_count={num_processes}"]
 
 
-def remote_command(program: str, train_argv: list[str], extra: list[str], workdir: Optional[str]) -> str:
+def remote_command(program: str, train_argv: list[str], extra: list[str], workdir: str | None) -> str:
     """One shell command line for a host: cd, then the training command with its overrides."""
     run = " ".join([program, *(shlex.quote(a) for a in [*train_argv, *extra])])
     return f"cd {quote_dir(workdir)} && {run}" if workdir else run
@@ -157,7 +159,7 @@ class HostRun:
                 out.flush()
 
 
-def run_on_hosts(hosts: list[str], commands: list[list[str]], out: Optional[IO[str]] = None) -> int:
+def run_on_hosts(hosts: list[str], commands: list[list[str]], out: IO[str] | None = None) -> int:
     """Runs every host's command at once; the first failure stops the rest. Returns the exit code."""
     out = out or sys.stdout
     try:
