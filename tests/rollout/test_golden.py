@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from grpo_core.models import load_pretrained
-from grpo_rollout import JaxRollout, SamplingParams
+from grpo_rollout import JaxRollout, JaxRolloutOptions, SamplingParams
 
 GOLDEN = Path(__file__).parent / "golden"
 FAMILIES = ["qwen2", "qwen3"]
@@ -20,12 +20,12 @@ def golden(name):
     return json.loads((GOLDEN / name / "golden.json").read_text())
 
 
-def greedy_tokens(name, eos=None):
+def greedy_tokens(name, eos=None, decode_attention="rollout"):
     record = golden(name)
     model = load_pretrained(GOLDEN / name, dtype="float32")
     params = SamplingParams(max_new_tokens=record["max_new_tokens"], greedy=True,
                             stop_token_ids=() if eos is None else (eos,))
-    result = JaxRollout().generate_from_lists(model, record["prompts"], jax.random.key(0), params,
+    result = JaxRollout(JaxRolloutOptions(decode_attention=decode_attention)).generate_from_lists(model, record["prompts"], jax.random.key(0), params,
                                               pad_token_id=record["pad_id"])
     return np.asarray(result.completion_ids), result
 
@@ -36,10 +36,11 @@ def test_greedy_equals_transformers_generate(name):
     np.testing.assert_array_equal(tokens, golden(name)["tokens"])
 
 
+@pytest.mark.parametrize("decode_attention", ["rollout", "model"])
 @pytest.mark.parametrize("name", FAMILIES)
-def test_greedy_with_eos_equals_transformers_generate(name):
+def test_greedy_with_eos_equals_transformers_generate(name, decode_attention):
     record = golden(name)
-    tokens, result = greedy_tokens(name, eos=record["eos"])
+    tokens, result = greedy_tokens(name, eos=record["eos"], decode_attention=decode_attention)
     np.testing.assert_array_equal(tokens, record["tokens_with_eos"])
     assert bool(result.finished.any()) and not bool(result.finished.all())  # the fixture ends some rows early
 

@@ -18,6 +18,7 @@ from grpo_rollout.result import DEFAULT_TRIM_BUCKET, RolloutResult, TrainBatch, 
 from grpo_rollout.sampling import DEFAULT_TOP_P_CANDIDATES, SamplingParams
 
 CACHE_DTYPES = (None, "float32", "bfloat16")
+DECODE_ATTENTION = ("rollout", "model")
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,8 @@ class JaxRolloutOptions:
                       0 picks a divisor near sqrt(vocab).
     top_p_candidates: top-p first searches the nucleus among this many tokens and falls
                       back to an exact full-vocabulary threshold search when it is larger.
+    decode_attention: "rollout" = the single-query decode attention of this package
+                      (grpo_rollout.attention); "model" = the model's cached forward.
     """
 
     prompt_buckets: list | tuple = DEFAULT_PROMPT_BUCKETS  # YAML gives a list; stored as a tuple
@@ -39,6 +42,7 @@ class JaxRolloutOptions:
     cache_dtype: str | None = None
     cdf_block: int = 0
     top_p_candidates: int = DEFAULT_TOP_P_CANDIDATES
+    decode_attention: str = "rollout"
 
     def __post_init__(self) -> None:
         buckets = tuple(sorted(int(b) for b in self.prompt_buckets))
@@ -49,6 +53,9 @@ class JaxRolloutOptions:
             raise ValueError(f"trim_bucket={self.trim_bucket} must be >= 1.")
         if self.cache_dtype not in CACHE_DTYPES:
             raise ValueError(f"cache_dtype={self.cache_dtype!r} is not supported; use null, float32 or bfloat16.")
+        if self.decode_attention not in DECODE_ATTENTION:
+            raise ValueError(f"decode_attention={self.decode_attention!r} is not supported; use one of "
+                             f"{', '.join(DECODE_ATTENTION)}.")
         if self.cdf_block < 0 or self.top_p_candidates < 1:
             raise ValueError(f"cdf_block={self.cdf_block} must be >= 0 and "
                              f"top_p_candidates={self.top_p_candidates} >= 1.")
@@ -103,7 +110,8 @@ class JaxRollout:
         """The static (compile-time) arguments shared by `prefill` and `decode`."""
         return dict(graphdef=graphdef, params=sampling, pad_id=int(pad_token_id),
                     cache_dtype=self.options.cache_dtype, batch_sharding=batch_sharding,
-                    block=self.options.cdf_block or None, top_p_candidates=self.options.top_p_candidates)
+                    block=self.options.cdf_block or None, top_p_candidates=self.options.top_p_candidates,
+                    attention=self.options.decode_attention)
 
     def trim(self, result: RolloutResult) -> TrainBatch:
         return trim_batch(result, self.options.trim_bucket)

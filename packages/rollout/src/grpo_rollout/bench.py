@@ -53,6 +53,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     run.add_argument("--greedy", action="store_true")
     run.add_argument("--repeats", type=int, default=3, help="timed runs after one warm-up; the best is reported")
     run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--decode-attention", choices=("rollout", "model"), default="rollout",
+                     help="single-query decode attention of grpo_rollout, or the model's cached forward")
     run.add_argument("--engine", choices=("jax", "hf"), default="jax")
     run.add_argument("--compare-hf", action="store_true", help="also time transformers generate")
     run.add_argument("--threads", type=int, default=0, help="torch threads for --engine hf (0: all cores)")
@@ -81,7 +83,7 @@ def bench_jax(args: argparse.Namespace) -> dict[str, Any]:
     import jax
 
     from grpo_core.models import init_from_config
-    from grpo_rollout.backend import JaxRollout, finish
+    from grpo_rollout.backend import JaxRollout, JaxRolloutOptions, finish
     from grpo_rollout.decode import decode, prefill
     from grpo_rollout.sampling import SamplingParams
 
@@ -92,7 +94,8 @@ def bench_jax(args: argparse.Namespace) -> dict[str, Any]:
     from flax import nnx
 
     graphdef, weights = nnx.split(model)
-    static = JaxRollout().static_args(graphdef, sampling, 0, None)
+    rollout = JaxRollout(JaxRolloutOptions(decode_attention=args.decode_attention))
+    static = rollout.static_args(graphdef, sampling, 0, None)
     ids = jax.numpy.asarray(random_prompts(args))
     mask = jax.numpy.ones_like(ids)
     key = jax.random.key(args.seed)
@@ -196,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def shape_fields(args: argparse.Namespace) -> dict[str, Any]:
     keys = ("model_type", "hidden", "layers", "heads", "kv_heads", "intermediate", "vocab", "tied", "dtype",
-            "batch", "prompt_len", "new_tokens", "eos", "temperature", "top_p", "top_k", "greedy")
+            "batch", "prompt_len", "new_tokens", "eos", "temperature", "top_p", "top_k", "greedy", "decode_attention")
     return {k: getattr(args, k) for k in keys}
 
 

@@ -6,8 +6,9 @@ The model contract used (grpo_core.models.QwenModel):
     hidden, cache = model(ids [B, T], attention_mask=mask [B, T], cache=cache)
     logits = model.logits(hidden)                       # [B, T, V] f32
 Rows are left-padded, so all rows write the same cache slot each step; a finished row
-feeds mask 0, which keeps its slot invisible. With T = 1 the model's attention is a
-single-query product grouped by KV head ([B, KV, G, 1, S], K/V never repeated).
+feeds mask 0, which keeps its slot invisible. The prompt pass is the model's own
+forward; decode steps run `grpo_rollout.attention.decode_forward` (the model's modules
+and cache with a single-query GQA attention) unless the backend asks for the model's.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import jax.numpy as jnp
 from flax import nnx, struct
 from jax.sharding import NamedSharding, PartitionSpec
 
+from grpo_rollout.attention import decode_forward
 from grpo_rollout.sampling import DEFAULT_TOP_P_CANDIDATES, SamplingParams, sample_next
 
 
@@ -95,14 +97,17 @@ def merge_for_rollout(graphdef, weights, batch_sharding):
 
 
 # ---- jitted phases -------------------------------------------------------------------
-_STATIC = ("graphdef", "params", "pad_id", "cache_dtype", "batch_sharding", "block", "top_p_candidates")
+_STATIC = ("graphdef", "params", "pad_id", "cache_dtype", "batch_sharding", "block", "top_p_candidates",
+           "attention")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def prefill(weights, prompt_ids, prompt_mask, key, *, graphdef, params: SamplingParams, pad_id: int,
-            cache_dtype=None, batch_sharding=None, block=None, top_p_candidates=DEFAULT_TOP_P_CANDIDATES):
+            cache_dtype=None, batch_sharding=None, block=None, top_p_candidates=DEFAULT_TOP_P_CANDIDATES,
+            attention="rollout"):
     """Run the prompts [N, Tp] through the model into a fresh cache of Tp + Tn - 1 slots and
     sample the first completion token. Returns (cache, LoopState at step 1)."""
+    del attention  # the prompt pass is the model's own (many queries per row)
     model = merge_for_rollout(graphdef, weights, batch_sharding)
     rows, width = prompt_ids.shape
     cache = constrain_cache(model.init_cache(rows, width + params.max_new_tokens - 1, cache_dtype), batch_sharding)
@@ -123,9 +128,13 @@ def prefill(weights, prompt_ids, prompt_mask, key, *, graphdef, params: Sampling
 
 @functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("cache", "state"))
 def decode(weights, cache, state: LoopState, key, *, graphdef, params: SamplingParams, pad_id: int,
-           cache_dtype=None, batch_sharding=None, block=None, top_p_candidates=DEFAULT_TOP_P_CANDIDATES):
+           cache_dtype=None, batch_sharding=None, block=None, top_p_candidates=DEFAULT_TOP_P_CANDIDATES,
+           attention="rollout"):
     """Sample columns state.step .. Tn-1 in one while loop; the cache and loop state are
-    donated and updated in place. Returns (cache, final LoopState)."""
+    donated and updated in place. Returns (cache, final LoopState).
+
+    attention: "rollout" runs `attention.decode_forward` (single-query attention),
+    "model" the model's own cached forward with T = 1."""
     del cache_dtype  # part of the shared static signature only
     rows = state.last.shape[0]
 
@@ -136,7 +145,10 @@ def decode(weights, cache, state: LoopState, key, *, graphdef, params: SamplingP
     def one_token(carry):
         cache, s = carry
         model = merge_for_rollout(graphdef, weights, batch_sharding)
-        hidden, cache = model(s.last[:, None], attention_mask=~s.done[:, None], cache=cache)  # [N, 1, H]
+        if attention == "rollout":
+            hidden, cache = decode_forward(model, s.last, ~s.done, cache)  # [N, 1, H]
+        else:
+            hidden, cache = model(s.last[:, None], attention_mask=~s.done[:, None], cache=cache)
         logits = model.logits(hidden)[:, 0]  # [N, V]
         sampled, logps = sample_next(logits, step_uniforms(key, s.step, rows), params, block=block,
                                      top_p_candidates=top_p_candidates)

@@ -271,8 +271,6 @@ def _sample_top_p(scaled, uniforms, params, block, num_candidates):
     values, indices = jax.lax.top_k(scaled, num_candidates)  # [B, C] descending
     weights = jnp.exp(values - row_max[:, None])
     keep = nucleus_keep_sorted(weights, budget)
-    # The nucleus lies among the candidates unless the last candidate is still in it.
-    fits = num_candidates == scaled.shape[1] or ~jnp.any(keep[:, -1])
 
     def among_candidates():
         choice, kept_mass = inverse_cdf(jnp.where(keep, weights, 0.0), uniforms)
@@ -284,6 +282,9 @@ def _sample_top_p(scaled, uniforms, params, block, num_candidates):
         kept = jnp.where(probs >= threshold[:, None, None], blocks, -jnp.inf)
         return sample_blocks(kept, row_max, uniforms)
 
-    tokens, log_kept = jax.lax.cond(fits, among_candidates, over_vocab)
+    if num_candidates == scaled.shape[1]:
+        tokens, log_kept = among_candidates()
+    else:  # the nucleus lies among the candidates unless the last candidate is still in it
+        tokens, log_kept = jax.lax.cond(jnp.any(keep[:, -1]), over_vocab, among_candidates)
     log_norm = log_kept if params.filtered_logps else log_mass
     return tokens, _take(scaled, tokens) - row_max - log_norm

@@ -1,0 +1,50 @@
+"""One-token decode step with attention specialised for a single query per row.
+
+Reuses the model's modules, weights and KV-cache layout (grpo_core.models: k/v
+[L, B, S, KV, D], mask [B, S], shared write index) and replaces only the attention
+product: the query of each row is one [N, D] matrix, grouped as [KV, G, D] so every
+KV head serves its G query heads without repeating K/V, and the softmax runs over the
+cache axis in the cache's own [B, S, KV, ...] order (no [B, KV, G, T, S] score tensor).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from grpo_core.models.layers import rope_tables
+
+# Finite "minus infinity", as in the model: a row with no visible slot stays NaN-free.
+_MASKED = float(jnp.finfo(jnp.float32).min)
+
+
+def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array) -> jax.Array:
+    """softmax(q k^T / sqrt(D)) v for one query token: q [B, N, D], k/v [B, S, KV, D],
+    visible [B, S] -> [B, N, D]. Query head n uses KV head n // G (HF repeat_kv order)."""
+    batch, heads, dim = q.shape
+    kv_heads = k.shape[2]
+    q = q.reshape(batch, kv_heads, heads // kv_heads, dim)
+    scores = jnp.einsum("bkgd,bskd->bskg", q, k, preferred_element_type=jnp.float32) * dim**-0.5
+    scores = jnp.where(visible[:, :, None, None], scores, _MASKED)  # [B, S, KV, G]
+    probs = jax.nn.softmax(scores, axis=1).astype(v.dtype)
+    return jnp.einsum("bskg,bskd->bkgd", probs, v).reshape(batch, heads, dim)
+
+
+def decode_forward(model, tokens: jax.Array, live: jax.Array, cache):
+    """Feed one token per row: tokens [B], live [B] bool (False: the slot stays invisible).
+
+    Same math and op order as `model(tokens[:, None], attention_mask=live[:, None],
+    cache=cache)` except for the attention product. Returns (hidden [B, 1, H], cache).
+    """
+    positions = cache.lengths()[:, None]  # [B, 1]: real tokens so far = this token's position
+    cache = cache.with_new_tokens(live[:, None])
+    visible = cache.visibility(1)[:, 0]  # [B, S]
+    cos, sin = rope_tables(positions, model.config.head_dim, model.config.rope_theta)
+    x = model.embed_tokens(tokens[:, None])  # [B, 1, H]
+    for i, layer in enumerate(model.layers):
+        q, k, v = layer.self_attn.project_qkv(layer.input_layernorm(x), cos, sin)
+        cache = cache.write_layer(i, k, v)
+        attended = decode_attention(q[:, 0], cache.k[i].astype(q.dtype), cache.v[i].astype(q.dtype), visible)
+        x = x + layer.self_attn.o_proj(attended[:, None])
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    return model.norm(x), cache.advance(1)

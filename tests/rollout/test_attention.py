@@ -1,0 +1,24 @@
+"""The single-query decode attention equals the model's cached one-token forward."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from grpo_core.models import QwenConfig, init_from_config
+from grpo_rollout.attention import decode_forward
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_decode_forward_equals_the_model_step(family):
+    model = init_from_config(QwenConfig.tiny(family), seed=2)
+    ids = jax.random.randint(jax.random.key(0), (4, 6), 1, 128)
+    mask = jnp.array([[1] * 6, [0, 0, 1, 1, 1, 1], [0] * 5 + [1], [0, 1, 1, 1, 1, 1]])
+    _, cache = model(ids, attention_mask=mask, cache=model.init_cache(4, 9))
+    tokens, live = jnp.array([3, 9, 27, 81]), jnp.array([True, True, False, True])
+    expected, expected_cache = model(tokens[:, None], attention_mask=live[:, None], cache=cache)
+    hidden, new_cache = decode_forward(model, tokens, live, cache)
+    np.testing.assert_allclose(hidden, expected, atol=1e-5)
+    np.testing.assert_array_equal(new_cache.mask, expected_cache.mask)
+    assert int(new_cache.index) == int(expected_cache.index) == 7
+    np.testing.assert_allclose(new_cache.k, expected_cache.k, atol=1e-6)
