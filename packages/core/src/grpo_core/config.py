@@ -176,10 +176,12 @@ class LoggingConfig:
 class CheckpointConfig:
     """Saving and resuming."""
 
-    every_steps: int = setting(0, "Save every N steps (0 disables periodic saves).", ge=0)
+    every_steps: int = setting(
+        0, "Save every N steps; the last step is always saved (0 = only the last step).", ge=0)
     keep: int = setting(2, "Most recent checkpoints kept.", ge=1)
     resume: Literal["auto", "never"] = setting(
-        "auto", "auto = continue from the newest checkpoint in logging.dir when there is one.")
+        "auto", "auto = continue from the newest checkpoint in logging.dir when there is one; "
+        "never = refuse a logging.dir that holds checkpoints (--resume still continues).")
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ each accumulating exact gradients over micro-batches (see step.py).
 
 from __future__ import annotations
 
+import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ from grpo_rollout.result import RolloutResult
 
 from grpo_runner_gsm8k.build import (Components, build_components, check_run_dir, loss_config_for_run,
                                      micro_batches, prepare_run_dir, prompt_token_ids)
+from grpo_runner_gsm8k.checkpoint import Checkpointer, resume_step, truncate_metrics
 from grpo_runner_gsm8k.metrics import MetricsLogger
 from grpo_runner_gsm8k.optim import build_optimizer, learning_rate_schedule
 from grpo_runner_gsm8k.rewards import score
@@ -64,9 +66,10 @@ def rollout(c: Components, params, graphdef, examples: list, key, sampling) -> R
 class Trainer:
     """Owns the compiled functions and runs steps; `run()` is the whole job."""
 
-    def __init__(self, cfg: RunConfig, registry: Registry):
+    def __init__(self, cfg: RunConfig, registry: Registry, resume: bool = False):
         self.cfg = cfg
         check_run_dir(cfg)  # bad input fails before anything is built or written
+        start = resume_step(cfg, required=resume)
         self.c = build_components(cfg, registry)
         self.run_dir = prepare_run_dir(cfg)
         self.loss_cfg = loss_config_for_run(cfg)
@@ -80,6 +83,9 @@ class Trainer:
         self.logps = jax.jit(completion_logps, static_argnums=(0, 2, 6, 7))
         self.train_sharding = train_batch_sharding(self.c.mesh)
         self.row_sharding = train_batch_sharding(self.c.mesh, ndim=1)
+        self.checkpoints = Checkpointer(self.run_dir, cfg.checkpoint)
+        if start is not None:
+            self.restore(start)
 
     # ---- one step -------------------------------------------------------------
     def step(self) -> dict:
@@ -188,11 +194,24 @@ class Trainer:
         every = self.cfg.eval.every_steps
         return every > 0 and (self.state.step % every == 0 or self.state.step == self.cfg.train.steps)
 
+    # ---- checkpoints ---------------------------------------------------------------
+    def save(self) -> None:
+        self.checkpoints.save(self.state, self.c.task.state(), self.c.model.config.to_hf_dict(),
+                              config_to_dict(self.cfg))
+
+    def restore(self, step: int) -> None:
+        """Continues from checkpoint `step`: params, optimizer, RNG key, counters, data position."""
+        self.checkpoints.restore(step, self.state, self.c.task, self.c.mesh)
+        print(f"resumed from step {step} of {self.checkpoints.directory}", file=sys.stderr)
+
     # ---- the job -----------------------------------------------------------------
     def run(self) -> dict:
+        is_main = self.c.layout.process_index == 0
         (self.run_dir / "config.yaml").write_text(config_to_yaml(self.cfg))
+        if is_main:
+            truncate_metrics(self.run_dir / "metrics.jsonl", self.state.step)
         logger = MetricsLogger(self.cfg.logging, self.run_dir, self.cfg.train.steps, config_to_dict(self.cfg),
-                               is_main_process=self.c.layout.process_index == 0)
+                               is_main_process=is_main)
         metrics: dict = {}
         try:
             while self.state.step < self.cfg.train.steps:
@@ -200,8 +219,11 @@ class Trainer:
                 if self.eval_due():
                     metrics.update(self.evaluate())
                 logger.log(self.state.step, metrics)
+                if self.checkpoints.due(self.state.step, self.cfg.train.steps):
+                    self.save()
         finally:
             logger.close()
+            self.checkpoints.close()  # a save in flight completes before the process exits
         return metrics
 
 
@@ -217,4 +239,4 @@ def memory_metrics() -> dict:
 
 def train(cfg: RunConfig, registry: Registry, resume: bool = False) -> dict:
     """Runs the whole job; returns the last step's metrics."""
-    return Trainer(cfg, registry).run()
+    return Trainer(cfg, registry, resume=resume).run()
