@@ -61,3 +61,14 @@ def test_save_and_load_tokenizer(tokenizer, tmp_path):
 def test_load_tokenizer_missing_dir_is_clear(tmp_path):
     with pytest.raises(FileNotFoundError, match="cannot load a tokenizer from"):
         load_tokenizer(tmp_path / "nope")
+
+
+def test_saved_char_tokenizer_next_to_a_qwen2_config_keeps_its_vocabulary(tokenizer, tmp_path):
+    # A run export puts config.json (model_type qwen2) beside the tokenizer; AutoTokenizer
+    # alone would load the byte-level Qwen2 tokenizer and drop "\n".
+    tokenizer.save_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text('{"model_type": "qwen2"}')
+    loaded = load_tokenizer(tmp_path)
+    text = "3+5=\n8"
+    assert loaded(text)["input_ids"] == tokenizer(text)["input_ids"]
+    assert loaded.decode(loaded(text)["input_ids"]) == text

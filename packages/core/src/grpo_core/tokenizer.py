@@ -7,6 +7,7 @@ behave the same way; rollouts left-pad, so `padding_side` defaults to "left".
 
 from __future__ import annotations
 
+import json
 import os
 import string
 from collections.abc import Sequence
@@ -29,12 +30,32 @@ CHATML_TEMPLATE = (
 DEFAULT_CHARS = string.digits + string.ascii_letters + string.punctuation + " \n"
 
 
-def load_tokenizer(path_or_hub_id: str | os.PathLike, padding_side: str = "left") -> Any:
-    """`transformers.AutoTokenizer` from a local directory or a Hub id."""
-    from transformers import AutoTokenizer
+# Names transformers writes for a tokenizer that is just a `tokenizers` backend.
+PLAIN_TOKENIZER_CLASSES = ("PreTrainedTokenizerFast", "TokenizersBackend")
 
+
+def _saved_tokenizer_class(path: str) -> str | None:
+    config = os.path.join(path, "tokenizer_config.json")
+    if not os.path.isfile(config):
+        return None
+    with open(config) as f:
+        return json.load(f).get("tokenizer_class")
+
+
+def load_tokenizer(path_or_hub_id: str | os.PathLike, padding_side: str = "left") -> Any:
+    """`transformers.AutoTokenizer` from a local directory or a Hub id.
+
+    A directory saved from a plain `PreTrainedTokenizerFast` (the character tokenizer)
+    is loaded as such: AutoTokenizer would otherwise pick the byte-level Qwen2
+    tokenizer from the model's config.json and change the vocabulary.
+    """
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    path = os.fspath(path_or_hub_id)
+    plain = _saved_tokenizer_class(path) in PLAIN_TOKENIZER_CLASSES
+    loader = PreTrainedTokenizerFast if plain else AutoTokenizer
     try:
-        tokenizer = AutoTokenizer.from_pretrained(os.fspath(path_or_hub_id))
+        tokenizer = loader.from_pretrained(path)
     except (OSError, ValueError) as e:
         raise FileNotFoundError(f"cannot load a tokenizer from {os.fspath(path_or_hub_id)!r}: {e}") from e
     tokenizer.padding_side = padding_side
