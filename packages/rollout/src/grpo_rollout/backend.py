@@ -91,6 +91,7 @@ class JaxRollout:
         """Sample `sampling.n` completions for each left-padded prompt row.
 
         prompt_ids, prompt_mask: [P, T] host arrays, left-padded; re-padded to a bucket.
+                        With several processes every process passes the same global batch.
         key:            a jax PRNG key; the same key, prompts and params give the same rollout.
         batch_sharding: NamedSharding of the [P * n, ...] rollout batch (dimension 0 over
                         the data axes of the mesh), or None for the default device.

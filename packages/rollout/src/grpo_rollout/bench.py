@@ -81,6 +81,7 @@ def random_prompts(args: argparse.Namespace) -> np.ndarray:
 # ---- jax ---------------------------------------------------------------------------------
 def bench_jax(args: argparse.Namespace) -> dict[str, Any]:
     import jax
+    from flax import nnx
 
     from grpo_core.models import init_from_config
     from grpo_rollout.backend import JaxRollout, JaxRolloutOptions, finish
@@ -91,8 +92,6 @@ def bench_jax(args: argparse.Namespace) -> dict[str, Any]:
     sampling = SamplingParams(
         max_new_tokens=args.new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         greedy=args.greedy, stop_token_ids=() if args.eos is None else (args.eos,))
-    from flax import nnx
-
     graphdef, weights = nnx.split(model)
     rollout = JaxRollout(JaxRolloutOptions(decode_attention=args.decode_attention))
     static = rollout.static_args(graphdef, sampling, 0, None)

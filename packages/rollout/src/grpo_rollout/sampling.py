@@ -12,7 +12,10 @@ renormalised filtered distribution that was actually sampled from.
 
 Top-p keeps token i when the mass of tokens strictly more probable than i is below
 top_p (ties at the boundary are all kept; Hugging Face's sort-based warper keeps an
-arbitrary subset of such exact ties, otherwise the two agree).
+arbitrary subset of such exact ties, otherwise the two agree). No full-vocabulary sort
+(about 2 s for [64, 151936] on a 2-core CPU): the nucleus is first searched among the
+`top_p_candidates` most probable tokens (lax.top_k), and only when a row's nucleus is
+larger does the step run an exact bisection for the probability threshold.
 """
 
 from __future__ import annotations
