@@ -89,3 +89,15 @@ def test_greedy_does_not_depend_on_padding_or_batch_mates(model):
 def test_a_prompt_longer_than_the_buckets_is_a_clear_error(model):
     with pytest.raises(ValueError, match="largest prompt bucket 16"):
         generate(model, SamplingParams(max_new_tokens=2), prompts=[list(range(1, 20))])
+
+
+def test_pre_padded_arrays_are_refitted_to_the_bucket(model):
+    params = SamplingParams(max_new_tokens=8, n=2)
+    width = 40  # wider than needed: all-pad columns are dropped, the batch lands in bucket 16
+    ids = np.zeros((len(PROMPTS), width), np.int32)
+    for row, prompt in enumerate(PROMPTS):
+        ids[row, width - len(prompt):] = prompt
+    result = ROLLOUT.generate(model, ids, (ids > 0).astype(np.int32), jax.random.key(0), params, pad_token_id=0)
+    expected = generate(model, params)
+    assert result.prompt_ids.shape[1] == 16
+    np.testing.assert_array_equal(result.completion_ids, expected.completion_ids)
