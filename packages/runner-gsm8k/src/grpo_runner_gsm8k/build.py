@@ -104,7 +104,15 @@ def check_tokenizer_fits(qcfg: QwenConfig, tokenizer: Any) -> None:
                         f"{qcfg.vocab_size}; use a matching tokenizer or raise model.architecture.vocab_size")
 
 
-def build_model(cfg: RunConfig, qcfg: QwenConfig, mesh: Mesh, rules: Any) -> Any:
+def build_model(cfg: RunConfig, qcfg: QwenConfig, mesh: Mesh, strategy: Any) -> Any:
+    """The policy with params sharded by the strategy's param rules and its residual
+    stream by the activation rules (batch over the data axes)."""
+    model = load_or_init_model(cfg, qcfg, mesh, strategy.param_rules)
+    model.set_activation_sharding(mesh, strategy.activation_rules)
+    return model
+
+
+def load_or_init_model(cfg: RunConfig, qcfg: QwenConfig, mesh: Mesh, rules: Any) -> Any:
     if cfg.model.path:
         try:
             return load_pretrained(cfg.model.path, dtype=cfg.model.dtype, mesh=mesh, rules=rules,
@@ -206,7 +214,7 @@ def build_components(cfg: RunConfig, registry: Registry) -> Components:
     check_first_prompts(cfg, tokenizer, task)
     return Components(
         cfg=cfg, layout=layout, mesh=resolved.mesh, param_rules=rules, tokenizer=tokenizer,
-        model=build_model(cfg, qcfg, resolved.mesh, rules), task=task, rewards=rewards,
+        model=build_model(cfg, qcfg, resolved.mesh, resolved.strategy), task=task, rewards=rewards,
         logps_impl=_from_plugin(registry, "loss", cfg.loss.impl, cfg.loss.options, "loss.options"),
         rollout=_from_plugin(registry, "rollout", cfg.rollout.backend, cfg.rollout.options, "rollout.options"),
         sampling=sampling_params(cfg, tokenizer), eval_sampling=sampling_params(cfg, tokenizer, for_eval=True))

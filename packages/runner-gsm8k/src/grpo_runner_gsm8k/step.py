@@ -59,8 +59,18 @@ def completion_logps(graphdef, params, impl, input_ids, attention_mask, targets,
 
 
 def _split_micro(batch: UpdateBatch, micro_batches: int) -> UpdateBatch:
-    """[N, ...] leaves -> [M, N / M, ...] for lax.scan."""
-    return jax.tree.map(lambda x: x.reshape(micro_batches, x.shape[0] // micro_batches, *x.shape[1:]), batch)
+    """[N, ...] leaves -> [M, N / M, ...] for lax.scan; micro-batch m holds rows m, m + M, ...
+
+    Strided, not contiguous: rows are sharded over the data devices in contiguous blocks
+    whose size is a multiple of M, so every micro-batch takes the same number of rows
+    from each device's own block and is never moved between devices. (The row order
+    does not matter: the loss sums numerators and denominators over all rows.)
+    """
+    def split(x):
+        strided = x.reshape(x.shape[0] // micro_batches, micro_batches, *x.shape[1:])
+        return jnp.swapaxes(strided, 0, 1)
+
+    return jax.tree.map(split, batch)
 
 
 def _merge_stacked(stacked: LossMetrics, count: int) -> LossMetrics:
