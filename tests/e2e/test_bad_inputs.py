@@ -124,6 +124,13 @@ CATALOGUE = [
         "bad_data/train.jsonl:2 is not valid JSON", "fix or remove the line"),
     Bad("dataset-prompt-too-long", ("task.name=gsm8k", "task.options={path: {tmp}/long_data}"),
         "prompt of example 'gsm8k/train/0' has", "raise rollout.max_prompt_length"),
+    # ---- the memory plan
+    Bad("plan-unknown-sweep-field", ("--plan", "--sweep", "train.lr"), "--sweep 'train.lr' is not supported",
+        "supported: micro_batch_size_per_device"),
+    Bad("plan-zero-capacity", ("--plan", "--capacity-gib", "0"), "--capacity-gib 0.0 must be > 0",
+        "give the per-device memory in GiB"),
+    Bad("plan-unknown-hub-architecture", ("--plan", "model.path=Org/Unknown-Model", "model.tokenizer=char"),
+        "architecture is not built in", "download the model's config.json into a directory"),
     Bad("run-dir-under-a-file", ("logging.dir={tmp}/file/run",), "is a file", "choose another logging.dir"),
     Bad("run-dir-is-a-file", ("logging.dir={tmp}/file",), "cannot be used as a directory: it is a file",
         "choose another logging.dir"),

@@ -79,7 +79,7 @@ def _train(cfg, args: argparse.Namespace) -> int:
 
 
 def _train_command(argv: list[str]) -> int:
-    args = train_parser().parse_args(argv)
+    args = train_parser().parse_intermixed_args(argv)
     cfg = _load(args)
     if args.print_config:
         from grpo_core.config_io import config_to_yaml

@@ -108,7 +108,7 @@ def make_update(graphdef: nnx.GraphDef, impl: Any, loss_cfg: LossConfig, optimiz
         grads, numerator, denominator, metrics = accumulate(params, batch)
         grads = jax.tree.map(lambda g: g / jnp.maximum(denominator, 1.0), grads)
         loss = finalize_loss(numerator, denominator)
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         updates, new_opt_state = optimizer.update(grads, opt_state, params)
         new_params = optax.apply_updates(params, updates)

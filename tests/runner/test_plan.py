@@ -1,0 +1,113 @@
+"""`grpo-run --plan`: the abstract compile matches the real run's, the verdict follows the
+capacity, and the sweep finds the largest micro-batch size that fits."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+from grpo_core.config_io import load_config
+from grpo_core.registry import default_registry
+from grpo_runner_gsm8k import plan
+from grpo_runner_gsm8k.cli import main
+from grpo_runner_gsm8k.loop import Trainer
+
+TINY = str(Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml")
+# 8 devices hold 64 rows: 8 per device, so the micro-batch sizes 1, 2, 4, 8 are valid.
+SMALL = ["rollout.prompts_per_step=8", "rollout.n=8", "rollout.max_new_tokens=8"]
+
+
+@pytest.fixture(autouse=True)
+def keep_xla_flags(monkeypatch):
+    """The plan adds a CPU scheduler flag to XLA_FLAGS; keep it out of later tests."""
+    monkeypatch.setenv("XLA_FLAGS", plan.os.environ.get("XLA_FLAGS", ""))
+
+
+def config(*overrides: str, tmp_path: Path):
+    return load_config(TINY, [*SMALL, f"logging.dir={tmp_path / 'run'}", *overrides], registry=default_registry())
+
+
+def table_rows(out: str) -> dict[str, list[float]]:
+    rows = {}
+    for line in out.splitlines():
+        match = re.match(r"^(rollout prefill|rollout decode|log-probs|train step)\s+([\d.\s]+)$", line)
+        if match:
+            rows[match.group(1)] = [float(v) for v in match.group(2).split()]
+    return rows
+
+
+def test_plan_prints_every_phase_and_fits(tmp_path, capsys):
+    assert plan.plan_command(config(tmp_path=tmp_path), default_registry(), capacity_gib=16.0) == 0
+    out = capsys.readouterr().out
+    rows = table_rows(out)
+    assert set(rows) == {"rollout prefill", "rollout decode", "train step"}
+    for arguments, outputs, aliased, temp, other, total in rows.values():
+        assert total == pytest.approx(arguments + outputs - aliased + temp + other, abs=2e-3)
+    assert re.search(r"^peak: [\d.]+ GiB per device \(train step\) of 16\.00 GiB \(--capacity-gib\): fits", out, re.M)
+    assert rows["train step"][4] == 0  # no reference params without KL
+    assert not (tmp_path / "run").exists()  # the plan loads nothing and writes nothing
+
+
+def test_plan_adds_the_log_probs_phase_and_reference_params_with_kl(tmp_path, capsys):
+    cfg = config("loss.beta=0.04", tmp_path=tmp_path)
+    assert plan.plan_command(cfg, default_registry(), capacity_gib=16) == 0
+    assert set(table_rows(capsys.readouterr().out)) == {"rollout prefill", "rollout decode", "log-probs", "train step"}
+    inputs = plan.build_plan_inputs(cfg, default_registry())
+    assert plan.train_phase(inputs, cfg).other == inputs.params_bytes > 0  # the reference copy
+
+
+def test_the_planned_train_step_is_the_one_the_run_compiles(tmp_path):
+    """Same shapes, dtypes and shardings: the abstract lowering and the real params and
+    optimizer state give the same compiled buffer sizes."""
+    cfg = config(tmp_path=tmp_path)
+    inputs = plan.build_plan_inputs(cfg, default_registry())
+    planned = plan.train_phase(inputs, cfg)
+    trainer = Trainer(cfg, default_registry())
+    real = trainer.update.lower(trainer.state.params, trainer.state.opt_state,
+                                plan.abstract_update_batch(inputs)).compile().memory_analysis()
+    assert (planned.arguments, planned.outputs, planned.temp) == (
+        real.argument_size_in_bytes, real.output_size_in_bytes, real.temp_size_in_bytes)
+
+
+def test_plan_exits_3_with_the_fix_when_it_does_not_fit(tmp_path, capsys):
+    assert plan.plan_command(config(tmp_path=tmp_path), default_registry(), capacity_gib=1e-4) == plan.EXIT_DOES_NOT_FIT
+    captured = capsys.readouterr()
+    assert "DOES NOT FIT" in captured.out
+    [line] = captured.err.strip().splitlines()
+    assert line.startswith("grpo-run: does not fit: train step needs")
+    assert "lower train.micro_batch_size_per_device" in line
+
+
+def test_sweep_finds_the_largest_micro_batch_size_that_fits(tmp_path, capsys):
+    cfg = config(tmp_path=tmp_path)
+    inputs = plan.build_plan_inputs(cfg, default_registry())
+    assert plan.micro_batch_candidates(inputs) == [1, 2, 4, 8]
+    totals = {size: plan.train_phase(inputs, plan.with_micro_batch_size(cfg, size)).total for size in (2, 4)}
+    assert totals[2] < totals[4]
+    capacity_gib = (totals[2] + totals[4]) / 2 / plan.GIB  # 2 fits, 4 does not
+    assert plan.plan_command(cfg, default_registry(), sweep="micro_batch_size_per_device",
+                             capacity_gib=capacity_gib) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["largest_fitting"] == 2
+    assert result["tried"]["2"] == pytest.approx(totals[2] / plan.GIB, abs=1e-4)
+
+
+@pytest.mark.parametrize("threshold", range(0, 14))
+def test_largest_fitting_is_a_binary_search(threshold):
+    candidates = [1, 2, 3, 4, 6, 12]
+    calls = []
+
+    def fits(size):
+        calls.append(size)
+        return size <= threshold
+
+    expected = max((c for c in candidates if c <= threshold), default=None)
+    assert plan.largest_fitting(candidates, fits) == expected
+    assert len(calls) <= 3  # ceil(log2(6 + 1))
+
+
+def test_cli_plan_exit_code(tmp_path, capsys):
+    assert main(["--config", TINY, *SMALL, f"logging.dir={tmp_path / 'run'}", "--plan", "--capacity-gib", "1e-4"]) == 3
+    assert "does not fit" in capsys.readouterr().err
