@@ -23,6 +23,7 @@ from grpo_meshes import (ModelDims, ProcessLayout, build_mesh_from_config, rollo
                          setup_processes, validate_plan)
 from grpo_rollout.sampling import SamplingParams
 
+from grpo_runner_gsm8k.multihost import local_prompt_count
 from grpo_runner_gsm8k.tasks.base import render_prompt
 
 
@@ -165,7 +166,7 @@ def check_first_prompts(cfg: RunConfig, tokenizer: Any, task: Any) -> None:
     """Renders the first training batch and the eval questions, so a prompt format or length
     that cannot work fails before the run starts (the task's position is left unchanged)."""
     position = task.state()
-    examples = task.train_batch(cfg.rollout.prompts_per_step)
+    examples = task.train_batch(local_prompt_count(cfg.rollout.prompts_per_step, jax.process_count()))
     task.restore(position)
     if cfg.eval.every_steps:
         examples += task.test_examples(cfg.eval.num_questions)
@@ -191,6 +192,10 @@ def micro_batches(cfg: RunConfig, mesh: Mesh) -> int:
 
 
 def preflight(cfg: RunConfig, mesh: Mesh, qcfg: QwenConfig) -> None:
+    try:
+        local_prompt_count(cfg.rollout.prompts_per_step, jax.process_count())
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
     rows = rows_per_step(cfg)
     validate_plan(mesh, ModelDims.from_config(qcfg), rollout_batch=rows,
                   train_micro_batch=rows // micro_batches(cfg, mesh), rollout_style=cfg.rollout.sharding,

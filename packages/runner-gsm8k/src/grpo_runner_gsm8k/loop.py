@@ -29,6 +29,7 @@ from grpo_runner_gsm8k.build import (Components, build_components, check_run_dir
                                      micro_batches, prepare_run_dir, prompt_token_ids)
 from grpo_runner_gsm8k.checkpoint import Checkpointer, resume_step, truncate_metrics
 from grpo_runner_gsm8k.metrics import MetricsLogger
+from grpo_runner_gsm8k.multihost import gather_objects, host_array, local_prompt_count
 from grpo_runner_gsm8k.optim import build_optimizer, learning_rate_schedule
 from grpo_runner_gsm8k.rewards import score
 from grpo_runner_gsm8k.step import UpdateBatch, completion_logps, make_update
@@ -51,8 +52,8 @@ def tokenize_prompts(c: Components, examples: list) -> list[list[int]]:
 
 
 def decode_completions(c: Components, result: RolloutResult) -> list[str]:
-    ids = np.asarray(result.completion_ids)
-    mask = np.asarray(result.completion_mask).astype(bool)
+    ids = host_array(result.completion_ids)
+    mask = host_array(result.completion_mask).astype(bool)
     return c.tokenizer.batch_decode([row[m].tolist() for row, m in zip(ids, mask)], skip_special_tokens=True)
 
 
@@ -73,6 +74,7 @@ class Trainer:
         self.c = build_components(cfg, registry)
         self.run_dir = prepare_run_dir(cfg)
         self.loss_cfg = loss_config_for_run(cfg)
+        self.prompts_per_process = local_prompt_count(cfg.rollout.prompts_per_step, self.c.layout.process_count)
         self.optimizer = build_optimizer(cfg.train)
         self.lr_at = learning_rate_schedule(cfg.train)
         self.graphdef, params = nnx.split(self.c.model)
@@ -91,7 +93,7 @@ class Trainer:
     def step(self) -> dict:
         start = time.monotonic()
         self.state.key, key = jax.random.split(self.state.key)
-        examples = self.c.task.train_batch(self.cfg.rollout.prompts_per_step)
+        examples = gather_objects(self.c.task.train_batch(self.prompts_per_process))
         result = rollout(self.c, self.state.params, self.graphdef, examples, key, self.c.sampling)
         jax.block_until_ready(result.completion_ids)
         rollout_s = time.monotonic() - start
@@ -119,13 +121,14 @@ class Trainer:
         put = lambda x: jax.device_put(x, self.train_sharding)  # noqa: E731
         input_ids, attention_mask = put(trimmed.input_ids), put(trimmed.attention_mask)
         targets = put(trimmed.input_ids[:, width:])
-        loss_mask = put(trimmed.completion_mask[:, width:] * advantages.keep[:, None])
+        keep = put(np.asarray(advantages.keep, np.float32)[:, None])  # host values: the same on every process
+        loss_mask = put(trimmed.completion_mask[:, width:]) * keep
         old_logp = self.old_logps(trimmed, input_ids, attention_mask, targets, width)
         ref_logp = None
         if self.ref_params is not None:
             ref_logp = self.logps(self.graphdef, self.ref_params, self.c.logps_impl, input_ids, attention_mask,
                                   targets, width, self.cfg.rollout.temperature)
-        return UpdateBatch(input_ids, attention_mask, targets, loss_mask, jax.device_put(advantages.advantages, self.row_sharding),
+        return UpdateBatch(input_ids, attention_mask, targets, loss_mask, jax.device_put(np.asarray(advantages.advantages), self.row_sharding),
                            old_logp, ref_logp, prompt_width=width)
 
     def old_logps(self, trimmed, input_ids, attention_mask, targets, width) -> Optional[jax.Array]:
@@ -149,8 +152,8 @@ class Trainer:
 
     # ---- metrics ---------------------------------------------------------------
     def step_metrics(self, result, scores, advantages, train: dict, times: dict) -> dict:
-        lengths = np.asarray(result.lengths)
-        prompt_lengths = np.asarray(result.prompt_mask).sum(axis=1)
+        lengths = host_array(result.lengths)
+        prompt_lengths = host_array(result.prompt_mask).sum(axis=1)
         total = scores.total
         out = {f"time/train/{k}": v for k, v in times.items()}
         out["time/train/step_avg_last10_s"] = float(np.mean(self.state.step_times))
@@ -177,7 +180,7 @@ class Trainer:
 
     # ---- eval ------------------------------------------------------------------
     def evaluate(self) -> dict:
-        examples = self.c.task.test_examples(self.cfg.eval.num_questions)
+        examples = gather_objects(self.c.task.test_examples(self.cfg.eval.num_questions))
         n = self.c.eval_sampling.n
         self.state.key, key = jax.random.split(self.state.key)
         result = rollout(self.c, self.state.params, self.graphdef, examples, key, self.c.eval_sampling)
