@@ -54,7 +54,7 @@ def _input_error(key: str, exc: Exception, fix: str) -> UserError:
     return UserError(f"{key}: {str(exc).rstrip('.')}; {fix}")
 
 
-def _from_plugin(registry: Registry, kind: str, name: str, options: dict, where: str, **kwargs) -> Any:
+def from_plugin(registry: Registry, kind: str, name: str, options: dict, where: str, **kwargs) -> Any:
     spec = registry.get(kind, name)
     try:
         return spec.factory(plugin_options(spec.options, options, where), **kwargs)
@@ -128,11 +128,9 @@ def sampling_params(cfg: RunConfig, tokenizer: Any, *, for_eval: bool = False) -
     r = cfg.rollout
     stop = () if r.ignore_eos else tuple(sorted({tokenizer.eos_token_id} - {None}))
     if for_eval:
-        return SamplingParams(max_new_tokens=cfg.eval.max_new_tokens or r.max_new_tokens, n=cfg.eval.n,
-                              temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                              greedy=cfg.eval.greedy, stop_token_ids=stop)
-    return SamplingParams(max_new_tokens=r.max_new_tokens, n=r.n, temperature=r.temperature, top_p=r.top_p,
-                          top_k=r.top_k, greedy=r.greedy, stop_token_ids=stop)
+        return SamplingParams.from_config(r, stop, max_new_tokens=cfg.eval.max_new_tokens or r.max_new_tokens,
+                                          n=cfg.eval.n, greedy=cfg.eval.greedy)
+    return SamplingParams.from_config(r, stop)
 
 
 def check_lengths(cfg: RunConfig, qcfg: QwenConfig) -> None:
@@ -192,10 +190,7 @@ def micro_batches(cfg: RunConfig, mesh: Mesh) -> int:
 
 
 def preflight(cfg: RunConfig, mesh: Mesh, qcfg: QwenConfig) -> None:
-    try:
-        local_prompt_count(cfg.rollout.prompts_per_step, jax.process_count())
-    except ValueError as exc:
-        raise UserError(str(exc)) from None
+    local_prompt_count(cfg.rollout.prompts_per_step, jax.process_count())
     rows = rows_per_step(cfg)
     validate_plan(mesh, ModelDims.from_config(qcfg), rollout_batch=rows,
                   train_micro_batch=rows // micro_batches(cfg, mesh), rollout_style=cfg.rollout.sharding,
@@ -211,17 +206,17 @@ def build_components(cfg: RunConfig, registry: Registry) -> Components:
     check_tokenizer_fits(qcfg, tokenizer)
     preflight(cfg, resolved.mesh, qcfg)
     rules = resolved.strategy.param_rules
-    task = _from_plugin(registry, "task", cfg.task.name, cfg.task.options, "task.options", seed=cfg.task.seed,
+    task = from_plugin(registry, "task", cfg.task.name, cfg.task.options, "task.options", seed=cfg.task.seed,
                         process_index=layout.process_index, process_count=layout.process_count)
-    rewards = {name: (_from_plugin(registry, "reward", name, cfg.task.reward_options.get(name, {}),
+    rewards = {name: (from_plugin(registry, "reward", name, cfg.task.reward_options.get(name, {}),
                                    f"task.reward_options.{name}"), float(weight))
                for name, weight in cfg.task.rewards.items()}
     check_first_prompts(cfg, tokenizer, task)
     return Components(
         cfg=cfg, layout=layout, mesh=resolved.mesh, param_rules=rules, tokenizer=tokenizer,
         model=build_model(cfg, qcfg, resolved.mesh, resolved.strategy), task=task, rewards=rewards,
-        logps_impl=_from_plugin(registry, "loss", cfg.loss.impl, cfg.loss.options, "loss.options"),
-        rollout=_from_plugin(registry, "rollout", cfg.rollout.backend, cfg.rollout.options, "rollout.options"),
+        logps_impl=from_plugin(registry, "loss", cfg.loss.impl, cfg.loss.options, "loss.options"),
+        rollout=from_plugin(registry, "rollout", cfg.rollout.backend, cfg.rollout.options, "rollout.options"),
         sampling=sampling_params(cfg, tokenizer), eval_sampling=sampling_params(cfg, tokenizer, for_eval=True))
 
 

@@ -15,6 +15,8 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+from grpo_core.errors import UserError
+
 
 def gather_objects(items: list) -> list:
     """All processes' `items`, concatenated in process order."""
@@ -38,6 +40,6 @@ def host_array(x: Any) -> np.ndarray:
 def local_prompt_count(prompts_per_step: int, process_count: int) -> int:
     """Prompts each process draws from its shard for a global step of `prompts_per_step`."""
     if prompts_per_step % process_count:
-        raise ValueError(f"rollout.prompts_per_step={prompts_per_step} is the global prompt count and must split "
+        raise UserError(f"rollout.prompts_per_step={prompts_per_step} is the global prompt count and must split "
                          f"evenly over the {process_count} processes; use a multiple of {process_count}")
     return prompts_per_step // process_count

@@ -38,7 +38,7 @@ from grpo_rollout.prompts import bucket_length
 from grpo_rollout.result import trimmed_widths
 from grpo_rollout.sampling import SamplingParams
 
-from grpo_runner_gsm8k.build import (_from_plugin, build_tokenizer, loss_config_for_run, micro_batches,
+from grpo_runner_gsm8k.build import (build_tokenizer, from_plugin, loss_config_for_run, micro_batches,
                                      model_config, preflight, rows_per_step)
 from grpo_runner_gsm8k.known_architectures import KNOWN_ARCHITECTURES, known_architecture
 from grpo_runner_gsm8k.optim import build_optimizer
@@ -107,6 +107,11 @@ class PlanInputs:
         return per_device_bytes(self.params)
 
     @property
+    def held_beside_rollout(self) -> int:
+        """Device state alive during rollout and scoring that is not their argument."""
+        return per_device_bytes(self.opt_state) + self.reference_bytes
+
+    @property
     def reference_bytes(self) -> int:
         """A frozen copy of the params lives on the devices when the KL term is on."""
         return self.params_bytes if self.cfg.loss.beta > 0 else 0
@@ -161,35 +166,24 @@ def abstract_key(mesh: Mesh) -> jax.ShapeDtypeStruct:
 
 
 # ---- the model's architecture without the Hub --------------------------------------
-def plan_architecture(cfg: RunConfig) -> tuple[QwenConfig, Any]:
-    """(architecture, tokenizer or None): a local model dir or the built-in table for
-    `model.path`, the config's `model.architecture` otherwise."""
+def plan_architecture(cfg: RunConfig) -> QwenConfig:
+    """A local model dir or the built-in table for `model.path`, the config's
+    `model.architecture` (sized to the tokenizer) otherwise."""
     path = cfg.model.path
     if path is None:
-        tokenizer = build_tokenizer(cfg)
-        return model_config(cfg, tokenizer), tokenizer
+        return model_config(cfg, build_tokenizer(cfg))
     if os.path.isdir(path):
-        return model_config(cfg, None), None
+        return model_config(cfg, None)
     known = known_architecture(path)
     if known is None:
         raise UserError(f"model.path {path!r} is not a local directory and its architecture is not built in "
                         f"(known: {', '.join(KNOWN_ARCHITECTURES)}); download the model's config.json into a "
                         "directory and point model.path at it")
-    return known, None
-
-
-def plan_sampling(cfg: RunConfig, qcfg: QwenConfig, tokenizer: Any) -> SamplingParams:
-    """The rollout's sampling parameters; the stop ids only change a comparison, not memory."""
-    eos = tokenizer.eos_token_id if tokenizer is not None else qcfg.eos_token_id
-    eos_ids = eos if isinstance(eos, tuple) else (eos,)
-    stop = () if cfg.rollout.ignore_eos else tuple(sorted(set(eos_ids) - {None}))
-    r = cfg.rollout
-    return SamplingParams(max_new_tokens=r.max_new_tokens, n=r.n, temperature=r.temperature, top_p=r.top_p,
-                          top_k=r.top_k, greedy=r.greedy, stop_token_ids=stop)
+    return known
 
 
 def plan_rollout_backend(cfg: RunConfig, registry: Registry) -> JaxRollout:
-    backend = _from_plugin(registry, "rollout", cfg.rollout.backend, cfg.rollout.options, "rollout.options")
+    backend = from_plugin(registry, "rollout", cfg.rollout.backend, cfg.rollout.options, "rollout.options")
     if not isinstance(backend, JaxRollout):
         raise UserError(f"rollout.backend {cfg.rollout.backend!r}: the memory plan compiles the 'jax' backend's "
                         "prefill and decode only; plan with rollout.backend=jax")
@@ -199,15 +193,15 @@ def plan_rollout_backend(cfg: RunConfig, registry: Registry) -> JaxRollout:
 def build_plan_inputs(cfg: RunConfig, registry: Registry) -> PlanInputs:
     setup_processes(cfg.mesh)
     resolved = build_mesh_from_config(cfg.mesh, registry.mesh)
-    qcfg, tokenizer = plan_architecture(cfg)
+    qcfg = plan_architecture(cfg)
     preflight(cfg, resolved.mesh, qcfg)
     graphdef, params = abstract_model(cfg, qcfg, resolved.mesh, resolved.strategy)
     optimizer = build_optimizer(cfg.train)
     return PlanInputs(
         cfg=cfg, mesh=resolved.mesh, qcfg=qcfg, graphdef=graphdef, params=params,
         opt_state=abstract_opt_state(optimizer, params, resolved.mesh), optimizer=optimizer,
-        loss_impl=_from_plugin(registry, "loss", cfg.loss.impl, cfg.loss.options, "loss.options"),
-        rollout=plan_rollout_backend(cfg, registry), sampling=plan_sampling(cfg, qcfg, tokenizer))
+        loss_impl=from_plugin(registry, "loss", cfg.loss.impl, cfg.loss.options, "loss.options"),
+        rollout=plan_rollout_backend(cfg, registry), sampling=SamplingParams.from_config(cfg.rollout))  # stop ids change no buffer
 
 
 # ---- shapes ----------------------------------------------------------------------------
@@ -253,12 +247,11 @@ def rollout_phases(inputs: PlanInputs) -> list[PhaseMemory]:
     prompts = abstract_array((rows_per_step(cfg), prompt_bucket(inputs)), jnp.int32, batch_sharding)
     static = inputs.rollout.static_args(inputs.graphdef, inputs.sampling, 0, batch_sharding)
     key = abstract_key(mesh)
-    held = per_device_bytes(inputs.opt_state) + inputs.reference_bytes
     prefill_compiled = prefill.lower(inputs.params, prompts, prompts, key, **static).compile()
     cache, state = abstract_outputs(prefill_compiled)
     decode_compiled = decode.lower(inputs.params, cache, state, key, **static).compile()
-    return [PhaseMemory.from_compiled("rollout prefill", prefill_compiled, held),
-            PhaseMemory.from_compiled("rollout decode", decode_compiled, held)]
+    return [PhaseMemory.from_compiled("rollout prefill", prefill_compiled, inputs.held_beside_rollout),
+            PhaseMemory.from_compiled("rollout decode", decode_compiled, inputs.held_beside_rollout)]
 
 
 def logps_phase(inputs: PlanInputs) -> Optional[PhaseMemory]:
@@ -272,7 +265,7 @@ def logps_phase(inputs: PlanInputs) -> Optional[PhaseMemory]:
     compiled = score.lower(inputs.graphdef, inputs.params, inputs.loss_impl, batch.input_ids,
                            batch.attention_mask, batch.targets, batch.prompt_width,
                            cfg.rollout.temperature).compile()
-    return PhaseMemory.from_compiled("log-probs", compiled, per_device_bytes(inputs.opt_state) + inputs.reference_bytes)
+    return PhaseMemory.from_compiled("log-probs", compiled, inputs.held_beside_rollout)
 
 
 def train_phase(inputs: PlanInputs, cfg: RunConfig) -> PhaseMemory:
@@ -312,8 +305,8 @@ def table_lines(phases: list[PhaseMemory]) -> list[str]:
     return lines
 
 
-def header_lines(inputs: PlanInputs, cfg: RunConfig) -> list[str]:
-    mesh, q = inputs.mesh, inputs.qcfg
+def header_lines(inputs: PlanInputs) -> list[str]:
+    cfg, mesh, q = inputs.cfg, inputs.mesh, inputs.qcfg
     params = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(inputs.params))
     rows, (prompt_w, completion_w) = rows_per_step(cfg), train_widths(inputs)
     data_devices = mesh.shape["dp"] * mesh.shape["fsdp"]
@@ -367,7 +360,7 @@ def fixed_phases(inputs: PlanInputs) -> list[PhaseMemory]:
 # ---- commands ----------------------------------------------------------------------------
 def plan_once(inputs: PlanInputs, capacity: Capacity) -> int:
     phases = fixed_phases(inputs) + [train_phase(inputs, inputs.cfg)]
-    print("\n".join(header_lines(inputs, inputs.cfg) + table_lines(phases) + footer_lines(inputs)))
+    print("\n".join(header_lines(inputs) + table_lines(phases) + footer_lines(inputs)))
     print(peak_line(phases, capacity))
     top = peak(phases)
     if top.total <= capacity.bytes:
@@ -398,7 +391,7 @@ def largest_fitting(candidates: list[int], fits: Callable[[int], bool]) -> Optio
 
 def sweep_micro_batch(inputs: PlanInputs, capacity: Capacity) -> int:
     fixed = fixed_phases(inputs)
-    print("\n".join(header_lines(inputs, inputs.cfg)))
+    print("\n".join(header_lines(inputs)))
     print(f"sweep micro_batch_size_per_device over {micro_batch_candidates(inputs)} against "
           f"{capacity.gib:.2f} GiB ({capacity.source}); rollout peak {peak(fixed).total / GIB:.3f} GiB")
     tried: dict[int, list[PhaseMemory]] = {}
