@@ -16,7 +16,8 @@ from grpo_core.config import LossConfig
 OPTION_VALUES = {
     "aggregation": ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "fixed_length_norm"],
     "importance_sampling_level": ["token", "sequence"],
-    "kl": [(0.0, "k3"), (0.05, "k1"), (0.05, "k2"), (0.05, "k3")],  # (beta, kl_estimator)
+    # (beta, kl_estimator, kl_importance_weighted)
+    "kl": [(0.0, "k3", False), (0.05, "k1", False), (0.05, "k2", False), (0.05, "k3", False), (0.05, "k3", True)],
     "epsilon_c": [None, 3.0],
     "logratio_clamp": [None, 0.5],
     "entropy": [(0.0, False), (0.0, True), (0.02, True)],  # (entropy_coef, compute_entropy)
@@ -27,15 +28,15 @@ OPTION_VALUES = {
 
 def config_of(case: dict) -> LossConfig:
     """The LossConfig of one OPTION_VALUES combination."""
-    (beta, estimator), (coef, compute), (low, high) = case["kl"], case["entropy"], case["clip"]
+    (beta, estimator, weighted), (coef, compute), (low, high) = case["kl"], case["entropy"], case["clip"]
     return LossConfig(aggregation=case["aggregation"], importance_sampling_level=case["importance_sampling_level"],
-                      beta=beta, kl_estimator=estimator, epsilon_c=case["epsilon_c"],
+                      beta=beta, kl_estimator=estimator, kl_importance_weighted=weighted, epsilon_c=case["epsilon_c"],
                       logratio_clamp=case["logratio_clamp"], entropy_coef=coef, compute_entropy=compute,
                       epsilon_low=low, epsilon_high=high, max_completion_length=16)
 
 
 def case_id(case: dict) -> str:
-    parts = [case["aggregation"], case["importance_sampling_level"], f"beta{case['kl'][0]}-{case['kl'][1]}",
+    parts = [case["aggregation"], case["importance_sampling_level"], f"beta{case['kl'][0]}-{case['kl'][1]}{'-isw' if case['kl'][2] else ''}",
              f"ec{case['epsilon_c']}", f"clamp{case['logratio_clamp']}", f"ent{case['entropy'][0]}-{case['entropy'][1]}",
              f"clip{case['clip'][0]}-{case['clip'][1]}", "old" if case["old_logp"] else "onpolicy"]
     return ",".join(parts)

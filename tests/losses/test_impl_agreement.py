@@ -1,11 +1,13 @@
 """`fused` and `pallas` agree with `jax` on the GRPO loss and its gradients
 w.r.t. hidden and lm_head (float32, <= 1e-5 relative), over option combinations
-(fused: every pair of option values; pallas, interpreted and slow on CPU: every
-value), with padding masks, an odd vocab and T not a multiple of the blocks."""
+(fused, with its one-pass gradient and with two passes: every pair of option
+values; pallas, interpreted and slow on CPU: every value), with padding masks, an
+odd vocab and T not a multiple of the blocks."""
 
 from __future__ import annotations
 
 import jax
+import pytest
 from grpo_losses import FusedLogps, FusedOptions, PallasLogps, PallasOptions, ReferenceLogps, grpo_loss
 
 REFERENCE = ReferenceLogps()
@@ -36,10 +38,12 @@ def problem(helpers, seed: int):
     return p
 
 
-def test_fused_agrees_with_reference(helpers, pairwise_case):
+@pytest.mark.parametrize("one_pass", [True, False], ids=["one_pass", "two_pass"])
+def test_fused_agrees_with_reference(helpers, pairwise_case, one_pass):
     p = problem(helpers, seed=10)
     cfg = helpers.config_of(pairwise_case)
-    fused = FusedLogps(FusedOptions(block_size=64, time_block=4))
+    # one-pass token blocks of 4: 33 tokens, the last block overlaps its predecessor
+    fused = FusedLogps(FusedOptions(block_size=64, time_block=4, one_pass=one_pass, one_pass_time_block=4))
     helpers.assert_tree_close(loss_and_grads(fused, p, cfg, pairwise_case["old_logp"]),
                               loss_and_grads(REFERENCE, p, cfg, pairwise_case["old_logp"]))
 

@@ -34,6 +34,8 @@ def numpy_loss(logp, entropy, mask, adv, old, ref, cfg: LossConfig) -> float:
     if cfg.beta > 0:
         d = np.asarray(ref, np.float64) - logp
         kl = {"k1": -d, "k2": 0.5 * d ** 2, "k3": np.exp(d) - d - 1}[cfg.kl_estimator]
+        if cfg.kl_importance_weighted:  # TRL use_bias_correction_kl
+            kl = kl * coef_1
         per_token_loss = per_token_loss + cfg.beta * kl
     if cfg.entropy_coef > 0:
         per_token_loss = per_token_loss - cfg.entropy_coef * np.asarray(entropy, np.float64)
@@ -120,6 +122,40 @@ def test_beta_really_adds_kl(helpers, estimator):
     kl_mean = float(without.metrics.summary()["kl_mean"])
     assert kl_mean != 0.0
     assert float(with_kl.loss - without.loss) == pytest.approx(0.3 * kl_mean, rel=1e-5)
+
+
+def trl_bias_corrected_loss(logp, old, ref, mask, adv, beta: float, sequence_level: bool):
+    """TRL GRPOTrainer, loss_type "grpo" with use_bias_correction_kl, written out in jnp."""
+    log_ratio = logp - old
+    if sequence_level:
+        log_ratio = ((log_ratio * mask).sum(-1) / jnp.clip(mask.sum(-1), 1.0))[:, None]
+    coef_1 = jnp.exp(log_ratio)
+    coef_2 = jnp.clip(coef_1, 0.8, 1.2)
+    per_token_kl = (jnp.exp(ref - logp) - (ref - logp) - 1) * coef_1
+    per_token_loss = -jnp.minimum(coef_1 * adv[:, None], coef_2 * adv[:, None]) + beta * per_token_kl
+    return ((per_token_loss * mask).sum(-1) / jnp.clip(mask.sum(-1), 1.0)).mean()
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_importance_weighted_kl_is_trls_bias_corrected_kl(level):
+    """Loss and d loss / d logp equal TRL's formula; the kl metric is the weighted term."""
+    x = math_inputs(8)
+    cfg = LossConfig(beta=0.3, kl_importance_weighted=True, importance_sampling_level=level,
+                     aggregation="seq_mean_token_mean")
+
+    def ours(logp):
+        per_token, metrics = token_losses(logp, None, x["mask"], x["adv"], x["old"], x["ref"], cfg)
+        return finalize_loss(*aggregate(per_token, x["mask"], cfg)), metrics
+
+    (value, metrics), grad = jax.value_and_grad(ours, has_aux=True)(x["logp"])
+    trl = lambda logp: trl_bias_corrected_loss(logp, x["old"], x["ref"], x["mask"], x["adv"], 0.3, level == "sequence")
+    want, want_grad = jax.value_and_grad(trl)(x["logp"])
+    # float32 sums of terms of size ~|A| ~ 1 that cancel to ~4e-3: an absolute part as above
+    assert float(value) == pytest.approx(float(want), rel=1e-5, abs=1e-6)
+    np.testing.assert_allclose(grad, want_grad, rtol=1e-5, atol=1e-7)
+    plain = dataclasses.replace(cfg, kl_importance_weighted=False)
+    _, plain_metrics = token_losses(x["logp"], None, x["mask"], x["adv"], x["old"], x["ref"], plain)
+    assert float(metrics.kl_sum) != pytest.approx(float(plain_metrics.kl_sum), rel=1e-3)  # the option acts
 
 
 def test_entropy_bonus_subtracts_entropy(helpers):

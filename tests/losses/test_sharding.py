@@ -35,7 +35,8 @@ def loss_and_grads(impl, p, mesh=None):
         return step(hidden, lm_head)
 
 
-IMPLS = {"fused": FusedLogps(FusedOptions(block_size=16, time_block=8)),
+IMPLS = {"fused": FusedLogps(FusedOptions(block_size=16, time_block=8, one_pass_time_block=8)),
+         "fused_two_pass": FusedLogps(FusedOptions(block_size=16, time_block=8, one_pass=False)),
          "pallas": PallasLogps(PallasOptions(block_size=128, time_block=8))}
 MESHES = {"tp8": (1, 1, 8), "dp2_tp4": (2, 1, 4)}
 

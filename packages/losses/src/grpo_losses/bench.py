@@ -41,6 +41,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--block-size", type=int, default=None, help="vocab block (default: the impl's)")
     parser.add_argument("--time-block", type=int, default=None, help="token block (default: the impl's)")
+    parser.add_argument("--two-pass", action="store_true", help="fused: gradient in the backward (one_pass: false)")
     parser.add_argument("--repeats", type=int, default=5, help="timed fwd+bwd runs (median reported)")
     parser.add_argument("--memory-budget-gib", type=float, default=None,
                         help="run only when arrays + temp fit (default: 70%% of available RAM)")
@@ -48,10 +49,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def build_impl(name: str, block_size: int | None, time_block: int | None):
+def build_impl(name: str, block_size: int | None, time_block: int | None, two_pass: bool = False):
     overrides = {k: v for k, v in (("block_size", block_size), ("time_block", time_block)) if v is not None}
     if name == "fused":
-        return FusedLogps(FusedOptions(**overrides))
+        return FusedLogps(FusedOptions(**overrides, one_pass=not two_pass))
     if name == "pallas":
         return PallasLogps(PallasOptions(**overrides))
     return ReferenceLogps()
@@ -122,7 +123,7 @@ def max_abs_diff(result, reference) -> dict[str, float]:
 
 
 def run(args: argparse.Namespace) -> dict:
-    impl = build_impl(args.impl, args.block_size, args.time_block)
+    impl = build_impl(args.impl, args.block_size, args.time_block, args.two_pass)
     fwd, fwd_bwd = loss_fns(impl)
     specs = input_specs(args)
     fwd_bytes, train_bytes = compiled_bytes(fwd, specs), compiled_bytes(fwd_bwd, specs)

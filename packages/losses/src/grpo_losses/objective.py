@@ -9,7 +9,13 @@ Per token (masked positions contribute nothing):
     pg     = min(pg, epsilon_c * |A|) where A < 0        (dual clip, when set)
     loss   = pg + beta * KL_k(policy || ref) - entropy_coef * entropy
 with KL estimators on log q = ref_logp - logp:  k1 = -log q,  k2 = (log q)^2 / 2,
-k3 = exp(log q) - log q - 1.
+k3 = exp(log q) - log q - 1; with `kl_importance_weighted` the estimate is
+multiplied by the ratio r above (differentiable, as TRL's
+`use_bias_correction_kl` does: samples come from the old policy, so r * k
+estimates the KL under the current one), and the `kl_mean` metric reports that
+product. The entropy bonus is part of the per-token loss, so it is aggregated
+exactly like the loss (e.g. per-sequence means for seq_mean_token_mean), not as
+a separate token mean.
 
 Exact gradient accumulation. `grpo_loss` returns a `numerator` and a
 `denominator` per micro-batch; the big-batch loss is
@@ -111,15 +117,55 @@ def grpo_loss(impl: TokenLogpsImpl, hidden: Array, lm_head: Array, targets: Arra
     advantages [B], old_logp / ref_logp [B, T] float32 or None (None old means
     on-policy: ratio 1 with the policy gradient intact), temperature = the
     sampling temperature. Differentiate `numerator` (see module doc).
+
+    Implementations with a one-pass gradient (`impl.one_pass`, e.g. `fused`) get
+    the whole per-token objective when the ratios are per token: they form the
+    gradient while computing the logits, and `logp` then carries no gradient.
     """
     _check_config(cfg, ref_logp)
     need_entropy = cfg.compute_entropy or cfg.entropy_coef > 0
+    mask = mask.astype(F32)
+    if getattr(impl, "one_pass", False) and cfg.importance_sampling_level == "token":
+        terms = TokenTerms.of(mask, advantages, old_logp, ref_logp, cfg)
+        numerator, out = impl.loss_numerator(hidden, lm_head, targets, temperature, terms,
+                                             weighted_token_loss(cfg), entropy=need_entropy,
+                                             entropy_grad=cfg.entropy_coef > 0)
+        _, metrics = token_losses(out.logp, out.entropy, mask, advantages, old_logp, ref_logp, cfg)
+        return LossOutput(numerator, loss_denominator(mask, cfg), out.logp, metrics)
     out = impl(hidden, lm_head, targets, temperature, entropy=need_entropy)
     entropy = out.entropy if cfg.entropy_coef > 0 else _metric_only(out.entropy)
-    mask = mask.astype(F32)
     per_token, metrics = token_losses(out.logp, entropy, mask, advantages, old_logp, ref_logp, cfg)
     numerator, denominator = aggregate(per_token, mask, cfg)
     return LossOutput(numerator, denominator, out.logp, metrics)
+
+
+class TokenTerms(NamedTuple):
+    """Everything the per-token loss needs besides logp and entropy, each [B, T]
+    (the layout the one-pass kernels slice into token blocks)."""
+
+    mask: Array
+    advantage: Array  # the row's advantage on every token
+    weight: Array  # d numerator / d per-token loss (see `token_weights`)
+    old_logp: Array | None
+    ref_logp: Array | None
+
+    @classmethod
+    def of(cls, mask: Array, advantages: Array, old_logp: Array | None, ref_logp: Array | None,
+           cfg: LossConfig) -> TokenTerms:
+        advantage = jnp.broadcast_to(advantages.astype(F32)[:, None], mask.shape)
+        return cls(mask, advantage, token_weights(mask, cfg), old_logp, ref_logp)
+
+
+def weighted_token_loss(cfg: LossConfig):
+    """(logp, entropy, TokenTerms) -> per-token contribution to the numerator, any
+    shape; sums to `aggregate`'s numerator. Token-level ratios only: each token's
+    value depends on its own logp and entropy, so its gradient is elementwise."""
+    def loss(logp: Array, entropy: Array | None, terms: TokenTerms) -> Array:
+        entropy = entropy if cfg.entropy_coef > 0 else _metric_only(entropy)
+        per_token, _ = token_losses(logp, entropy, terms.mask, terms.advantage, terms.old_logp, terms.ref_logp, cfg)
+        return per_token * terms.weight
+
+    return loss
 
 
 def _metric_only(entropy: Array | None) -> Array | None:
@@ -138,11 +184,15 @@ def _check_config(cfg: LossConfig, ref_logp: Array | None) -> None:
 def token_losses(logp: Array, entropy: Array | None, mask: Array, advantages: Array,
                  old_logp: Array | None, ref_logp: Array | None,
                  cfg: LossConfig) -> tuple[Array, LossMetrics]:
-    """Per-token loss [B, T] (zero where mask is 0) and the metric sums."""
+    """Per-token loss [B, T] (zero where mask is 0) and the metric sums.
+    advantages: [B], or [B, T] (one value per token) with token-level ratios."""
     ratio = importance_ratio(logp, old_logp, mask, cfg)  # [B, T] or [B, 1]
-    adv = advantages.astype(F32)[:, None]  # [B, 1]
+    adv = advantages.astype(F32)
+    adv = adv[:, None] if adv.ndim == 1 else adv  # [B, 1], or already per token
     per_token = clipped_surrogate(ratio, adv, cfg)
     kl = None if ref_logp is None else kl_estimate(logp, ref_logp, mask, cfg.kl_estimator)
+    if kl is not None and cfg.kl_importance_weighted:
+        kl = kl * ratio
     if cfg.beta > 0:
         per_token = per_token + cfg.beta * kl
     if cfg.entropy_coef > 0:
@@ -186,14 +236,18 @@ def kl_estimate(logp: Array, ref_logp: Array, mask: Array, estimator: str) -> Ar
 
 def aggregate(per_token: Array, mask: Array, cfg: LossConfig) -> tuple[Array, Array]:
     """(numerator, denominator) of the configured aggregation (see module doc)."""
-    total = jnp.sum(per_token * mask)
+    return jnp.sum(per_token * token_weights(mask, cfg)), loss_denominator(mask, cfg)
+
+
+def token_weights(mask: Array, cfg: LossConfig) -> Array:
+    """[B, T] weight of each per-token loss in the numerator: the mask, divided by
+    the sequence's token count for seq_mean_token_mean. Depends on the mask only."""
     if cfg.aggregation == "seq_mean_token_mean":
-        per_sequence = jnp.sum(per_token * mask, axis=1, keepdims=True) / _tokens_per_sequence(mask)
-        total = jnp.sum(per_sequence)
-    elif cfg.aggregation not in ("token_mean", "seq_mean_token_sum", "fixed_length_norm"):
+        return mask / _tokens_per_sequence(mask)
+    if cfg.aggregation not in ("token_mean", "seq_mean_token_sum", "fixed_length_norm"):
         raise ValueError(f"unknown loss.aggregation {cfg.aggregation!r}; use token_mean, seq_mean_token_mean, "
                          "seq_mean_token_sum or fixed_length_norm")
-    return total, loss_denominator(mask, cfg)
+    return mask
 
 
 def loss_denominator(mask: Array, cfg: LossConfig) -> Array:

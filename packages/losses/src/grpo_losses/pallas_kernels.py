@@ -8,6 +8,13 @@ Kernels (grid order = loop order, reduction axis last):
 Two backward kernels instead of one because a TPU output block must stay
 resident while it is accumulated: d_h is reduced over vocab, d_w over tokens.
 
+No one-pass gradient here (the `fused` implementation has one): it needs a token
+block's complete logits row before dz exists (the log-sum-exp spans every vocab
+block), and a [rows, V] float32 row does not fit in VMEM next to the weight
+tiles at useful sizes (rows=8 at V=151936 is 4.6 MiB, and the d_w accumulator
+must stay resident per vocab block, which a token-major grid cannot give).
+`grpo_loss` therefore runs this implementation in two passes for every config.
+
 Targets: TPU (Mosaic) compiled, and CPU with `interpret=True` (chosen
 automatically on the cpu backend). There is no GPU (Triton) variant: on GPU use
 `fused`, or set `interpret: true` to run these kernels through the interpreter.

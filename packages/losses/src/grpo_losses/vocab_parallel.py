@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -53,6 +54,22 @@ class VocabKernels(Protocol):
         ...
 
 
+TokenLoss = Callable[[Array, "Array | None", Any], Array]
+
+
+class OnePassKernels(VocabKernels, Protocol):
+    """Kernels that also produce the gradient of a per-token loss in the forward."""
+
+    def one_pass(self, h: Array, w: Array, targets: Array, inv_temp: Array, terms, token_grads,
+                 with_entropy: bool, vocab_axis: str | None) -> tuple[Array, Array | None, Array, Array]:
+        """(logp [N, 1], entropy [N, 1] or None, d h [N, H], d w [H, Vl]) of this device.
+
+        `terms` holds [N, 1] columns; `token_grads(logp, entropy, terms)` gives the
+        per-token cotangents (g_lp, g_ent) of a block of them. Softmax states are
+        combined over `vocab_axis` (None: the vocab is not split) per token block."""
+        ...
+
+
 @dataclass(frozen=True)
 class ShardPlan:
     """How the batch and vocab dims map onto mesh axes."""
@@ -70,7 +87,14 @@ class ShardPlan:
         not reshard those itself); Auto axes are left to shard_map."""
         if AxisType.Explicit not in tuple(self.mesh.axis_types):
             return args
-        return tuple(jax.tree.map(lambda x, s=spec: jax.sharding.reshard(x, s), arg) for arg, spec in zip(args, specs))
+        return tuple(_reshard_tree(arg, spec) for arg, spec in zip(args, specs))
+
+
+def _reshard_tree(arg: Any, spec: Any) -> Any:
+    """`spec` is one PartitionSpec for every leaf of `arg`, or a tree of them shaped like `arg`."""
+    if isinstance(spec, P):
+        return jax.tree.map(lambda x: jax.sharding.reshard(x, spec), arg)
+    return jax.tree.map(jax.sharding.reshard, arg, spec, is_leaf=lambda x: x is None)
 
 
 def plan_sharding(mesh: Mesh | AbstractMesh | None, vocab_axis: str, batch: int, vocab: int) -> ShardPlan | None:
@@ -154,18 +178,10 @@ def _forward(kernels, plan, with_entropy, h, w, targets, inv_temp) -> TokenStats
 def _backward(kernels, plan, h, w, targets, inv_temp, stats, g_lp, g_ent):
     def local(h, w, targets, inv_temp, stats, g_lp, g_ent):
         batch, time, width = h.shape
-        column = lambda x: None if x is None else x.reshape(-1, 1)
-        local_targets = _local_targets(column(targets), w.shape[1], plan and plan.vocab_axis)
+        local_targets = _local_targets(_column(targets), w.shape[1], plan and plan.vocab_axis)
         dh, dw = kernels.grads(h.reshape(-1, width), w, local_targets, inv_temp,
-                               TokenStats(*(column(x) for x in stats)), column(g_lp), column(g_ent))
-        dh = dh.reshape(batch, time, width)
-        if plan is None:
-            return dh, dw
-        if plan.vocab_axis:
-            dh = lax.psum(dh, plan.vocab_axis)  # every vocab shard contributes to each token
-        if plan.batch_axes:
-            dw = lax.psum(dw, plan.batch_axes)  # every batch shard contributes to each column
-        return dh, dw
+                               TokenStats(*(_column(x) for x in stats)), _column(g_lp), _column(g_ent))
+        return _reduce_grads(plan, dh.reshape(batch, time, width), dw)
 
     if plan is None:
         return local(h, w, targets, inv_temp, stats, g_lp, g_ent)
@@ -174,6 +190,99 @@ def _backward(kernels, plan, h, w, targets, inv_temp, stats, g_lp, g_ent):
     args = plan.conform((h, w, targets, inv_temp, stats, g_lp, g_ent), in_specs)
     return jax.shard_map(local, mesh=plan.mesh, in_specs=in_specs, out_specs=(spec["hidden"], spec["lm_head"]),
                          check_vma=False)(*args)
+
+
+def _column(x: Array | None) -> Array | None:
+    return None if x is None else x.reshape(-1, 1)
+
+
+def _reduce_grads(plan: ShardPlan | None, dh: Array, dw: Array) -> tuple[Array, Array]:
+    """Sum one device's partial gradients over the devices that share them."""
+    if plan is None:
+        return dh, dw
+    if plan.vocab_axis:
+        dh = lax.psum(dh, plan.vocab_axis)  # every vocab shard contributes to each token
+    if plan.batch_axes:
+        dw = lax.psum(dw, plan.batch_axes)  # every batch shard contributes to each column
+    return dh, dw
+
+
+def blockwise_loss_numerator(kernels: OnePassKernels, hidden: Array, lm_head: Array, targets: Array,
+                             temperature: float | Array, terms, token_loss: TokenLoss, *, entropy: bool,
+                             entropy_grad: bool, vocab_axis: str = "tp",
+                             mesh: Mesh | AbstractMesh | None = None) -> tuple[Array, TokenLogps]:
+    """(sum of token_loss over all tokens, TokenLogps [B, T] without gradient).
+
+    `terms` is a pytree of [B, T] arrays handed to `token_loss(logp, entropy,
+    terms)`, which must be elementwise over tokens. Under differentiation the
+    forward also produces d hidden and d lm_head (the kernels' `one_pass`), so
+    the backward only scales them by the numerator's cotangent; `terms` and
+    `temperature` receive zero cotangents.
+    """
+    plan = plan_sharding(mesh, vocab_axis, hidden.shape[0], lm_head.shape[1])
+    token_grads = _token_grads(token_loss, entropy_grad)
+    fn = _one_pass_differentiable(kernels, plan, entropy, token_loss, token_grads)
+    numerator, logp, ent = fn(hidden, lm_head, targets.astype(jnp.int32), 1.0 / jnp.asarray(temperature, F32), terms)
+    return numerator, TokenLogps(lax.stop_gradient(logp), None if ent is None else lax.stop_gradient(ent))
+
+
+def _token_grads(token_loss: TokenLoss, entropy_grad: bool):
+    """(logp, entropy, terms) -> (d token_loss/d logp, d/d entropy or None), per token."""
+    def grads(logp, entropy, terms):
+        def total(lp, ent):
+            return jnp.sum(token_loss(lp, ent, terms))
+
+        if not entropy_grad:
+            return jax.grad(total)(logp, entropy), None
+        return jax.grad(total, (0, 1))(logp, entropy)
+
+    return grads
+
+
+def _one_pass_differentiable(kernels, plan, with_entropy, token_loss, token_grads):
+    def numerator(logp, ent, terms):
+        return jnp.sum(token_loss(logp, ent, terms))
+
+    @jax.custom_vjp
+    def loss(h, w, targets, inv_temp, terms):
+        stats = _forward(kernels, plan, with_entropy, h, w, targets, inv_temp)
+        return numerator(stats.logp, stats.entropy, terms), stats.logp, stats.entropy
+
+    def forward(h, w, targets, inv_temp, terms):
+        logp, ent, dh, dw = _one_pass(kernels, plan, with_entropy, token_grads, h, w, targets, inv_temp, terms)
+        # the gradients wait in the param dtype (a no-op for float32, half the bytes for bf16)
+        return (numerator(logp, ent, terms), logp, ent), (dh.astype(h.dtype), dw.astype(w.dtype), inv_temp, terms)
+
+    def backward(residuals, cotangents):
+        dh, dw, inv_temp, terms = residuals
+        g = cotangents[0]  # logp and entropy leave as stop_gradient: their cotangents are zero
+        return ((g * dh).astype(dh.dtype), (g * dw).astype(dw.dtype), None, jnp.zeros_like(inv_temp),
+                jax.tree.map(jnp.zeros_like, terms))
+
+    loss.defvjp(forward, backward)
+    return loss
+
+
+def _one_pass(kernels, plan, with_entropy, token_grads, h, w, targets, inv_temp, terms):
+    """(logp [B, T], entropy [B, T] or None, d hidden f32, d lm_head f32) for a numerator cotangent of 1."""
+    vocab_axis = plan and plan.vocab_axis
+
+    def local(h, w, targets, inv_temp, terms):
+        batch, time, width = h.shape
+        local_targets = _local_targets(_column(targets), w.shape[1], vocab_axis)
+        logp, ent, dh, dw = kernels.one_pass(h.reshape(-1, width), w, local_targets, inv_temp,
+                                             jax.tree.map(_column, terms), token_grads, with_entropy, vocab_axis)
+        rows = lambda x: None if x is None else x.reshape(batch, time)
+        return (rows(logp), rows(ent), *_reduce_grads(plan, dh.reshape(batch, time, width), dw))
+
+    if plan is None:
+        return local(h, w, targets, inv_temp, terms)
+    spec = plan.specs()
+    term_specs = jax.tree.map(lambda _: spec["tokens"], terms)
+    in_specs = (spec["hidden"], spec["lm_head"], spec["tokens"], P(), term_specs)
+    args = plan.conform((h, w, targets, inv_temp, terms), in_specs)
+    out_specs = (spec["tokens"], spec["tokens"] if with_entropy else None, spec["hidden"], spec["lm_head"])
+    return jax.shard_map(local, mesh=plan.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)(*args)
 
 
 def _local_targets(targets: Array, local_vocab: int, vocab_axis: str | None) -> Array:
