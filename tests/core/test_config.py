@@ -84,3 +84,14 @@ def test_plugin_options_are_validated_by_the_plugin_dataclass():
         load_config(None, ["loss.impl=blocky", "loss.options.block_size=big"], registry=OnlyLoss())
     with pytest.raises(ConfigError, match=r"loss.impl: unknown loss 'blockyy'.*Did you mean 'blocky'"):
         load_config(None, ["loss.impl=blockyy"], registry=OnlyLoss())
+
+
+def test_float32_masters_are_the_default_and_bfloat16_weights_need_bfloat16_compute():
+    cfg = load_config(None, ["model.dtype=bfloat16"])
+    assert (cfg.model.dtype, cfg.model.param_dtype, cfg.train.moment_dtype) == ("bfloat16", "float32", None)
+    assert load_config(None, ["model.dtype=bfloat16", "model.param_dtype=bfloat16"]).model.param_dtype == "bfloat16"
+    with pytest.raises(ConfigError, match=r"model.param_dtype = bfloat16 with model.dtype = float32.*"
+                                          r"set model.param_dtype=float32"):
+        load_config(None, ["model.param_dtype=bfloat16"])
+    with pytest.raises(ConfigError, match=r"train.moment_dtype"):
+        load_config(None, ["train.moment_dtype=float16"])

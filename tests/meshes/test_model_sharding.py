@@ -23,14 +23,15 @@ TINY = dict(vocab_size=64, hidden_size=64, intermediate_size=192, num_hidden_lay
 
 EXPECTED_SPECS = {  # (module, parameter) -> spec under the param rules
     ("embed_tokens", "embedding"): P("tp", "fsdp"),          # [vocab, embed]
-    ("q_proj", "kernel"): P("fsdp", "tp", None),              # [embed, heads, head_dim]
-    ("q_proj", "bias"): P("tp", None),                        # [heads, head_dim]
-    ("k_proj", "kernel"): P("fsdp", "tp", None),              # [embed, kv_heads, head_dim]
-    ("o_proj", "kernel"): P("tp", None, "fsdp"),              # [heads, head_dim, embed]
-    ("gate_proj", "kernel"): P("fsdp", "tp"),                 # [embed, mlp]
-    ("down_proj", "kernel"): P("tp", "fsdp"),                 # [mlp, embed]
-    ("input_layernorm", "scale"): P(None),                    # [norm]
-    ("q_norm", "scale"): P(None),
+    # Decoder-layer parameters are stacked over a leading, unsharded `layers` axis.
+    ("q_proj", "kernel"): P(None, "fsdp", "tp", None),        # [layers, embed, heads, head_dim]
+    ("q_proj", "bias"): P(None, "tp", None),                  # [layers, heads, head_dim]
+    ("k_proj", "kernel"): P(None, "fsdp", "tp", None),        # [layers, embed, kv_heads, head_dim]
+    ("o_proj", "kernel"): P(None, "tp", None, "fsdp"),        # [layers, heads, head_dim, embed]
+    ("gate_proj", "kernel"): P(None, "fsdp", "tp"),           # [layers, embed, mlp]
+    ("down_proj", "kernel"): P(None, "tp", "fsdp"),           # [layers, mlp, embed]
+    ("input_layernorm", "scale"): P(None, None),              # [layers, norm]
+    ("q_norm", "scale"): P(None, None),
     ("lm_head", "kernel"): P("fsdp", "tp"),                   # [embed, vocab]
 }
 
@@ -66,8 +67,8 @@ def test_sharded_params_are_split_over_fsdp_and_tp():
     model = sharding.shard_model(tiny_model(), mesh, strategy.param_rules)
     embedding = model.embed_tokens.embedding.get_value()  # [64, 64] over (tp, fsdp)
     assert {shard.data.shape for shard in embedding.addressable_shards} == {(32, 16)}
-    gate = model.layers[0].mlp.gate_proj.kernel.get_value()  # [64, 192] over (fsdp, tp)
-    assert {shard.data.shape for shard in gate.addressable_shards} == {(16, 96)}
+    gate = model.layers.mlp.gate_proj.kernel.get_value()  # [L, 64, 192] over (None, fsdp, tp)
+    assert {shard.data.shape for shard in gate.addressable_shards} == {(gate.shape[0], 16, 96)}
 
 
 def forward_fn(model):

@@ -63,7 +63,7 @@ def test_qwen3_with_attention_bias(golden, tmp_path, logits_of):
     hf.save_pretrained(tmp_path)
     ids, mask = golden.golden_inputs(config["vocab_size"], seed=3)
     model = load_pretrained(tmp_path, dtype="float32")
-    assert model.layers[0].self_attn.o_proj.bias is not None
+    assert model.layers.self_attn.o_proj.bias is not None
     assert _max_real_diff(logits_of(model, ids, mask), golden.hf_logits(hf, ids, mask), mask) <= PARITY_ATOL
     export_pretrained(model, tmp_path / "export")
     back = transformers.AutoModelForCausalLM.from_pretrained(

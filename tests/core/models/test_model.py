@@ -84,12 +84,30 @@ def test_remat_modes_same_outputs_and_grads(randomize, left_padded):
         jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-5), grads, ref_grads)
 
 
-@pytest.mark.parametrize("mode, count", [("none", 0), ("dots", 2), ("full", 2)])
-def test_remat_wraps_each_decoder_layer(mode, count):
-    model = init_from_config(FAMILIES["qwen2_tied"], remat=mode)  # 2 layers
+@pytest.mark.parametrize("scan_layers", [True, False])
+@pytest.mark.parametrize("mode, per_layer", [("none", 0), ("dots", 1), ("full", 1)])
+def test_remat_wraps_each_decoder_layer(mode, per_layer, scan_layers):
+    model = init_from_config(FAMILIES["qwen2_tied"], remat=mode, scan_layers=scan_layers)  # 2 layers
     graphdef, state = nnx.split(model)
-    jaxpr = jax.make_jaxpr(lambda s, x: nnx.merge(graphdef, s)(x).sum())(state, jnp.ones((1, 4), jnp.int32))
-    assert str(jaxpr).count("remat2[") + str(jaxpr).count("checkpoint[") == count
+    jaxpr = str(jax.make_jaxpr(lambda s, x: nnx.merge(graphdef, s)(x).sum())(state, jnp.ones((1, 4), jnp.int32)))
+    # Scanned: one remat inside the one scan body; unrolled: one per layer.
+    assert jaxpr.count("remat2[") + jaxpr.count("checkpoint[") == per_layer * (1 if scan_layers else 2)
+    assert jaxpr.count("scan[") == (1 if scan_layers else 0)
+
+
+def test_unrolled_layers_match_the_scan():
+    cfg = FAMILIES["qwen3"]
+    ids = jnp.array([[3, 5, 7, 9, 11], [0, 0, 4, 6, 8]], jnp.int32)
+    mask = (ids > 0).astype(jnp.int32)
+    scanned = init_from_config(cfg, scan_layers=True)
+    unrolled = init_from_config(cfg, scan_layers=False)
+    # Same params and ops; XLA may fuse the scan body differently (f32 rounding only).
+    np.testing.assert_allclose(scanned(ids, mask), unrolled(ids, mask), rtol=1e-6, atol=1e-6)
+    cache_s, cache_u = scanned.init_cache(2, 8), unrolled.init_cache(2, 8)
+    hidden_s, cache_s = scanned(ids, mask, cache=cache_s)
+    hidden_u, cache_u = unrolled(ids, mask, cache=cache_u)
+    np.testing.assert_allclose(hidden_s, hidden_u, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(cache_s.k, cache_u.k, rtol=1e-6, atol=1e-6)
 
 
 def test_bad_remat_mode():

@@ -38,9 +38,20 @@ class ModelConfig:
     tokenizer: Optional[str] = setting(
         None, "Tokenizer directory or Hub id; null uses `path`; 'char' builds the character tokenizer.")
     dtype: Literal["float32", "bfloat16"] = setting(
-        "float32", "Parameter and compute dtype (norms and softmax always run in float32).")
+        "float32", "Compute dtype of every forward and backward pass (norms and softmax always run in float32).")
+    # float32 masters keep updates of lr ~1e-6 that a bfloat16 weight rounds away.
+    param_dtype: Literal["float32", "bfloat16"] = setting(
+        "float32", "Storage dtype of the trainable params (master weights); bfloat16 loses updates below "
+        "its resolution (0.2-0.4% of a weight).")
     remat: Literal["none", "dots", "full"] = setting(
         "none", "Activation rematerialisation per decoder layer during training.")
+    attention: Literal["auto", "xla", "chunked", "splash", "cudnn"] = setting(
+        "auto", "Multi-token attention (training and the prompt pass): xla holds [B, heads, T, T] "
+        "scores; chunked (any backend), splash (TPU Pallas kernel) and cudnn (GPU, 16-bit dtypes) "
+        "never do; auto = splash on TPU, cudnn on GPU in bfloat16, chunked otherwise.")
+    scan_layers: bool = setting(
+        True, "Run the decoder layers as one scan (compile time independent of depth); "
+        "false loops over them in Python, for debugging.")
     seed: int = setting(0, "Seed of the random initialisation.", ge=0)
 
 
@@ -68,7 +79,8 @@ class RolloutConfig:
     n: int = setting(8, "Samples K per prompt (the GRPO group size).", ge=1)
     max_prompt_length: int = setting(64, "Prompts longer than this many tokens are rejected.", ge=1)
     max_new_tokens: int = setting(16, "Maximum sampled tokens per completion.", ge=1)
-    temperature: float = setting(1.0, "Sampling temperature; the loss uses the same value.", gt=0.0)
+    # Bounded: logits / temperature must stay a meaningful float32 (1e39 overflows to inf).
+    temperature: float = setting(1.0, "Sampling temperature; the loss uses the same value.", gt=0.0, le=100.0)
     top_p: float = setting(1.0, "Nucleus sampling mass (1.0 disables).", gt=0.0, le=1.0)
     top_k: int = setting(0, "Keep only the k most likely tokens (0 disables).", ge=0)
     greedy: bool = setting(False, "Take the argmax instead of sampling.")
@@ -99,6 +111,8 @@ class TrainConfig:
     micro_batch_size_per_device: int = setting(
         0, "Sequences per device per micro-batch; 0 means the whole batch in one micro-batch.", ge=0)
     seed: int = setting(0, "Seed of sampling and dropout-free training randomness.", ge=0)
+    moment_dtype: Optional[Literal["float32", "bfloat16"]] = setting(
+        None, "Dtype of the optimizer moments; null = model.param_dtype.")
 
 
 @dataclass(frozen=True)
@@ -117,11 +131,15 @@ class LossConfig:
         "token", "token = per-token ratios (GRPO); sequence = GSPO sequence-mean log-ratio.")
     beta: float = setting(0.0, "KL coefficient; > 0 loads a frozen reference model.", ge=0.0)
     kl_estimator: Literal["k1", "k2", "k3"] = setting("k3", "Estimator of KL(policy || reference).")
+    # Off by default: the plain k3 term is the GRPO paper's; on matches TRL's use_bias_correction_kl.
+    kl_importance_weighted: bool = setting(
+        False, "Multiply the per-token KL estimate by the importance ratio (TRL's use_bias_correction_kl).")
     aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "fixed_length_norm"] = setting(
         "token_mean", "How per-token losses are reduced (fixed_length_norm = Dr.GRPO).")
     max_completion_length: Optional[int] = setting(
         None, "Normaliser of fixed_length_norm; null uses rollout.max_new_tokens.", ge=1)
-    entropy_coef: float = setting(0.0, "Entropy bonus coefficient (0 = entropy is only a metric).", ge=0.0)
+    entropy_coef: float = setting(
+        0.0, "Entropy bonus coefficient (0 = entropy is only a metric); aggregated like the loss.", ge=0.0)
     compute_entropy: bool = setting(True, "Report the policy entropy metric.")
     scale_rewards: Literal["group", "batch", "none"] = setting(
         "group", "Advantage = (r - group mean) / std, with std of the group, the batch, or 1.")
@@ -169,15 +187,18 @@ class LoggingConfig:
     project: str = setting("grpo-jax", "W&B project.")
     name: Optional[str] = setting(None, "W&B run name; null lets W&B choose.")
     group: Optional[str] = setting(None, "W&B group.")
-    every_steps: int = setting(1, "Print a progress line every N steps when not on a TTY.", ge=1)
+    # 25: the 600-step tiny run prints 24 progress lines plus the summary to a log file.
+    every_steps: int = setting(25, "Print a progress line every N steps when not on a TTY.", ge=1)
 
 
 @dataclass(frozen=True)
 class CheckpointConfig:
     """Saving and resuming."""
 
+    # A hard kill loses at most 100 steps; SIGTERM/SIGINT (spot VM preemption) save the step in progress.
     every_steps: int = setting(
-        0, "Save every N steps; the last step is always saved (0 = only the last step).", ge=0)
+        100, "Save every N steps; the last step and a step stopped by SIGTERM/SIGINT are always saved "
+        "(0 = only those).", ge=0)
     keep: int = setting(2, "Most recent checkpoints kept.", ge=1)
     resume: Literal["auto", "never"] = setting(
         "auto", "auto = continue from the newest checkpoint in logging.dir when there is one; "

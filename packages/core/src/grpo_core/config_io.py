@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
+import os
 import re
 import types
 import typing
@@ -39,6 +41,21 @@ _Loader.add_implicit_resolver(
 )
 
 
+def _mapping_without_duplicates(loader: _Loader, node: yaml.MappingNode, deep: bool = False) -> dict:
+    """YAML silently keeps the last of two equal keys (or sections); here that is an error."""
+    seen: dict = {}
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        if key in seen:
+            raise ConfigError(f"duplicate key {key!r} at lines {seen[key]} and {key_node.start_mark.line + 1} "
+                              "of the config; keep one of them (merge duplicated sections into one)")
+        seen[key] = key_node.start_mark.line + 1
+    return loader.construct_mapping(node, deep=deep)
+
+
+_Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _mapping_without_duplicates)
+
+
 def _parse(text: str):
     return yaml.load(text, Loader=_Loader)
 
@@ -49,14 +66,17 @@ def read_yaml(path: str | Path) -> dict:
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} not found; pass an existing YAML file to --config")
     try:
-        data = _parse(path.read_text())
+        data = _parse(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config file {str(path)!r} is not UTF-8 text (byte {exc.start}); save it as UTF-8") from None
     except yaml.YAMLError as exc:
         where = getattr(exc, "problem_mark", None)
         line = f" at line {where.line + 1}" if where else ""
         raise ConfigError(f"config file {str(path)!r} is not valid YAML{line}: "
                           f"{getattr(exc, 'problem', exc)}; fix the syntax") from None
     if data is None:
-        return {}
+        raise ConfigError(f"config file {str(path)!r} is empty; write at least one section, or leave out --config "
+                          "to run the embedded defaults")
     if not isinstance(data, dict):
         raise ConfigError(f"config file {str(path)!r} must hold a mapping of sections, got {type(data).__name__}; "
                           "write the sections (model:, task:, rollout:, train:, ...) as top-level keys")
@@ -91,7 +111,7 @@ def _describe(tp: Any) -> str:
         return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
     if origin in (Union, types.UnionType):
         return " or ".join(_describe(a) for a in typing.get_args(tp))
-    return {type(None): "null", int: "an integer", float: "a number", str: "a string",
+    return {type(None): "null", int: "an integer", float: "a finite number", str: "a string",
             bool: "true/false", dict: "a mapping", list: "a list"}.get(tp, getattr(tp, "__name__", str(tp)))
 
 
@@ -108,8 +128,8 @@ def _coerce(tp: Any, value: Any) -> tuple[bool, Any]:
         return False, value
     if tp is type(None):
         return value is None, value
-    if tp is float:
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if tp is float:  # every float setting means a finite number: NaN and inf are refused
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
         return ok, float(value) if ok else value
     if tp is int:
         return isinstance(value, int) and not isinstance(value, bool), value
@@ -172,6 +192,8 @@ def plugin_options(options_cls: type, data: Any, prefix: str) -> Any:
         return build_dataclass(options_cls, data, prefix + ".")
     except TypeError as exc:  # a required option without a default was left out
         raise ConfigError(f"{prefix}: {exc}") from None
+    except ValueError as exc:  # an options dataclass's own __post_init__ check
+        raise ConfigError(f"{prefix}: {exc}") from None
 
 
 def _mesh_plugin_name(strategy: str) -> str:
@@ -205,8 +227,12 @@ def validate_cross_fields(cfg: RunConfig) -> None:
         raise ConfigError("rollout.n = 1 with loss.scale_rewards = 'group': a group of one sample has no std; "
                           "set rollout.n >= 2 or loss.scale_rewards=none")
     for name, weight in cfg.task.rewards.items():
-        if isinstance(weight, bool) or not isinstance(weight, (int, float)):
-            raise ConfigError(f"task.rewards.{name} = {weight!r} has the wrong type: expected a number (the weight)")
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight):
+            raise ConfigError(f"task.rewards.{name} = {weight!r} has the wrong type: expected a finite number "
+                              "(the weight)")
+    if cfg.model.param_dtype == "bfloat16" and cfg.model.dtype == "float32":
+        raise ConfigError("model.param_dtype = bfloat16 with model.dtype = float32: float32 compute on bfloat16 "
+                          "weights gains nothing; set model.param_dtype=float32 (or model.dtype=bfloat16)")
     if not cfg.task.rewards:
         raise ConfigError("task.rewards is empty: name at least one reward function, e.g. {correctness: 1.0}")
     for name in cfg.task.reward_options:
@@ -215,12 +241,22 @@ def validate_cross_fields(cfg: RunConfig) -> None:
                               f"add it to task.rewards or remove the options")
 
 
+def resolve_run_dir(cfg: RunConfig) -> RunConfig:
+    """logging.dir with `~` expanded and made absolute, so checkpoints (orbax wants absolute
+    paths) and every later message use one unambiguous directory."""
+    raw = cfg.logging.dir
+    if not raw.strip():
+        raise ConfigError(f"logging.dir = {raw!r} is empty: set it to the run directory, e.g. logging.dir=runs/my-run")
+    absolute = os.path.abspath(os.path.expanduser(raw))
+    return dataclasses.replace(cfg, logging=dataclasses.replace(cfg.logging, dir=absolute))
+
+
 def load_config(path: str | Path | None = None, overrides: Iterable[str] = (), registry: Any = None) -> RunConfig:
     """The validated RunConfig from a YAML file (None = all defaults) plus overrides."""
     tree = read_yaml(path) if path is not None else {}
     for override in overrides:
         apply_override(tree, override)
-    cfg = build_dataclass(RunConfig, tree)
+    cfg = resolve_run_dir(build_dataclass(RunConfig, tree))
     validate_cross_fields(cfg)
     if registry is not None:
         validate_plugins(cfg, registry)

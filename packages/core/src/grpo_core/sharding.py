@@ -35,6 +35,7 @@ DEFAULT_RULES: tuple[tuple[str, MeshAxes], ...] = (
     ("mlp", "tp"),
     ("head_dim", None),
     ("norm", None),
+    ("layers", None),  # stacked decoder layers: the scan slices this axis, never split it
 )
 
 

@@ -26,6 +26,7 @@ PARAM_RULES: Rules = (
     ("head_dim", None),
     ("mlp", "tp"),
     ("norm", None),         # norm scales are tiny; replicating avoids a gather per layer
+    ("layers", None),       # stacked decoder layers: the scan slices this axis, never split it
 )
 
 TRAIN_ACTIVATION_RULES: Rules = (

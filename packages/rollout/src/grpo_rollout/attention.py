@@ -41,10 +41,14 @@ def decode_forward(model, tokens: jax.Array, live: jax.Array, cache):
     visible = cache.visibility(1)[:, 0]  # [B, S]
     cos, sin = rope_tables(positions, model.config.head_dim, model.config.rope_theta)
     x = model.embed_tokens(tokens[:, None])  # [B, 1, H]
-    for i, layer in enumerate(model.layers):
+
+    def step(layer, i, carry):
+        x, cache = carry
         q, k, v = layer.self_attn.project_qkv(layer.input_layernorm(x), cos, sin)
         cache = cache.write_layer(i, k, v)
         attended = decode_attention(q[:, 0], cache.k[i].astype(q.dtype), cache.v[i].astype(q.dtype), visible)
         x = x + layer.self_attn.o_proj(attended[:, None])
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return x + layer.mlp(layer.post_attention_layernorm(x)), cache
+
+    x, cache = model.over_layers(step, (x, cache))
     return model.norm(x), cache.advance(1)

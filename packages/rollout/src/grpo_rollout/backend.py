@@ -35,6 +35,9 @@ class JaxRolloutOptions:
                       back to an exact full-vocabulary threshold search when it is larger.
     decode_attention: "rollout" = the single-query decode attention of this package
                       (grpo_rollout.attention); "model" = the model's cached forward.
+    gather_weights:   replicate the weights on every device for the rollout (one
+                      all-gather per rollout instead of per-token collectives when
+                      they are FSDP-sharded; needs a full weight copy per device).
     """
 
     prompt_buckets: list | tuple = DEFAULT_PROMPT_BUCKETS  # YAML gives a list; stored as a tuple
@@ -43,6 +46,7 @@ class JaxRolloutOptions:
     cdf_block: int = 0
     top_p_candidates: int = DEFAULT_TOP_P_CANDIDATES
     decode_attention: str = "rollout"
+    gather_weights: bool = False  # off: the memory plan decides whether a full copy fits
 
     def __post_init__(self) -> None:
         buckets = tuple(sorted(int(b) for b in self.prompt_buckets))
@@ -56,6 +60,8 @@ class JaxRolloutOptions:
         if self.decode_attention not in DECODE_ATTENTION:
             raise ValueError(f"decode_attention={self.decode_attention!r} is not supported; use one of "
                              f"{', '.join(DECODE_ATTENTION)}.")
+        if not isinstance(self.gather_weights, bool):
+            raise ValueError(f"gather_weights={self.gather_weights!r} must be true or false.")
         if self.cdf_block < 0 or self.top_p_candidates < 1:
             raise ValueError(f"cdf_block={self.cdf_block} must be >= 0 and "
                              f"top_p_candidates={self.top_p_candidates} >= 1.")
@@ -112,7 +118,7 @@ class JaxRollout:
         return dict(graphdef=graphdef, params=sampling, pad_id=int(pad_token_id),
                     cache_dtype=self.options.cache_dtype, batch_sharding=batch_sharding,
                     block=self.options.cdf_block or None, top_p_candidates=self.options.top_p_candidates,
-                    attention=self.options.decode_attention)
+                    attention=self.options.decode_attention, gather_weights=self.options.gather_weights)
 
     def trim(self, result: RolloutResult) -> TrainBatch:
         return trim_batch(result, self.options.trim_bucket)

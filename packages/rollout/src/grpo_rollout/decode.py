@@ -96,19 +96,29 @@ def merge_for_rollout(graphdef, weights, batch_sharding):
     return model
 
 
+def rollout_weights(weights, batch_sharding: NamedSharding | None, gather: bool):
+    """The weights as the rollout reads them. `gather`: replicated on every device, one
+    all-gather per jitted call instead of per-token collectives in the decode loop
+    (XLA otherwise keeps FSDP-sharded weights in place and all-reduces partial
+    activations, e.g. the [rows, V] logits, every token); costs a full copy per device."""
+    if not gather or batch_sharding is None:
+        return weights
+    return jax.lax.with_sharding_constraint(weights, NamedSharding(batch_sharding.mesh, PartitionSpec()))
+
+
 # ---- jitted phases -------------------------------------------------------------------
 _STATIC = ("graphdef", "params", "pad_id", "cache_dtype", "batch_sharding", "block", "top_p_candidates",
-           "attention")
+           "attention", "gather_weights")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def prefill(weights, prompt_ids, prompt_mask, key, *, graphdef, params: SamplingParams, pad_id: int,
             cache_dtype=None, batch_sharding=None, block=None, top_p_candidates=DEFAULT_TOP_P_CANDIDATES,
-            attention="rollout"):
+            attention="rollout", gather_weights=False):
     """Run the prompts [N, Tp] through the model into a fresh cache of Tp + Tn - 1 slots and
     sample the first completion token. Returns (cache, LoopState at step 1)."""
     del attention  # the prompt pass is the model's own (many queries per row)
-    model = merge_for_rollout(graphdef, weights, batch_sharding)
+    model = merge_for_rollout(graphdef, rollout_weights(weights, batch_sharding, gather_weights), batch_sharding)
     rows, width = prompt_ids.shape
     cache = constrain_cache(model.init_cache(rows, width + params.max_new_tokens - 1, cache_dtype), batch_sharding)
     hidden, cache = model(prompt_ids, attention_mask=prompt_mask, cache=cache)  # [N, Tp, H]
@@ -129,14 +139,15 @@ def prefill(weights, prompt_ids, prompt_mask, key, *, graphdef, params: Sampling
 @functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("cache", "state"))
 def decode(weights, cache, state: LoopState, key, *, graphdef, params: SamplingParams, pad_id: int,
            cache_dtype=None, batch_sharding=None, block=None, top_p_candidates=DEFAULT_TOP_P_CANDIDATES,
-           attention="rollout"):
+           attention="rollout", gather_weights=False):
     """Sample columns state.step .. Tn-1 in one while loop; the cache and loop state are
     donated and updated in place. Returns (cache, final LoopState).
 
     attention: "rollout" runs `attention.decode_forward` (single-query attention),
-    "model" the model's own cached forward with T = 1."""
+    "model" the model's own cached forward with T = 1. gather_weights: see `rollout_weights`."""
     del cache_dtype  # part of the shared static signature only
     rows = state.last.shape[0]
+    weights = rollout_weights(weights, batch_sharding, gather_weights)  # outside the loop: once per rollout
 
     def unfinished(carry):
         _, s = carry

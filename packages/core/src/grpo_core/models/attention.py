@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
+from grpo_core.models.attention_impls import CHUNK, CausalMask, memory_efficient_attention
 from grpo_core.models.config import QwenConfig
 from grpo_core.models.layers import Projection, RMSNorm, apply_rope
 
@@ -102,6 +103,16 @@ def grouped_query_attention(q: jax.Array, k: jax.Array, v: jax.Array, visible: j
     return out.reshape(b, t, n, d)
 
 
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: CausalMask) -> jax.Array:
+    """Attention by mask.impl; a single query (a decode step) always runs the dense path,
+    whose [B, KV, G, 1, S] scores are small, and so do keys that fit one chunk: their dense
+    scores take no more memory than one chunk of the chunked path, without its padding."""
+    one_chunk = mask.impl == "chunked" and k.shape[1] <= CHUNK
+    if mask.impl == "xla" or q.shape[1] == 1 or one_chunk:
+        return grouped_query_attention(q, k, v, mask.dense(q.shape[1]))
+    return memory_efficient_attention(q, k, v, mask)
+
+
 class Attention(nnx.Module):
     """Qwen2 (q/k/v bias) / Qwen3 (per-head q/k RMSNorm) self-attention."""
 
@@ -125,11 +136,11 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
-    def __call__(self, x, cos, sin, visible, cache: KVCache | None = None, layer: int = 0):
+    def __call__(self, x, cos, sin, visible: CausalMask, cache: KVCache | None = None, layer: int = 0):
         """Returns (output [B, T, H], cache with this layer's keys/values written)."""
         q, k, v = self.project_qkv(x, cos, sin)
         if cache is not None:
             cache = cache.write_layer(layer, k, v)
             k, v = cache.k[layer], cache.v[layer]  # [B, S_max, KV, D]
-        out = grouped_query_attention(q, k.astype(q.dtype), v.astype(q.dtype), visible)
+        out = attend(q, k.astype(q.dtype), v.astype(q.dtype), visible)
         return self.o_proj(out), cache

@@ -1,12 +1,15 @@
 """Forward-pass benchmark: prints one JSON line with tokens/s and compiled temp memory.
 
     grpo-bench model --preset qwen2.5-0.5b --batch 4 --seq 512 --dtype bfloat16
+    grpo-bench model --hidden 256 --intermediate 768 --layers 4 --heads 4 --kv-heads 2 \
+        --batch 16 --seq 200 --dtype float32 --train --attention chunked
     python -m grpo_core.models.bench --family qwen3 --hidden 256 --layers 4 --heads 4 \
         --kv-heads 2 --intermediate 768 --vocab 4096 --batch 8 --seq 256
 
 Shape flags override the preset (default: the tiny preset of --family). Weights are
 random; the timed function is the jitted decoder forward to final hidden states (the LM
-head is excluded: losses fuse it). Tokens/s is batch * seq / median step time.
+head is excluded: losses fuse it), or with --train the forward and backward (gradient of
+the mean square of the hidden states). Tokens/s is batch * seq / median step time.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from grpo_core.models.attention_impls import ATTENTION_CHOICES, resolve_attention
 from grpo_core.models.config import PRESETS, QwenConfig
 from grpo_core.models.qwen import DTYPES, REMAT_MODES, init_from_config
 
@@ -45,6 +49,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
     p.add_argument("--remat", choices=REMAT_MODES, default="none")
+    p.add_argument("--attention", choices=ATTENTION_CHOICES, default="xla", help="multi-token attention")
+    p.add_argument("--train", action="store_true", help="time forward + backward instead of the forward")
     p.add_argument("--iters", type=int, default=5, help="timed iterations after one warm-up call")
     return p
 
@@ -73,6 +79,8 @@ def _time_forward(compiled, state, ids, mask, iters: int) -> list[float]:
 def run(args: argparse.Namespace) -> dict:
     cfg = build_config(args)
     model = init_from_config(cfg, seed=0, dtype=args.dtype, remat=args.remat)
+    attention = resolve_attention(args.attention, args.dtype)
+    model.set_attention(attention)
     graphdef, state = nnx.split(model)
     ids = jnp.zeros((args.batch, args.seq), jnp.int32)
     mask = jnp.ones((args.batch, args.seq), jnp.int32)
@@ -80,14 +88,17 @@ def run(args: argparse.Namespace) -> dict:
     def forward(state, ids, mask):
         return nnx.merge(graphdef, state)(ids, attention_mask=mask)
 
+    def train_step(state, ids, mask):
+        return jax.grad(lambda s: jnp.mean(jnp.square(forward(s, ids, mask).astype(jnp.float32))))(state)
+
     start = time.perf_counter()
-    compiled = jax.jit(forward).lower(state, ids, mask).compile()
+    compiled = jax.jit(train_step if args.train else forward).lower(state, ids, mask).compile()
     compile_s = time.perf_counter() - start
     memory = compiled.memory_analysis()
     times = _time_forward(compiled, state, ids, mask, args.iters)
     median = statistics.median(times)
     return {
-        "bench": "model_forward",
+        "bench": "model_train_step" if args.train else "model_forward",
         "backend": jax.default_backend(),
         "device": jax.devices()[0].device_kind,
         "preset": args.preset,
@@ -98,9 +109,10 @@ def run(args: argparse.Namespace) -> dict:
         "seq": args.seq,
         "dtype": args.dtype,
         "remat": args.remat,
+        "attention": attention,
         "iters": args.iters,
-        "forward_ms_median": round(median * 1e3, 3),
-        "forward_tokens_per_s": round(args.batch * args.seq / median, 1),
+        "step_ms_median" if args.train else "forward_ms_median": round(median * 1e3, 3),
+        "step_tokens_per_s" if args.train else "forward_tokens_per_s": round(args.batch * args.seq / median, 1),
         "compile_s": round(compile_s, 2),
         "compiled_temp_bytes": None if memory is None else int(memory.temp_size_in_bytes),
     }

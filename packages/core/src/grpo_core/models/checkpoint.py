@@ -3,10 +3,13 @@
 Loading never holds more than one tensor on the host: the model is built abstractly
 (`nnx.eval_shape`), then each checkpoint tensor is read with `safe_open`, laid out by
 `hf_names.HF_TABLE`, cast, and placed on its NamedSharding (or the default device).
+A decoder-layer tensor is placed as one slice of its stacked [L, ...] parameter: the
+stack is allocated on its sharding once and each layer is written into it in place.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -17,6 +20,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from safetensors import safe_open
@@ -105,8 +109,8 @@ def _dotted(path: tuple) -> str:
     return ".".join(str(p) for p in path)
 
 
-def _abstract_model(cfg: QwenConfig, dtype: Any, remat: str) -> QwenModel:
-    return nnx.eval_shape(lambda: QwenModel(cfg, dtype=dtype, rngs=nnx.Rngs(0), remat=remat))
+def _abstract_model(cfg: QwenConfig, dtype: Any, remat: str, scan_layers: bool) -> QwenModel:
+    return nnx.eval_shape(lambda: QwenModel(cfg, dtype=dtype, rngs=nnx.Rngs(0), remat=remat, scan_layers=scan_layers))
 
 
 def _place(host: np.ndarray, sharding: jax.sharding.Sharding | None) -> jax.Array:
@@ -116,11 +120,11 @@ def _place(host: np.ndarray, sharding: jax.sharding.Sharding | None) -> jax.Arra
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
-def _target_path(hf_name: str, cfg: QwenConfig, targets: dict, file: str) -> tuple[str, Any] | None:
+def _target_path(hf_name: str, cfg: QwenConfig, targets: dict, file: str) -> tuple[str, Any, int | None] | None:
     found = hf_names.hf_to_ours(hf_name)
     if found is None and hf_names.is_ignored(hf_name):
         return None
-    if found and found[0] in targets:
+    if found and found[0] in targets and (found[2] is None or found[2] < cfg.num_hidden_layers):
         return found
     if found and found[0].startswith("lm_head.") and cfg.tie_word_embeddings:
         return None  # some tied checkpoints also store the (identical) head
@@ -131,18 +135,48 @@ def _target_path(hf_name: str, cfg: QwenConfig, targets: dict, file: str) -> tup
     )
 
 
-def _load_tensor(f, hf_name: str, file: str, variable, transform, dtype, sharding) -> jax.Array:
+def _load_tensor(f, hf_name: str, file: str, shape: tuple, transform, dtype, sharding) -> jax.Array:
     raw = _read_tensor(f, hf_name, file)
     try:
-        host = transform.to_ours(raw, variable.shape)
+        host = transform.to_ours(raw, shape)
     except ValueError:  # reshape of the wrong number of elements
         host = None
-    if host is None or host.shape != variable.shape:
+    if host is None or host.shape != shape:
         raise ValueError(
             f"tensor {hf_name!r} in {file} has shape {raw.shape}, which does not fit the parameter shape "
-            f"{variable.shape} implied by config.json; are config.json and the weights from the same model?"
+            f"{shape} implied by config.json; are config.json and the weights from the same model?"
         )
     return _place(host.astype(dtype), sharding)
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _write_layer(stacked: jax.Array, value: jax.Array, layer: jax.Array) -> jax.Array:
+    return jax.lax.dynamic_update_index_in_dim(stacked, value, layer, 0)
+
+
+def _layer_sharding(sharding: jax.sharding.Sharding | None) -> jax.sharding.Sharding | None:
+    """The sharding of one layer's slice: the stacked one without its (unsharded) layer axis."""
+    if sharding is None:
+        return None
+    return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*sharding.spec[1:]))
+
+
+class _StackedBuffers:
+    """Stacked [L, ...] parameters being filled one layer at a time, on their shardings."""
+
+    def __init__(self, shardings: dict):
+        self.shardings = shardings
+        self.arrays: dict[str, jax.Array] = {}
+
+    def write(self, path: str, variable, layer: int, value: jax.Array) -> None:
+        if path not in self.arrays:
+            zeros = functools.partial(jnp.zeros, variable.shape, value.dtype)
+            self.arrays[path] = jax.jit(zeros, out_shardings=self.shardings.get(path))()
+        self.arrays[path] = _write_layer(self.arrays[path], value, jnp.int32(layer))
+
+    def finished(self) -> dict[str, jax.Array]:
+        # device_put is a no-op unless propagation picked another layout for an update.
+        return {p: jax.device_put(a, self.shardings[p]) if p in self.shardings else a for p, a in self.arrays.items()}
 
 
 def _names_by_file(model_dir: str) -> list[tuple[str, list[str]]]:
@@ -161,19 +195,29 @@ def _shardings_by_path(state: nnx.State, mesh, rules: Rules) -> dict[str, jax.sh
 def _fill_state(state: nnx.State, cfg: QwenConfig, model_dir: str, dtype, shardings: dict) -> None:
     """Set every Variable of the abstract `state` from the checkpoint, one tensor at a time."""
     targets = {_dotted(p): v for p, v in nnx.to_flat_state(state)}
-    loaded: set[str] = set()
+    stacks = _StackedBuffers(shardings)
+    loaded: set[tuple[str, int | None]] = set()
     for file, names in _names_by_file(model_dir):
         with open_safetensors(file) as f:
             for hf_name in names:
                 target = _target_path(hf_name, cfg, targets, file)
                 if target is None:
                     continue
-                path, transform = target
-                targets[path].set_value(
-                    _load_tensor(f, hf_name, file, targets[path], transform, dtype, shardings.get(path))
-                )
-                loaded.add(path)
-    _check_complete(targets, loaded, model_dir)
+                path, transform, layer = target
+                _load_into(f, hf_name, file, (targets[path], path, layer), transform, dtype, shardings, stacks)
+                loaded.add((path, layer))
+    _check_complete(targets, loaded, cfg.num_hidden_layers, model_dir)
+    for path, array in stacks.finished().items():
+        targets[path].set_value(array)
+
+
+def _load_into(f, hf_name: str, file: str, where: tuple, transform, dtype, shardings: dict, stacks) -> None:
+    variable, path, layer = where
+    if layer is None:
+        variable.set_value(_load_tensor(f, hf_name, file, variable.shape, transform, dtype, shardings.get(path)))
+        return
+    sharding = _layer_sharding(shardings.get(path))
+    stacks.write(path, variable, layer, _load_tensor(f, hf_name, file, variable.shape[1:], transform, dtype, sharding))
 
 
 def load_pretrained(
@@ -182,6 +226,7 @@ def load_pretrained(
     mesh: jax.sharding.Mesh | None = None,
     rules: Rules | None = None,
     remat: str = "none",
+    scan_layers: bool = True,
 ) -> QwenModel:
     """Load an HF Qwen2/Qwen3 checkpoint (single file or index + shards) from a local
     directory or a Hub id, with parameters in `dtype` ("bfloat16" | "float32").
@@ -193,7 +238,7 @@ def load_pretrained(
     model_dir = resolve_model_dir(path_or_hub_id)
     cfg = QwenConfig.from_pretrained_dir(model_dir)
     rules = rules or DEFAULT_RULES
-    graphdef, state = nnx.split(_abstract_model(cfg, resolve_dtype(dtype), remat))
+    graphdef, state = nnx.split(_abstract_model(cfg, resolve_dtype(dtype), remat, scan_layers))
     _fill_state(state, cfg, model_dir, resolve_dtype(dtype), _shardings_by_path(state, mesh, rules))
     model = nnx.merge(graphdef, state)
     if mesh is not None:
@@ -201,10 +246,12 @@ def load_pretrained(
     return model
 
 
-def _check_complete(targets: dict, loaded: set[str], model_dir: str) -> None:
-    missing = sorted(set(targets) - loaded)
+def _check_complete(targets: dict, loaded: set, num_layers: int, model_dir: str) -> None:
+    expected = {(p, i) for p in targets if hf_names.is_stacked(p) for i in range(num_layers)}
+    expected |= {(p, None) for p in targets if not hf_names.is_stacked(p)}
+    missing = sorted(expected - loaded, key=lambda pl: (pl[1] or 0, pl[0]))
     if missing:
-        names = [hf_names.ours_to_hf(p)[0] for p in missing]
+        names = [hf_names.ours_to_hf(p, layer)[0] for p, layer in missing]
         shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
         raise ValueError(f"checkpoint in {model_dir} is missing {len(names)} tensor(s): {shown}.")
 
@@ -223,20 +270,24 @@ def _to_host(x: jax.Array) -> np.ndarray:
 
 
 def _hf_tensors(model: QwenModel) -> list[tuple[str, jax.Array, Any]]:
-    """(HF name, parameter array, transform) for every parameter, in model order."""
+    """(HF name, parameter array, transform) for every parameter; decoder layers are
+    unstacked, layer by layer, in between the embedding and the final norm (HF order)."""
+    params = {_dotted(p): v.get_value() for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+    stacked = [p for p in params if hf_names.is_stacked(p)]
     rows = []
-    for path, variable in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-        hf_name, transform = hf_names.ours_to_hf(_dotted(path))
-        rows.append((hf_name, variable.get_value(), transform))
-    return rows
+    for path in (p for p in params if not hf_names.is_stacked(p)):
+        rows.append((*hf_names.ours_to_hf(path), params[path]))
+    for layer in range(model.config.num_hidden_layers):
+        rows.extend((*hf_names.ours_to_hf(path, layer), params[path][layer]) for path in stacked)
+    return [(name, value, transform) for name, transform, value in rows]
 
 
-def _plan_shards(rows: list, max_shard_bytes: int) -> list[list]:
+def _plan_shards(rows: list, max_shard_bytes: int, itemsize: int) -> list[list]:
     """Greedy consecutive packing; a tensor larger than the limit gets its own shard."""
     shards: list[list] = [[]]
     size = 0
     for row in rows:
-        nbytes = row[1].size * row[1].dtype.itemsize
+        nbytes = row[1].size * itemsize
         if shards[-1] and size + nbytes > max_shard_bytes:
             shards.append([])
             size = 0
@@ -261,19 +312,22 @@ def export_pretrained(
     out_dir: str | os.PathLike,
     tokenizer: Any = None,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    dtype: Any = None,
 ) -> str:
     """Write an HF directory (config.json + safetensors, an index above `max_shard_bytes`)
     that `transformers.AutoModelForCausalLM.from_pretrained` loads; the tokenizer too if given.
-    Weights keep the model's dtype. Returns the directory."""
+    Weights are written in `dtype` (None: the model's dtype; float32 masters round to
+    nearest for bfloat16, as the forward pass casts them). Returns the directory."""
     out_dir = os.fspath(out_dir)
     if tokenizer is not None and len(tokenizer) > model.config.vocab_size:
         raise ValueError(
             f"tokenizer has {len(tokenizer)} tokens but the model's vocab_size is {model.config.vocab_size}; "
             "ids past the embedding table would be invalid. Use a model with vocab_size >= len(tokenizer)."
         )
+    dtype = resolve_dtype(dtype) if dtype is not None else model.dtype
     rows = _hf_tensors(model)
-    shards = _plan_shards(rows, max_shard_bytes)
-    cfg = model.config.replace(torch_dtype=_dtype_name(model.dtype))
+    shards = _plan_shards(rows, max_shard_bytes, dtype.itemsize)
+    cfg = model.config.replace(torch_dtype=_dtype_name(dtype))
     if jax.process_index() == 0:
         os.makedirs(out_dir, exist_ok=True)
         _remove_stale_weights(out_dir)
@@ -282,13 +336,13 @@ def export_pretrained(
     weight_map = {}
     for i, shard in enumerate(shards):
         file_name = _shard_file_name(i, len(shards))
-        tensors = {name: transform.to_hf(_to_host(value)) for name, value, transform in shard}
+        tensors = {name: transform.to_hf(_to_host(value.astype(dtype))) for name, value, transform in shard}
         if jax.process_index() == 0:
             save_file(tensors, os.path.join(out_dir, file_name), metadata={"format": "pt"})
         weight_map.update({name: file_name for name in tensors})
     if jax.process_index() == 0:
         if len(shards) > 1:
-            total = sum(math.prod(v.shape) * v.dtype.itemsize for _, v, _ in rows)
+            total = sum(math.prod(v.shape) * dtype.itemsize for _, v, _ in rows)
             with open(os.path.join(out_dir, INDEX_FILE), "w") as f:
                 json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
         if tokenizer is not None:

@@ -1,7 +1,9 @@
 """One table mapping HF checkpoint tensor names to model parameter paths, both ways.
 
 Each row pairs an HF name template with our path template; `{layer}` and `{proj}`
-placeholders are compiled into regexes for both directions. The transform says how
+placeholders are compiled into regexes for both directions. Our decoder-layer
+parameters are stacked over layers, so `model.layers.3.mlp.up_proj.weight` is layer 3
+of our `layers.mlp.up_proj.kernel`: the layer index travels next to the path. The transform says how
 the tensor is laid out: HF Linear weights are [out, in] while our kernels are
 [in..., out...] with heads split out.
 """
@@ -60,15 +62,15 @@ HF_TABLE: tuple[tuple[str, str, Transform], ...] = (
     ("model.embed_tokens.weight", "embed_tokens.embedding", Same()),
     ("model.norm.weight", "norm.scale", Same()),
     ("lm_head.weight", "lm_head.kernel", Linear()),
-    ("model.layers.{layer}.input_layernorm.weight", "layers.{layer}.input_layernorm.scale", Same()),
-    ("model.layers.{layer}.post_attention_layernorm.weight", "layers.{layer}.post_attention_layernorm.scale", Same()),
-    ("model.layers.{layer}.self_attn.{qkv}_proj.weight", "layers.{layer}.self_attn.{qkv}_proj.kernel", Linear()),
-    ("model.layers.{layer}.self_attn.{qkv}_proj.bias", "layers.{layer}.self_attn.{qkv}_proj.bias", Flat()),
-    ("model.layers.{layer}.self_attn.o_proj.weight", "layers.{layer}.self_attn.o_proj.kernel", Linear(n_in=2)),
-    ("model.layers.{layer}.self_attn.o_proj.bias", "layers.{layer}.self_attn.o_proj.bias", Same()),
-    ("model.layers.{layer}.self_attn.{qk}_norm.weight", "layers.{layer}.self_attn.{qk}_norm.scale", Same()),
-    ("model.layers.{layer}.mlp.{gate_up}_proj.weight", "layers.{layer}.mlp.{gate_up}_proj.kernel", Linear()),
-    ("model.layers.{layer}.mlp.down_proj.weight", "layers.{layer}.mlp.down_proj.kernel", Linear()),
+    ("model.layers.{layer}.input_layernorm.weight", "layers.input_layernorm.scale", Same()),
+    ("model.layers.{layer}.post_attention_layernorm.weight", "layers.post_attention_layernorm.scale", Same()),
+    ("model.layers.{layer}.self_attn.{qkv}_proj.weight", "layers.self_attn.{qkv}_proj.kernel", Linear()),
+    ("model.layers.{layer}.self_attn.{qkv}_proj.bias", "layers.self_attn.{qkv}_proj.bias", Flat()),
+    ("model.layers.{layer}.self_attn.o_proj.weight", "layers.self_attn.o_proj.kernel", Linear(n_in=2)),
+    ("model.layers.{layer}.self_attn.o_proj.bias", "layers.self_attn.o_proj.bias", Same()),
+    ("model.layers.{layer}.self_attn.{qk}_norm.weight", "layers.self_attn.{qk}_norm.scale", Same()),
+    ("model.layers.{layer}.mlp.{gate_up}_proj.weight", "layers.mlp.{gate_up}_proj.kernel", Linear()),
+    ("model.layers.{layer}.mlp.down_proj.weight", "layers.mlp.down_proj.kernel", Linear()),
 )
 
 # Tensors some checkpoints carry that the forward pass recomputes.
@@ -86,24 +88,30 @@ _FORWARD = tuple((_compile(hf), ours, t) for hf, ours, t in HF_TABLE)
 _BACKWARD = tuple((_compile(ours), hf, t) for hf, ours, t in HF_TABLE)
 
 
-def _lookup(name: str, table) -> tuple[str, Transform] | None:
-    for pattern, template, transform in table:
-        match = pattern.match(name)
+def hf_to_ours(hf_name: str) -> tuple[str, Transform, int | None] | None:
+    """(our dotted path, transform, layer index or None when the parameter is not
+    stacked) for an HF tensor name; None if it is not a parameter."""
+    for pattern, template, transform in _FORWARD:
+        match = pattern.match(hf_name)
         if match:
-            return template.format(**match.groupdict()), transform
+            groups = match.groupdict()
+            layer = groups.get("layer")
+            return template.format(**groups), transform, None if layer is None else int(layer)
     return None
 
 
-def hf_to_ours(hf_name: str) -> tuple[str, Transform] | None:
-    """(our dotted path, transform) for an HF tensor name; None if it is not a parameter."""
-    return _lookup(hf_name, _FORWARD)
+def is_stacked(path: str) -> bool:
+    """Whether our parameter at `path` is stacked over decoder layers."""
+    return path.startswith("layers.")
 
 
-def ours_to_hf(path: str) -> tuple[str, Transform]:
-    found = _lookup(path, _BACKWARD)
-    if found is None:
-        raise KeyError(f"parameter {path!r} has no Hugging Face name in HF_TABLE.")
-    return found
+def ours_to_hf(path: str, layer: int | None = None) -> tuple[str, Transform]:
+    """HF name and transform of our parameter `path` (its slice `layer` when stacked)."""
+    for pattern, template, transform in _BACKWARD:
+        match = pattern.match(path)
+        if match and (layer is None) != is_stacked(path):
+            return template.format(layer=layer, **match.groupdict()), transform
+    raise KeyError(f"parameter {path!r} (layer {layer}) has no Hugging Face name in HF_TABLE.")
 
 
 def is_ignored(hf_name: str) -> bool:

@@ -1,19 +1,22 @@
 """Qwen2 / Qwen2.5 / Qwen3 decoder in Flax NNX, numerically matching HF transformers.
 
-Parameter tree (mirrors the HF module names; kernels are [in..., out...]):
+Parameter tree (mirrors the HF module names; kernels are [in..., out...]). The decoder
+layers are one DecoderLayer whose parameters are stacked over a leading `layers` axis
+(logical name `layers`, never sharded), so the forward pass is one `lax.scan` and its
+compile time does not grow with depth; `layers.X` below is [L, ...X's own shape]:
 
     embed_tokens.embedding                   [V, H]      (vocab, embed)
-    layers[i].input_layernorm.scale          [H]         (norm,)
-    layers[i].self_attn.q_proj.kernel        [H, N, D]   (embed, heads, head_dim)
-    layers[i].self_attn.q_proj.bias          [N, D]      (heads, head_dim)        qwen2 / qwen3+attention_bias
-    layers[i].self_attn.{k,v}_proj.kernel    [H, KV, D]  (embed, kv_heads, head_dim)
-    layers[i].self_attn.{k,v}_proj.bias      [KV, D]     (kv_heads, head_dim)
-    layers[i].self_attn.o_proj.kernel        [N, D, H]   (heads, head_dim, embed)
-    layers[i].self_attn.o_proj.bias          [H]         (embed,)                 qwen3+attention_bias only
-    layers[i].self_attn.{q,k}_norm.scale     [D]         (norm,)                  qwen3 only
-    layers[i].post_attention_layernorm.scale [H]         (norm,)
-    layers[i].mlp.{gate,up}_proj.kernel      [H, I]      (embed, mlp)
-    layers[i].mlp.down_proj.kernel           [I, H]      (mlp, embed)
+    layers.input_layernorm.scale          [H]         (norm,)
+    layers.self_attn.q_proj.kernel        [H, N, D]   (embed, heads, head_dim)
+    layers.self_attn.q_proj.bias          [N, D]      (heads, head_dim)        qwen2 / qwen3+attention_bias
+    layers.self_attn.{k,v}_proj.kernel    [H, KV, D]  (embed, kv_heads, head_dim)
+    layers.self_attn.{k,v}_proj.bias      [KV, D]     (kv_heads, head_dim)
+    layers.self_attn.o_proj.kernel        [N, D, H]   (heads, head_dim, embed)
+    layers.self_attn.o_proj.bias          [H]         (embed,)                 qwen3+attention_bias only
+    layers.self_attn.{q,k}_norm.scale     [D]         (norm,)                  qwen3 only
+    layers.post_attention_layernorm.scale [H]         (norm,)
+    layers.mlp.{gate,up}_proj.kernel      [H, I]      (embed, mlp)
+    layers.mlp.down_proj.kernel           [I, H]      (mlp, embed)
     norm.scale                               [H]         (norm,)
     lm_head.kernel                           [H, V]      (embed, vocab)           untied only
 """
@@ -27,7 +30,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from grpo_core.models.attention import Attention, KVCache, causal_visibility
+from grpo_core.models.attention import Attention, KVCache
+from grpo_core.models.attention_impls import CausalMask, check_attention
 from grpo_core.models.config import QwenConfig
 from grpo_core.models.layers import MLP, Embedding, Projection, RMSNorm, rope_tables
 from grpo_core.sharding import Rules, check_auto_mesh, divides, freeze_rules, logical_to_spec
@@ -81,8 +85,19 @@ class DecoderLayer(nnx.Module):
         return x, cache
 
 
-def _layer_forward(layer: DecoderLayer, x, cos, sin, visible):
-    return layer(x, cos, sin, visible)[0]
+def stack_layers(layers: list[DecoderLayer]) -> DecoderLayer:
+    """One DecoderLayer whose every parameter is the stack [L, ...] of `layers`' own,
+    with the logical axis `layers` prepended to its names."""
+    graphdef, _ = nnx.split(layers[0])
+    states = [nnx.state(layer) for layer in layers]
+
+    def stack(*variables):
+        names = variables[0].get_metadata()["out_sharding"]
+        value = jnp.stack([v.get_value() for v in variables])
+        return variables[0].replace(value, out_sharding=("layers", *names))
+
+    stacked = jax.tree.map(stack, *states, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return nnx.merge(graphdef, stacked)
 
 
 class QwenModel(nnx.Module):
@@ -120,13 +135,18 @@ class QwenModel(nnx.Module):
     single-query [B, KV, G, 1, S_max] product.
     """
 
-    def __init__(self, cfg: QwenConfig, *, dtype: Any = "float32", rngs: nnx.Rngs, remat: str = "none"):
+    def __init__(
+        self, cfg: QwenConfig, *, dtype: Any = "float32", rngs: nnx.Rngs, remat: str = "none", scan_layers: bool = True
+    ):
         dtype = resolve_dtype(dtype)
         self.config = cfg
         self.remat = check_remat(remat)
+        self.scan_layers = scan_layers  # False: a Python loop over layers (same params), for debugging
         self.activation_sharding = None  # (mesh, rules) once sharded; see set_activation_sharding
+        self.attention = "xla"  # multi-token attention implementation; see set_attention
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
-        self.layers = nnx.List([DecoderLayer(cfg, dtype=dtype, rngs=rngs) for _ in range(cfg.num_hidden_layers)])
+        # Built one by one (so random init draws as an unstacked model would), then stacked.
+        self.layers = stack_layers([DecoderLayer(cfg, dtype=dtype, rngs=rngs) for _ in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, rngs=rngs)
         untied = not cfg.tie_word_embeddings
         self.lm_head = (
@@ -146,6 +166,16 @@ class QwenModel(nnx.Module):
         if mesh is not None:
             check_auto_mesh(mesh)
         self.activation_sharding = None if mesh is None else (mesh, freeze_rules(rules or ()))
+
+    def set_attention(self, name: str) -> None:
+        """Multi-token attention implementation (attention_impls: xla, chunked, splash,
+        cudnn; resolve 'auto' with resolve_attention first)."""
+        if check_attention(name) == "auto":
+            raise ValueError("set_attention needs a resolved implementation; call resolve_attention('auto', dtype).")
+        self.attention = name
+
+    def _mask(self, real: jax.Array, offset: jax.Array | None = None) -> CausalMask:
+        return CausalMask(real, offset, impl=self.attention, sharding=self.activation_sharding)
 
     def _constrain(self, x: jax.Array) -> jax.Array:
         if self.activation_sharding is None:
@@ -180,27 +210,48 @@ class QwenModel(nnx.Module):
         cos, sin = rope_tables(positions, self.config.head_dim, self.config.rope_theta)  # [B, T, D/2]
         x = self._constrain(self.embed_tokens(input_ids))  # [B, T, H]
         if cache is None:
-            x = self._run_layers(x, cos, sin, causal_visibility(token_mask))
-            return self.norm(x)
+            visible = self._mask(token_mask)
+
+            def step(layer, i, x):
+                return self._constrain(layer(x, cos, sin, visible)[0])
+
+            return self.norm(self.over_layers(step, x, remat=self.remat))
         cache = cache.with_new_tokens(token_mask)
-        visible = cache.visibility(input_ids.shape[1])  # [B, T, S_max]
-        for i, layer in enumerate(self.layers):
-            x, cache = layer(x, cos, sin, visible, cache, i)
-            x = self._constrain(x)
+        visible = self._mask(cache.mask, cache.index)
+
+        def cached_step(layer, i, carry):
+            x, cache = layer(carry[0], cos, sin, visible, carry[1], i)
+            return self._constrain(x), cache
+
+        x, cache = self.over_layers(cached_step, (x, cache))
         return self.norm(x), cache.advance(input_ids.shape[1])
 
-    def _run_layers(self, x, cos, sin, visible):
-        forward = _layer_forward
-        if self.remat != "none":
-            forward = nnx.remat(_layer_forward, policy=REMAT_POLICIES[self.remat])
-        for layer in self.layers:
-            x = self._constrain(forward(layer, x, cos, sin, visible))
-        return x
+    def over_layers(self, step, carry, remat: str = "none"):
+        """Thread `carry` through every decoder layer: carry = step(layer, i, carry), with
+        `layer` a DecoderLayer holding layer i's parameters and i a traced int32 index.
+        One `lax.scan` over the stacked parameters (a Python loop when scan_layers is
+        False); `remat` wraps the per-layer body in jax.checkpoint with that policy."""
+        graphdef, stacked = nnx.split(self.layers)
+
+        def body(carry, xs):
+            params, i = xs
+            return step(nnx.merge(graphdef, params), i, carry), None
+
+        if remat != "none":
+            body = jax.checkpoint(body, policy=REMAT_POLICIES[remat])
+        xs = (stacked, jnp.arange(self.config.num_hidden_layers, dtype=jnp.int32))
+        if self.scan_layers:
+            return jax.lax.scan(body, carry, xs)[0]
+        for i in range(self.config.num_hidden_layers):
+            carry = body(carry, jax.tree.map(lambda a: a[i], xs))[0]
+        return carry
 
     def num_params(self) -> int:
         return sum(x.size for x in jax.tree.leaves(nnx.state(self, nnx.Param)))
 
 
-def init_from_config(cfg: QwenConfig, seed: int = 0, dtype: Any = "float32", remat: str = "none") -> QwenModel:
+def init_from_config(
+    cfg: QwenConfig, seed: int = 0, dtype: Any = "float32", remat: str = "none", scan_layers: bool = True
+) -> QwenModel:
     """A randomly initialised model (normal(0.02) kernels, zero biases, unit norms)."""
-    return QwenModel(cfg, dtype=dtype, rngs=nnx.Rngs(params=seed), remat=remat)
+    return QwenModel(cfg, dtype=dtype, rngs=nnx.Rngs(params=seed), remat=remat, scan_layers=scan_layers)

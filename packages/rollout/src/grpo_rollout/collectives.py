@@ -1,0 +1,27 @@
+"""Collective traffic of a compiled decode: bytes per decoded token.
+
+    compiled = decode.lower(weights, cache, state, key, **static).compile()
+    decode_collective_bytes_per_token(compiled)   # {"all-reduce": 40209408, ...}
+
+The decode is one `while_loop` whose body samples one token for every row, so the
+collectives in one execution of that body are the traffic per decoded token (per
+device, bytes of each collective's result). Compile for the real target (a TPU
+topology through libtpu) to see what that compiler does; XLA:CPU's partitioner
+may place collectives differently.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from grpo_core.hlo import HloModule
+
+
+def decode_collective_bytes_per_token(compiled: Any) -> dict[str, int]:
+    """{collective kind: bytes} in one iteration of the decode loop of `compiled`."""
+    module = HloModule(compiled.as_text())
+    bodies = [inst.body() for inst in module.while_loops()]
+    if not bodies:
+        raise ValueError("the compiled function has no top-level while loop; pass the compiled `decode`")
+    per_body = [module.collective_bytes(body) for body in bodies if body]
+    return max(per_body, key=lambda totals: sum(totals.values()), default={})

@@ -1,0 +1,72 @@
+"""`grpo_core.hlo`: matmul FLOPs with loop trip counts and collective bytes, read off
+compiled HLO (8 fake CPU devices, tests/conftest.py)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from grpo_core.hlo import HloModule, parse_instruction, shape_bytes
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+F32 = jnp.float32
+
+
+def compiled_text(fn, *shapes) -> str:
+    return jax.jit(fn).lower(*(jax.ShapeDtypeStruct(s, F32) for s in shapes)).compile().as_text()
+
+
+def test_loop_bodies_count_once_per_iteration():
+    def f(x, w):
+        return jax.lax.fori_loop(0, 10, lambda i, x: jnp.tanh(x @ w), x) @ w
+
+    module = HloModule(compiled_text(f, (64, 32), (32, 32)))
+    assert module.matmul_flops() == 11 * 2 * 64 * 32 * 32  # 10 in the loop + 1 after it
+    assert module.unknown_trip_counts == []
+
+
+def test_loops_with_a_data_dependent_exit_are_listed():
+    def f(x, w):
+        return jax.lax.while_loop(lambda x: jnp.sum(x) < 1e3, lambda x: x @ w + 1.0, x)
+
+    module = HloModule(compiled_text(f, (8, 16), (16, 16)))
+    assert module.matmul_flops() == 2 * 8 * 16 * 16  # the body once
+    assert len(module.unknown_trip_counts) == 1
+    (loop,) = module.while_loops()
+    body = [c for c in loop.callees() if module.matmul_flops(c)]
+    assert len(body) == 1
+
+
+def gather_loop(varying: bool):
+    """5 iterations that all-gather a [64, 32] f32 weight sharded by rows (8 KiB per
+    device); `varying`: the weight changes each iteration, so XLA cannot hoist it."""
+    mesh = Mesh(np.asarray(jax.devices()).reshape(8), ("fsdp",))
+
+    def loop(x, w):
+        def body(i, carry):
+            x, w = carry
+            full = jax.lax.all_gather(w, "fsdp", tiled=True)
+            return x + jnp.sum(full), w * 1.5 if varying else w
+        return jax.lax.fori_loop(0, 5, body, (x, w))[0]
+
+    fn = jax.shard_map(loop, mesh=mesh, in_specs=(P(), P("fsdp")), out_specs=P(), check_vma=False)
+    return HloModule(compiled_text(fn, (4,), (64, 32)))
+
+
+def test_all_gather_bytes_per_iteration():
+    module = gather_loop(varying=True)
+    assert module.collective_bytes().get("all-gather") == 5 * 64 * 32 * 4
+    (loop,) = module.while_loops()
+    assert max(module.collective_bytes(c).get("all-gather", 0) for c in loop.callees()) == 64 * 32 * 4
+
+
+def test_loop_invariant_gather_is_hoisted_and_counted_once():
+    assert gather_loop(varying=False).collective_bytes().get("all-gather") == 64 * 32 * 4
+
+
+def test_instruction_and_shape_parsing():
+    inst = parse_instruction("  ROOT %t = (f32[2,3]{1,0}, bf16[4]{0}) tuple(%a, %b), metadata={x}")
+    assert (inst.name, inst.op, inst.operands) == ("t", "tuple", ["a", "b"])
+    assert shape_bytes(inst.shape) == 2 * 3 * 4 + 4 * 2
+    assert parse_instruction("HloModule m") is None
