@@ -46,6 +46,7 @@ def test_plan_prints_every_phase_and_fits(tmp_path, capsys):
     for arguments, outputs, aliased, temp, other, total in rows.values():
         assert total == pytest.approx(arguments + outputs - aliased + temp + other, abs=2e-3)
     assert re.search(r"^peak: [\d.]+ GiB per device \(train step\) of 16\.00 GiB \(--capacity-gib\): fits", out, re.M)
+    assert "figures: XLA:CPU's, for this host's CPU devices" in out  # not a TPU's: --target gives those
     assert rows["train step"][4] == 0  # no reference params without KL
     assert not (tmp_path / "run").exists()  # the plan loads nothing and writes nothing
 
@@ -58,10 +59,23 @@ def test_plan_adds_the_log_probs_phase_and_reference_params_with_kl(tmp_path, ca
     assert plan.train_phase(inputs, cfg).other == inputs.params_bytes > 0  # the reference copy
 
 
-def test_the_planned_train_step_is_the_one_the_run_compiles(tmp_path):
+def test_mixed_precision_plan_counts_masters_moments_and_the_compute_copy(tmp_path):
+    """bfloat16 compute on float32 masters: the rollout takes the bfloat16 copy (half the
+    masters' bytes) while masters and float32 moments wait beside it; the reference is bfloat16."""
+    cfg = config("model.dtype=bfloat16", "loss.beta=0.04", tmp_path=tmp_path)
+    inputs = plan.build_plan_inputs(cfg, default_registry())
+    masters, copy = inputs.params_bytes, plan.per_device_bytes(inputs.forward_params)
+    assert copy * 2 == masters > 0
+    assert plan.per_device_bytes(inputs.opt_state) >= 2 * masters  # adamw: two float32 moments
+    assert inputs.held_beside_rollout == plan.per_device_bytes(inputs.opt_state) + masters + copy
+    assert plan.train_phase(inputs, cfg).other == copy  # the bfloat16 reference
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_planned_train_step_is_the_one_the_run_compiles(tmp_path, dtype):
     """Same shapes, dtypes and shardings: the abstract lowering and the real params and
     optimizer state give the same compiled buffer sizes."""
-    cfg = config(tmp_path=tmp_path)
+    cfg = config(f"model.dtype={dtype}", tmp_path=tmp_path)
     inputs = plan.build_plan_inputs(cfg, default_registry())
     planned = plan.train_phase(inputs, cfg)
     trainer = Trainer(cfg, default_registry())
@@ -81,7 +95,8 @@ def test_plan_exits_3_with_the_fix_when_it_does_not_fit(tmp_path, capsys):
 
 
 def test_sweep_finds_the_largest_micro_batch_size_that_fits(tmp_path, capsys):
-    cfg = config(tmp_path=tmp_path)
+    # Dense attention keeps the train step the largest phase, as the capacity below assumes.
+    cfg = config("model.attention=xla", tmp_path=tmp_path)
     inputs = plan.build_plan_inputs(cfg, default_registry())
     assert plan.micro_batch_candidates(inputs) == [1, 2, 4, 8]
     totals = {size: plan.train_phase(inputs, plan.with_micro_batch_size(cfg, size)).total for size in (2, 4)}

@@ -1,11 +1,13 @@
 """`grpo-run --plan`: per-device memory of a run, before any weight is loaded.
 
 The rollout (prefill + decode) and the train step are compiled ahead of time at the
-configured shapes on the current devices, with abstract inputs only (shapes, dtypes
-and shardings; no weights, no data), and XLA's buffer assignment is read back:
+configured shapes, with abstract inputs only (shapes, dtypes and shardings; no weights,
+no data), and the compiler's buffer assignment is read back. Without --target they
+compile for this host's devices (on a CPU host: XLA:CPU's figures); with --target
+they compile for a TPU slice with the TPU compiler (see tpu_target):
 
     grpo-run --config X.yaml --plan [--capacity-gib 31.25]
-    grpo-run --config X.yaml --plan --sweep micro_batch_size_per_device
+    grpo-run --config X.yaml --plan --target v6e-8 [--sweep micro_batch_size_per_device]
 
 Exit codes: 0 fits, 2 bad input, 3 does not fit.
 """
@@ -13,9 +15,11 @@ Exit codes: 0 fits, 2 bad input, 3 does not fit.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
+import re
 import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -29,6 +33,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from grpo_core.config import RunConfig
 from grpo_core.errors import UserError
 from grpo_core.models import QwenConfig, QwenModel
+from grpo_core.models.precision import needs_cast
+from grpo_core.models.qwen import resolve_dtype
 from grpo_core.registry import Registry
 from grpo_core.sharding import param_shardings
 from grpo_meshes import build_mesh_from_config, rollout_batch_sharding, setup_processes, train_batch_sharding
@@ -38,11 +44,12 @@ from grpo_rollout.prompts import bucket_length
 from grpo_rollout.result import trimmed_widths
 from grpo_rollout.sampling import SamplingParams
 
-from grpo_runner_gsm8k.build import (build_tokenizer, from_plugin, loss_config_for_run, micro_batches,
+from grpo_runner_gsm8k.build import (attention_impl, build_tokenizer, from_plugin, loss_config_for_run, micro_batches,
                                      model_config, preflight, rows_per_step)
 from grpo_runner_gsm8k.known_architectures import KNOWN_ARCHITECTURES, known_architecture
-from grpo_runner_gsm8k.optim import build_optimizer
+from grpo_runner_gsm8k.optim import build_optimizer, moment_dtype
 from grpo_runner_gsm8k.step import UpdateBatch, completion_logps, make_update
+from grpo_runner_gsm8k.tpu_target import HBM_SOURCE, Target, describe, parse_target, target_devices
 
 EXIT_DOES_NOT_FIT = 3
 SWEEP_FIELDS = ("micro_batch_size_per_device",)
@@ -55,8 +62,9 @@ class PhaseMemory:
     """Per-device bytes of one compiled phase.
 
     `aliased` outputs reuse donated argument buffers; `other` is state alive on the
-    device during the phase that is not one of its arguments (the optimizer state
-    during the rollout, the reference params when loss.beta > 0).
+    device during the phase that is not one of its arguments (the optimizer state and
+    the float32 masters during the rollout, which runs on their compute-dtype copy;
+    the reference params when loss.beta > 0).
     """
 
     name: str
@@ -65,6 +73,7 @@ class PhaseMemory:
     aliased: int
     temp: int
     other: int = 0
+    refused: bool = False  # the compiler refused it for HBM; temp is the size it reported
 
     @property
     def total(self) -> int:
@@ -75,6 +84,25 @@ class PhaseMemory:
         stats = compiled.memory_analysis()
         return cls(name, stats.argument_size_in_bytes, stats.output_size_in_bytes, stats.alias_size_in_bytes,
                    stats.temp_size_in_bytes, other)
+
+
+# The TPU compiler refuses a program whose buffers exceed the chip's HBM, giving the size.
+_HBM_EXHAUSTED = re.compile(r"RESOURCE_EXHAUSTED:.*?required for HLO temporaries \(([\d.]+)([KMGT])\)", re.S)
+_UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def compile_phase(name: str, lower: Callable[..., Any], args: tuple, other: int = 0) -> tuple[PhaseMemory, Any]:
+    """(memory, compiled) of `lower(*args).compile()`; when the compiler refuses it for
+    HBM, the memory it reported needing (temporaries) beside the arguments, and None."""
+    try:
+        compiled = lower(*args).compile()
+    except jax.errors.JaxRuntimeError as exc:
+        match = _HBM_EXHAUSTED.search(str(exc))
+        if not match:
+            raise
+        temp = int(float(match.group(1)) * _UNITS[match.group(2)])
+        return PhaseMemory(name, per_device_bytes(args), 0, 0, temp, other, refused=True), None
+    return PhaseMemory.from_compiled(name, compiled, other), compiled
 
 
 @dataclass(frozen=True)
@@ -101,39 +129,57 @@ class PlanInputs:
     loss_impl: Any
     rollout: JaxRollout
     sampling: SamplingParams
+    target: Optional[str] = None  # the TPU slice, described, when planning for one
 
     @property
     def params_bytes(self) -> int:
         return per_device_bytes(self.params)
 
     @property
+    def forward_params(self) -> Any:
+        """The params as rollout and scoring take them: in the compute dtype (see loop.Trainer.forward_params)."""
+        return abstract_cast(self.params, resolve_dtype(self.cfg.model.dtype))
+
+    @property
+    def masters_beside_rollout(self) -> int:
+        """The stored params stay alive beside their compute-dtype copy when the dtypes differ."""
+        return self.params_bytes if needs_cast(self.params, resolve_dtype(self.cfg.model.dtype)) else 0
+
+    @property
     def held_beside_rollout(self) -> int:
         """Device state alive during rollout and scoring that is not their argument."""
-        return per_device_bytes(self.opt_state) + self.reference_bytes
+        return per_device_bytes(self.opt_state) + self.masters_beside_rollout + self.reference_bytes
 
     @property
     def reference_bytes(self) -> int:
-        """A frozen copy of the params lives on the devices when the KL term is on."""
-        return self.params_bytes if self.cfg.loss.beta > 0 else 0
+        """A frozen copy of the params (in the compute dtype) lives on the devices when the KL term is on."""
+        return per_device_bytes(self.forward_params) if self.cfg.loss.beta > 0 else 0
 
 
 # ---- abstract inputs ------------------------------------------------------------
 def per_device_bytes(tree: Any) -> int:
     """Bytes one device holds of a pytree of sharded ShapeDtypeStructs."""
     return sum(math.prod(leaf.sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize
-               for leaf in jax.tree.leaves(tree))
+               for leaf in jax.tree.leaves(tree) if hasattr(leaf, "sharding"))
 
 
 def abstract_array(shape: tuple[int, ...], dtype: Any, sharding: NamedSharding) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
 
 
+def abstract_cast(tree: Any, dtype: Any) -> Any:
+    """grpo_core.models.precision.compute_params of abstract params: floating leaves in `dtype`."""
+    return jax.tree.map(lambda x: abstract_array(
+        x.shape, dtype if jnp.issubdtype(x.dtype, jnp.floating) else x.dtype, x.sharding), tree)
+
+
 def abstract_model(cfg: RunConfig, qcfg: QwenConfig, mesh: Mesh, strategy: Any) -> tuple[nnx.GraphDef, Any]:
     """(graphdef, abstract params) of the sharded model, built by shape evaluation only
     and sharded as build.build_model shards the real one."""
-    model = nnx.eval_shape(lambda: QwenModel(qcfg, dtype=cfg.model.dtype, rngs=nnx.Rngs(params=0),
-                                             remat=cfg.model.remat))
+    model = nnx.eval_shape(lambda: QwenModel(qcfg, dtype=cfg.model.param_dtype, rngs=nnx.Rngs(params=0),
+                                             remat=cfg.model.remat, scan_layers=cfg.model.scan_layers))
     model.set_activation_sharding(mesh, strategy.activation_rules)
+    model.set_attention(attention_impl(cfg, mesh))
     graphdef, state = nnx.split(model)
     shardings = param_shardings(state, mesh, strategy.param_rules)
     return graphdef, jax.tree.map(lambda leaf, sharding: abstract_array(leaf.shape, leaf.dtype, sharding),
@@ -190,18 +236,23 @@ def plan_rollout_backend(cfg: RunConfig, registry: Registry) -> JaxRollout:
     return backend
 
 
-def build_plan_inputs(cfg: RunConfig, registry: Registry) -> PlanInputs:
-    setup_processes(cfg.mesh)
-    resolved = build_mesh_from_config(cfg.mesh, registry.mesh)
+def build_plan_inputs(cfg: RunConfig, registry: Registry, target: Optional[Target] = None) -> PlanInputs:
+    """The plan's inputs on this host's devices, or on the compile-only devices of a TPU
+    `target` (every host of the slice, planned from this one process)."""
+    devices = target_devices(target) if target else None
+    if devices is None:
+        setup_processes(cfg.mesh)
+    resolved = build_mesh_from_config(cfg.mesh, registry.mesh, devices)
     qcfg = plan_architecture(cfg)
-    preflight(cfg, resolved.mesh, qcfg)
+    preflight(cfg, resolved.mesh, qcfg, devices)
     graphdef, params = abstract_model(cfg, qcfg, resolved.mesh, resolved.strategy)
-    optimizer = build_optimizer(cfg.train)
+    optimizer = build_optimizer(cfg.train, moment_dtype(cfg))
     return PlanInputs(
         cfg=cfg, mesh=resolved.mesh, qcfg=qcfg, graphdef=graphdef, params=params,
         opt_state=abstract_opt_state(optimizer, params, resolved.mesh), optimizer=optimizer,
         loss_impl=from_plugin(registry, "loss", cfg.loss.impl, cfg.loss.options, "loss.options"),
-        rollout=plan_rollout_backend(cfg, registry), sampling=SamplingParams.from_config(cfg.rollout))  # stop ids change no buffer
+        rollout=plan_rollout_backend(cfg, registry), sampling=SamplingParams.from_config(cfg.rollout),  # stop ids change no buffer
+        target=describe(target, devices) if target else None)
 
 
 # ---- shapes ----------------------------------------------------------------------------
@@ -240,18 +291,35 @@ def with_micro_batch_size(cfg: RunConfig, size: int) -> RunConfig:
 
 
 # ---- compiles ----------------------------------------------------------------------------
-def rollout_phases(inputs: PlanInputs) -> list[PhaseMemory]:
-    """Prefill and decode of one rollout batch (rows = prompts_per_step * n)."""
+def _rollout_inputs(inputs: PlanInputs) -> tuple[dict, Any, Any]:
+    """(static args, abstract prompts, abstract key) of one rollout batch (rows = prompts_per_step * n)."""
     cfg, mesh = inputs.cfg, inputs.mesh
     batch_sharding = rollout_batch_sharding(mesh, cfg.rollout.sharding)
     prompts = abstract_array((rows_per_step(cfg), prompt_bucket(inputs)), jnp.int32, batch_sharding)
     static = inputs.rollout.static_args(inputs.graphdef, inputs.sampling, 0, batch_sharding)
-    key = abstract_key(mesh)
-    prefill_compiled = prefill.lower(inputs.params, prompts, prompts, key, **static).compile()
+    return static, prompts, abstract_key(mesh)
+
+
+def compile_rollout(inputs: PlanInputs) -> tuple[Any, Any]:
+    """(prefill, decode) compiled for one rollout batch."""
+    static, prompts, key = _rollout_inputs(inputs)
+    prefill_compiled = prefill.lower(inputs.forward_params, prompts, prompts, key, **static).compile()
     cache, state = abstract_outputs(prefill_compiled)
-    decode_compiled = decode.lower(inputs.params, cache, state, key, **static).compile()
-    return [PhaseMemory.from_compiled("rollout prefill", prefill_compiled, inputs.held_beside_rollout),
-            PhaseMemory.from_compiled("rollout decode", decode_compiled, inputs.held_beside_rollout)]
+    return prefill_compiled, decode.lower(inputs.forward_params, cache, state, key, **static).compile()
+
+
+def rollout_phases(inputs: PlanInputs) -> list[PhaseMemory]:
+    """Prefill and decode of one rollout batch; decode is skipped when prefill does not fit."""
+    static, prompts, key = _rollout_inputs(inputs)
+    held = inputs.held_beside_rollout
+    first, compiled = compile_phase("rollout prefill", functools.partial(prefill.lower, **static),
+                                    (inputs.forward_params, prompts, prompts, key), held)
+    if compiled is None:
+        return [first]  # decode's inputs are prefill's outputs
+    cache, state = abstract_outputs(compiled)
+    second, _ = compile_phase("rollout decode", functools.partial(decode.lower, **static),
+                              (inputs.forward_params, cache, state, key), held)
+    return [first, second]
 
 
 def logps_phase(inputs: PlanInputs) -> Optional[PhaseMemory]:
@@ -262,29 +330,39 @@ def logps_phase(inputs: PlanInputs) -> Optional[PhaseMemory]:
         return None
     batch = abstract_update_batch(inputs)
     score = jax.jit(completion_logps, static_argnums=(0, 2, 6, 7))
-    compiled = score.lower(inputs.graphdef, inputs.params, inputs.loss_impl, batch.input_ids,
-                           batch.attention_mask, batch.targets, batch.prompt_width,
-                           cfg.rollout.temperature).compile()
-    return PhaseMemory.from_compiled("log-probs", compiled, inputs.held_beside_rollout)
+    args = (inputs.graphdef, inputs.forward_params, inputs.loss_impl, batch.input_ids, batch.attention_mask, batch.targets,
+            batch.prompt_width, cfg.rollout.temperature)
+    return compile_phase("log-probs", score.lower, args, inputs.held_beside_rollout)[0]
+
+
+def _update_lowering(inputs: PlanInputs, cfg: RunConfig) -> tuple[Callable[..., Any], tuple]:
+    """(lower, abstract args) of one optimizer update over the widest batch, micro-batched as `cfg.train` says."""
+    update = make_update(inputs.graphdef, inputs.loss_impl, loss_config_for_run(cfg), inputs.optimizer,
+                         cfg.rollout.temperature, micro_batches(cfg, inputs.mesh), resolve_dtype(cfg.model.dtype))
+    return update.lower, (inputs.params, inputs.opt_state, abstract_update_batch(inputs))
+
+
+def compile_update(inputs: PlanInputs, cfg: RunConfig) -> Any:
+    lower, args = _update_lowering(inputs, cfg)
+    return lower(*args).compile()
 
 
 def train_phase(inputs: PlanInputs, cfg: RunConfig) -> PhaseMemory:
-    """One optimizer update over the widest batch, micro-batched as `cfg.train` says."""
-    update = make_update(inputs.graphdef, inputs.loss_impl, loss_config_for_run(cfg), inputs.optimizer,
-                         cfg.rollout.temperature, micro_batches(cfg, inputs.mesh))
-    compiled = update.lower(inputs.params, inputs.opt_state, abstract_update_batch(inputs)).compile()
-    return PhaseMemory.from_compiled("train step", compiled, inputs.reference_bytes)
+    lower, args = _update_lowering(inputs, cfg)
+    return compile_phase("train step", lower, args, inputs.reference_bytes)[0]
 
 
 # ---- capacity ----------------------------------------------------------------------------
-def device_capacity(capacity_gib: Optional[float]) -> Capacity:
-    """Per-device memory budget: the flag, the accelerator's limit, or host memory shared
-    by the local CPU devices."""
+def device_capacity(capacity_gib: Optional[float], target: Optional[Target] = None) -> Capacity:
+    """Per-device memory budget: the flag, the target chip's HBM, the accelerator's limit,
+    or host memory shared by the local CPU devices."""
     if capacity_gib is not None:
         if capacity_gib <= 0:
             raise UserError(f"--capacity-gib {capacity_gib} must be > 0; give the per-device memory in GiB "
                             "(31.25 for a TPU v6e chip)")
         return Capacity(int(capacity_gib * GIB), "--capacity-gib")
+    if target is not None:
+        return Capacity(int(target.generation.hbm_gib * GIB), f"{target.generation.name} HBM, {HBM_SOURCE}")
     devices = jax.local_devices()
     stats = [d.memory_stats() for d in devices]
     if all(s and "bytes_limit" in s for s in stats):
@@ -301,7 +379,8 @@ def table_lines(phases: list[PhaseMemory]) -> list[str]:
     lines = [f"{'per device (GiB)':<18}" + "".join(f"{c:>11}" for c in COLUMNS)]
     for p in phases:
         values = (p.arguments, p.outputs, p.aliased, p.temp, p.other, p.total)
-        lines.append(f"{p.name:<18}" + "".join(f"{v / GIB:>11.3f}" for v in values))
+        lines.append(f"{p.name:<18}" + "".join(f"{v / GIB:>11.3f}" for v in values)
+                     + ("  refused by the compiler: over HBM (temp as it reported)" if p.refused else ""))
     return lines
 
 
@@ -312,9 +391,11 @@ def header_lines(inputs: PlanInputs) -> list[str]:
     data_devices = mesh.shape["dp"] * mesh.shape["fsdp"]
     micro = micro_batches(cfg, mesh)
     return [
-        f"model: {q.model_type}, {params / 1e9:.3f}B params, {cfg.model.dtype}, remat={cfg.model.remat}; mesh "
+        f"model: {q.model_type}, {params / 1e9:.3f}B params, {cfg.model.param_dtype} masters, {cfg.model.dtype} "
+        f"compute, {moment_dtype(cfg)} moments, remat={cfg.model.remat}; mesh "
         + " ".join(f"{axis}={size}" for axis, size in mesh.shape.items())
-        + f" on {mesh.size} {jax.default_backend()} device(s)",
+        + f" on {mesh.size} {mesh.devices.flat[0].device_kind} device(s)",
+        figures_line(inputs),
         f"rollout: {rows} rows x (prompt bucket {prompt_bucket(inputs)} + {cfg.rollout.max_new_tokens} new tokens), "
         f"rollout.sharding={cfg.rollout.sharding}",
         f"train step: {rows} rows x {prompt_w + completion_w} tokens ({prompt_w} prompt + {completion_w} completion), "
@@ -322,10 +403,21 @@ def header_lines(inputs: PlanInputs) -> list[str]:
     ]
 
 
+def figures_line(inputs: PlanInputs) -> str:
+    if inputs.target:
+        return f"figures: the TPU compiler's (libtpu) for {inputs.target}"
+    backend = jax.default_backend()
+    if backend == "cpu":
+        return ("figures: XLA:CPU's, for this host's CPU devices (not a TPU's or GPU's); "
+                "--target <slice> gives the TPU compiler's")
+    return f"figures: the {backend} compiler's, for this host's devices"
+
+
 def footer_lines(inputs: PlanInputs) -> list[str]:
     lines = ["aliased: outputs written into donated argument buffers (counted once); other: device state that is "
-             "not an argument of the phase (optimizer state during rollout, reference params when loss.beta > 0)"]
-    if jax.default_backend() == "cpu" and inputs.cfg.model.dtype == "bfloat16":
+             "not an argument of the phase (optimizer state and float32 masters during rollout, which runs on "
+             "their compute-dtype copy; reference params when loss.beta > 0)"]
+    if not inputs.target and jax.default_backend() == "cpu" and inputs.cfg.model.dtype == "bfloat16":
         lines.append("note: XLA:CPU upcasts bfloat16 matmul operands to float32, so the temp of a bfloat16 model "
                      "is overstated on CPU; compile on the accelerator for its exact figure")
     return lines
@@ -343,7 +435,9 @@ def peak_line(phases: list[PhaseMemory], capacity: Capacity) -> str:
 
 
 def does_not_fit_message(phase: PhaseMemory, capacity: Capacity, cfg: RunConfig) -> str:
-    needs = f"{phase.name} needs {phase.total / GIB:.2f} GiB per device, capacity {capacity.gib:.2f} GiB"
+    memory = "HBM" if "HBM" in capacity.source else "capacity"
+    needs = (f"{phase.name} needs {phase.total / GIB:.2f} GiB per device, exceeds {memory} by "
+             f"{(phase.total - capacity.bytes) / GIB:.2f} GiB (capacity {capacity.gib:.2f} GiB)")
     if phase.name in ("rollout prefill", "rollout decode"):
         return (f"{needs}: lower rollout.prompts_per_step, rollout.n or rollout.max_new_tokens, set "
                 "rollout.options.cache_dtype=bfloat16, or use more devices")
@@ -449,12 +543,13 @@ def use_memory_minimizing_cpu_scheduler() -> None:
 
 
 def plan_command(cfg: RunConfig, registry: Registry, sweep: Optional[str] = None,
-                 capacity_gib: Optional[float] = None) -> int:
+                 capacity_gib: Optional[float] = None, target: Optional[str] = None) -> int:
     """Prints the memory plan; 0 when the run fits, EXIT_DOES_NOT_FIT otherwise."""
     use_memory_minimizing_cpu_scheduler()
     check_sweep_field(sweep)
-    capacity = device_capacity(capacity_gib)
-    inputs = build_plan_inputs(cfg, registry)
+    parsed = parse_target(target) if target is not None else None
+    capacity = device_capacity(capacity_gib, parsed)
+    inputs = build_plan_inputs(cfg, registry, parsed)
     if sweep:
         return sweep_micro_batch(inputs, capacity)
     return plan_once(inputs, capacity)

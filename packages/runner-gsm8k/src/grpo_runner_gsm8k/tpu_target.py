@@ -1,0 +1,147 @@
+"""TPU slices for `grpo-run --plan --target NAME`: compile for a TPU topology on any host.
+
+libtpu (the `tpu` extra) builds compile-only devices for a topology with no TPU
+attached; a mesh built on them makes every `.lower(...).compile()` run the TPU
+compiler, whose buffer assignment is then the plan's figures.
+
+A slice name is `<generation>-<N>` as Cloud TPU names them; N counts chips on v5e/v6e
+and TensorCores on v4/v5p, whose two cores per chip form one megacore device. Slices
+of up to 8 (v5e/v6e) or 4 (v4/v5p) chips sit on one host; larger ones have 4 chips
+(2x2) per host, so v6e-8 = 8 devices on 1 host, v6e-16 = 16 devices on 4 hosts and
+v4-16 = 8 devices on 2 hosts. A raw topology `v6e:4x4` is accepted as well.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from grpo_core.errors import UserError
+
+HBM_SOURCE = "cloud.google.com/tpu/docs/v4, /v5e, /v5p, /v6e (HBM per chip)"
+INSTALL_HINT = ("install the TPU compiler: `uv sync --group tpu` in the grpo-jax checkout, or "
+                "`pip install 'grpo-runner-gsm8k[tpu]'`")
+
+
+@dataclass(frozen=True)
+class Generation:
+    name: str
+    hbm_gib: float  # per chip, from HBM_SOURCE
+    dims: int  # topology rank: 2 (v5e, v6e) or 3 (v4, v5p)
+    megacore: bool  # two TensorCores per chip act as one device; N in the name counts cores
+    single_host_chips: int  # the largest slice that fits on one host
+    sizes: tuple[int, ...]  # the N of the slice names offered
+
+
+GENERATIONS = {
+    "v4": Generation("v4", 32.0, 3, True, 4, (8, 16, 32, 64, 128, 256, 512)),
+    "v5e": Generation("v5e", 16.0, 2, False, 8, (1, 4, 8, 16, 32, 64, 128, 256)),
+    "v5p": Generation("v5p", 95.0, 3, True, 4, (8, 16, 32, 64, 128, 256, 512)),
+    "v6e": Generation("v6e", 32.0, 2, False, 8, (1, 4, 8, 16, 32, 64, 128, 256)),
+}
+MULTI_HOST_CHIPS = (2, 2, 1)  # chips per host of every multi-host slice
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str  # as the user gave it
+    generation: Generation
+    topology: tuple[int, ...]  # chips per dimension
+
+    @property
+    def chips(self) -> int:
+        return math.prod(self.topology)
+
+    @property
+    def topology_name(self) -> str:
+        return f"{self.generation.name}:" + "x".join(map(str, self.topology))
+
+    @property
+    def accelerator_type(self) -> str:
+        """The slice name Cloud TPU would give this topology (v4-16 for v4:2x2x2)."""
+        return f"{self.generation.name}-{self.chips * (2 if self.generation.megacore else 1)}"
+
+    @property
+    def chips_per_host(self) -> tuple[int, ...]:
+        if self.chips <= self.generation.single_host_chips:
+            return self.topology + (1,) * (3 - len(self.topology))
+        return MULTI_HOST_CHIPS
+
+
+def valid_names() -> str:
+    return ", ".join(f"{g.name}-{{{','.join(map(str, g.sizes))}}}" for g in GENERATIONS.values())
+
+
+def _bad_target(name: str, why: str) -> UserError:
+    return UserError(f"--target {name!r}: {why}; give a slice ({valid_names()}) or a topology such as "
+                     "'v6e:4x4' or 'v4:2x2x2'")
+
+
+def slice_topology(generation: Generation, chips: int) -> tuple[int, ...]:
+    """Cloud TPU's shape for a slice of `chips` chips: from 2x2(x1), double the last of
+    the smallest axes until it holds them (v4-256 = 128 chips = 4x4x8; v6e-128 = 8x16)."""
+    if chips == 1:
+        return (1, 1)
+    shape = [2, 2] if generation.dims == 2 else [2, 2, 1]
+    while math.prod(shape) < chips:
+        shape[max(i for i, size in enumerate(shape) if size == min(shape))] *= 2
+    return tuple(shape)
+
+
+def parse_target(name: str) -> Target:
+    match = re.fullmatch(r"(v\d+[a-z]?)([-:])(.+)", name.strip().lower())
+    if not match or match.group(1) not in GENERATIONS:
+        raise _bad_target(name, "unknown TPU generation")
+    generation, kind, rest = GENERATIONS[match.group(1)], match.group(2), match.group(3)
+    if kind == ":":
+        return Target(name, generation, _raw_topology(name, generation, rest))
+    if not rest.isdigit() or int(rest) not in generation.sizes:
+        raise _bad_target(name, f"{generation.name} slices are {generation.name}-"
+                                f"{{{','.join(map(str, generation.sizes))}}}")
+    chips = int(rest) // (2 if generation.megacore else 1)
+    return Target(name, generation, slice_topology(generation, chips))
+
+
+def _raw_topology(name: str, generation: Generation, text: str) -> tuple[int, ...]:
+    parts = text.split("x")
+    if len(parts) != generation.dims or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise _bad_target(name, f"a {generation.name} topology has {generation.dims} positive sizes")
+    return tuple(int(p) for p in parts)
+
+
+def require_libtpu() -> None:
+    if importlib.util.find_spec("libtpu") is None:
+        raise UserError(f"--target needs the TPU compiler (libtpu), which is not installed; {INSTALL_HINT}")
+
+
+def target_devices(target: Target) -> list[Any]:
+    """The compile-only devices of the target slice (process_index = the host)."""
+    require_libtpu()
+    # Compile-only: no chip is opened, so a second process (another plan, a TPU job on
+    # this host) must not be refused by libtpu's one-process-per-host lock; and what
+    # libtpu would otherwise ask a Cloud TPU VM's metadata server (warning when there is
+    # none) is the target itself.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+    os.environ.setdefault("TPU_ACCELERATOR_TYPE", target.accelerator_type)
+    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+    from jax.experimental import topologies
+
+    options = {"chips_per_host_bounds": target.chips_per_host}
+    if target.generation.megacore:
+        options["chip_config_name"] = "megacore"
+    try:
+        return list(topologies.get_topology_desc(target.topology_name, platform="tpu", **options).devices)
+    except Exception as exc:  # libtpu reports a bad topology as a runtime error
+        raise _bad_target(target.name, f"libtpu rejected topology {target.topology_name} "
+                                       f"({' '.join(str(exc).split())[:200]})") from None
+
+
+def describe(target: Target, devices: list[Any]) -> str:
+    hosts = len({d.process_index for d in devices})
+    return (f"{target.name} ({devices[0].device_kind}, topology {target.topology_name}): {len(devices)} devices "
+            f"on {hosts} host(s)" + (", megacore" if target.generation.megacore else ""))

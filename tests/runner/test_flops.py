@@ -1,0 +1,55 @@
+"""`grpo-bench flops`: compiled matmul FLOPs of the update and of one decode step
+against the analytic count (module doc of grpo_runner_gsm8k.flops)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from grpo_core.config_io import load_config
+from grpo_core.models import QwenConfig
+from grpo_core.registry import default_registry
+from grpo_runner_gsm8k import flops, plan
+
+TINY = str(Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml")
+# a vocabulary large against the hidden size, as in real models: the LM head dominates
+SHAPE = ["model.architecture.vocab_size=8192", "rollout.prompts_per_step=8", "rollout.n=2",
+         "rollout.max_new_tokens=8", "model.architecture.max_position_embeddings=64"]
+
+
+@pytest.fixture(autouse=True)
+def keep_xla_flags(monkeypatch):
+    monkeypatch.setenv("XLA_FLAGS", plan.os.environ.get("XLA_FLAGS", ""))
+
+
+def bench(*overrides: str, tmp_path: Path) -> dict:
+    cfg = load_config(TINY, [*SHAPE, f"logging.dir={tmp_path}", *overrides], registry=default_registry())
+    return flops.run(cfg, default_registry())
+
+
+def test_one_pass_update_is_within_ten_percent_of_analytic(tmp_path):
+    one_pass = bench(tmp_path=tmp_path)
+    two_pass = bench("loss.options.one_pass=false", tmp_path=tmp_path)
+    assert 1.0 <= one_pass["update"]["compiled_over_analytic"] <= 1.1
+    # the fourth LM-head matmul of two passes shows up as waste
+    assert two_pass["update"]["compiled_over_analytic"] > one_pass["update"]["compiled_over_analytic"] + 0.2
+    assert one_pass["update"]["loops_without_trip_count"] == []
+    assert 1.0 <= one_pass["decode_step"]["compiled_over_analytic"] <= 1.1
+    json.dumps(one_pass)  # one JSON line
+
+
+def test_analytic_formula_by_hand():
+    q = QwenConfig(model_type="qwen2", vocab_size=100, hidden_size=8, intermediate_size=16, num_hidden_layers=2,
+                   num_attention_heads=2, num_key_value_heads=1)  # head_dim 4: q = 8, kv = 4
+    per_layer = 8 * 8 + 2 * 8 * 4 + 8 * 8 + 3 * 8 * 16
+    assert flops.layer_params(q) == per_layer
+    rows, width, completion = 3, 5, 2
+    expected = 2 * 2 * per_layer * rows * width + 2 * 2 * 8 * rows * width * 6 + 2 * 8 * 100 * rows * completion
+    assert flops.forward_flops(q, rows, width, completion) == expected
+    assert flops.decode_step_flops(q, rows, 7) == rows * (2 * 2 * per_layer + 4 * 2 * 8 * 7 + 2 * 8 * 100)
+
+
+def test_bad_command_line_is_one_line_exit_2(capsys):
+    assert flops.main(["--confg", "x.yaml"]) == 2
+    assert capsys.readouterr().err.startswith("grpo-bench flops: error: ")

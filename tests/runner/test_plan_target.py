@@ -1,0 +1,94 @@
+"""`grpo-run --plan --target SLICE`: the TPU compiler (libtpu, compile-only devices) plans
+for a TPU slice from this CPU host; slice names map to the devices and hosts a real
+slice has; bad names and configs too large for the chip's HBM are one-line errors."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from grpo_core.config_io import load_config
+from grpo_core.errors import UserError
+from grpo_core.registry import default_registry
+from grpo_runner_gsm8k import plan, tpu_target
+from grpo_runner_gsm8k.cli import main
+
+pytest.importorskip("libtpu")
+
+TINY = str(Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml")
+SMALL = ["rollout.prompts_per_step=8", "rollout.n=8", "rollout.max_new_tokens=8"]
+# ~17B float32 params: their shards alone exceed a v5e chip's 16 GiB over 4 chips.
+HUGE = ["model.architecture.hidden_size=8192", "model.architecture.intermediate_size=32768",
+        "model.architecture.num_hidden_layers=16"]
+
+
+@pytest.fixture(autouse=True)
+def keep_xla_flags(monkeypatch):
+    """The plan adds a CPU scheduler flag to XLA_FLAGS; keep it out of later tests."""
+    monkeypatch.setenv("XLA_FLAGS", plan.os.environ.get("XLA_FLAGS", ""))
+
+
+def config(*overrides: str, tmp_path: Path):
+    return load_config(TINY, [*SMALL, f"logging.dir={tmp_path / 'run'}", *overrides], registry=default_registry())
+
+
+@pytest.mark.parametrize("name, devices, hosts, kind", [
+    ("v6e-8", 8, 1, "TPU v6 lite"),    # one host of 8 chips
+    ("v6e-16", 16, 4, "TPU v6 lite"),  # 4 hosts of 2x2 chips
+    ("v4-16", 8, 2, "TPU v4"),         # 16 TensorCores = 8 megacore chips on 2 hosts
+    ("v5e-4", 4, 1, "TPU v5 lite"),
+    ("v5p-8", 4, 1, "TPU v5"),
+    ("v6e:4x4", 16, 4, "TPU v6 lite"),
+])
+def test_slices_have_the_devices_and_hosts_of_a_real_slice(name, devices, hosts, kind):
+    found = tpu_target.target_devices(tpu_target.parse_target(name))
+    assert len(found) == devices
+    assert len({d.process_index for d in found}) == hosts
+    assert {d.device_kind for d in found} == {kind}
+
+
+def test_slice_shapes_follow_cloud_tpu():
+    shapes = {name: tpu_target.parse_target(name).topology for name in ("v6e-8", "v6e-128", "v4-8", "v4-256")}
+    assert shapes == {"v6e-8": (2, 4), "v6e-128": (8, 16), "v4-8": (2, 2, 1), "v4-256": (4, 4, 8)}
+
+
+def test_tiny_model_planned_by_the_tpu_compiler(tmp_path, capsys):
+    assert plan.plan_command(config(tmp_path=tmp_path), default_registry(), target="v5e-4") == 0
+    out = capsys.readouterr().out
+    assert "on 4 TPU v5 lite device(s)" in out
+    assert "figures: the TPU compiler's (libtpu) for v5e-4 (TPU v5 lite, topology v5e:2x2): 4 devices on 1 host" in out
+    assert re.search(r"^peak: [\d.]+ GiB per device \(\w[\w -]+\) of 16\.00 GiB \(v5e HBM, cloud\.google\.com", out,
+                     re.M)
+    assert {"rollout prefill", "rollout decode", "train step"} <= {line[:18].strip() for line in out.splitlines()}
+    assert not (tmp_path / "run").exists()
+
+
+def test_too_large_for_the_chip_exits_3_naming_phase_and_margin(tmp_path, capsys):
+    assert main(["--config", TINY, *SMALL, *HUGE, f"logging.dir={tmp_path / 'run'}", "--plan",
+                 "--target", "v5e-4"]) == plan.EXIT_DOES_NOT_FIT
+    [line] = [x for x in capsys.readouterr().err.splitlines() if x.startswith("grpo-run:")]
+    match = re.match(r"grpo-run: does not fit: (rollout prefill|rollout decode|train step) needs ([\d.]+) GiB per "
+                     r"device, exceeds HBM by ([\d.]+) GiB \(capacity 16\.00 GiB\)", line)
+    assert match, line
+    assert float(match.group(2)) - 16.0 == pytest.approx(float(match.group(3)), abs=0.011)
+
+
+@pytest.mark.parametrize("name", ["v7x-8", "v6e-12", "v6e:4x4x4", "tpu"])
+def test_bad_target_is_one_line_listing_valid_ones(name, tmp_path, capsys):
+    assert main(["--config", TINY, f"logging.dir={tmp_path / 'run'}", "--plan", "--target", name]) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"grpo-run: error: --target {name!r}: ")
+    assert "v6e-{1,4,8,16,32,64,128,256}" in line and "v4-{8,16,32" in line and "'v6e:4x4'" in line
+
+
+def test_without_libtpu_target_says_how_to_install(monkeypatch):
+    monkeypatch.setattr(tpu_target.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(UserError, match=r"--target needs the TPU compiler \(libtpu\), which is not installed; .*"
+                                        r"grpo-runner-gsm8k\[tpu\]"):
+        tpu_target.target_devices(tpu_target.parse_target("v5e-4"))
+
+
+def test_target_without_plan_is_refused(capsys):
+    assert main(["--config", TINY, "--target", "v6e-8"]) == 2
+    assert "--target only applies to --plan" in capsys.readouterr().err
