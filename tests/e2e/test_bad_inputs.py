@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from grpo_core import NoOptions, RewardSpec, hookimpl
+from grpo_core.testing import registry_with
 from grpo_runner_gsm8k.cli import main
 
 REPO = Path(__file__).resolve().parents[2]
@@ -46,7 +48,7 @@ CATALOGUE = [
     Bad("override-without-value", ("train.lr",), "override 'train.lr' is not of the form section.key=value",
         "example: train.lr=1e-6"),
     Bad("unknown-flag", ("--confg", "x.yaml"), "unrecognized arguments: --confg", "see grpo-run --help"),
-    Bad("wrong-type-number", ("train.lr=fast",), "train.lr = 'fast' has the wrong type", "expected a number"),
+    Bad("wrong-type-number", ("train.lr=fast",), "train.lr = 'fast' has the wrong type", "expected a finite number"),
     Bad("wrong-type-integer", ("rollout.n=2.5",), "rollout.n = 2.5 has the wrong type", "expected an integer"),
     Bad("wrong-choice", ("model.dtype=float16",), "model.dtype = 'float16' has the wrong type",
         "expected one of 'float32', 'bfloat16'"),
@@ -124,6 +126,49 @@ CATALOGUE = [
         "bad_data/train.jsonl:2 is not valid JSON", "fix or remove the line"),
     Bad("dataset-prompt-too-long", ("task.name=gsm8k", "task.options={path: {tmp}/long_data}"),
         "prompt of example 'gsm8k/train/0' has", "raise rollout.max_prompt_length"),
+    # ---- issue 17: inputs that used to give a traceback, or were silently accepted
+    Bad("empty-run-dir", ("logging.dir=''",), "logging.dir = '' is empty", "set it to the run directory"),
+    Bad("fused-block-size-zero", ("loss.options.block_size=0",), "loss.options: fused loss option block_size",
+        "must be a positive int, got 0"),
+    Bad("pallas-block-size-not-lane-multiple", ("loss.impl=pallas", "loss.options.block_size=100"),
+        "loss.options: pallas loss option block_size", "multiple of 128"),
+    Bad("rollout-trim-bucket-zero", ("rollout.options.trim_bucket=0",), "rollout.options: trim_bucket=0",
+        "must be >= 1"),
+    Bad("rollout-cache-dtype-float16", ("rollout.options.cache_dtype=float16",),
+        "rollout.options: cache_dtype='float16' is not supported", "use null, float32 or bfloat16"),
+    Bad("rollout-prompt-buckets-empty", ("rollout.options.prompt_buckets=[]",), "rollout.options: prompt_buckets=[]",
+        "must be non-empty"),
+    Bad("plugin-option-error-under-print-config", ("--print-config", "loss.options.block_size=0"),
+        "loss.options: fused loss option block_size", "must be a positive int, got 0"),
+    Bad("print-config-checks-positions", ("--print-config", "rollout.max_new_tokens=100"),
+        "exceeds the model's max_position_embeddings 64", "lower rollout.max_new_tokens"),
+    Bad("print-config-checks-prompts", ("--print-config", "rollout.max_prompt_length=2"),
+        "has 4 tokens, more than rollout.max_prompt_length=2", "raise rollout.max_prompt_length"),
+    Bad("architecture-typo", ("model.architecture.num_hiden_layers=8",),
+        "unknown config key model.architecture.num_hiden_layers", "did you mean model.architecture.num_hidden_layers?"),
+    Bad("duplicate-key", (), "duplicate key 'steps' at lines 2 and 3", "keep one of them",
+        config="train:\n  steps: 3\n  steps: 4\n"),
+    Bad("duplicate-section", (), "duplicate key 'train' at lines 1 and 3", "merge duplicated sections into one",
+        config="train:\n  steps: 3\ntrain:\n  lr: 1.0e-3\n"),
+    Bad("empty-config-file", (), "config.yaml' is empty", "leave out --config to run the embedded defaults",
+        config="# nothing yet\n"),
+    Bad("non-utf8-config", ("--config", "{tmp}/latin1.yaml"), "latin1.yaml' is not UTF-8 text", "save it as UTF-8"),
+    Bad("infinite-lr", ("train.lr=.inf",), "train.lr = inf has the wrong type", "expected a finite number"),
+    Bad("nan-grad-norm", ("train.max_grad_norm=.nan",), "train.max_grad_norm = nan has the wrong type",
+        "a finite number"),
+    Bad("nan-reward-weight", ("task.rewards={correctness: .nan}",), "task.rewards.correctness = nan",
+        "expected a finite number"),
+    Bad("huge-temperature", ("rollout.temperature=1e39",), "rollout.temperature = 1e+39 is out of range",
+        "must be > 0.0 and <= 100.0"),
+    Bad("dataset-question-not-a-string", ("task.name=gsm8k", "task.options={path: {tmp}/int_question}"),
+        "gsm8k train row 0: 'question' is int 7, not a string", "fix or remove the row"),
+    Bad("dataset-row-not-an-object", ("task.name=gsm8k", "task.options={path: {tmp}/list_row}"),
+        "gsm8k train row 1 is a list, not an object", "fix or remove the row"),
+    Bad("dataset-answer-without-number", ("task.name=gsm8k", "task.options={path: {tmp}/no_number}"),
+        "gsm8k train row 0: GSM8K answer '' after '####' is not a number", "must end in '#### <number>'"),
+    Bad("dataset-late-prompt-too-long", ("task.name=gsm8k", "task.options={path: {tmp}/late_long, instruction: ''}",
+                                          "rollout.max_prompt_length=40"),
+        "prompt of example 'gsm8k/train/7' has", "raise rollout.max_prompt_length"),
     # ---- the memory plan
     Bad("plan-unknown-sweep-field", ("--plan", "--sweep", "train.lr"), "--sweep 'train.lr' is not supported",
         "supported: micro_batch_size_per_device"),
@@ -150,8 +195,13 @@ def scratch(tmp_path) -> Path:
     corrupt.mkdir()
     (corrupt / "config.json").write_text(json.dumps(MODEL_CONFIG))
     (corrupt / "model.safetensors").write_bytes(b"\x00garbage, not a safetensors header" * 4)
+    (tmp_path / "latin1.yaml").write_bytes("train:\n  steps: 3  # pr\u00e9cis\n".encode("latin-1"))
     for name, train in [("bad_data", _gsm8k_rows("What is 2 + 2?") + "{not json\n"),
-                        ("long_data", _gsm8k_rows("What is 2 + 2? " * 20))]:
+                        ("long_data", _gsm8k_rows("What is 2 + 2? " * 20)),
+                        ("int_question", json.dumps({"question": 7, "answer": "#### 7"}) + "\n"),
+                        ("list_row", _gsm8k_rows("What is 2 + 2?") + "[1, 2]\n"),
+                        ("no_number", json.dumps({"question": "What?", "answer": "so\n#### "}) + "\n"),
+                        ("late_long", _gsm8k_rows("What is 2 + 2?") * 7 + _gsm8k_rows("What is 2 + 2? " * 20))]:
         (tmp_path / name).mkdir()
         (tmp_path / name / "train.jsonl").write_text(train)
         (tmp_path / name / "test.jsonl").write_text(_gsm8k_rows("What is 1 + 3?"))
@@ -268,3 +318,36 @@ def test_resume_without_a_checkpoint_exits_2(tmp_path, capsys):
     assert main(["--config", TINY, *FAST, f"logging.dir={tmp_path / 'run'}", "--resume"]) == 2
     _assert_one_line(capsys.readouterr().err, case)
     assert list(tmp_path.iterdir()) == []
+
+
+class RaisingReward:
+    """A third-party reward whose factory fails on its input (a missing resource, say)."""
+
+    @staticmethod
+    def _build(options):
+        raise RuntimeError("vocabulary file 'units.txt' not found")
+
+    @hookimpl
+    def grpo_rewards(self):
+        return [RewardSpec("units", self._build, NoOptions, "Fails when built")]
+
+
+@pytest.mark.parametrize("flags", [(), ("--print-config",)], ids=["run", "print-config"])
+def test_reward_factory_that_raises_is_one_line(flags, scratch, capsys, monkeypatch):
+    registry = registry_with(RaisingReward())
+    monkeypatch.setattr("grpo_core.registry.default_registry", lambda: registry)
+    case = Bad("reward-factory-raises", (), "task.reward_options.units of reward 'units': vocabulary file "
+               "'units.txt' not found", "fix the options or the plugin's inputs")
+    argv = ["--config", TINY, *FAST, f"logging.dir={scratch / 'run'}", "task.rewards={correctness: 1.0, units: 0.5}",
+            *flags]
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    _assert_one_line(captured.err, case)
+    assert captured.out == "" and not (scratch / "run").exists()
+
+
+def test_report_out_that_is_not_a_png_is_one_line(tmp_path, capsys):
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "train-reward/total/mean": 0.5}) + "\n")
+    assert main(["report", str(tmp_path), "--out", str(tmp_path / "x.txt")]) == 2
+    _assert_one_line(capsys.readouterr().err, Bad("report-out-not-png", (), "x.txt'", "give a path ending in .png"))
+    assert not (tmp_path / "x.txt").exists()

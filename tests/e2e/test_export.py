@@ -122,3 +122,45 @@ def test_bad_export_input_is_one_line_exit_2(trained, tmp_path, capsys, case, ex
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("grpo-run: error: ") and expected in lines[0], lines
     assert not (tmp_path / "out").exists()
+
+
+def _one_error_line(capsys) -> str:
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("grpo-run: error: "), lines
+    return lines[0]
+
+
+def _contents(directory: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in directory.iterdir()}
+
+
+def test_export_refuses_a_non_empty_out_without_force(trained, tmp_path, capsys):
+    (tmp_path / "notes.txt").write_text("mine")
+    before = _contents(tmp_path)
+    assert grpo_run(["export", "--run-dir", str(trained[0]), "--out", str(tmp_path)]) == 2
+    message = _one_error_line(capsys)
+    assert f"--out {str(tmp_path)!r} is not empty (holds notes.txt)" in message and "pass --force" in message
+    assert _contents(tmp_path) == before
+
+
+def test_export_never_replaces_weights_it_did_not_write_even_with_force(trained, tmp_path, capsys):
+    """A base model's directory: its weights and index stay byte for byte."""
+    for name in ("model-00001-of-00002.safetensors", "model.safetensors.index.json", "config.json"):
+        (tmp_path / name).write_bytes(b"base model " + name.encode())
+    before = _contents(tmp_path)
+    assert grpo_run(["export", "--run-dir", str(trained[0]), "--out", str(tmp_path), "--force"]) == 2
+    message = _one_error_line(capsys)
+    assert "holds weights this export did not write (model-00001-of-00002.safetensors, " \
+           "model.safetensors.index.json)" in message
+    assert _contents(tmp_path) == before
+
+
+def test_export_with_force_replaces_its_own_export_and_keeps_other_files(trained, tmp_path):
+    run_dir = str(trained[0])
+    assert grpo_run(["export", "--run-dir", run_dir, "--out", str(tmp_path), "--step", "1"]) == 0
+    (tmp_path / "notes.txt").write_text("mine")
+    assert grpo_run(["export", "--run-dir", run_dir, "--out", str(tmp_path), "--force"]) == 0
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+    exported = by_path(nnx.state(load_pretrained(tmp_path, dtype="float32")))
+    final = by_path(trained[1].state.params)
+    assert all(np.array_equal(exported[path], value) for path, value in final.items())

@@ -117,3 +117,18 @@ def test_runner_model_constrains_activations_with_the_activation_rules():
     model = build_model(RunConfig(), QCFG, FSDP8.build_mesh(), FSDP8)
     _, rules = model.activation_sharding
     assert rules == freeze_rules(FSDP8.activation_rules)
+
+
+def test_update_that_would_overflow_the_params_is_skipped():
+    """Finite loss and gradient, but an update scaled by 1e30 twice overflows float32 (max 3.4e38)
+    for every gradient entry above 3.4e-22: the update is refused and params returned unchanged."""
+    graphdef, params = model_parts(None)
+    before = jax.tree.map(np.array, nnx.to_pure_dict(params))
+    optimizer = optax.chain(optax.scale(1e30), optax.scale(1e30))
+    opt_state = optimizer.init(params)
+    update = make_update(graphdef, FUSED, LOSS, optimizer, 1.0, 1)
+    new_params, _, metrics = update(params, opt_state, random_batch())
+    assert np.isfinite(float(metrics["loss"])) and np.isfinite(float(metrics["grad_norm"]))
+    assert float(metrics["skipped"]) == 1.0
+    for a, b in zip(jax.tree.leaves(nnx.to_pure_dict(new_params)), jax.tree.leaves(before), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), b)

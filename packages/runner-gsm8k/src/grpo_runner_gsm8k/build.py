@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import jax
 from jax.sharding import Mesh
@@ -15,6 +17,7 @@ from grpo_core.config import RunConfig
 from grpo_core.config_io import plugin_options
 from grpo_core.errors import UserError
 from grpo_core.models import QwenConfig, init_from_config, load_pretrained
+from grpo_core.models.attention_impls import resolve_attention
 from grpo_core.models.checkpoint import resolve_model_dir
 from grpo_core.registry import Registry
 from grpo_core.sharding import shard_model
@@ -43,6 +46,7 @@ class Components:
     rollout: Any
     sampling: SamplingParams
     eval_sampling: SamplingParams
+    prompt_ids: dict[str, list[int]] = dataclasses.field(default_factory=dict)  # checked prompts by example id
 
     @property
     def rollout_sharding(self):
@@ -56,10 +60,14 @@ def _input_error(key: str, exc: Exception, fix: str) -> UserError:
 
 def from_plugin(registry: Registry, kind: str, name: str, options: dict, where: str, **kwargs) -> Any:
     spec = registry.get(kind, name)
+    checked = plugin_options(spec.options, options, where)
     try:
-        return spec.factory(plugin_options(spec.options, options, where), **kwargs)
-    except (ValueError, OSError) as exc:  # plugins reject bad options or missing files this way
-        raise UserError(f"{where} of {kind} {name!r}: {exc}") from None
+        return spec.factory(checked, **kwargs)
+    except UserError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a plugin's factory (third-party code) failing on its input
+        detail = " ".join(str(exc).split()) or type(exc).__name__
+        raise UserError(f"{where} of {kind} {name!r}: {detail}; fix the options or the plugin's inputs") from None
 
 
 def build_tokenizer(cfg: RunConfig) -> Any:
@@ -92,11 +100,27 @@ def model_config(cfg: RunConfig, tokenizer: Any) -> QwenConfig:
         except (OSError, ValueError) as exc:
             raise _input_error("model.path", exc, "point model.path at an HF model directory "
                                "(config.json + *.safetensors) or a Hub id") from None
-    arch = {"vocab_size": len(tokenizer), **cfg.model.architecture}
+    # A random-init model's own dtype is its compute dtype (what export writes by default).
+    check_architecture_keys(cfg.model.architecture)
+    arch = {"vocab_size": len(tokenizer), "torch_dtype": cfg.model.dtype, **cfg.model.architecture}
     try:
         return QwenConfig.from_hf_dict(arch)
     except (ValueError, TypeError, KeyError) as exc:
         raise UserError(f"model.architecture: {exc}") from None
+
+
+# HF config.json keys that QwenConfig reads without a field of the same name.
+ARCHITECTURE_EXTRA_KEYS = {"torch_dtype", "dtype", "rope_scaling", "rope_parameters", "use_sliding_window"}
+
+
+def check_architecture_keys(architecture: dict) -> None:
+    """model.architecture is strict like every other section: a typo is an error, not a default."""
+    valid = {f.name for f in dataclasses.fields(QwenConfig)} | ARCHITECTURE_EXTRA_KEYS
+    for key in architecture:
+        if key not in valid:
+            close = difflib.get_close_matches(str(key), sorted(valid), n=1, cutoff=0.6)
+            hint = f"did you mean model.architecture.{close[0]}?" if close else "see the fields of QwenConfig"
+            raise UserError(f"unknown config key model.architecture.{key}; {hint}")
 
 
 def check_tokenizer_fits(qcfg: QwenConfig, tokenizer: Any) -> None:
@@ -110,17 +134,41 @@ def build_model(cfg: RunConfig, qcfg: QwenConfig, mesh: Mesh, strategy: Any) -> 
     stream by the activation rules (batch over the data axes)."""
     model = load_or_init_model(cfg, qcfg, mesh, strategy.param_rules)
     model.set_activation_sharding(mesh, strategy.activation_rules)
+    attention = attention_impl(cfg, mesh)
+    model.set_attention(attention)
+    print(f"attention: {attention} (model.attention={cfg.model.attention})")
     return model
+
+
+class PrecisionWarning(UserWarning):
+    """Training settings that silently lose updates."""
+
+
+def warn_if_updates_round_away(cfg: RunConfig) -> None:
+    """bfloat16 storage keeps 8 significant bits: an update below 0.2-0.4% of a weight rounds to nothing."""
+    if cfg.model.param_dtype == "bfloat16":
+        warnings.warn(f"model.param_dtype=bfloat16: updates smaller than 0.2-0.4% of a weight round away (a "
+                      f"weight of 0.02 ignores steps below 6e-5; train.lr={cfg.train.lr:g}); watch "
+                      "train-other/update_ratio, or set model.param_dtype=float32", PrecisionWarning, stacklevel=2)
+
+
+def attention_impl(cfg: RunConfig, mesh: Mesh) -> str:
+    """model.attention resolved for the mesh's platform; cudnn in float32 is a user error."""
+    try:
+        return resolve_attention(cfg.model.attention, cfg.model.dtype, mesh.devices.flat[0].platform)
+    except ValueError as exc:
+        raise _input_error("model.attention", exc, "or set model.dtype=bfloat16") from None
 
 
 def load_or_init_model(cfg: RunConfig, qcfg: QwenConfig, mesh: Mesh, rules: Any) -> Any:
     if cfg.model.path:
         try:
-            return load_pretrained(cfg.model.path, dtype=cfg.model.dtype, mesh=mesh, rules=rules,
-                                   remat=cfg.model.remat)
+            return load_pretrained(cfg.model.path, dtype=cfg.model.param_dtype, mesh=mesh, rules=rules,
+                                   remat=cfg.model.remat, scan_layers=cfg.model.scan_layers)
         except (OSError, ValueError) as exc:  # missing, corrupt or mismatched safetensors
             raise _input_error("model.path", exc, "re-download or re-export the checkpoint") from None
-    model = init_from_config(qcfg, seed=cfg.model.seed, dtype=cfg.model.dtype, remat=cfg.model.remat)
+    model = init_from_config(qcfg, seed=cfg.model.seed, dtype=cfg.model.param_dtype, remat=cfg.model.remat,
+                             scan_layers=cfg.model.scan_layers)
     return shard_model(model, mesh, rules)
 
 
@@ -160,15 +208,28 @@ def prompt_token_ids(cfg: RunConfig, tokenizer: Any, use_chat_template: bool, ex
     return ids
 
 
-def check_first_prompts(cfg: RunConfig, tokenizer: Any, task: Any) -> None:
-    """Renders the first training batch and the eval questions, so a prompt format or length
-    that cannot work fails before the run starts (the task's position is left unchanged)."""
-    position = task.state()
-    examples = task.train_batch(local_prompt_count(cfg.rollout.prompts_per_step, jax.process_count()))
-    task.restore(position)
+def prompts_to_check(cfg: RunConfig, task: Any, process_count: int) -> list:
+    """The whole train split when the task can list it (`train_examples()`, a finite data set),
+    else the first train batch (the task's position is left unchanged); plus the eval questions."""
+    listed = getattr(task, "train_examples", None)
+    if listed is not None:
+        examples = list(listed())
+    else:
+        position = task.state()
+        examples = task.train_batch(local_prompt_count(cfg.rollout.prompts_per_step, process_count))
+        task.restore(position)
     if cfg.eval.every_steps:
         examples += task.test_examples(cfg.eval.num_questions)
-    prompt_token_ids(cfg, tokenizer, task.use_chat_template, examples)
+    return examples
+
+
+def check_prompts(cfg: RunConfig, tokenizer: Any, task: Any, process_count: int) -> dict[str, list[int]]:
+    """Renders and tokenizes every prompt the run can see, so a prompt format or length that
+    cannot work fails before the run starts, not mid-run; returns the token ids by example id
+    (the run reuses them instead of tokenizing again)."""
+    examples = prompts_to_check(cfg, task, process_count)
+    ids = prompt_token_ids(cfg, tokenizer, task.use_chat_template, examples)
+    return {ex.id: row for ex, row in zip(examples, ids) if ex.id}
 
 
 def rows_per_step(cfg: RunConfig) -> int:
@@ -189,35 +250,57 @@ def micro_batches(cfg: RunConfig, mesh: Mesh) -> int:
     return rows // global_micro
 
 
-def preflight(cfg: RunConfig, mesh: Mesh, qcfg: QwenConfig) -> None:
-    local_prompt_count(cfg.rollout.prompts_per_step, jax.process_count())
+def preflight(cfg: RunConfig, mesh: Mesh, qcfg: QwenConfig, devices: Optional[list] = None) -> None:
+    """Checks before any compile; `devices` (default: this run's) are those the mesh must cover."""
+    devices = jax.devices() if devices is None else devices
+    local_prompt_count(cfg.rollout.prompts_per_step, len({d.process_index for d in devices}))
     rows = rows_per_step(cfg)
     validate_plan(mesh, ModelDims.from_config(qcfg), rollout_batch=rows,
                   train_micro_batch=rows // micro_batches(cfg, mesh), rollout_style=cfg.rollout.sharding,
-                  device_count=len(jax.devices()))
+                  device_count=len(devices))
     check_lengths(cfg, qcfg)
+
+
+@dataclass
+class Inputs:
+    """What a run reads before any device work: every check of the config against them is done."""
+
+    tokenizer: Any
+    qcfg: QwenConfig
+    task: Any
+    rewards: dict[str, tuple[Any, float]]
+    prompt_ids: dict[str, list[int]]
+
+
+def check_inputs(cfg: RunConfig, registry: Registry, process_index: int = 0, process_count: int = 1) -> Inputs:
+    """Tokenizer, model config, task data, reward functions and every prompt, checked against
+    the config (no device is touched: `--print-config` runs this too)."""
+    tokenizer = build_tokenizer(cfg)
+    qcfg = model_config(cfg, tokenizer)
+    check_tokenizer_fits(qcfg, tokenizer)
+    check_lengths(cfg, qcfg)
+    task = from_plugin(registry, "task", cfg.task.name, cfg.task.options, "task.options", seed=cfg.task.seed,
+                       process_index=process_index, process_count=process_count)
+    rewards = {name: (from_plugin(registry, "reward", name, cfg.task.reward_options.get(name, {}),
+                                  f"task.reward_options.{name}"), float(weight))
+               for name, weight in cfg.task.rewards.items()}
+    return Inputs(tokenizer, qcfg, task, rewards, check_prompts(cfg, tokenizer, task, process_count))
 
 
 def build_components(cfg: RunConfig, registry: Registry) -> Components:
     layout = setup_processes(cfg.mesh)
     resolved = build_mesh_from_config(cfg.mesh, registry.mesh)
-    tokenizer = build_tokenizer(cfg)
-    qcfg = model_config(cfg, tokenizer)
-    check_tokenizer_fits(qcfg, tokenizer)
-    preflight(cfg, resolved.mesh, qcfg)
-    rules = resolved.strategy.param_rules
-    task = from_plugin(registry, "task", cfg.task.name, cfg.task.options, "task.options", seed=cfg.task.seed,
-                        process_index=layout.process_index, process_count=layout.process_count)
-    rewards = {name: (from_plugin(registry, "reward", name, cfg.task.reward_options.get(name, {}),
-                                   f"task.reward_options.{name}"), float(weight))
-               for name, weight in cfg.task.rewards.items()}
-    check_first_prompts(cfg, tokenizer, task)
+    inputs = check_inputs(cfg, registry, layout.process_index, layout.process_count)
+    preflight(cfg, resolved.mesh, inputs.qcfg)
+    tokenizer = inputs.tokenizer
     return Components(
-        cfg=cfg, layout=layout, mesh=resolved.mesh, param_rules=rules, tokenizer=tokenizer,
-        model=build_model(cfg, qcfg, resolved.mesh, resolved.strategy), task=task, rewards=rewards,
+        cfg=cfg, layout=layout, mesh=resolved.mesh, param_rules=resolved.strategy.param_rules, tokenizer=tokenizer,
+        model=build_model(cfg, inputs.qcfg, resolved.mesh, resolved.strategy), task=inputs.task,
+        rewards=inputs.rewards,
         logps_impl=from_plugin(registry, "loss", cfg.loss.impl, cfg.loss.options, "loss.options"),
         rollout=from_plugin(registry, "rollout", cfg.rollout.backend, cfg.rollout.options, "rollout.options"),
-        sampling=sampling_params(cfg, tokenizer), eval_sampling=sampling_params(cfg, tokenizer, for_eval=True))
+        sampling=sampling_params(cfg, tokenizer), eval_sampling=sampling_params(cfg, tokenizer, for_eval=True),
+        prompt_ids=inputs.prompt_ids)
 
 
 def check_run_dir(cfg: RunConfig) -> None:

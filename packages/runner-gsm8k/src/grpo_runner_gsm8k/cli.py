@@ -5,6 +5,8 @@
     grpo-run plugins                                     list every registered plugin
 
 Bad input prints one line to stderr and exits 2; `--debug` shows the traceback.
+SIGTERM or SIGINT during training finishes the step in progress, saves a checkpoint, prints
+one line and exits 128 + the signal number (143, 130); the same command continues the run.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import warnings
 from typing import Callable
 
 from grpo_core.errors import UserError
+from grpo_runner_gsm8k.preemption import Stopped
 
 EXIT_BAD_INPUT = 2
 
@@ -40,6 +43,9 @@ def train_parser() -> argparse.ArgumentParser:
                         help="AOT-compile rollout and train step with abstract inputs and print per-device memory")
     parser.add_argument("--sweep", metavar="FIELD",
                         help="with --plan: find the largest value of FIELD that fits (micro_batch_size_per_device)")
+    parser.add_argument("--target", metavar="SLICE",
+                        help="with --plan: compile for this TPU slice (v6e-8, v4-16, v5e-4, or v6e:4x4) with the "
+                             "TPU compiler, on any host (needs the tpu extra)")
     parser.add_argument("--capacity-gib", type=float, metavar="GIB",
                         help="with --plan: device memory budget to plan against (default: what the device reports)")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value",
@@ -68,10 +74,13 @@ def _load(args: argparse.Namespace):
 def _train(cfg, args: argparse.Namespace) -> int:
     from grpo_core.registry import default_registry
 
+    if not args.plan and (args.target or args.sweep):
+        raise UserError(f"{'--target' if args.target else '--sweep'} only applies to --plan; add --plan")
     if args.plan:
         from grpo_runner_gsm8k.plan import plan_command
 
-        return plan_command(cfg, default_registry(), sweep=args.sweep, capacity_gib=args.capacity_gib)
+        return plan_command(cfg, default_registry(), sweep=args.sweep, capacity_gib=args.capacity_gib,
+                            target=args.target)
     from grpo_runner_gsm8k.loop import train
 
     train(cfg, default_registry(), resume=args.resume)
@@ -83,6 +92,10 @@ def _train_command(argv: list[str]) -> int:
     cfg = _load(args)
     if args.print_config:
         from grpo_core.config_io import config_to_yaml
+        from grpo_core.registry import default_registry
+        from grpo_runner_gsm8k.build import check_inputs
+
+        check_inputs(cfg, default_registry())  # every check a run makes before device work
 
         print(config_to_yaml(cfg), end="")
         return 0
@@ -123,6 +136,9 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     try:
         return run(argv)
+    except Stopped as exc:
+        print(f"grpo-run: {exc}", file=sys.stderr)
+        return exc.exit_code
     except UserError as exc:
         if "--debug" in argv:
             traceback.print_exc()

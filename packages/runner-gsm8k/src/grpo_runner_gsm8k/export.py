@@ -4,11 +4,17 @@ directory (config.json, safetensors, tokenizer) that `transformers` loads.
 The model is rebuilt from the checkpoint alone (its resolved config and the model's HF
 config are saved with it), abstractly, and filled with the checkpoint's params on one
 host device; nothing is compiled and no mesh is needed.
+
+`--out` must be new or empty; `--force` writes into a non-empty directory, replacing files
+of the same name, but never deletes or shadows weights it did not write: the files an
+export writes are listed in `<out>/.grpo-export.json`, and weight files not listed there
+make even `--force` stop (a base model's directory is never overwritten by mistake).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 from typing import Any, Optional
 
@@ -18,6 +24,8 @@ from jax.sharding import SingleDeviceSharding
 
 from grpo_core.errors import UserError
 from grpo_core.models import QwenConfig, QwenModel, export_pretrained, init_from_config
+from grpo_core.models.checkpoint import INDEX_FILE
+from grpo_core.models.config import SUPPORTED_DTYPES
 
 from grpo_runner_gsm8k.build import build_tokenizer
 from grpo_runner_gsm8k.checkpoint import (checkpoint_dir, complete_steps, saved_meta, saved_params,
@@ -30,6 +38,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--run-dir", required=True, help="the run's logging.dir (holds checkpoints/)")
     parser.add_argument("--out", required=True, help="directory to write the HF model to")
     parser.add_argument("--step", type=int, help="checkpoint step to export (default: the newest)")
+    parser.add_argument("--force", action="store_true",
+                        help="write into a non-empty --out (same-named files are replaced)")
+    parser.add_argument("--dtype", choices=SUPPORTED_DTYPES,
+                        help="dtype of the written weights (default: the model's torch_dtype)")
     return parser
 
 
@@ -59,20 +71,61 @@ def load_policy(run_dir: Path, step: int) -> tuple[QwenModel, Any]:
     """The policy model of checkpoint `step` (params on one device) and the run's tokenizer."""
     cfg = saved_run_config(run_dir, step)
     qcfg = QwenConfig.from_hf_dict(saved_meta(run_dir, step)["model_config"])
-    abstract = nnx.eval_shape(lambda: init_from_config(qcfg, dtype=cfg.model.dtype))
+    abstract = nnx.eval_shape(lambda: init_from_config(qcfg, dtype=cfg.model.param_dtype))
     graphdef, shapes = nnx.split(abstract)
     on_host = SingleDeviceSharding(_host_device())
     target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=on_host), shapes)
     return nnx.merge(graphdef, saved_params(run_dir, step, target)), build_tokenizer(cfg)
 
 
-def export_run(run_dir: str | Path, out_dir: str | Path, step: Optional[int] = None) -> int:
-    """Writes checkpoint `step` (default: the newest) of `run_dir` to `out_dir`; returns the step."""
-    run_dir = Path(run_dir)
+MANIFEST = ".grpo-export.json"
+
+
+def _is_weight_file(name: str) -> bool:
+    """What the HF exporter replaces or removes in its output directory."""
+    return name == INDEX_FILE or (name.startswith("model") and name.endswith(".safetensors"))
+
+
+def _previous_export(out: Path) -> set[str]:
+    try:
+        return set(json.loads((out / MANIFEST).read_text())["files"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return set()
+
+
+def _stats(out: Path) -> dict[str, tuple[int, int]]:
+    """name -> (mtime, size) of the files in `out`: what an export changed is what it wrote."""
+    return {p.name: (p.stat().st_mtime_ns, p.stat().st_size) for p in out.iterdir()} if out.is_dir() else {}
+
+
+def check_out_dir(out: Path, force: bool) -> None:
+    """--out is new or empty; with --force it may hold files, but no weights of another origin."""
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {str(out)!r} is a file; give a directory")
+    present = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    if present and not force:
+        raise UserError(f"--out {str(out)!r} is not empty (holds {', '.join(present[:3])}"
+                        f"{', ...' if len(present) > 3 else ''}); choose a new or empty directory, or pass --force "
+                        "to write into it")
+    foreign = [name for name in present if _is_weight_file(name) and name not in _previous_export(out)]
+    if foreign:
+        raise UserError(f"--out {str(out)!r} holds weights this export did not write ({', '.join(foreign[:3])}), "
+                        "which exporting there would replace; choose another --out or move those files away")
+
+
+def export_run(run_dir: str | Path, out_dir: str | Path, step: Optional[int] = None, force: bool = False,
+               dtype: Optional[str] = None) -> int:
+    """Writes checkpoint `step` (default: the newest) of `run_dir` to `out_dir` in `dtype`
+    (default: the model's torch_dtype; the stored float32 masters are rounded to it); returns the step."""
+    run_dir, out_dir = Path(run_dir), Path(out_dir)
     step = pick_step(run_dir, step)
+    check_out_dir(out_dir, force)
+    before = _stats(out_dir)
     model, tokenizer = load_policy(run_dir, step)
     try:
-        export_pretrained(model, out_dir, tokenizer)
+        export_pretrained(model, out_dir, tokenizer, dtype=dtype or model.config.torch_dtype)
+        written = sorted(name for name, stat in _stats(out_dir).items() if before.get(name) != stat)
+        (out_dir / MANIFEST).write_text(json.dumps({"files": [n for n in written if n != MANIFEST]}, indent=1))
     except OSError as exc:
         raise UserError(f"--out {str(out_dir)!r}: cannot write the model ({exc.strerror}); "
                         "choose a writable directory") from None
@@ -81,6 +134,6 @@ def export_run(run_dir: str | Path, out_dir: str | Path, step: Optional[int] = N
 
 def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
-    step = export_run(args.run_dir, args.out, args.step)
+    step = export_run(args.run_dir, args.out, args.step, force=args.force, dtype=args.dtype)
     print(f"exported step {step} of {args.run_dir} to {args.out}")
     return 0

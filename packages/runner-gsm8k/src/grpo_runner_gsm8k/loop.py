@@ -20,17 +20,22 @@ from flax import nnx
 
 from grpo_core.config import RunConfig
 from grpo_core.config_io import config_to_dict, config_to_yaml
+from grpo_core.models.precision import compute_params, needs_cast
+from grpo_core.models.qwen import resolve_dtype
 from grpo_core.registry import Registry
 from grpo_losses import compute_advantages
 from grpo_meshes import train_batch_sharding
 from grpo_rollout.result import RolloutResult
 
 from grpo_runner_gsm8k.build import (Components, build_components, check_run_dir, loss_config_for_run,
-                                     micro_batches, prepare_run_dir, prompt_token_ids)
-from grpo_runner_gsm8k.checkpoint import Checkpointer, resume_step, truncate_metrics
+                                     micro_batches, prepare_run_dir, prompt_token_ids,
+                                     warn_if_updates_round_away)
+from grpo_runner_gsm8k.checkpoint import Checkpointer, resume_steps, truncate_metrics
+from grpo_runner_gsm8k.lock import RunDirLock
 from grpo_runner_gsm8k.metrics import MetricsLogger
 from grpo_runner_gsm8k.multihost import gather_objects, host_array, local_prompt_count
-from grpo_runner_gsm8k.optim import build_optimizer, learning_rate_schedule
+from grpo_runner_gsm8k.optim import build_optimizer, learning_rate_schedule, moment_dtype
+from grpo_runner_gsm8k.preemption import StopRequest
 from grpo_runner_gsm8k.rewards import score
 from grpo_runner_gsm8k.step import UpdateBatch, completion_logps, make_update
 
@@ -48,7 +53,10 @@ class TrainState:
 
 
 def tokenize_prompts(c: Components, examples: list) -> list[list[int]]:
-    return prompt_token_ids(c.cfg, c.tokenizer, c.task.use_chat_template, examples)
+    """Token ids of the prompts: from the ids checked at start where there are, else tokenized now."""
+    unseen = [ex for ex in examples if ex.id not in c.prompt_ids]
+    fresh = iter(prompt_token_ids(c.cfg, c.tokenizer, c.task.use_chat_template, unseen) if unseen else ())
+    return [c.prompt_ids[ex.id] if ex.id in c.prompt_ids else next(fresh) for ex in examples]
 
 
 def decode_completions(c: Components, result: RolloutResult) -> list[str]:
@@ -70,31 +78,52 @@ class Trainer:
     def __init__(self, cfg: RunConfig, registry: Registry, resume: bool = False):
         self.cfg = cfg
         check_run_dir(cfg)  # bad input fails before anything is built or written
-        start = resume_step(cfg, required=resume)
+        candidates = resume_steps(cfg, required=resume)
+        warn_if_updates_round_away(cfg)
         self.c = build_components(cfg, registry)
         self.run_dir = prepare_run_dir(cfg)
+        self.lock = RunDirLock(self.run_dir)
+        if self.c.layout.process_index == 0:  # the processes of one multi-host run share the directory
+            self.lock.acquire()
+        try:
+            self._build_training(cfg, candidates)
+        except BaseException:
+            self.lock.release()
+            raise
+
+    def _build_training(self, cfg: RunConfig, candidates: list[int]) -> None:
         self.loss_cfg = loss_config_for_run(cfg)
         self.prompts_per_process = local_prompt_count(cfg.rollout.prompts_per_step, self.c.layout.process_count)
-        self.optimizer = build_optimizer(cfg.train)
+        self.optimizer = build_optimizer(cfg.train, moment_dtype(cfg))
         self.lr_at = learning_rate_schedule(cfg.train)
         self.graphdef, params = nnx.split(self.c.model)
-        self.ref_params = jax.tree.map(jnp.copy, params) if cfg.loss.beta > 0 else None
+        self.compute_dtype = resolve_dtype(cfg.model.dtype)
+        self.cast = jax.jit(compute_params, static_argnums=1)
+        # The frozen reference is only ever run forward: stored in the compute dtype.
+        self.ref_params = jax.tree.map(jnp.copy, self.forward_params(params)) if cfg.loss.beta > 0 else None
         self.state = TrainState(params, self.optimizer.init(params), jax.random.key(cfg.train.seed))
         self.update = make_update(self.graphdef, self.c.logps_impl, self.loss_cfg, self.optimizer,
-                                  cfg.rollout.temperature, micro_batches(cfg, self.c.mesh))
+                                  cfg.rollout.temperature, micro_batches(cfg, self.c.mesh), self.compute_dtype)
         self.logps = jax.jit(completion_logps, static_argnums=(0, 2, 6, 7))
         self.train_sharding = train_batch_sharding(self.c.mesh)
         self.row_sharding = train_batch_sharding(self.c.mesh, ndim=1)
         self.checkpoints = Checkpointer(self.run_dir, cfg.checkpoint)
-        if start is not None:
-            self.restore(start)
+        if candidates:
+            self.restore(candidates)
+
+    def forward_params(self, params):
+        """`params` in the compute dtype: one copy of the float32 masters per call (the
+        rollout's decode reads it at every token: half the bytes of the masters), or the
+        params themselves when they are stored in that dtype."""
+        return self.cast(params, self.compute_dtype) if needs_cast(params, self.compute_dtype) else params
 
     # ---- one step -------------------------------------------------------------
     def step(self) -> dict:
         start = time.monotonic()
         self.state.key, key = jax.random.split(self.state.key)
         examples = gather_objects(self.c.task.train_batch(self.prompts_per_process))
-        result = rollout(self.c, self.state.params, self.graphdef, examples, key, self.c.sampling)
+        weights = self.forward_params(self.state.params)
+        result = rollout(self.c, weights, self.graphdef, examples, key, self.c.sampling)
         jax.block_until_ready(result.completion_ids)
         rollout_s = time.monotonic() - start
 
@@ -105,7 +134,8 @@ class Trainer:
         reward_s = time.monotonic() - reward_start
 
         update_start = time.monotonic()
-        batch = self.update_batch(result, advantages)
+        batch = self.update_batch(result, advantages, weights)
+        del weights  # freed before the update, which casts the masters inside its own jit
         train_metrics = self.run_updates(batch)
         update_s = time.monotonic() - update_start
 
@@ -115,7 +145,8 @@ class Trainer:
         return self.step_metrics(result, scores, advantages, train_metrics,
                                  dict(rollout_s=rollout_s, reward_s=reward_s, update_s=update_s, step_s=step_s))
 
-    def update_batch(self, result: RolloutResult, advantages) -> UpdateBatch:
+    def update_batch(self, result: RolloutResult, advantages, weights) -> UpdateBatch:
+        """The update's inputs; `weights` (the rollout's compute-dtype params) score old log-probs."""
         trimmed = self.c.rollout.trim(result)
         width = trimmed.prompt_width
         put = lambda x: jax.device_put(x, self.train_sharding)  # noqa: E731
@@ -123,7 +154,7 @@ class Trainer:
         targets = put(trimmed.input_ids[:, width:])
         keep = put(np.asarray(advantages.keep, np.float32)[:, None])  # host values: the same on every process
         loss_mask = put(trimmed.completion_mask[:, width:]) * keep
-        old_logp = self.old_logps(trimmed, input_ids, attention_mask, targets, width)
+        old_logp = self.old_logps(trimmed, weights, input_ids, attention_mask, targets, width)
         ref_logp = None
         if self.ref_params is not None:
             ref_logp = self.logps(self.graphdef, self.ref_params, self.c.logps_impl, input_ids, attention_mask,
@@ -131,13 +162,13 @@ class Trainer:
         return UpdateBatch(input_ids, attention_mask, targets, loss_mask, jax.device_put(np.asarray(advantages.advantages), self.row_sharding),
                            old_logp, ref_logp, prompt_width=width)
 
-    def old_logps(self, trimmed, input_ids, attention_mask, targets, width) -> Optional[jax.Array]:
+    def old_logps(self, trimmed, weights, input_ids, attention_mask, targets, width) -> Optional[jax.Array]:
         """Sampler log-probs when asked; None (exactly on-policy) for a single epoch; else one forward."""
         if self.cfg.rollout.use_sampler_logps:
             return jax.device_put(trimmed.sampler_logps[:, width:], self.train_sharding)
         if self.cfg.train.ppo_epochs == 1:
             return None  # params do not change before the only update: ratio is exactly 1
-        return self.logps(self.graphdef, self.state.params, self.c.logps_impl, input_ids, attention_mask,
+        return self.logps(self.graphdef, weights, self.c.logps_impl, input_ids, attention_mask,
                           targets, width, self.cfg.rollout.temperature)
 
     def run_updates(self, batch: UpdateBatch) -> dict:
@@ -166,7 +197,7 @@ class Trainer:
         out.update({
             "train-other/loss": train["loss"], "train-other/grad_norm": train["grad_norm"],
             "train-other/clip_frac_low": train["clip_frac_low"], "train-other/clip_frac_high": train["clip_frac_high"],
-            "train-other/ratio_mean": train["ratio_mean"],
+            "train-other/ratio_mean": train["ratio_mean"], "train-other/update_ratio": train["update_ratio"],
             "train-other/entropy": train.get("entropy_mean", float("nan")),
             "train-other/kl": train.get("kl_mean", 0.0),
             "train-other/lr": float(self.lr_at(self.state.step - 1)),
@@ -183,7 +214,8 @@ class Trainer:
         examples = gather_objects(self.c.task.test_examples(self.cfg.eval.num_questions))
         n = self.c.eval_sampling.n
         self.state.key, key = jax.random.split(self.state.key)
-        result = rollout(self.c, self.state.params, self.graphdef, examples, key, self.c.eval_sampling)
+        result = rollout(self.c, self.forward_params(self.state.params), self.graphdef, examples, key,
+                         self.c.eval_sampling)
         correctness = self.c.rewards.get("correctness") or next(iter(self.c.rewards.values()))
         answers = [ex.answer for ex in examples for _ in range(n)]
         correct = score({"correctness": (correctness[0], 1.0)}, decode_completions(self.c, result), answers)
@@ -202,9 +234,10 @@ class Trainer:
         self.checkpoints.save(self.state, self.c.task.state(), self.c.model.config.to_hf_dict(),
                               config_to_dict(self.cfg))
 
-    def restore(self, step: int) -> None:
-        """Continues from checkpoint `step`: params, optimizer, RNG key, counters, data position."""
-        self.checkpoints.restore(step, self.state, self.c.task, self.c.mesh)
+    def restore(self, candidates: list[int]) -> None:
+        """Continues from the newest readable of `candidates`: params, optimizer, RNG key,
+        counters, data position."""
+        step = self.checkpoints.restore_newest(candidates, self.state, self.c.task, self.c.mesh)
         print(f"resumed from step {step} of {self.checkpoints.directory}", file=sys.stderr)
 
     # ---- the job -----------------------------------------------------------------
@@ -215,19 +248,39 @@ class Trainer:
             truncate_metrics(self.run_dir / "metrics.jsonl", self.state.step)
         logger = MetricsLogger(self.cfg.logging, self.run_dir, self.cfg.train.steps, config_to_dict(self.cfg),
                                is_main_process=is_main)
-        metrics: dict = {}
         try:
-            while self.state.step < self.cfg.train.steps:
-                metrics = self.step()
-                if self.eval_due():
-                    metrics.update(self.evaluate())
-                logger.log(self.state.step, metrics)
-                if self.checkpoints.due(self.state.step, self.cfg.train.steps):
-                    self.save()
+            with StopRequest() as stop:
+                metrics = self.train_steps(logger, stop)
         finally:
             logger.close()
-            self.checkpoints.close()  # a save in flight completes before the process exits
+            try:
+                self.checkpoints.close()  # a save in flight completes before the process exits
+            finally:
+                self.lock.release()
+        if is_main:
+            logger.summary(metrics, self.last_checkpoint())
         return metrics
+
+    def train_steps(self, logger: MetricsLogger, stop: StopRequest) -> dict:
+        """Steps until train.steps, or until a signal: then the step in progress ends, is saved,
+        and `Stopped` is raised (see preemption.py)."""
+        metrics: dict = {}
+        while self.state.step < self.cfg.train.steps:
+            metrics = self.step()
+            if self.eval_due():
+                metrics.update(self.evaluate())
+            logger.log(self.state.step, metrics)
+            self.checkpoints.check()
+            stopping = stop.agreed()
+            if stopping or self.checkpoints.due(self.state.step, self.cfg.train.steps):
+                self.save()
+            if stopping and self.state.step < self.cfg.train.steps:  # a signal after the last step changes nothing
+                self.checkpoints.close()  # the stop message promises a complete checkpoint
+                raise stop.stopped(self.state.step, self.cfg.train.steps, self.last_checkpoint())
+        return metrics
+
+    def last_checkpoint(self) -> str:
+        return str(self.checkpoints.directory / str(self.state.step))
 
 
 def memory_metrics() -> dict:

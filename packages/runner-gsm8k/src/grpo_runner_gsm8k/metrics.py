@@ -44,6 +44,13 @@ class Progress:
         return (f"step {step}/{self.total} reward {reward:.3f} tok/s {tok_s:.0f}{acc_text} "
                 f"elapsed {elapsed:.0f}s eta {eta:.0f}s")
 
+    def summary(self, metrics: dict, run_dir: Path, last_checkpoint: str) -> None:
+        acc = metrics.get("eval/accuracy")
+        acc_text = f"{acc:.3f}" if acc is not None else "n/a (eval.every_steps is 0)"
+        self.stream.write(f"done: final eval accuracy {acc_text}, wall time {time.monotonic() - self.start:.0f}s, "
+                          f"run dir {run_dir}, last checkpoint {last_checkpoint}\n")
+        self.stream.flush()
+
     def update(self, step: int, metrics: dict) -> None:
         if self.tty:
             width = 20
@@ -84,6 +91,10 @@ class MetricsLogger:
         if self.wandb_run is not None:
             self.wandb_run.log({k: v for k, v in record.items() if k != "step"}, step=step)
         self.progress.update(step, record)
+
+    def summary(self, metrics: dict, last_checkpoint: str) -> None:
+        """One closing line: final eval accuracy, wall time, run directory, last checkpoint."""
+        self.progress.summary(metrics, self.run_dir, last_checkpoint)
 
     def close(self) -> None:
         if self.jsonl is not None:

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Any, Optional
+
+import jax.numpy as jnp
 import optax
 
-from grpo_core.config import TrainConfig
+from grpo_core.config import RunConfig, TrainConfig
+from grpo_core.models.precision import cast_floating
 
 
 def learning_rate_schedule(cfg: TrainConfig) -> optax.Schedule:
@@ -30,8 +34,29 @@ def _base_optimizer(cfg: TrainConfig, lr: optax.Schedule) -> optax.GradientTrans
     return optax.sgd(lr)
 
 
-def build_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
-    """Clip by global norm (when set), then the configured optimizer with its schedule."""
+def with_moment_dtype(inner: optax.GradientTransformation, dtype: Any) -> optax.GradientTransformation:
+    """`inner` with its floating state (the moments) kept in `dtype`: float32 gradients
+    would otherwise promote bfloat16 moments, and the state's dtype would change."""
+
+    def init(params):
+        return cast_floating(inner.init(params), dtype)
+
+    def update(updates, state, params=None):
+        updates, state = inner.update(updates, state, params)
+        return updates, cast_floating(state, dtype)
+
+    return optax.GradientTransformation(init, update)
+
+
+def moment_dtype(cfg: RunConfig) -> str:
+    """train.moment_dtype, defaulting to the params' storage dtype."""
+    return cfg.train.moment_dtype or cfg.model.param_dtype
+
+
+def build_optimizer(cfg: TrainConfig, moments: Optional[str] = None) -> optax.GradientTransformation:
+    """Clip by global norm (when set), then the configured optimizer with its schedule;
+    its moments in the `moments` dtype when given."""
     lr = learning_rate_schedule(cfg)
     parts = [optax.clip_by_global_norm(cfg.max_grad_norm)] if cfg.max_grad_norm else []
-    return optax.chain(*parts, _base_optimizer(cfg, lr))
+    optimizer = optax.chain(*parts, _base_optimizer(cfg, lr))
+    return optimizer if moments is None else with_moment_dtype(optimizer, jnp.dtype(moments))

@@ -139,6 +139,8 @@ def main(argv: list[str]) -> int:
     run_dir = Path(args.run_dir)
     records = read_metrics(run_dir / "metrics.jsonl")
     out = Path(args.out) if args.out else run_dir / "report.png"
+    if out.suffix.lower() != ".png":
+        raise UserError(f"--out {str(out)!r}: the report is a PNG image; give a path ending in .png")
     if not out.parent.is_dir():
         raise UserError(f"--out {str(out)!r}: directory {str(out.parent)!r} does not exist; create it first")
     build_figure(records, run_dir.resolve().name).savefig(out, dpi=DPI)

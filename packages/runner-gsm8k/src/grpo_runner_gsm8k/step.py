@@ -4,7 +4,12 @@ One call = one optimizer update over the whole rollout batch:
     grads = sum_k grad(numerator_k) / sum_k denominator_k
 which is the gradient of the big-batch loss for every aggregation, because the
 denominators depend on the masks only (see grpo_losses.objective). A non-finite
-loss or gradient leaves params and optimizer state untouched.
+loss or gradient, or an update that would make a param non-finite, leaves params and
+optimizer state untouched.
+
+Precision: the forward and backward run on the params cast to `compute_dtype`
+(grpo_core.models.precision); the gradients of the stored params (float32 masters)
+are summed over micro-batches in float32.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import optax
 from flax import nnx, struct
 
 from grpo_core.config import LossConfig
+from grpo_core.models.precision import compute_params, update_ratio
 from grpo_losses import LossMetrics, finalize_loss, grpo_loss, per_token_logps
 
 
@@ -78,16 +84,26 @@ def _merge_stacked(stacked: LossMetrics, count: int) -> LossMetrics:
     return functools.reduce(LossMetrics.merge, parts)
 
 
+def _all_finite(tree) -> jax.Array:
+    return functools.reduce(jnp.logical_and, [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)])
+
+
 def _where_tree(pred, new, old):
     return jax.tree.map(lambda a, b: jnp.where(pred, a, b), new, old)
 
 
+def _add_f32(total, g):
+    return total + g.astype(jnp.float32)
+
+
 def make_update(graphdef: nnx.GraphDef, impl: Any, loss_cfg: LossConfig, optimizer: optax.GradientTransformation,
-                temperature: float, micro_batches: int):
-    """A jitted `update(params, opt_state, batch) -> (params, opt_state, metrics)`."""
+                temperature: float, micro_batches: int, compute_dtype: Any = None):
+    """A jitted `update(params, opt_state, batch) -> (params, opt_state, metrics)`; the forward
+    and backward run in `compute_dtype` (None: the params' own dtype)."""
 
     def micro_numerator(params, mb: UpdateBatch):
-        hidden, lm_head = completion_hidden(graphdef, params, mb.input_ids, mb.attention_mask, mb.prompt_width)
+        weights = compute_params(params, compute_dtype)  # differentiable: grads come back to params' dtype
+        hidden, lm_head = completion_hidden(graphdef, weights, mb.input_ids, mb.attention_mask, mb.prompt_width)
         out = grpo_loss(impl, hidden, lm_head, mb.targets, mb.loss_mask, mb.advantages, mb.old_logp,
                         mb.ref_logp, loss_cfg, temperature=temperature)
         return out.numerator, (out.denominator, out.metrics)
@@ -97,9 +113,9 @@ def make_update(graphdef: nnx.GraphDef, impl: Any, loss_cfg: LossConfig, optimiz
     def accumulate(params, batch: UpdateBatch):
         def body(grads, mb):
             (num, (den, metrics)), g = grad_fn(params, mb)
-            return jax.tree.map(jnp.add, grads, g), (num, den, metrics)
+            return jax.tree.map(_add_f32, grads, g), (num, den, metrics)
 
-        zeros = jax.tree.map(jnp.zeros_like, params)
+        zeros = jax.tree.map(lambda p: jnp.zeros_like(p, dtype=jnp.float32), params)
         grads, (nums, dens, metrics) = jax.lax.scan(body, zeros, _split_micro(batch, micro_batches))
         return grads, jnp.sum(nums), jnp.sum(dens), _merge_stacked(metrics, micro_batches)
 
@@ -109,11 +125,13 @@ def make_update(graphdef: nnx.GraphDef, impl: Any, loss_cfg: LossConfig, optimiz
         grads = jax.tree.map(lambda g: g / jnp.maximum(denominator, 1.0), grads)
         loss = finalize_loss(numerator, denominator)
         grad_norm = optax.tree.norm(grads)
-        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         updates, new_opt_state = optimizer.update(grads, opt_state, params)
         new_params = optax.apply_updates(params, updates)
+        # A finite gradient can still overflow the params (e.g. a huge lr): refuse that update too.
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & _all_finite(new_params)
+        new_params = _where_tree(finite, new_params, params)
         out = {"loss": loss, "grad_norm": grad_norm, "skipped": (~finite).astype(jnp.float32),
-               **metrics.summary()}
-        return _where_tree(finite, new_params, params), _where_tree(finite, new_opt_state, opt_state), out
+               "update_ratio": update_ratio(new_params, params), **metrics.summary()}
+        return new_params, _where_tree(finite, new_opt_state, opt_state), out
 
     return update

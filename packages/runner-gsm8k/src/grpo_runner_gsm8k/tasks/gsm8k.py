@@ -8,6 +8,7 @@ file pattern (jsonl or parquet) or, when `path` is empty, from the HF Hub.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,13 +39,20 @@ class Gsm8kOptions:
         True, "Render prompts with the tokenizer's chat template (false: the raw question).")
 
 
+NUMBER = re.compile(r"-?(?:\d+\.?\d*|\.\d+)")  # "72", "-3", "0.5", "1200" (commas removed)
+
+
 def final_answer(solution: str) -> str:
     """The reference answer of a GSM8K solution: the text after `####`, without
     thousands commas ("#### 1,200" -> "1200")."""
     if "####" not in solution:
         raise ValueError(f"GSM8K answer has no '####' marker: {solution[-120:]!r}; every answer must end "
                          f"in '#### <number>' (check that the data has the GSM8K 'answer' field)")
-    return solution.rsplit("####", 1)[1].strip().replace(",", "")
+    answer = solution.rsplit("####", 1)[1].strip().replace(",", "")
+    if not NUMBER.fullmatch(answer):
+        raise ValueError(f"GSM8K answer {answer!r} after '####' is not a number: {solution[-120:]!r}; every answer "
+                         "must end in '#### <number>'")
+    return answer
 
 
 # ---------------------------------------------------------------- loading rows
@@ -104,13 +112,28 @@ def _read_hub(dataset: str, config: str, split: str) -> list[dict[str, Any]]:
     return datasets.load_dataset(dataset, config, split=split).to_list()
 
 
-def _examples(rows: list[dict[str, Any]], split: str, instruction: str) -> list[Example]:
+def _check_row(row: Any, split: str, i: int) -> None:
+    if not isinstance(row, dict):
+        raise ValueError(f"gsm8k {split} row {i} is a {type(row).__name__}, not an object with 'question' and "
+                         "'answer'; fix or remove the row")
+    if "question" not in row or "answer" not in row:
+        raise ValueError(f"gsm8k {split} row {i} lacks 'question' or 'answer' (fields: {sorted(row)})")
+    for name in ("question", "answer"):
+        if not isinstance(row[name], str):
+            raise ValueError(f"gsm8k {split} row {i}: '{name}' is {type(row[name]).__name__} {row[name]!r:.60}, "
+                             "not a string; fix or remove the row")
+
+
+def _examples(rows: list[Any], split: str, instruction: str) -> list[Example]:
     examples = []
     for i, row in enumerate(rows):
-        if "question" not in row or "answer" not in row:
-            raise ValueError(f"gsm8k {split} row {i} lacks 'question' or 'answer' (fields: {sorted(row)})")
+        _check_row(row, split, i)
+        try:
+            answer = final_answer(row["answer"])
+        except ValueError as exc:
+            raise ValueError(f"gsm8k {split} row {i}: {exc}") from None
         question = f"{row['question'].strip()}\n\n{instruction}" if instruction else row["question"].strip()
-        examples.append(Example(question, final_answer(row["answer"]), f"gsm8k/{split}/{i}"))
+        examples.append(Example(question, answer, f"gsm8k/{split}/{i}"))
     return examples
 
 
@@ -142,6 +165,10 @@ class Gsm8kTask:
 
     def train_batch(self, n: int) -> list[Example]:
         return [self.train[i] for i in self.order.take(n)]
+
+    def train_examples(self) -> list[Example]:
+        """The whole train split (so the runner checks every prompt before training)."""
+        return list(self.train)
 
     def test_examples(self, limit: int | None = None) -> list[Example]:
         if self._test is None:
