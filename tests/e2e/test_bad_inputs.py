@@ -63,6 +63,8 @@ CATALOGUE = [
     Bad("no-rewards", ("task.rewards={}",), "task.rewards is empty", "name at least one reward function"),
     Bad("options-for-unused-reward", ("task.reward_options={format: {}}",),
         "task.reward_options.format configures a reward that task.rewards does not use", "add it to task.rewards"),
+    Bad("eval-reward-not-trained-on", ("eval.reward=format",),
+        "eval.reward = 'format' is not one of task.rewards (correctness)", "weight 0 judges answers"),
     # ---- plugin names and options
     Bad("unknown-loss", ("loss.impl=fusd",), "loss.impl: unknown loss 'fusd'", "Did you mean 'fused'?"),
     Bad("unknown-mesh", ("mesh.strategy=fsdp_pt",), "mesh.strategy: unknown mesh 'fsdp_pt'", "available: auto"),

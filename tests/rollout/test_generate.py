@@ -20,7 +20,8 @@ def model(request):
 
 
 def generate(model, params, seed=0, prompts=PROMPTS):
-    return ROLLOUT.generate_from_lists(model, prompts, jax.random.key(seed), params, pad_token_id=0)
+    ROLLOUT.load_weights(model)
+    return ROLLOUT.generate(prompts, jax.random.key(seed), params, pad_token_id=0)
 
 
 def full_forward_logps(model, batch, temperature):
@@ -35,7 +36,7 @@ def test_sampler_logps_equal_full_forward_logps(model):
     params = SamplingParams(max_new_tokens=10, n=2, temperature=0.7, stop_token_ids=STOP_IDS)
     result = generate(model, params)
     assert 0 < int(result.finished.sum()) < len(result.finished)  # both kinds of rows are covered
-    batch = result.trim()
+    batch = ROLLOUT.trim(result)
     expected = full_forward_logps(model, batch, 0.7)
     mask = np.asarray(batch.completion_mask, bool)
     np.testing.assert_allclose(np.asarray(batch.sampler_logps)[mask], np.asarray(expected)[mask], atol=1e-5)
@@ -97,7 +98,8 @@ def test_pre_padded_arrays_are_refitted_to_the_bucket(model):
     ids = np.zeros((len(PROMPTS), width), np.int32)
     for row, prompt in enumerate(PROMPTS):
         ids[row, width - len(prompt):] = prompt
-    result = ROLLOUT.generate(model, ids, (ids > 0).astype(np.int32), jax.random.key(0), params, pad_token_id=0)
+    ROLLOUT.load_weights(model)
+    result = ROLLOUT.generate_padded(ids, (ids > 0).astype(np.int32), jax.random.key(0), params, pad_token_id=0)
     expected = generate(model, params)
     assert result.prompt_ids.shape[1] == 16
     np.testing.assert_array_equal(result.completion_ids, expected.completion_ids)

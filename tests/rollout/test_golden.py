@@ -25,8 +25,9 @@ def greedy_tokens(name, eos=None, decode_attention="rollout"):
     model = load_pretrained(GOLDEN / name, dtype="float32")
     params = SamplingParams(max_new_tokens=record["max_new_tokens"], greedy=True,
                             stop_token_ids=() if eos is None else (eos,))
-    result = JaxRollout(JaxRolloutOptions(decode_attention=decode_attention)).generate_from_lists(model, record["prompts"], jax.random.key(0), params,
-                                              pad_token_id=record["pad_id"])
+    rollout = JaxRollout(JaxRolloutOptions(decode_attention=decode_attention))
+    rollout.load_weights(model)
+    result = rollout.generate(record["prompts"], jax.random.key(0), params, pad_token_id=record["pad_id"])
     return np.asarray(result.completion_ids), result
 
 

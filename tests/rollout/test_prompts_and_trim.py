@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from grpo_rollout.prompts import bucket_length, check_left_padded, fit_to_bucket, left_pad, repeat_samples
-from grpo_rollout.result import RolloutResult, trim_batch, trimmed_widths
+from grpo_core.rollout_records import RolloutResult, trim_batch, trimmed_widths
 
 
 def test_left_pad_rounds_up_to_the_bucket():

@@ -17,6 +17,11 @@ ROLLOUT = JaxRollout(JaxRolloutOptions(prompt_buckets=(8,)))
 STYLES = {"legacy": ("dp", "fsdp", "tp"), "maxtext": "dp"}
 
 
+def sample(model, prompts, key, batch_sharding=None):
+    ROLLOUT.load_weights(model)
+    return ROLLOUT.generate(prompts, key, PARAMS, batch_sharding=batch_sharding)
+
+
 @pytest.fixture(scope="module")
 def mesh():
     if jax.device_count() < 8:
@@ -36,8 +41,8 @@ def models(mesh):
 def test_sharded_rollout_equals_unsharded(models, mesh, style):
     plain, sharded = models
     batch_sharding = NamedSharding(mesh, PartitionSpec(STYLES[style]))
-    expected = ROLLOUT.generate_from_lists(plain, PROMPTS, jax.random.key(7), PARAMS)
-    result = ROLLOUT.generate_from_lists(sharded, PROMPTS, jax.random.key(7), PARAMS, batch_sharding=batch_sharding)
+    expected = sample(plain, PROMPTS, jax.random.key(7))
+    result = sample(sharded, PROMPTS, jax.random.key(7), batch_sharding=batch_sharding)
     assert result.completion_ids.sharding.spec[0] == STYLES[style]
     np.testing.assert_array_equal(result.completion_ids, expected.completion_ids)
     np.testing.assert_array_equal(result.completion_mask, expected.completion_mask)
@@ -48,4 +53,4 @@ def test_sharded_rollout_equals_unsharded(models, mesh, style):
 def test_a_batch_that_does_not_split_over_the_devices_is_a_clear_error(models, mesh):
     batch_sharding = NamedSharding(mesh, PartitionSpec(STYLES["legacy"]))
     with pytest.raises(ValueError, match="multiple of 8"):
-        ROLLOUT.generate_from_lists(models[1], PROMPTS[:3], jax.random.key(0), PARAMS, batch_sharding=batch_sharding)
+        sample(models[1], PROMPTS[:3], jax.random.key(0), batch_sharding=batch_sharding)

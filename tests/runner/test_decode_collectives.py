@@ -10,7 +10,7 @@ from grpo_core.config_io import load_config
 from grpo_core.registry import default_registry
 from grpo_meshes import build_mesh_from_config
 from grpo_rollout.collectives import decode_collective_bytes_per_token
-from grpo_rollout.sampling import SamplingParams
+from grpo_core.contracts import SamplingParams
 from grpo_runner_gsm8k import plan
 
 TINY = str(Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml")

@@ -176,6 +176,8 @@ class EvalConfig:
     greedy: bool = setting(True, "Greedy decoding for accuracy.")
     n: int = setting(1, "Samples per question; pass@n is reported when > 1.", ge=1)
     max_new_tokens: Optional[int] = setting(None, "Null uses rollout.max_new_tokens.", ge=1)
+    reward: str = setting("correctness", "The reward of task.rewards that judges an answer.")
+    pass_threshold: float = setting(1.0, "An answer is correct when eval.reward gives at least this.")
 
 
 @dataclass(frozen=True)

@@ -235,10 +235,18 @@ def validate_cross_fields(cfg: RunConfig) -> None:
                           "weights gains nothing; set model.param_dtype=float32 (or model.dtype=bfloat16)")
     if not cfg.task.rewards:
         raise ConfigError("task.rewards is empty: name at least one reward function, e.g. {correctness: 1.0}")
+    check_eval_reward(cfg)
     for name in cfg.task.reward_options:
         if name not in cfg.task.rewards:
             raise ConfigError(f"task.reward_options.{name} configures a reward that task.rewards does not use; "
                               f"add it to task.rewards or remove the options")
+
+
+def check_eval_reward(cfg: RunConfig) -> None:
+    if cfg.eval.every_steps and cfg.eval.reward not in cfg.task.rewards:
+        raise ConfigError(f"eval.reward = {cfg.eval.reward!r} is not one of task.rewards "
+                          f"({', '.join(cfg.task.rewards)}); set eval.reward to one of them, or add it to "
+                          f"task.rewards (weight 0 judges answers without training on it)")
 
 
 def resolve_run_dir(cfg: RunConfig) -> RunConfig:

@@ -3,6 +3,9 @@
 A plugin is any importable module or object with functions decorated by
 `grpo_core.hookimpl`. Each hook returns a list of spec records. Hook names and
 arguments are stable: arguments are only ever added, never renamed.
+
+Every example below is a complete plugin module: `tests/e2e/test_hookspec_examples.py`
+runs one training step of the tiny config with each.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ def grpo_losses() -> list[LossSpec]:
         from dataclasses import dataclass
         import jax, jax.numpy as jnp
         from grpo_core import LossSpec, hookimpl
+        from grpo_losses import TokenLogps
 
         @dataclass(frozen=True)
         class Options:
@@ -33,12 +37,13 @@ def grpo_losses() -> list[LossSpec]:
 
         def build(options: Options):
             def token_logps(hidden, lm_head, targets, temperature=1.0, *, entropy=False):
-                from grpo_losses import TokenLogps
                 logits = jnp.einsum("bth,hv->btv", hidden, lm_head) / temperature
-                logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+                if options.upcast:
+                    logits = logits.astype(jnp.float32)
+                logp = jax.nn.log_softmax(logits, axis=-1)
                 target_logp = jnp.take_along_axis(logp, targets[..., None], -1)[..., 0]
                 ent = -jnp.sum(jnp.exp(logp) * logp, axis=-1) if entropy else None
-                return TokenLogps(target_logp, ent)
+                return TokenLogps(target_logp.astype(jnp.float32), ent)
             return token_logps
 
         @hookimpl
@@ -63,9 +68,15 @@ def grpo_meshes() -> list[MeshSpec]:
             pass
 
         class DataOnly:
+            param_rules = ()                    # every weight replicated
+            activation_rules = (("batch", "dp"),)
+
+            def mesh_shape(self, devices=None):
+                return (len(devices or jax.devices()), 1, 1)
+
             def build_mesh(self, devices=None):
                 devices = np.asarray(devices or jax.devices())
-                return Mesh(devices.reshape(-1, 1, 1), ("dp", "fsdp", "tp"))
+                return Mesh(devices.reshape(self.mesh_shape(list(devices))), ("dp", "fsdp", "tp"))
 
         @hookimpl
         def grpo_meshes():
@@ -76,26 +87,55 @@ def grpo_meshes() -> list[MeshSpec]:
 
 @hookspec
 def grpo_rollouts() -> list[RolloutSpec]:
-    """Rollout backends selectable with `rollout.backend: <name>`.
+    """Rollout backends selectable with `rollout.backend: <name>`; a backend implements
+    `grpo_core.contracts.RolloutBackend` and needs `grpo-core` alone.
 
-    Example::
+    Example (a uniform random sampler: the shape of a wrapper around another engine)::
 
+        import math
         from dataclasses import dataclass
+        import jax, jax.numpy as jnp, numpy as np
         from grpo_core import RolloutSpec, hookimpl
+        from grpo_core.rollout_records import RolloutResult, trim_batch
 
         @dataclass(frozen=True)
         class Options:
-            max_batch: int = 64
+            prompt_width: int = 64
 
-        class MyBackend:
+        class UniformSampler:
             def __init__(self, options):
-                self.options = options
-            def generate(self, model, prompt_ids, prompt_mask, key, sampling):
-                ...  # returns a rollout result record
+                self.options, self.vocab = options, None
+
+            def load_weights(self, model):
+                self.vocab = model.config.vocab_size  # an engine would copy the weights here
+
+            def release_weights(self):
+                pass
+
+            def generate(self, prompts, key, sampling, *, pad_token_id=0, batch_sharding=None):
+                rows = [list(p) for p in prompts for _ in range(sampling.n)]
+                width, new = self.options.prompt_width, sampling.max_new_tokens
+                ids = np.full((len(rows), width), pad_token_id, np.int32)
+                for i, row in enumerate(rows):
+                    ids[i, width - len(row):] = row
+                lengths = np.array([len(row) for row in rows])
+                mask = (np.arange(width) >= width - lengths[:, None]).astype(np.int32)
+                put = lambda x: x if batch_sharding is None else jax.device_put(x, batch_sharding)  # [rows, T]
+                return RolloutResult(
+                    prompt_ids=put(jnp.asarray(ids)), prompt_mask=put(jnp.asarray(mask)),
+                    completion_ids=put(jax.random.randint(key, (len(rows), new), 0, self.vocab)),
+                    completion_mask=put(jnp.ones((len(rows), new), jnp.int32)),
+                    lengths=jnp.full(len(rows), new, jnp.int32),
+                    sampler_logps=put(jnp.full((len(rows), new), -math.log(self.vocab))),
+                    finished=jnp.zeros(len(rows), bool),
+                    num_prompts=len(prompts), n=sampling.n)
+
+            def trim(self, result):
+                return trim_batch(result)
 
         @hookimpl
         def grpo_rollouts():
-            return [RolloutSpec("mine", MyBackend, Options, "My sampler")]
+            return [RolloutSpec("uniform", UniformSampler, Options, "Uniformly random tokens")]
     """
 
 
@@ -125,21 +165,38 @@ def grpo_rewards() -> list[RewardSpec]:
 
 @hookspec
 def grpo_tasks() -> list[TaskSpec]:
-    """Tasks selectable with `task.name: <name>`.
+    """Tasks selectable with `task.name: <name>`; a task implements `grpo_core.contracts.Task`.
 
     Example::
 
         from dataclasses import dataclass
         from grpo_core import TaskSpec, hookimpl
+        from grpo_core.contracts import Example
 
         @dataclass(frozen=True)
         class Options:
             size: int = 100
 
         class Echo:
-            def __init__(self, options):
-                self.rows = [{"question": f"Repeat {i}", "answer": str(i)}
-                             for i in range(options.size)]
+            use_chat_template = False
+
+            def __init__(self, options, *, seed=0, process_index=0, process_count=1):
+                numbers = range(process_index, options.size, process_count)  # this process's share
+                self.examples = [Example(f"Repeat {i}", str(i), id=f"echo/{i}") for i in numbers]
+                self.position = 0
+
+            def train_batch(self, n):
+                start, self.position = self.position, self.position + n
+                return [self.examples[i % len(self.examples)] for i in range(start, start + n)]
+
+            def test_examples(self, limit=None):
+                return self.examples[:limit]
+
+            def state(self):
+                return {"position": self.position}
+
+            def restore(self, state):
+                self.position = state["position"]
 
         @hookimpl
         def grpo_tasks():

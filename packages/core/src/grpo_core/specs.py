@@ -85,27 +85,11 @@ class MeshSpec(PluginSpec):
 
 @dataclass(frozen=True)
 class RolloutSpec(PluginSpec):
-    """A rollout backend: `factory(options) -> backend` that samples K completions
-    per prompt and returns tokens, masks and sampler log-probs.
-
-    The backend provides (see `grpo_rollout.JaxRollout`, the built-in `jax` backend):
-
-        generate_from_lists(model, prompts: list[list[int]], key, sampling, *,
-                            pad_token_id=0, batch_sharding=None) -> RolloutResult
-        generate(model, prompt_ids [P, T], prompt_mask [P, T], key, sampling, *,
-                 pad_token_id=0, batch_sharding=None) -> RolloutResult   # left-padded
-        trim(result) -> TrainBatch
-
-    `sampling` is a `grpo_rollout.SamplingParams` (max_new_tokens, n, temperature,
-    top_p, top_k, greedy, stop_token_ids, filtered_logps); `batch_sharding` is the
-    NamedSharding of the [P * n, ...] batch (dimension 0 over the data axes of the
-    mesh) or None. The RolloutResult has [P * n, ...] rows, rows p*n .. p*n+n-1 from
-    prompt p: prompt_ids/prompt_mask [N, Tp], completion_ids/completion_mask/
-    sampler_logps [N, max_new_tokens] (mask includes the stop token; logps are the
-    unfiltered log_softmax(logits / T) unless filtered_logps), lengths [N] and
-    finished [N]. `trim` joins prompt and completion into one left-padded batch cut
-    to the longest real row (input_ids, attention_mask, completion_mask,
-    sampler_logps [N, T], prompt_width)."""
+    """A rollout backend: `factory(options) -> backend` implementing
+    `grpo_core.contracts.RolloutBackend` (load_weights, release_weights, generate from
+    token-id lists, trim), with `SamplingParams` and `RolloutResult` from
+    `grpo_core.contracts` / `grpo_core.rollout_records`; the built-in `jax` backend is
+    `grpo_rollout.JaxRollout`."""
 
     kind: ClassVar[str] = "rollout"
 
@@ -121,9 +105,9 @@ class RewardSpec(PluginSpec):
 @dataclass(frozen=True)
 class TaskSpec(PluginSpec):
     """A task (dataset of prompts with reference answers):
-    `factory(options, *, seed, process_index, process_count) -> task`, where the task
-    gives `train_batch(n)`, `test_examples(limit)`, `state()`, `restore(state)` and
-    `use_chat_template` (see grpo_runner_gsm8k.tasks.base.Task)."""
+    `factory(options, *, seed, process_index, process_count) -> task` implementing
+    `grpo_core.contracts.Task` (train_batch, test_examples, state, restore,
+    use_chat_template), whose examples are `grpo_core.contracts.Example`s."""
 
     kind: ClassVar[str] = "task"
 

@@ -14,8 +14,9 @@ from jax.sharding import NamedSharding
 
 from grpo_rollout.decode import batch_spec_axes, decode, prefill
 from grpo_rollout.prompts import DEFAULT_PROMPT_BUCKETS, fit_to_bucket, left_pad, repeat_samples
-from grpo_rollout.result import DEFAULT_TRIM_BUCKET, RolloutResult, TrainBatch, trim_batch
-from grpo_rollout.sampling import DEFAULT_TOP_P_CANDIDATES, SamplingParams
+from grpo_core.rollout_records import DEFAULT_TRIM_BUCKET, RolloutResult, TrainBatch, trim_batch
+from grpo_core.contracts import SamplingParams
+from grpo_rollout.sampling import DEFAULT_TOP_P_CANDIDATES
 
 CACHE_DTYPES = (None, "float32", "bfloat16")
 DECODE_ATTENTION = ("rollout", "model")
@@ -68,32 +69,41 @@ class JaxRolloutOptions:
 
 
 class JaxRollout:
-    """Samples `sampling.n` completions per prompt with the KV-cached jitted decoder.
+    """Samples `sampling.n` completions per prompt with the KV-cached jitted decoder
+    (implements `grpo_core.contracts.RolloutBackend`).
 
     Example::
 
         rollout = JaxRollout(JaxRolloutOptions())
+        rollout.load_weights(model)
         sampling = SamplingParams(max_new_tokens=64, n=8, temperature=1.0,
                                   stop_token_ids=(tokenizer.eos_token_id,))
-        result = rollout.generate_from_lists(model, token_lists, jax.random.key(0), sampling,
-                                             pad_token_id=tokenizer.pad_token_id)
+        result = rollout.generate(token_lists, jax.random.key(0), sampling,
+                                  pad_token_id=tokenizer.pad_token_id)
         batch = rollout.trim(result)
     """
 
     def __init__(self, options: JaxRolloutOptions | None = None):
         self.options = options or JaxRolloutOptions()
+        self._graphdef: Any = None
+        self._weights: Any = None
 
-    def generate_from_lists(self, model: nnx.Module, prompts: Sequence[Sequence[int]], key: jax.Array,
-                            sampling: SamplingParams, *, pad_token_id: int = 0,
-                            batch_sharding: NamedSharding | None = None) -> RolloutResult:
-        """Token lists (unpadded) -> RolloutResult; see `generate`."""
+    def load_weights(self, model: nnx.Module) -> None:
+        """Sample from `model`'s weights until the next call (no copy: the arrays are shared)."""
+        self._graphdef, self._weights = nnx.split(model)
+
+    def release_weights(self) -> None:
+        self._graphdef = self._weights = None
+
+    def generate(self, prompts: Sequence[Sequence[int]], key: jax.Array, sampling: SamplingParams, *,
+                 pad_token_id: int = 0, batch_sharding: NamedSharding | None = None) -> RolloutResult:
+        """Token lists (unpadded) -> RolloutResult; see `generate_padded`."""
         ids, mask = left_pad(prompts, pad_token_id, self.options.prompt_buckets)
-        return self.generate(model, ids, mask, key, sampling, pad_token_id=pad_token_id,
-                             batch_sharding=batch_sharding)
+        return self.generate_padded(ids, mask, key, sampling, pad_token_id=pad_token_id,
+                                    batch_sharding=batch_sharding)
 
-    def generate(self, model: nnx.Module, prompt_ids: Any, prompt_mask: Any, key: jax.Array,
-                 sampling: SamplingParams, *, pad_token_id: int = 0,
-                 batch_sharding: NamedSharding | None = None) -> RolloutResult:
+    def generate_padded(self, prompt_ids: Any, prompt_mask: Any, key: jax.Array, sampling: SamplingParams, *,
+                        pad_token_id: int = 0, batch_sharding: NamedSharding | None = None) -> RolloutResult:
         """Sample `sampling.n` completions for each left-padded prompt row.
 
         prompt_ids, prompt_mask: [P, T] host arrays, left-padded; re-padded to a bucket.
@@ -102,14 +112,15 @@ class JaxRollout:
         batch_sharding: NamedSharding of the [P * n, ...] rollout batch (dimension 0 over
                         the data axes of the mesh), or None for the default device.
         """
+        if self._weights is None:
+            raise RuntimeError("JaxRollout.generate without weights: call load_weights(model) first.")
         ids, mask = fit_to_bucket(prompt_ids, prompt_mask, pad_token_id, self.options.prompt_buckets)
         ids, mask = repeat_samples(ids, sampling.n), repeat_samples(mask, sampling.n)
         check_batch_divisible(ids.shape[0], sampling.n, batch_sharding)
         ids, mask = place(ids, batch_sharding), place(mask, batch_sharding)
-        graphdef, weights = nnx.split(model)
-        static = self.static_args(graphdef, sampling, pad_token_id, batch_sharding)
-        cache, state = prefill(weights, ids, mask, key, **static)
-        _, state = decode(weights, cache, state, key, **static)
+        static = self.static_args(self._graphdef, sampling, pad_token_id, batch_sharding)
+        cache, state = prefill(self._weights, ids, mask, key, **static)
+        _, state = decode(self._weights, cache, state, key, **static)
         return finish(ids, mask, state, sampling)
 
     def static_args(self, graphdef, sampling: SamplingParams, pad_token_id: int,

@@ -86,7 +86,7 @@ def bench_jax(args: argparse.Namespace) -> dict[str, Any]:
     from grpo_core.models import init_from_config
     from grpo_rollout.backend import JaxRollout, JaxRolloutOptions, finish
     from grpo_rollout.decode import decode, prefill
-    from grpo_rollout.sampling import SamplingParams
+    from grpo_core.contracts import SamplingParams
 
     model = init_from_config(qwen_config(args), seed=args.seed, dtype=args.dtype)
     sampling = SamplingParams(

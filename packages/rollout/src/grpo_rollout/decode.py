@@ -21,7 +21,8 @@ from flax import nnx, struct
 from jax.sharding import NamedSharding, PartitionSpec
 
 from grpo_rollout.attention import decode_forward
-from grpo_rollout.sampling import DEFAULT_TOP_P_CANDIDATES, SamplingParams, sample_next
+from grpo_core.contracts import SamplingParams
+from grpo_rollout.sampling import DEFAULT_TOP_P_CANDIDATES, sample_next
 
 
 @struct.dataclass

@@ -20,79 +20,17 @@ larger does the step run an exact bisection for the probability threshold.
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from dataclasses import dataclass
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from grpo_core.contracts import SamplingParams
+
 # Top-p first looks for the nucleus among this many most probable tokens; only when a
 # row's nucleus is larger does the step fall back to an exact threshold search.
 DEFAULT_TOP_P_CANDIDATES = 256
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How completions are sampled (hashable: it is a static argument of the jitted loop).
-
-    max_new_tokens:  sampled tokens per completion at most.
-    n:               samples per prompt (K, the GRPO group size); rows p*n .. p*n+n-1
-                     of the result belong to prompt p.
-    temperature:     logits are divided by it; logps are at this temperature too.
-    top_p, top_k:    nucleus mass (1.0 = off) and top-k count (0 = off); top-k is
-                     applied first, top-p then acts on the top-k distribution (HF order).
-    greedy:          argmax (first index on ties); temperature still sets the logps.
-    stop_token_ids:  a row ends after sampling any of these (the stop token is kept and
-                     counted in the completion mask).
-    filtered_logps:  return log-probs of the filtered distribution instead of the
-                     unfiltered log_softmax(logits / T).
-    """
-
-    max_new_tokens: int
-    n: int = 1
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    greedy: bool = False
-    stop_token_ids: tuple[int, ...] = ()
-    filtered_logps: bool = False
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
-        _check(self.max_new_tokens >= 1, "max_new_tokens", self.max_new_tokens, "use at least 1")
-        _check(self.n >= 1, "n", self.n, "use at least 1 sample per prompt")
-        _check(self.temperature > 0, "temperature", self.temperature, "use > 0 (greedy=True for argmax)")
-        _check(0 < self.top_p <= 1, "top_p", self.top_p, "use a value in (0, 1]; 1.0 disables")
-        _check(self.top_k >= 0, "top_k", self.top_k, "use >= 0; 0 disables")
-        _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", self.stop_token_ids,
-               "token ids are non-negative")
-
-    @classmethod
-    def from_config(cls, rollout: Any, stop_token_ids=(), **changes: Any) -> "SamplingParams":
-        """From a `grpo_core.config.RolloutConfig`; `changes` override fields (e.g. for eval)."""
-        params = cls(
-            max_new_tokens=rollout.max_new_tokens, n=rollout.n, temperature=rollout.temperature,
-            top_p=rollout.top_p, top_k=rollout.top_k, greedy=rollout.greedy,
-            stop_token_ids=tuple(stop_token_ids),
-        )
-        return dataclasses.replace(params, **changes)
-
-    @property
-    def mode(self) -> str:
-        """Which sampler runs: greedy | top_k | top_p | full."""
-        if self.greedy:
-            return "greedy"
-        if self.top_k:
-            return "top_k"
-        return "top_p" if self.top_p < 1.0 else "full"
-
-
-def _check(ok: bool, name: str, value: Any, fix: str) -> None:
-    if not ok:
-        raise ValueError(f"SamplingParams.{name}={value!r} is invalid: {fix}.")
 
 
 # ---- vocabulary blocks ----------------------------------------------------------------

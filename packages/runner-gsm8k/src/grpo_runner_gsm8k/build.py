@@ -14,6 +14,7 @@ import jax
 from jax.sharding import Mesh
 
 from grpo_core.config import RunConfig
+from grpo_core.contracts import RolloutBackend, SamplingParams, Task
 from grpo_core.config_io import plugin_options
 from grpo_core.errors import UserError
 from grpo_core.models import QwenConfig, init_from_config, load_pretrained
@@ -24,7 +25,6 @@ from grpo_core.sharding import shard_model
 from grpo_core.tokenizer import build_char_tokenizer, load_tokenizer
 from grpo_meshes import (ModelDims, ProcessLayout, build_mesh_from_config, rollout_batch_sharding,
                          setup_processes, validate_plan)
-from grpo_rollout.sampling import SamplingParams
 
 from grpo_runner_gsm8k.multihost import local_prompt_count
 from grpo_runner_gsm8k.tasks.base import render_prompt
@@ -62,12 +62,28 @@ def from_plugin(registry: Registry, kind: str, name: str, options: dict, where: 
     spec = registry.get(kind, name)
     checked = plugin_options(spec.options, options, where)
     try:
-        return spec.factory(checked, **kwargs)
+        built = spec.factory(checked, **kwargs)
     except UserError:
         raise
     except Exception as exc:  # noqa: BLE001 - a plugin's factory (third-party code) failing on its input
         detail = " ".join(str(exc).split()) or type(exc).__name__
         raise UserError(f"{where} of {kind} {name!r}: {detail}; fix the options or the plugin's inputs") from None
+    check_contract(kind, name, built)
+    return built
+
+
+CONTRACTS = {"rollout": RolloutBackend, "task": Task}
+
+
+def check_contract(kind: str, name: str, built: Any) -> None:
+    """A plugin object missing a method of its protocol fails here, not mid-run."""
+    protocol = CONTRACTS.get(kind)
+    if protocol is None or isinstance(built, protocol):
+        return
+    members = {*vars(protocol), *getattr(protocol, "__annotations__", {})}
+    missing = [m for m in members if not m.startswith("_") and not hasattr(built, m)]
+    raise UserError(f"{kind} {name!r} built a {type(built).__name__} without {', '.join(sorted(missing))}, "
+                    f"which grpo_core.contracts.{protocol.__name__} requires; implement them in the plugin")
 
 
 def build_tokenizer(cfg: RunConfig) -> Any:

@@ -25,7 +25,7 @@ from grpo_core.models.qwen import resolve_dtype
 from grpo_core.registry import Registry
 from grpo_losses import compute_advantages
 from grpo_meshes import train_batch_sharding
-from grpo_rollout.result import RolloutResult
+from grpo_core.rollout_records import RolloutResult
 
 from grpo_runner_gsm8k.build import (Components, build_components, check_run_dir, loss_config_for_run,
                                      micro_batches, prepare_run_dir, prompt_token_ids,
@@ -66,10 +66,15 @@ def decode_completions(c: Components, result: RolloutResult) -> list[str]:
 
 
 def rollout(c: Components, params, graphdef, examples: list, key, sampling) -> RolloutResult:
-    model = nnx.merge(graphdef, params)
+    """One rollout with `params` (compute dtype) loaded into the backend for its duration only:
+    the update that follows needs that memory."""
     prompts = tokenize_prompts(c, examples)
-    return c.rollout.generate_from_lists(model, prompts, key, sampling, pad_token_id=c.tokenizer.pad_token_id,
-                                         batch_sharding=c.rollout_sharding)
+    c.rollout.load_weights(nnx.merge(graphdef, params))
+    try:
+        return c.rollout.generate(prompts, key, sampling, pad_token_id=c.tokenizer.pad_token_id,
+                                  batch_sharding=c.rollout_sharding)
+    finally:
+        c.rollout.release_weights()
 
 
 class Trainer:
@@ -216,10 +221,10 @@ class Trainer:
         self.state.key, key = jax.random.split(self.state.key)
         result = rollout(self.c, self.forward_params(self.state.params), self.graphdef, examples, key,
                          self.c.eval_sampling)
-        correctness = self.c.rewards.get("correctness") or next(iter(self.c.rewards.values()))
+        judge = self.cfg.eval.reward  # checked to be one of task.rewards when the config loaded
         answers = [ex.answer for ex in examples for _ in range(n)]
-        correct = score({"correctness": (correctness[0], 1.0)}, decode_completions(self.c, result), answers)
-        per_question = correct.total.reshape(len(examples), n) >= 1.0
+        judged = score({judge: (self.c.rewards[judge][0], 1.0)}, decode_completions(self.c, result), answers)
+        per_question = judged.total.reshape(len(examples), n) >= self.cfg.eval.pass_threshold
         out = {"eval/accuracy": float(per_question[:, 0].mean())}
         if n > 1:
             out[f"eval/pass@{n}"] = float(per_question.any(axis=1).mean())

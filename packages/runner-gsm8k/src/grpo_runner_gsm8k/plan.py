@@ -41,8 +41,8 @@ from grpo_meshes import build_mesh_from_config, rollout_batch_sharding, setup_pr
 from grpo_rollout.backend import JaxRollout
 from grpo_rollout.decode import decode, prefill
 from grpo_rollout.prompts import bucket_length
-from grpo_rollout.result import trimmed_widths
-from grpo_rollout.sampling import SamplingParams
+from grpo_core.rollout_records import trimmed_widths
+from grpo_core.contracts import SamplingParams
 
 from grpo_runner_gsm8k.build import (attention_impl, build_tokenizer, from_plugin, loss_config_for_run, micro_batches,
                                      model_config, preflight, rows_per_step)

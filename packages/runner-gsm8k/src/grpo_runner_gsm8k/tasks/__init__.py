@@ -1,14 +1,15 @@
 """Tasks: where prompts and reference answers come from.
 
 The loop builds a task with `spec.factory(options, seed=..., process_index=...,
-process_count=...)` and then uses the `Task` protocol (`train_batch`,
+process_count=...)` and then uses the `grpo_core.contracts.Task` protocol (`train_batch`,
 `test_examples`, `state`, `restore`) and `render_prompt`.
 """
 
 from grpo_core import TaskSpec
+from grpo_core.contracts import Example, Task
 
 from grpo_runner_gsm8k.tasks.arithmetic import ArithmeticOptions, ArithmeticTask
-from grpo_runner_gsm8k.tasks.base import EpochOrder, Example, Task, render_prompt
+from grpo_runner_gsm8k.tasks.base import EpochOrder, render_prompt
 from grpo_runner_gsm8k.tasks.gsm8k import Gsm8kOptions, Gsm8kTask, final_answer
 
 TASK_SPECS = [

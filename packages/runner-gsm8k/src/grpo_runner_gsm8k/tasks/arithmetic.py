@@ -14,8 +14,9 @@ from typing import Any, Optional
 
 import numpy as np
 from grpo_core.config import setting
+from grpo_core.contracts import Example
 
-from grpo_runner_gsm8k.tasks.base import Example, check_process, shard_of
+from grpo_runner_gsm8k.tasks.base import check_process, shard_of
 
 OPERATIONS = "+-*"
 TRAIN_STREAM, TEST_STREAM = 0, 1

@@ -2,52 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import numpy as np
 
-
-@dataclass(frozen=True)
-class Example:
-    """One prompt with its reference answer.
-
-    question: the user message (problem text plus the task's answer-format instruction).
-    answer:   the reference final answer the rewards compare with, e.g. "72".
-    id:       where it came from, e.g. "gsm8k/test/17" (for logs and eval dumps).
-    """
-
-    question: str
-    answer: str
-    id: str = ""
-
-    def messages(self, system_prompt: str | None = None) -> list[dict[str, str]]:
-        """Chat messages in the `apply_chat_template` format."""
-        system = [{"role": "system", "content": system_prompt}] if system_prompt else []
-        return system + [{"role": "user", "content": self.question}]
-
-
-@runtime_checkable
-class Task(Protocol):
-    """What the runner needs from a task (built by `TaskSpec.factory`).
-
-    Factories are called as `factory(options, *, seed=0, process_index=0,
-    process_count=1)`; each process then sees only its own shard of the data.
-    """
-
-    use_chat_template: bool
-
-    def train_batch(self, n: int) -> list[Example]:
-        """The next `n` training examples of this process's shard."""
-
-    def test_examples(self, limit: int | None = None) -> list[Example]:
-        """This process's share of the first `limit` test examples (all when None)."""
-
-    def state(self) -> dict[str, Any]:
-        """JSON-serialisable position in the training order, for checkpoints."""
-
-    def restore(self, state: dict[str, Any]) -> None:
-        """Continues from a position returned by `state()`."""
+from grpo_core.contracts import Example
 
 
 def render_prompt(tokenizer: Any, example: Example, system_prompt: str | None = None,

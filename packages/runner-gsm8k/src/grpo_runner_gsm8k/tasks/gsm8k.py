@@ -14,8 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from grpo_core.config import setting
+from grpo_core.contracts import Example
 
-from grpo_runner_gsm8k.tasks.base import EpochOrder, Example, check_process, shard_of
+from grpo_runner_gsm8k.tasks.base import EpochOrder, check_process, shard_of
 
 DEFAULT_INSTRUCTION = ("Solve the problem step by step. On the last line, write only the final "
                        "answer as a number in the form: #### <number>")

@@ -44,9 +44,6 @@ class RolloutResult:
         """[N] index of the prompt each row was sampled from."""
         return np.arange(self.num_prompts * self.n) // self.n
 
-    def trim(self, bucket: int = DEFAULT_TRIM_BUCKET) -> "TrainBatch":
-        return trim_batch(self, bucket)
-
 
 @struct.dataclass
 class TrainBatch:
