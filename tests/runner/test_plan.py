@@ -47,6 +47,7 @@ def test_plan_prints_every_phase_and_fits(tmp_path, capsys):
         assert total == pytest.approx(arguments + outputs - aliased + temp + other, abs=2e-3)
     assert re.search(r"^peak: [\d.]+ GiB per device \(train step\) of 16\.00 GiB \(--capacity-gib\): fits", out, re.M)
     assert "figures: XLA:CPU's, for this host's CPU devices" in out  # not a TPU's: --target gives those
+    assert "XLA_FLAGS has --xla_cpu_enable_concurrency_optimized_scheduler=false" in out  # the plan's own flag, shown
     assert rows["train step"][4] == 0  # no reference params without KL
     assert not (tmp_path / "run").exists()  # the plan loads nothing and writes nothing
 

@@ -48,9 +48,10 @@ EXPECTED_SPECS = {
 def test_logical_to_spec_rules():
     assert logical_to_spec(("embed", "heads", "head_dim"), RULES) == P("fsdp", "tp", None)
     assert logical_to_spec(("batch", "length"), RULES) == P(("dp", "fsdp"), None)  # no rule -> replicated
-    # A mesh axis shards at most one dimension: the second "tp" user falls back to None.
-    assert logical_to_spec(("vocab", "mlp"), RULES) == P("tp", None)
-    # ... or to its next rule with a free axis.
+    # A mesh axis shards at most one dimension: a second user with no other rule is an error...
+    with pytest.raises(ValueError, match="dimension 'mlp' maps to mesh axis 'tp', which dimension 'vocab'"):
+        logical_to_spec(("vocab", "mlp"), RULES)
+    # ... unless it has a next rule with a free axis.
     assert logical_to_spec(("vocab", "mlp"), (("vocab", "tp"), ("mlp", "tp"), ("mlp", "fsdp"))) == P("tp", "fsdp")
     assert logical_to_spec((None, "embed"), RULES) == P(None, "fsdp")
 

@@ -9,7 +9,10 @@ of mesh axes, or None (replicated), e.g.
 
 A logical name with no rule is replicated. Within one array a mesh axis is used at
 most once: a later dimension whose rule needs an axis already taken falls through to
-its next rule, or is replicated.
+its next rule; when none is left the tables collide, which is an error (a silently
+replicated dimension costs memory nobody planned for).
+
+The logic lives here; the tables of the mesh strategies live in `grpo_meshes.rules`.
 """
 
 from __future__ import annotations
@@ -39,28 +42,59 @@ DEFAULT_RULES: tuple[tuple[str, MeshAxes], ...] = (
 )
 
 
+def rules_to_dict(rules: Rules) -> dict[str, MeshAxes]:
+    """The first rule per logical name wins, as in flax's logical axis rules."""
+    table: dict[str, MeshAxes] = {}
+    for name, axes in rules:
+        table.setdefault(name, axes)
+    return table
+
+
+def with_batch_axes(rules: Rules, batch_axes: tuple[str, ...]) -> Rules:
+    """`rules` with `batch` mapped to `batch_axes`; logical names that would reuse
+    one of those mesh axes become replicated (an axis can shard one dimension)."""
+    taken = set(batch_axes)
+    updated = [("batch", batch_axes)]
+    for name, axes in rules:
+        if name == "batch":
+            continue
+        used = {axes} if isinstance(axes, str) else set(axes or ())
+        updated.append((name, None if used & taken else axes))
+    return tuple(updated)
+
+
 def _as_tuple(axes: MeshAxes) -> tuple[str, ...]:
     if axes is None:
         return ()
     return (axes,) if isinstance(axes, str) else tuple(axes)
 
 
-def _pick_axes(name: str | None, rules: Rules, used: set[str]) -> MeshAxes:
+def _pick_axes(name: str | None, rules: Rules, used: dict[str, str]) -> MeshAxes:
     if name is None:
         return None
+    clashes = []
     for logical, axes in rules:
-        if logical == name and not (set(_as_tuple(axes)) & used):
+        if logical != name:
+            continue
+        taken = [axis for axis in _as_tuple(axes) if axis in used]
+        if not taken:
             return axes
+        clashes += [(axis, used[axis]) for axis in taken]
+    if clashes:
+        axis, holder = clashes[0]
+        raise ValueError(f"sharding rules collide: dimension {name!r} maps to mesh axis {axis!r}, which "
+                         f"dimension {holder!r} of the same array already uses; give {name!r} another axis "
+                         f"(or None) in the rule table")
     return None
 
 
 def logical_to_spec(names: Sequence[str | None], rules: Rules) -> PartitionSpec:
     """PartitionSpec for an array whose dimensions have these logical names."""
-    used: set[str] = set()
+    used: dict[str, str] = {}  # mesh axis -> the logical dimension holding it
     spec = []
     for name in names:
         axes = _pick_axes(name, rules, used)
-        used.update(_as_tuple(axes))
+        used.update({axis: name for axis in _as_tuple(axes)})
         spec.append(tuple(axes) if isinstance(axes, list) else axes)
     return PartitionSpec(*spec)
 

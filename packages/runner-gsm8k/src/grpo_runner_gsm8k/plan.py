@@ -408,7 +408,9 @@ def figures_line(inputs: PlanInputs) -> str:
         return f"figures: the TPU compiler's (libtpu) for {inputs.target}"
     backend = jax.default_backend()
     if backend == "cpu":
-        return ("figures: XLA:CPU's, for this host's CPU devices (not a TPU's or GPU's); "
+        scheduler = (f", scheduled for memory as accelerators do (XLA_FLAGS has {CPU_MEMORY_SCHEDULER_FLAG})"
+                     if CPU_MEMORY_SCHEDULER_FLAG in os.environ.get("XLA_FLAGS", "") else "")
+        return (f"figures: XLA:CPU's, for this host's CPU devices (not a TPU's or GPU's){scheduler}; "
                 "--target <slice> gives the TPU compiler's")
     return f"figures: the {backend} compiler's, for this host's devices"
 

@@ -108,11 +108,6 @@ class QwenConfig:
 
     # ---- derived -------------------------------------------------------------------
     @property
-    def q_groups(self) -> int:
-        """Query heads sharing one key/value head."""
-        return self.num_attention_heads // self.num_key_value_heads
-
-    @property
     def has_qk_norm(self) -> bool:
         return self.model_type == "qwen3"
 
