@@ -2,7 +2,6 @@
 tiny config with the example selected."""
 
 import ast
-import inspect
 import math
 import textwrap
 import types

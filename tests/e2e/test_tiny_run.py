@@ -2,13 +2,11 @@
 
 import json
 import math
-from dataclasses import dataclass
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 
 from grpo_core import LossSpec, NoOptions, hookimpl
 from grpo_core.config_io import load_config

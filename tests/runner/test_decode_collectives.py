@@ -12,6 +12,7 @@ from grpo_meshes import build_mesh_from_config
 from grpo_rollout.collectives import decode_collective_bytes_per_token
 from grpo_core.contracts import SamplingParams
 from grpo_runner_gsm8k import plan
+from grpo_runner_gsm8k.program import build_program
 
 TINY = str(Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml")
 SHAPE = ["model.dtype=bfloat16", "rollout.prompts_per_step=4", "rollout.n=2", "rollout.max_new_tokens=8"]
@@ -32,11 +33,9 @@ def decode_bytes_per_token(devices, tmp_path: Path, *overrides: str) -> dict[str
     cfg = load_config(TINY, [*SHAPE, f"logging.dir={tmp_path}", *overrides], registry=registry)
     resolved = build_mesh_from_config(cfg.mesh, registry.mesh, devices=devices)  # auto: fsdp over all 8
     qcfg = plan.plan_architecture(cfg)
-    graphdef, params = plan.abstract_model(cfg, qcfg, resolved.mesh, resolved.strategy)
-    inputs = plan.PlanInputs(cfg=cfg, mesh=resolved.mesh, qcfg=qcfg, graphdef=graphdef, params=params,
-                             opt_state=None, optimizer=None, loss_impl=None,
-                             rollout=plan.plan_rollout_backend(cfg, registry),
-                             sampling=SamplingParams.from_config(cfg.rollout))
+    graphdef, params = plan.abstract_run_model(cfg, qcfg, resolved.mesh, resolved.strategy)
+    program = build_program(cfg, registry, resolved.mesh, graphdef, SamplingParams.from_config(cfg.rollout))
+    inputs = plan.PlanInputs(cfg=cfg, mesh=resolved.mesh, qcfg=qcfg, program=program, params=params, opt_state=None)
     return decode_collective_bytes_per_token(plan.compile_rollout(inputs)[1])
 
 

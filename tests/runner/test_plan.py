@@ -7,6 +7,7 @@ import json
 import re
 from pathlib import Path
 
+import jax
 import pytest
 from grpo_core.config_io import load_config
 from grpo_core.registry import default_registry
@@ -72,18 +73,54 @@ def test_mixed_precision_plan_counts_masters_moments_and_the_compute_copy(tmp_pa
     assert plan.train_phase(inputs, cfg).other == copy  # the bfloat16 reference
 
 
+def abstract(tree):
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+
+
+def one_real_step(trainer: Trainer):
+    """Runs one training step; returns the abstract (params, opt_state, batch) of its first update."""
+    seen = []
+    run_updates = trainer.run_updates
+
+    def capture(batch):
+        seen.append(abstract((trainer.state.params, trainer.state.opt_state, batch)))
+        return run_updates(batch)
+
+    trainer.run_updates = capture
+    trainer.step()
+    return seen[0]
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_the_planned_train_step_is_the_one_the_run_compiles(tmp_path, dtype):
-    """Same shapes, dtypes and shardings: the abstract lowering and the real params and
-    optimizer state give the same compiled buffer sizes."""
-    cfg = config(f"model.dtype={dtype}", tmp_path=tmp_path)
-    inputs = plan.build_plan_inputs(cfg, default_registry())
-    planned = plan.train_phase(inputs, cfg)
+def test_the_plan_lowers_the_update_and_scoring_the_run_executes(tmp_path, dtype):
+    """The run's update, scoring forward and rollout prefill, lowered on what a real step
+    built, give the same program text as the plan's, lowered on its abstract params and
+    optimizer state; the plan's widest batch has the run's structure, dtypes and shardings."""
+    cfg = config(f"model.dtype={dtype}", "loss.beta=0.04", "train.ppo_epochs=2", tmp_path=tmp_path)
     trainer = Trainer(cfg, default_registry())
-    real = trainer.update.lower(trainer.state.params, trainer.state.opt_state,
-                                plan.abstract_update_batch(inputs)).compile().memory_analysis()
-    assert (planned.arguments, planned.outputs, planned.temp) == (
-        real.argument_size_in_bytes, real.output_size_in_bytes, real.temp_size_in_bytes)
+    params, opt_state, batch = one_real_step(trainer)
+    inputs = plan.build_plan_inputs(cfg, default_registry())
+
+    run_update = trainer.program.update.lower(params, opt_state, batch).as_text()
+    assert inputs.program.update.lower(inputs.params, inputs.opt_state, batch).as_text() == run_update
+
+    ids, width = (batch.input_ids, batch.attention_mask, batch.targets), batch.prompt_width
+    run_score = trainer.program.score.lower(abstract(trainer.ref_params), *ids, prompt_width=width).as_text()
+    assert inputs.program.score.lower(inputs.forward_params, *ids, prompt_width=width).as_text() == run_score
+
+    # rollout: the plan's prefill on its abstract compute-dtype weights is the run's on its real
+    # ones (the stop ids and pad id, which the plan does not know without a tokenizer, are the run's)
+    static, prompts, key = plan._rollout_inputs(inputs)
+    static.update(params=trainer.program.sampling, pad_id=int(trainer.c.tokenizer.pad_token_id))
+    weights = abstract(trainer.forward_params(trainer.state.params))
+    run_prefill = plan.prefill.lower(weights, prompts, prompts, key, **static).as_text()
+    assert plan.prefill.lower(inputs.forward_params, prompts, prompts, key, **static).as_text() == run_prefill
+
+    widest = plan.abstract_update_batch(inputs)
+    assert jax.tree.structure(widest.replace(prompt_width=width)) == jax.tree.structure(batch)
+    for planned, real in zip(jax.tree.leaves(widest), jax.tree.leaves(batch), strict=True):
+        assert planned.dtype == real.dtype and planned.sharding.is_equivalent_to(real.sharding, real.ndim)
+        assert planned.shape[0] == real.shape[0] and all(p >= r for p, r in zip(planned.shape[1:], real.shape[1:]))
 
 
 def test_plan_exits_3_with_the_fix_when_it_does_not_fit(tmp_path, capsys):

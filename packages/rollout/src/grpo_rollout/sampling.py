@@ -24,7 +24,6 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from grpo_core.contracts import SamplingParams
 

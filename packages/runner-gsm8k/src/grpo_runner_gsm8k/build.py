@@ -42,8 +42,6 @@ class Components:
     model: Any
     task: Any
     rewards: dict[str, tuple[Any, float]]
-    logps_impl: Any
-    rollout: Any
     sampling: SamplingParams
     eval_sampling: SamplingParams
     prompt_ids: dict[str, list[int]] = dataclasses.field(default_factory=dict)  # checked prompts by example id
@@ -313,8 +311,6 @@ def build_components(cfg: RunConfig, registry: Registry) -> Components:
         cfg=cfg, layout=layout, mesh=resolved.mesh, param_rules=resolved.strategy.param_rules, tokenizer=tokenizer,
         model=build_model(cfg, inputs.qcfg, resolved.mesh, resolved.strategy), task=inputs.task,
         rewards=inputs.rewards,
-        logps_impl=from_plugin(registry, "loss", cfg.loss.impl, cfg.loss.options, "loss.options"),
-        rollout=from_plugin(registry, "rollout", cfg.rollout.backend, cfg.rollout.options, "rollout.options"),
         sampling=sampling_params(cfg, tokenizer), eval_sampling=sampling_params(cfg, tokenizer, for_eval=True),
         prompt_ids=inputs.prompt_ids)
 

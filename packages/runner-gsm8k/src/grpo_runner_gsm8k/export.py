@@ -23,8 +23,8 @@ from flax import nnx
 from jax.sharding import SingleDeviceSharding
 
 from grpo_core.errors import UserError
-from grpo_core.models import QwenConfig, QwenModel, export_pretrained, init_from_config
-from grpo_core.models.checkpoint import INDEX_FILE
+from grpo_core.models import QwenConfig, QwenModel, export_pretrained
+from grpo_core.models.checkpoint import INDEX_FILE, abstract_model
 from grpo_core.models.config import SUPPORTED_DTYPES
 
 from grpo_runner_gsm8k.build import build_tokenizer
@@ -71,8 +71,7 @@ def load_policy(run_dir: Path, step: int) -> tuple[QwenModel, Any]:
     """The policy model of checkpoint `step` (params on one device) and the run's tokenizer."""
     cfg = saved_run_config(run_dir, step)
     qcfg = QwenConfig.from_hf_dict(saved_meta(run_dir, step)["model_config"])
-    abstract = nnx.eval_shape(lambda: init_from_config(qcfg, dtype=cfg.model.param_dtype))
-    graphdef, shapes = nnx.split(abstract)
+    graphdef, shapes = nnx.split(abstract_model(qcfg, cfg.model.param_dtype))
     on_host = SingleDeviceSharding(_host_device())
     target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=on_host), shapes)
     return nnx.merge(graphdef, saved_params(run_dir, step, target)), build_tokenizer(cfg)

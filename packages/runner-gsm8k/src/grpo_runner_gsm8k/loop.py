@@ -21,23 +21,22 @@ from flax import nnx
 from grpo_core.config import RunConfig
 from grpo_core.config_io import config_to_dict, config_to_yaml
 from grpo_core.models.precision import compute_params, needs_cast
-from grpo_core.models.qwen import resolve_dtype
 from grpo_core.registry import Registry
 from grpo_losses import compute_advantages
 from grpo_meshes import train_batch_sharding
 from grpo_core.rollout_records import RolloutResult
 
-from grpo_runner_gsm8k.build import (Components, build_components, check_run_dir, loss_config_for_run,
-                                     micro_batches, prepare_run_dir, prompt_token_ids,
+from grpo_runner_gsm8k.build import (Components, build_components, check_run_dir, prepare_run_dir, prompt_token_ids,
                                      warn_if_updates_round_away)
 from grpo_runner_gsm8k.checkpoint import Checkpointer, resume_steps, truncate_metrics
 from grpo_runner_gsm8k.lock import RunDirLock
 from grpo_runner_gsm8k.metrics import MetricsLogger
 from grpo_runner_gsm8k.multihost import gather_objects, host_array, local_prompt_count
-from grpo_runner_gsm8k.optim import build_optimizer, learning_rate_schedule, moment_dtype
+from grpo_runner_gsm8k.optim import learning_rate_schedule
 from grpo_runner_gsm8k.preemption import StopRequest
 from grpo_runner_gsm8k.rewards import score
-from grpo_runner_gsm8k.step import UpdateBatch, completion_logps, make_update
+from grpo_runner_gsm8k.program import RunProgram, build_program
+from grpo_runner_gsm8k.step import UpdateBatch
 
 
 @dataclass
@@ -65,16 +64,16 @@ def decode_completions(c: Components, result: RolloutResult) -> list[str]:
     return c.tokenizer.batch_decode([row[m].tolist() for row, m in zip(ids, mask)], skip_special_tokens=True)
 
 
-def rollout(c: Components, params, graphdef, examples: list, key, sampling) -> RolloutResult:
+def rollout(c: Components, program: RunProgram, params, examples: list, key, sampling) -> RolloutResult:
     """One rollout with `params` (compute dtype) loaded into the backend for its duration only:
     the update that follows needs that memory."""
     prompts = tokenize_prompts(c, examples)
-    c.rollout.load_weights(nnx.merge(graphdef, params))
+    program.rollout.load_weights(nnx.merge(program.graphdef, params))
     try:
-        return c.rollout.generate(prompts, key, sampling, pad_token_id=c.tokenizer.pad_token_id,
-                                  batch_sharding=c.rollout_sharding)
+        return program.rollout.generate(prompts, key, sampling, pad_token_id=c.tokenizer.pad_token_id,
+                                        batch_sharding=c.rollout_sharding)
     finally:
-        c.rollout.release_weights()
+        program.rollout.release_weights()
 
 
 class Trainer:
@@ -86,30 +85,27 @@ class Trainer:
         candidates = resume_steps(cfg, required=resume)
         warn_if_updates_round_away(cfg)
         self.c = build_components(cfg, registry)
+        self.graphdef, params = nnx.split(self.c.model)
+        self.program = build_program(cfg, registry, self.c.mesh, self.graphdef, self.c.sampling)
         self.run_dir = prepare_run_dir(cfg)
         self.lock = RunDirLock(self.run_dir)
         if self.c.layout.process_index == 0:  # the processes of one multi-host run share the directory
             self.lock.acquire()
         try:
-            self._build_training(cfg, candidates)
+            self._build_training(cfg, params, candidates)
         except BaseException:
             self.lock.release()
             raise
 
-    def _build_training(self, cfg: RunConfig, candidates: list[int]) -> None:
-        self.loss_cfg = loss_config_for_run(cfg)
+    def _build_training(self, cfg: RunConfig, params, candidates: list[int]) -> None:
         self.prompts_per_process = local_prompt_count(cfg.rollout.prompts_per_step, self.c.layout.process_count)
-        self.optimizer = build_optimizer(cfg.train, moment_dtype(cfg))
         self.lr_at = learning_rate_schedule(cfg.train)
-        self.graphdef, params = nnx.split(self.c.model)
-        self.compute_dtype = resolve_dtype(cfg.model.dtype)
-        self.cast = jax.jit(compute_params, static_argnums=1)
+        # the copy keeps the params' shardings exactly (as the plan assumes), size-1 mesh axes included
+        self.cast = jax.jit(compute_params, static_argnums=1, out_shardings=jax.tree.map(lambda x: x.sharding, params))
         # The frozen reference is only ever run forward: stored in the compute dtype.
-        self.ref_params = jax.tree.map(jnp.copy, self.forward_params(params)) if cfg.loss.beta > 0 else None
-        self.state = TrainState(params, self.optimizer.init(params), jax.random.key(cfg.train.seed))
-        self.update = make_update(self.graphdef, self.c.logps_impl, self.loss_cfg, self.optimizer,
-                                  cfg.rollout.temperature, micro_batches(cfg, self.c.mesh), self.compute_dtype)
-        self.logps = jax.jit(completion_logps, static_argnums=(0, 2, 6, 7))
+        self.ref_params = (jax.tree.map(jnp.copy, self.forward_params(params)) if self.program.scores_ref_logps
+                           else None)
+        self.state = TrainState(params, self.program.init_opt_state(params), jax.random.key(cfg.train.seed))
         self.train_sharding = train_batch_sharding(self.c.mesh)
         self.row_sharding = train_batch_sharding(self.c.mesh, ndim=1)
         self.checkpoints = Checkpointer(self.run_dir, cfg.checkpoint)
@@ -120,7 +116,8 @@ class Trainer:
         """`params` in the compute dtype: one copy of the float32 masters per call (the
         rollout's decode reads it at every token: half the bytes of the masters), or the
         params themselves when they are stored in that dtype."""
-        return self.cast(params, self.compute_dtype) if needs_cast(params, self.compute_dtype) else params
+        dtype = self.program.compute_dtype
+        return self.cast(params, dtype) if needs_cast(params, dtype) else params
 
     # ---- one step -------------------------------------------------------------
     def step(self) -> dict:
@@ -128,14 +125,14 @@ class Trainer:
         self.state.key, key = jax.random.split(self.state.key)
         examples = gather_objects(self.c.task.train_batch(self.prompts_per_process))
         weights = self.forward_params(self.state.params)
-        result = rollout(self.c, weights, self.graphdef, examples, key, self.c.sampling)
+        result = rollout(self.c, self.program, weights, examples, key, self.program.sampling)
         jax.block_until_ready(result.completion_ids)
         rollout_s = time.monotonic() - start
 
         reward_start = time.monotonic()
         answers = [ex.answer for ex in examples for _ in range(self.cfg.rollout.n)]
         scores = score(self.c.rewards, decode_completions(self.c, result), answers)
-        advantages = compute_advantages(jnp.asarray(scores.total), self.cfg.rollout.n, self.loss_cfg)
+        advantages = compute_advantages(jnp.asarray(scores.total), self.cfg.rollout.n, self.program.loss_cfg)
         reward_s = time.monotonic() - reward_start
 
         update_start = time.monotonic()
@@ -152,7 +149,7 @@ class Trainer:
 
     def update_batch(self, result: RolloutResult, advantages, weights) -> UpdateBatch:
         """The update's inputs; `weights` (the rollout's compute-dtype params) score old log-probs."""
-        trimmed = self.c.rollout.trim(result)
+        trimmed = self.program.rollout.trim(result)
         width = trimmed.prompt_width
         put = lambda x: jax.device_put(x, self.train_sharding)  # noqa: E731
         input_ids, attention_mask = put(trimmed.input_ids), put(trimmed.attention_mask)
@@ -161,9 +158,8 @@ class Trainer:
         loss_mask = put(trimmed.completion_mask[:, width:]) * keep
         old_logp = self.old_logps(trimmed, weights, input_ids, attention_mask, targets, width)
         ref_logp = None
-        if self.ref_params is not None:
-            ref_logp = self.logps(self.graphdef, self.ref_params, self.c.logps_impl, input_ids, attention_mask,
-                                  targets, width, self.cfg.rollout.temperature)
+        if self.program.scores_ref_logps:
+            ref_logp = self.program.score(self.ref_params, input_ids, attention_mask, targets, prompt_width=width)
         return UpdateBatch(input_ids, attention_mask, targets, loss_mask, jax.device_put(np.asarray(advantages.advantages), self.row_sharding),
                            old_logp, ref_logp, prompt_width=width)
 
@@ -171,15 +167,14 @@ class Trainer:
         """Sampler log-probs when asked; None (exactly on-policy) for a single epoch; else one forward."""
         if self.cfg.rollout.use_sampler_logps:
             return jax.device_put(trimmed.sampler_logps[:, width:], self.train_sharding)
-        if self.cfg.train.ppo_epochs == 1:
+        if not self.program.scores_old_logps:
             return None  # params do not change before the only update: ratio is exactly 1
-        return self.logps(self.graphdef, weights, self.c.logps_impl, input_ids, attention_mask,
-                          targets, width, self.cfg.rollout.temperature)
+        return self.program.score(weights, input_ids, attention_mask, targets, prompt_width=width)
 
     def run_updates(self, batch: UpdateBatch) -> dict:
         totals: dict[str, float] = {}
         for _ in range(self.cfg.train.ppo_epochs):
-            self.state.params, self.state.opt_state, metrics = self.update(
+            self.state.params, self.state.opt_state, metrics = self.program.update(
                 self.state.params, self.state.opt_state, batch)
             metrics = jax.device_get(metrics)
             self.state.skipped_steps += int(metrics["skipped"])
@@ -219,7 +214,7 @@ class Trainer:
         examples = gather_objects(self.c.task.test_examples(self.cfg.eval.num_questions))
         n = self.c.eval_sampling.n
         self.state.key, key = jax.random.split(self.state.key)
-        result = rollout(self.c, self.forward_params(self.state.params), self.graphdef, examples, key,
+        result = rollout(self.c, self.program, self.forward_params(self.state.params), examples, key,
                          self.c.eval_sampling)
         judge = self.cfg.eval.reward  # checked to be one of task.rewards when the config loaded
         answers = [ex.answer for ex in examples for _ in range(n)]

@@ -31,24 +31,25 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from grpo_core.config import RunConfig
+from grpo_core.contracts import SamplingParams
 from grpo_core.errors import UserError
-from grpo_core.models import QwenConfig, QwenModel
+from grpo_core.models import QwenConfig
+from grpo_core.models.checkpoint import abstract_model
+from grpo_core.models.config import HUB_ARCHITECTURES, hub_architecture
 from grpo_core.models.precision import needs_cast
 from grpo_core.models.qwen import resolve_dtype
 from grpo_core.registry import Registry
+from grpo_core.rollout_records import trimmed_widths
 from grpo_core.sharding import param_shardings
 from grpo_meshes import build_mesh_from_config, rollout_batch_sharding, setup_processes, train_batch_sharding
 from grpo_rollout.backend import JaxRollout
 from grpo_rollout.decode import decode, prefill
 from grpo_rollout.prompts import bucket_length
-from grpo_core.rollout_records import trimmed_widths
-from grpo_core.contracts import SamplingParams
 
-from grpo_runner_gsm8k.build import (attention_impl, build_tokenizer, from_plugin, loss_config_for_run, micro_batches,
-                                     model_config, preflight, rows_per_step)
-from grpo_runner_gsm8k.known_architectures import KNOWN_ARCHITECTURES, known_architecture
-from grpo_runner_gsm8k.optim import build_optimizer, moment_dtype
-from grpo_runner_gsm8k.step import UpdateBatch, completion_logps, make_update
+from grpo_runner_gsm8k.build import attention_impl, build_tokenizer, micro_batches, model_config, preflight, rows_per_step
+from grpo_runner_gsm8k.optim import moment_dtype
+from grpo_runner_gsm8k.program import RunProgram, build_program
+from grpo_runner_gsm8k.step import UpdateBatch
 from grpo_runner_gsm8k.tpu_target import HBM_SOURCE, Target, describe, parse_target, target_devices
 
 EXIT_DOES_NOT_FIT = 3
@@ -122,14 +123,18 @@ class PlanInputs:
     cfg: RunConfig
     mesh: Mesh
     qcfg: QwenConfig
-    graphdef: nnx.GraphDef
+    program: RunProgram  # the run's own jitted functions and plugins
     params: Any  # abstract: ShapeDtypeStruct leaves with their NamedShardings
     opt_state: Any
-    optimizer: Any
-    loss_impl: Any
-    rollout: JaxRollout
-    sampling: SamplingParams
     target: Optional[str] = None  # the TPU slice, described, when planning for one
+
+    @property
+    def graphdef(self) -> nnx.GraphDef:
+        return self.program.graphdef
+
+    @property
+    def rollout(self) -> JaxRollout:
+        return self.program.rollout
 
     @property
     def params_bytes(self) -> int:
@@ -173,11 +178,10 @@ def abstract_cast(tree: Any, dtype: Any) -> Any:
         x.shape, dtype if jnp.issubdtype(x.dtype, jnp.floating) else x.dtype, x.sharding), tree)
 
 
-def abstract_model(cfg: RunConfig, qcfg: QwenConfig, mesh: Mesh, strategy: Any) -> tuple[nnx.GraphDef, Any]:
+def abstract_run_model(cfg: RunConfig, qcfg: QwenConfig, mesh: Mesh, strategy: Any) -> tuple[nnx.GraphDef, Any]:
     """(graphdef, abstract params) of the sharded model, built by shape evaluation only
     and sharded as build.build_model shards the real one."""
-    model = nnx.eval_shape(lambda: QwenModel(qcfg, dtype=cfg.model.param_dtype, rngs=nnx.Rngs(params=0),
-                                             remat=cfg.model.remat, scan_layers=cfg.model.scan_layers))
+    model = abstract_model(qcfg, cfg.model.param_dtype, cfg.model.remat, cfg.model.scan_layers)
     model.set_activation_sharding(mesh, strategy.activation_rules)
     model.set_attention(attention_impl(cfg, mesh))
     graphdef, state = nnx.split(model)
@@ -220,20 +224,18 @@ def plan_architecture(cfg: RunConfig) -> QwenConfig:
         return model_config(cfg, build_tokenizer(cfg))
     if os.path.isdir(path):
         return model_config(cfg, None)
-    known = known_architecture(path)
+    known = hub_architecture(path)
     if known is None:
         raise UserError(f"model.path {path!r} is not a local directory and its architecture is not built in "
-                        f"(known: {', '.join(KNOWN_ARCHITECTURES)}); download the model's config.json into a "
+                        f"(known: {', '.join(HUB_ARCHITECTURES)}); download the model's config.json into a "
                         "directory and point model.path at it")
     return known
 
 
-def plan_rollout_backend(cfg: RunConfig, registry: Registry) -> JaxRollout:
-    backend = from_plugin(registry, "rollout", cfg.rollout.backend, cfg.rollout.options, "rollout.options")
+def check_plannable_rollout(cfg: RunConfig, backend: Any) -> None:
     if not isinstance(backend, JaxRollout):
         raise UserError(f"rollout.backend {cfg.rollout.backend!r}: the memory plan compiles the 'jax' backend's "
                         "prefill and decode only; plan with rollout.backend=jax")
-    return backend
 
 
 def build_plan_inputs(cfg: RunConfig, registry: Registry, target: Optional[Target] = None) -> PlanInputs:
@@ -245,13 +247,13 @@ def build_plan_inputs(cfg: RunConfig, registry: Registry, target: Optional[Targe
     resolved = build_mesh_from_config(cfg.mesh, registry.mesh, devices)
     qcfg = plan_architecture(cfg)
     preflight(cfg, resolved.mesh, qcfg, devices)
-    graphdef, params = abstract_model(cfg, qcfg, resolved.mesh, resolved.strategy)
-    optimizer = build_optimizer(cfg.train, moment_dtype(cfg))
+    graphdef, params = abstract_run_model(cfg, qcfg, resolved.mesh, resolved.strategy)
+    # stop ids change no buffer: the plan needs no tokenizer for them
+    program = build_program(cfg, registry, resolved.mesh, graphdef, SamplingParams.from_config(cfg.rollout))
+    check_plannable_rollout(cfg, program.rollout)
     return PlanInputs(
-        cfg=cfg, mesh=resolved.mesh, qcfg=qcfg, graphdef=graphdef, params=params,
-        opt_state=abstract_opt_state(optimizer, params, resolved.mesh), optimizer=optimizer,
-        loss_impl=from_plugin(registry, "loss", cfg.loss.impl, cfg.loss.options, "loss.options"),
-        rollout=plan_rollout_backend(cfg, registry), sampling=SamplingParams.from_config(cfg.rollout),  # stop ids change no buffer
+        cfg=cfg, mesh=resolved.mesh, qcfg=qcfg, program=program, params=params,
+        opt_state=abstract_opt_state(program.optimizer, params, resolved.mesh),
         target=describe(target, devices) if target else None)
 
 
@@ -276,13 +278,12 @@ def abstract_update_batch(inputs: PlanInputs) -> UpdateBatch:
     cfg, mesh = inputs.cfg, inputs.mesh
     rows, (prompt_w, completion_w) = rows_per_step(cfg), train_widths(inputs)
     tokens = lambda dtype, width: abstract_array((rows, width), dtype, train_batch_sharding(mesh))  # noqa: E731
-    needs_old = cfg.rollout.use_sampler_logps or cfg.train.ppo_epochs > 1
     return UpdateBatch(
         input_ids=tokens(jnp.int32, prompt_w + completion_w), attention_mask=tokens(jnp.int32, prompt_w + completion_w),
         targets=tokens(jnp.int32, completion_w), loss_mask=tokens(jnp.float32, completion_w),
         advantages=abstract_array((rows,), jnp.float32, train_batch_sharding(mesh, ndim=1)),
-        old_logp=tokens(jnp.float32, completion_w) if needs_old else None,
-        ref_logp=tokens(jnp.float32, completion_w) if cfg.loss.beta > 0 else None,
+        old_logp=tokens(jnp.float32, completion_w) if inputs.program.has_old_logps else None,
+        ref_logp=tokens(jnp.float32, completion_w) if inputs.program.scores_ref_logps else None,
         prompt_width=prompt_w)
 
 
@@ -296,7 +297,7 @@ def _rollout_inputs(inputs: PlanInputs) -> tuple[dict, Any, Any]:
     cfg, mesh = inputs.cfg, inputs.mesh
     batch_sharding = rollout_batch_sharding(mesh, cfg.rollout.sharding)
     prompts = abstract_array((rows_per_step(cfg), prompt_bucket(inputs)), jnp.int32, batch_sharding)
-    static = inputs.rollout.static_args(inputs.graphdef, inputs.sampling, 0, batch_sharding)
+    static = inputs.rollout.static_args(inputs.graphdef, inputs.program.sampling, 0, batch_sharding)
     return static, prompts, abstract_key(mesh)
 
 
@@ -325,21 +326,19 @@ def rollout_phases(inputs: PlanInputs) -> list[PhaseMemory]:
 def logps_phase(inputs: PlanInputs) -> Optional[PhaseMemory]:
     """The full-batch scoring forward the loop runs for old (ppo_epochs > 1) or reference
     (loss.beta > 0) log-probs; None when the run never calls it."""
-    cfg = inputs.cfg
-    if not (cfg.loss.beta > 0 or (cfg.train.ppo_epochs > 1 and not cfg.rollout.use_sampler_logps)):
+    program = inputs.program
+    if not (program.scores_ref_logps or program.scores_old_logps):
         return None
     batch = abstract_update_batch(inputs)
-    score = jax.jit(completion_logps, static_argnums=(0, 2, 6, 7))
-    args = (inputs.graphdef, inputs.forward_params, inputs.loss_impl, batch.input_ids, batch.attention_mask, batch.targets,
-            batch.prompt_width, cfg.rollout.temperature)
-    return compile_phase("log-probs", score.lower, args, inputs.held_beside_rollout)[0]
+    lower = functools.partial(program.score.lower, prompt_width=batch.prompt_width)
+    args = (inputs.forward_params, batch.input_ids, batch.attention_mask, batch.targets)
+    return compile_phase("log-probs", lower, args, inputs.held_beside_rollout)[0]
 
 
 def _update_lowering(inputs: PlanInputs, cfg: RunConfig) -> tuple[Callable[..., Any], tuple]:
     """(lower, abstract args) of one optimizer update over the widest batch, micro-batched as `cfg.train` says."""
-    update = make_update(inputs.graphdef, inputs.loss_impl, loss_config_for_run(cfg), inputs.optimizer,
-                         cfg.rollout.temperature, micro_batches(cfg, inputs.mesh), resolve_dtype(cfg.model.dtype))
-    return update.lower, (inputs.params, inputs.opt_state, abstract_update_batch(inputs))
+    program = inputs.program.with_micro_batch_size(cfg.train.micro_batch_size_per_device)
+    return program.update.lower, (inputs.params, inputs.opt_state, abstract_update_batch(inputs))
 
 
 def compile_update(inputs: PlanInputs, cfg: RunConfig) -> Any:

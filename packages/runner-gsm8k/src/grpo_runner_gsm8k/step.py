@@ -57,11 +57,16 @@ def completion_hidden(graphdef: nnx.GraphDef, params: nnx.State, input_ids, atte
     return hidden[:, prompt_width - 1 : -1], model.lm_head_weight()
 
 
-def completion_logps(graphdef, params, impl, input_ids, attention_mask, targets, prompt_width: int,
-                     temperature: float) -> jax.Array:
-    """Per-token log-probs [N, C] of the completion tokens (no gradient needed)."""
-    hidden, lm_head = completion_hidden(graphdef, params, input_ids, attention_mask, prompt_width)
-    return per_token_logps(impl, hidden, lm_head, targets, temperature)
+def make_score(graphdef: nnx.GraphDef, impl: Any, temperature: float):
+    """A jitted `score(params, input_ids, attention_mask, targets, prompt_width=...)`: per-token
+    log-probs [N, C] of the completion tokens (no gradient needed)."""
+
+    @functools.partial(jax.jit, static_argnames="prompt_width")
+    def score(params, input_ids, attention_mask, targets, prompt_width: int) -> jax.Array:
+        hidden, lm_head = completion_hidden(graphdef, params, input_ids, attention_mask, prompt_width)
+        return per_token_logps(impl, hidden, lm_head, targets, temperature)
+
+    return score
 
 
 def _split_micro(batch: UpdateBatch, micro_batches: int) -> UpdateBatch:

@@ -109,7 +109,8 @@ def _dotted(path: tuple) -> str:
     return ".".join(str(p) for p in path)
 
 
-def _abstract_model(cfg: QwenConfig, dtype: Any, remat: str, scan_layers: bool) -> QwenModel:
+def abstract_model(cfg: QwenConfig, dtype: Any = "float32", remat: str = "none", scan_layers: bool = True) -> QwenModel:
+    """The model with ShapeDtypeStruct params, built by shape evaluation only (no memory)."""
     return nnx.eval_shape(lambda: QwenModel(cfg, dtype=dtype, rngs=nnx.Rngs(0), remat=remat, scan_layers=scan_layers))
 
 
@@ -238,7 +239,7 @@ def load_pretrained(
     model_dir = resolve_model_dir(path_or_hub_id)
     cfg = QwenConfig.from_pretrained_dir(model_dir)
     rules = rules or DEFAULT_RULES
-    graphdef, state = nnx.split(_abstract_model(cfg, resolve_dtype(dtype), remat, scan_layers))
+    graphdef, state = nnx.split(abstract_model(cfg, resolve_dtype(dtype), remat, scan_layers))
     _fill_state(state, cfg, model_dir, resolve_dtype(dtype), _shardings_by_path(state, mesh, rules))
     model = nnx.merge(graphdef, state)
     if mesh is not None:
@@ -307,6 +308,14 @@ def _shard_file_name(i: int, n: int) -> str:
     return SINGLE_FILE if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
 
 
+def _check_tokenizer_fits(config: QwenConfig, tokenizer: Any) -> None:
+    if tokenizer is not None and len(tokenizer) > config.vocab_size:
+        raise ValueError(
+            f"tokenizer has {len(tokenizer)} tokens but the model's vocab_size is {config.vocab_size}; "
+            "ids past the embedding table would be invalid. Use a model with vocab_size >= len(tokenizer)."
+        )
+
+
 def export_pretrained(
     model: QwenModel,
     out_dir: str | os.PathLike,
@@ -319,11 +328,7 @@ def export_pretrained(
     Weights are written in `dtype` (None: the model's dtype; float32 masters round to
     nearest for bfloat16, as the forward pass casts them). Returns the directory."""
     out_dir = os.fspath(out_dir)
-    if tokenizer is not None and len(tokenizer) > model.config.vocab_size:
-        raise ValueError(
-            f"tokenizer has {len(tokenizer)} tokens but the model's vocab_size is {model.config.vocab_size}; "
-            "ids past the embedding table would be invalid. Use a model with vocab_size >= len(tokenizer)."
-        )
+    _check_tokenizer_fits(model.config, tokenizer)
     dtype = resolve_dtype(dtype) if dtype is not None else model.dtype
     rows = _hf_tensors(model)
     shards = _plan_shards(rows, max_shard_bytes, dtype.itemsize)

@@ -305,3 +305,25 @@ PRESETS: dict[str, QwenConfig] = {
         max_position_embeddings=40960,
     ),
 }
+
+# Published checkpoints by Hub id: their presets plus what their config.json adds, so a
+# memory plan for a Hub id needs no download.
+_HUB_PRESETS = {
+    "Qwen/Qwen2.5-0.5B-Instruct": "qwen2.5-0.5b",
+    "Qwen/Qwen2.5-1.5B-Instruct": "qwen2.5-1.5b",
+    "Qwen/Qwen2.5-3B-Instruct": "qwen2.5-3b",
+    "Qwen/Qwen2.5-7B-Instruct": "qwen2.5-7b",
+    "Qwen/Qwen3-0.6B": "qwen3-0.6b",
+    "Qwen/Qwen3-1.7B": "qwen3-1.7b",
+    "Qwen/Qwen3-8B": "qwen3-8b",
+}
+HUB_ARCHITECTURES: dict[str, QwenConfig] = {
+    hub_id: PRESETS[preset].replace(torch_dtype="bfloat16", bos_token_id=151643, eos_token_id=151645)
+    for hub_id, preset in _HUB_PRESETS.items()
+}
+
+
+def hub_architecture(hub_id: str) -> QwenConfig | None:
+    """The architecture of a listed Hub id (case-insensitive), or None."""
+    by_lower = {name.lower(): config for name, config in HUB_ARCHITECTURES.items()}
+    return by_lower.get(hub_id.strip("/").lower())
