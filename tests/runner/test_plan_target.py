@@ -92,3 +92,22 @@ def test_without_libtpu_target_says_how_to_install(monkeypatch):
 def test_target_without_plan_is_refused(capsys):
     assert main(["--config", TINY, "--target", "v6e-8"]) == 2
     assert "--target only applies to --plan" in capsys.readouterr().err
+
+
+def test_pallas_loss_is_lowered_through_mosaic_for_the_target(tmp_path):
+    """The plan for TPU devices lowers the pallas loss as Mosaic kernels (per device, in
+    shard_map), not the interpreter the CPU host would pick."""
+    cfg = config("loss.impl=pallas", tmp_path=tmp_path)
+    inputs = plan.build_plan_inputs(cfg, default_registry(), plan.parse_target("v5e-4"))
+    lower, args = plan._update_lowering(inputs, cfg)
+    assert lower(*args).as_text().count("tpu_custom_call") >= 3  # stats, d_h and d_w kernels
+    assert plan.train_phase(inputs, cfg).total > 0  # and the TPU compiler compiles them
+
+
+def test_a_block_shape_the_tpu_cannot_tile_is_one_line_naming_the_option(tmp_path, capsys):
+    args = ["--config", TINY, "--plan", "--target", "v5e-4", *SMALL, f"logging.dir={tmp_path / 'run'}",
+            "loss.impl=pallas", "model.dtype=bfloat16", "loss.options.time_block=8"]
+    assert main(args) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("grpo-run: error: pallas loss: block (8, ")
+    assert "set loss.options.time_block to a multiple of 16" in line

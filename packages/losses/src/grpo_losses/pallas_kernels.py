@@ -26,14 +26,18 @@ kernel zeroes out-of-range token rows (whose inputs hold undefined data).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
+
+from grpo_core.errors import UserError
 
 from grpo_losses.blockmath import F32, TokenStats, VocabStats, column_ids, logits_grad, online_update, target_hits
 from grpo_losses.logps import Array, TokenLogps
@@ -65,6 +69,10 @@ class PallasOptions:
                              f"bfloat16 hidden states), got {self.time_block!r}")
 
 
+class BlockShapeError(UserError, ValueError):
+    """A block of the pallas loss that a TPU cannot tile: a bad `loss.options` value."""
+
+
 def min_block_rows(dtype) -> int:
     """Rows of one TPU tile for `dtype`: 8 for 32-bit, 16 for 16-bit, 32 for 8-bit."""
     return max(8, SUBLANE_BYTES // np.dtype(dtype).itemsize)
@@ -77,12 +85,12 @@ def validate_block_shape(name: str, block: Sequence[int], shape: Sequence[int], 
     rows, lanes = block[-2], block[-1]
     need_rows = min_block_rows(dtype)
     if rows != shape[-2] and rows % need_rows:
-        raise ValueError(
+        raise BlockShapeError(
             f"pallas loss: block {tuple(block)} of {name} {tuple(shape)} {np.dtype(dtype).name} has {rows} rows, "
             f"not a multiple of {need_rows} (TPU tile rows for this dtype) nor the full {shape[-2]}; "
             f"set loss.options.time_block to a multiple of {need_rows}")
     if lanes != shape[-1] and lanes % LANES:
-        raise ValueError(
+        raise BlockShapeError(
             f"pallas loss: block {tuple(block)} of {name} {tuple(shape)} has {lanes} columns, not a multiple "
             f"of {LANES} (TPU lanes) nor the full {shape[-1]}; set loss.options.block_size to a multiple of {LANES}")
 
@@ -260,18 +268,28 @@ def _dot(a: Array, b: Array) -> Array:
 
 @dataclass(frozen=True)
 class PallasLogps:
-    """The `pallas` TokenLogpsImpl; `mesh` overrides the context mesh (tests, scripts)."""
+    """The `pallas` TokenLogpsImpl.
+
+    Mosaic kernels cannot be partitioned by the compiler: on a multi-device mesh they run
+    per device inside shard_map, on the mesh bound with `on_mesh` (the run binds its own),
+    else the call's `mesh`, else the context mesh. The bound mesh's devices also decide
+    Mosaic vs interpret mode, so a plan for TPU devices from a CPU host lowers Mosaic.
+    """
 
     options: PallasOptions = PallasOptions()
+    mesh: Any = None
+
+    def on_mesh(self, mesh: Any) -> "PallasLogps":
+        return dataclasses.replace(self, mesh=mesh)
 
     def __call__(self, hidden: Array, lm_head: Array, targets: Array, temperature: float | Array = 1.0,
                  *, entropy: bool = False, mesh=None) -> TokenLogps:
         kernels = PallasKernels(self.options.block_size, self.options.time_block, self._interpret())
         return blockwise_token_logps(kernels, hidden, lm_head, targets, temperature, entropy=entropy,
-                                     vocab_axis=self.options.vocab_axis, mesh=mesh)
+                                     vocab_axis=self.options.vocab_axis, mesh=self.mesh if mesh is None else mesh)
 
     def _interpret(self) -> bool:
-        backend = jax.default_backend()
+        backend = jax.default_backend() if self.mesh is None else self.mesh.devices.flat[0].platform
         if self.options.interpret is not None:
             interpret = self.options.interpret
         else:

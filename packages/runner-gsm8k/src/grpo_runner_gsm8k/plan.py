@@ -98,6 +98,10 @@ def compile_phase(name: str, lower: Callable[..., Any], args: tuple, other: int 
     try:
         compiled = lower(*args).compile()
     except jax.errors.JaxRuntimeError as exc:
+        if "Mosaic" in str(exc):
+            first = " ".join(str(exc).strip().splitlines()[0].split())[:300]
+            raise UserError(f"{name}: the TPU compiler rejected a Pallas kernel ({first}); with loss.impl: pallas "
+                            "change loss.options.block_size / time_block") from None
         match = _HBM_EXHAUSTED.search(str(exc))
         if not match:
             raise

@@ -93,6 +93,8 @@ def build_program(cfg: RunConfig, registry: Registry, mesh: Mesh, graphdef: nnx.
                   sampling: SamplingParams) -> RunProgram:
     """The run's plugins and jitted functions for a model of `graphdef` on `mesh`."""
     loss_impl = from_plugin(registry, "loss", cfg.loss.impl, cfg.loss.options, "loss.options")
+    if hasattr(loss_impl, "on_mesh"):  # an implementation that must know the mesh (pallas: shard_map, Mosaic)
+        loss_impl = loss_impl.on_mesh(mesh)
     rollout = from_plugin(registry, "rollout", cfg.rollout.backend, cfg.rollout.options, "rollout.options")
     optimizer = build_optimizer(cfg.train, moment_dtype(cfg))
     return RunProgram(cfg=cfg, mesh=mesh, graphdef=graphdef, loss_impl=loss_impl, rollout=rollout,
