@@ -32,6 +32,7 @@ import shutil
 import sys
 import threading
 from pathlib import Path
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import jax
@@ -41,6 +42,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from grpo_core.config import CheckpointConfig, RunConfig
 from grpo_core.config_io import build_dataclass, config_to_dict
+from grpo_core.contracts import Task
 from grpo_core.errors import UserError
 
 CHECKPOINTS = "checkpoints"
@@ -249,6 +251,17 @@ def _on_mesh(tree: Any, mesh: Mesh) -> Any:
     return jax.tree.map(target, tree)
 
 
+@dataclass
+class TrainState:
+    """Exactly what a checkpoint holds besides the task's data position."""
+
+    params: Any
+    opt_state: Any
+    key: jax.Array
+    step: int = 0
+    skipped_steps: int = 0
+
+
 class Checkpointer:
     """Saves and restores the train state (a `loop.TrainState`) of one run directory.
 
@@ -274,7 +287,7 @@ class Checkpointer:
         """Every `every_steps` steps, and always after the last step (0 = only then)."""
         return step == last_step or (self.every_steps > 0 and step % self.every_steps == 0)
 
-    def save(self, state: Any, data_position: dict, model_config: dict, run_config: dict) -> None:
+    def save(self, state: TrainState, data_position: dict, model_config: dict, run_config: dict) -> None:
         self.wait()  # orbax would wait for the previous save anyway; its error belongs to that step
         meta = {"step": state.step, "skipped_steps": state.skipped_steps, "data": data_position,
                 "key": _key_record(state.key), "model_config": model_config, "param_layout": PARAM_LAYOUT}
@@ -311,7 +324,7 @@ class Checkpointer:
                          f"{self.directory} are intact; free space or fix permissions there and run the same "
                          "command again to continue")
 
-    def restore_newest(self, candidates: list[int], state: Any, task: Any, mesh: Mesh) -> int:
+    def restore_newest(self, candidates: list[int], state: TrainState, task: Task, mesh: Mesh) -> int:
         """Restores the newest of `candidates` (newest first) whose arrays read back; ones that
         do not are skipped with a warning and moved aside, so later saves can use their steps."""
         for i, step in enumerate(candidates):
@@ -337,7 +350,7 @@ class Checkpointer:
         if steps:
             self.manager.reload()
 
-    def restore(self, step: int, state: Any, task: Any, mesh: Mesh) -> None:
+    def restore(self, step: int, state: TrainState, task: Task, mesh: Mesh) -> None:
         """Sets `state` and the task's data position from checkpoint `step`; the arrays land
         on `mesh` with the shardings of `state`'s arrays."""
         check_param_layout(self.directory.parent, step)

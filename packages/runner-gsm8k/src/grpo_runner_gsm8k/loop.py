@@ -10,8 +10,7 @@ from __future__ import annotations
 import sys
 import time
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -28,27 +27,15 @@ from grpo_core.rollout_records import RolloutResult
 
 from grpo_runner_gsm8k.build import (Components, build_components, check_run_dir, prepare_run_dir, prompt_token_ids,
                                      warn_if_updates_round_away)
-from grpo_runner_gsm8k.checkpoint import Checkpointer, resume_steps, truncate_metrics
+from grpo_runner_gsm8k.checkpoint import Checkpointer, TrainState, resume_steps, truncate_metrics
 from grpo_runner_gsm8k.lock import RunDirLock
 from grpo_runner_gsm8k.metrics import MetricsLogger
 from grpo_runner_gsm8k.multihost import gather_objects, host_array, local_prompt_count
 from grpo_runner_gsm8k.optim import learning_rate_schedule
 from grpo_runner_gsm8k.preemption import StopRequest
-from grpo_runner_gsm8k.rewards import score
 from grpo_runner_gsm8k.program import RunProgram, build_program
+from grpo_runner_gsm8k.rewards import score
 from grpo_runner_gsm8k.step import UpdateBatch
-
-
-@dataclass
-class TrainState:
-    """What changes from step to step (and what a checkpoint holds)."""
-
-    params: Any
-    opt_state: Any
-    key: jax.Array
-    step: int = 0
-    skipped_steps: int = 0
-    step_times: deque = field(default_factory=lambda: deque(maxlen=10))
 
 
 def tokenize_prompts(c: Components, examples: list) -> list[list[int]]:
@@ -106,6 +93,7 @@ class Trainer:
         self.ref_params = (jax.tree.map(jnp.copy, self.forward_params(params)) if self.program.scores_ref_logps
                            else None)
         self.state = TrainState(params, self.program.init_opt_state(params), jax.random.key(cfg.train.seed))
+        self.step_times: deque = deque(maxlen=10)  # seconds of the last steps, for the average metric
         self.train_sharding = train_batch_sharding(self.c.mesh)
         self.row_sharding = train_batch_sharding(self.c.mesh, ndim=1)
         self.checkpoints = Checkpointer(self.run_dir, cfg.checkpoint)
@@ -143,7 +131,7 @@ class Trainer:
 
         step_s = time.monotonic() - start
         self.state.step += 1
-        self.state.step_times.append(step_s)
+        self.step_times.append(step_s)
         return self.step_metrics(result, scores, advantages, train_metrics,
                                  dict(rollout_s=rollout_s, reward_s=reward_s, update_s=update_s, step_s=step_s))
 
@@ -187,7 +175,7 @@ class Trainer:
         prompt_lengths = host_array(result.prompt_mask).sum(axis=1)
         total = scores.total
         out = {f"time/train/{k}": v for k, v in times.items()}
-        out["time/train/step_avg_last10_s"] = float(np.mean(self.state.step_times))
+        out["time/train/step_avg_last10_s"] = float(np.mean(self.step_times))
         out["throughput/train/valid_tokens_per_s"] = float(lengths.sum() / times["step_s"])
         out.update({"train-reward/total/mean": float(total.mean()), "train-reward/total/std": float(total.std()),
                     "train-reward/total/min": float(total.min()), "train-reward/total/max": float(total.max())})
