@@ -10,6 +10,7 @@ strategy.param_rules -> global_batch(rows, rollout_batch_sharding(mesh, style)).
 from grpo_meshes.batch import (
     ROLLOUT_BATCH_AXES,
     TRAIN_BATCH_AXES,
+    batch_shard_count,
     batch_spec,
     global_batch,
     global_rows,
@@ -48,6 +49,7 @@ __all__ = [
     "Rules",
     "TRAIN_ACTIVATION_RULES",
     "TRAIN_BATCH_AXES",
+    "batch_shard_count",
     "batch_spec",
     "build_mesh_from_config",
     "distributed_reason",

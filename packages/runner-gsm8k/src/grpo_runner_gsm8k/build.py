@@ -23,8 +23,8 @@ from grpo_core.models.checkpoint import resolve_model_dir
 from grpo_core.registry import Registry
 from grpo_core.sharding import shard_model
 from grpo_core.tokenizer import build_char_tokenizer, load_tokenizer
-from grpo_meshes import (ModelDims, ProcessLayout, build_mesh_from_config, rollout_batch_sharding,
-                         setup_processes, validate_plan)
+from grpo_meshes import (TRAIN_BATCH_AXES, ModelDims, ProcessLayout, batch_shard_count, build_mesh_from_config,
+                         rollout_batch_sharding, setup_processes, validate_plan)
 
 from grpo_runner_gsm8k.multihost import local_prompt_count
 from grpo_runner_gsm8k.tasks.base import render_prompt
@@ -256,7 +256,7 @@ def micro_batches(cfg: RunConfig, mesh: Mesh) -> int:
     per_device = cfg.train.micro_batch_size_per_device
     if per_device == 0:
         return 1
-    global_micro = per_device * mesh.shape["dp"] * mesh.shape["fsdp"]
+    global_micro = per_device * batch_shard_count(mesh, TRAIN_BATCH_AXES)
     if rows % global_micro:
         raise UserError(f"train.micro_batch_size_per_device={per_device} gives micro-batches of {global_micro} "
                         f"rows, which do not divide the {rows} rows of a step (rollout.prompts_per_step * "

@@ -41,7 +41,8 @@ from grpo_core.models.qwen import resolve_dtype
 from grpo_core.registry import Registry
 from grpo_core.rollout_records import trimmed_widths
 from grpo_core.sharding import param_shardings
-from grpo_meshes import build_mesh_from_config, rollout_batch_sharding, setup_processes, train_batch_sharding
+from grpo_meshes import (TRAIN_BATCH_AXES, batch_shard_count, build_mesh_from_config, rollout_batch_sharding,
+                         setup_processes, train_batch_sharding)
 from grpo_rollout.backend import JaxRollout
 from grpo_rollout.decode import decode, prefill
 from grpo_rollout.prompts import bucket_length
@@ -391,7 +392,7 @@ def header_lines(inputs: PlanInputs) -> list[str]:
     cfg, mesh, q = inputs.cfg, inputs.mesh, inputs.qcfg
     params = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(inputs.params))
     rows, (prompt_w, completion_w) = rows_per_step(cfg), train_widths(inputs)
-    data_devices = mesh.shape["dp"] * mesh.shape["fsdp"]
+    data_devices = batch_shard_count(mesh, TRAIN_BATCH_AXES)
     micro = micro_batches(cfg, mesh)
     return [
         f"model: {q.model_type}, {params / 1e9:.3f}B params, {cfg.model.param_dtype} masters, {cfg.model.dtype} "
@@ -471,7 +472,7 @@ def plan_once(inputs: PlanInputs, capacity: Capacity) -> int:
 def micro_batch_candidates(inputs: PlanInputs) -> list[int]:
     """Valid micro_batch_size_per_device values: divisors of the rows each data device holds."""
     mesh = inputs.mesh
-    per_device = rows_per_step(inputs.cfg) // (mesh.shape["dp"] * mesh.shape["fsdp"])
+    per_device = rows_per_step(inputs.cfg) // batch_shard_count(mesh, TRAIN_BATCH_AXES)
     return [size for size in range(1, per_device + 1) if per_device % size == 0]
 
 
