@@ -235,7 +235,6 @@ def validate_cross_fields(cfg: RunConfig) -> None:
                           "weights gains nothing; set model.param_dtype=float32 (or model.dtype=bfloat16)")
     if not cfg.task.rewards:
         raise ConfigError("task.rewards is empty: name at least one reward function, e.g. {correctness: 1.0}")
-    check_eval_reward(cfg)
     for name in cfg.task.reward_options:
         if name not in cfg.task.rewards:
             raise ConfigError(f"task.reward_options.{name} configures a reward that task.rewards does not use; "
@@ -268,6 +267,7 @@ def load_config(path: str | Path | None = None, overrides: Iterable[str] = (), r
     validate_cross_fields(cfg)
     if registry is not None:
         validate_plugins(cfg, registry)
+    check_eval_reward(cfg)  # after the plugins: a misspelt reward is reported as unknown first
     return cfg
 
 
