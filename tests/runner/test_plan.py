@@ -112,8 +112,10 @@ def test_the_plan_lowers_the_update_and_scoring_the_run_executes(tmp_path, dtype
     # ones (the stop ids and pad id, which the plan does not know without a tokenizer, are the run's)
     static, prompts, key = plan._rollout_inputs(inputs)
     static.update(params=trainer.program.sampling, pad_id=int(trainer.c.tokenizer.pad_token_id))
-    weights = abstract(trainer.forward_params(trainer.state.params))
-    run_prefill = plan.prefill.lower(weights, prompts, prompts, key, **static).as_text()
+    weights = trainer.forward_params(trainer.state.params)
+    run_static = trainer.program.rollout.static_args(trainer.graphdef, weights, trainer.program.sampling,
+                                                     trainer.c.tokenizer.pad_token_id, trainer.c.rollout_sharding)
+    run_prefill = plan.prefill.lower(abstract(weights), prompts, prompts, key, **run_static).as_text()
     assert plan.prefill.lower(inputs.forward_params, prompts, prompts, key, **static).as_text() == run_prefill
 
     widest = plan.abstract_update_batch(inputs)

@@ -58,6 +58,7 @@ def test_tiny_model_planned_by_the_tpu_compiler(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "on 4 TPU v5 lite device(s)" in out
     assert "figures: the TPU compiler's (libtpu) for v5e-4 (TPU v5 lite, topology v5e:2x2): 4 devices on 1 host" in out
+    assert re.search(r"^  rollout decode: collectives per decoded token: .*all-gather [\d.]+ MiB", out, re.M)
     assert re.search(r"^peak: [\d.]+ GiB per device \(\w[\w -]+\) of 16\.00 GiB \(v5e HBM, cloud\.google\.com", out,
                      re.M)
     assert {"rollout prefill", "rollout decode", "train step"} <= {line[:18].strip() for line in out.splitlines()}

@@ -12,7 +12,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from grpo_rollout.decode import batch_spec_axes, decode, prefill
+from grpo_rollout.decode import batch_spec_axes, decode, prefill, rollout_graphdef
 from grpo_rollout.prompts import DEFAULT_PROMPT_BUCKETS, fit_to_bucket, left_pad, repeat_samples
 from grpo_core.rollout_records import DEFAULT_TRIM_BUCKET, RolloutResult, TrainBatch, trim_batch
 from grpo_core.contracts import SamplingParams
@@ -118,15 +118,16 @@ class JaxRollout:
         ids, mask = repeat_samples(ids, sampling.n), repeat_samples(mask, sampling.n)
         check_batch_divisible(ids.shape[0], sampling.n, batch_sharding)
         ids, mask = place(ids, batch_sharding), place(mask, batch_sharding)
-        static = self.static_args(self._graphdef, sampling, pad_token_id, batch_sharding)
+        static = self.static_args(self._graphdef, self._weights, sampling, pad_token_id, batch_sharding)
         cache, state = prefill(self._weights, ids, mask, key, **static)
         _, state = decode(self._weights, cache, state, key, **static)
         return finish(ids, mask, state, sampling)
 
-    def static_args(self, graphdef, sampling: SamplingParams, pad_token_id: int,
+    def static_args(self, graphdef, weights, sampling: SamplingParams, pad_token_id: int,
                     batch_sharding: NamedSharding | None) -> dict[str, Any]:
-        """The static (compile-time) arguments shared by `prefill` and `decode`."""
-        return dict(graphdef=graphdef, params=sampling, pad_id=int(pad_token_id),
+        """The static (compile-time) arguments shared by `prefill` and `decode`; the model
+        structure carries the rollout's activation sharding (set here, outside jit)."""
+        return dict(graphdef=rollout_graphdef(graphdef, weights, batch_sharding), params=sampling, pad_id=int(pad_token_id),
                     cache_dtype=self.options.cache_dtype, batch_sharding=batch_sharding,
                     block=self.options.cdf_block or None, top_p_candidates=self.options.top_p_candidates,
                     attention=self.options.decode_attention, gather_weights=self.options.gather_weights)

@@ -94,7 +94,7 @@ def bench_jax(args: argparse.Namespace) -> dict[str, Any]:
         greedy=args.greedy, stop_token_ids=() if args.eos is None else (args.eos,))
     graphdef, weights = nnx.split(model)
     rollout = JaxRollout(JaxRolloutOptions(decode_attention=args.decode_attention))
-    static = rollout.static_args(graphdef, sampling, 0, None)
+    static = rollout.static_args(graphdef, weights, sampling, 0, None)
     ids = jax.numpy.asarray(random_prompts(args))
     mask = jax.numpy.ones_like(ids)
     key = jax.random.key(args.seed)

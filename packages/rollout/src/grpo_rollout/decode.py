@@ -88,13 +88,14 @@ def constrain_cache(cache, batch_sharding):
                          mask=constrain(cache.mask, batch_sharding, 0))
 
 
-def merge_for_rollout(graphdef, weights, batch_sharding):
-    """The model, with its residual-stream sharding following the rollout batch sharding
-    (a model sharded for training may pin activations to other batch axes)."""
+def rollout_graphdef(graphdef, weights, batch_sharding):
+    """`graphdef` with the residual-stream sharding following the rollout batch sharding (a
+    model sharded for training pins activations to the training batch axes). Called outside
+    jit: the result is the static model structure the jitted prefill and decode receive."""
     model = nnx.merge(graphdef, weights)
     if batch_sharding is not None and hasattr(model, "set_activation_sharding"):
         model.set_activation_sharding(batch_sharding.mesh, (("batch", batch_spec_axes(batch_sharding)),))
-    return model
+    return nnx.split(model)[0]
 
 
 def rollout_weights(weights, batch_sharding: NamedSharding | None, gather: bool):
@@ -119,7 +120,7 @@ def prefill(weights, prompt_ids, prompt_mask, key, *, graphdef, params: Sampling
     """Run the prompts [N, Tp] through the model into a fresh cache of Tp + Tn - 1 slots and
     sample the first completion token. Returns (cache, LoopState at step 1)."""
     del attention  # the prompt pass is the model's own (many queries per row)
-    model = merge_for_rollout(graphdef, rollout_weights(weights, batch_sharding, gather_weights), batch_sharding)
+    model = nnx.merge(graphdef, rollout_weights(weights, batch_sharding, gather_weights))
     rows, width = prompt_ids.shape
     cache = constrain_cache(model.init_cache(rows, width + params.max_new_tokens - 1, cache_dtype), batch_sharding)
     hidden, cache = model(prompt_ids, attention_mask=prompt_mask, cache=cache)  # [N, Tp, H]
@@ -156,7 +157,7 @@ def decode(weights, cache, state: LoopState, key, *, graphdef, params: SamplingP
 
     def one_token(carry):
         cache, s = carry
-        model = merge_for_rollout(graphdef, weights, batch_sharding)
+        model = nnx.merge(graphdef, weights)
         if attention == "rollout":
             hidden, cache = decode_forward(model, s.last, ~s.done, cache)  # [N, 1, H]
         else:

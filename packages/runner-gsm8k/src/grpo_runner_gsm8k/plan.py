@@ -44,6 +44,7 @@ from grpo_core.sharding import param_shardings
 from grpo_meshes import (TRAIN_BATCH_AXES, batch_shard_count, build_mesh_from_config, rollout_batch_sharding,
                          setup_processes, train_batch_sharding)
 from grpo_rollout.backend import JaxRollout
+from grpo_rollout.collectives import decode_collective_bytes_per_token
 from grpo_rollout.decode import decode, prefill
 from grpo_rollout.prompts import bucket_length
 
@@ -76,6 +77,7 @@ class PhaseMemory:
     temp: int
     other: int = 0
     refused: bool = False  # the compiler refused it for HBM; temp is the size it reported
+    note: str = ""  # printed under the table
 
     @property
     def total(self) -> int:
@@ -302,7 +304,8 @@ def _rollout_inputs(inputs: PlanInputs) -> tuple[dict, Any, Any]:
     cfg, mesh = inputs.cfg, inputs.mesh
     batch_sharding = rollout_batch_sharding(mesh, cfg.rollout.sharding)
     prompts = abstract_array((rows_per_step(cfg), prompt_bucket(inputs)), jnp.int32, batch_sharding)
-    static = inputs.rollout.static_args(inputs.graphdef, inputs.program.sampling, 0, batch_sharding)
+    static = inputs.rollout.static_args(inputs.graphdef, inputs.forward_params, inputs.program.sampling, 0,
+                                        batch_sharding)
     return static, prompts, abstract_key(mesh)
 
 
@@ -323,9 +326,22 @@ def rollout_phases(inputs: PlanInputs) -> list[PhaseMemory]:
     if compiled is None:
         return [first]  # decode's inputs are prefill's outputs
     cache, state = abstract_outputs(compiled)
-    second, _ = compile_phase("rollout decode", functools.partial(decode.lower, **static),
-                              (inputs.forward_params, cache, state, key), held)
+    second, decoder = compile_phase("rollout decode", functools.partial(decode.lower, **static),
+                                    (inputs.forward_params, cache, state, key), held)
+    if decoder is not None:
+        second = dataclasses.replace(second, note=decode_traffic_note(decoder, inputs.rollout.options.gather_weights))
     return [first, second]
+
+
+def decode_traffic_note(decoder: Any, gathered: bool) -> str:
+    """The collectives the compiled decode loop runs for every token, per device."""
+    traffic = decode_collective_bytes_per_token(decoder)
+    if not traffic:
+        return "collectives per decoded token: none"
+    listed = ", ".join(f"{kind} {size / (1 << 20):.1f} MiB" for kind, size in sorted(traffic.items()))
+    hint = ("" if gathered else "; rollout.options.gather_weights=true gathers FSDP-sharded weights once per "
+            "rollout instead (a full compute-dtype copy per device: plan it to see whether it fits)")
+    return f"collectives per decoded token: {listed}{hint}"
 
 
 def logps_phase(inputs: PlanInputs) -> Optional[PhaseMemory]:
@@ -385,7 +401,7 @@ def table_lines(phases: list[PhaseMemory]) -> list[str]:
         values = (p.arguments, p.outputs, p.aliased, p.temp, p.other, p.total)
         lines.append(f"{p.name:<18}" + "".join(f"{v / GIB:>11.3f}" for v in values)
                      + ("  refused by the compiler: over HBM (temp as it reported)" if p.refused else ""))
-    return lines
+    return lines + [f"  {p.name}: {p.note}" for p in phases if p.note]
 
 
 def header_lines(inputs: PlanInputs) -> list[str]:
