@@ -203,6 +203,31 @@ def cause_of(exc: BaseException) -> str:
     return f"{type(innermost).__name__}: {' '.join(str(innermost).split())[:200]}"
 
 
+def _closed_loop_noise(exc: BaseException | None) -> bool:
+    return isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed"
+
+
+def drop_closed_loop_errors() -> None:
+    """When a write of orbax's async save fails, TensorStore's completion callbacks of the
+    other writes race the save's event-loop shutdown and raise 'Event loop is closed' on
+    TensorStore's threads, reported through sys.excepthook / sys.unraisablehook. They only
+    repeat a failure the run reports in one line: drop them, pass everything else on."""
+    if getattr(sys.excepthook, "drops_closed_loop_errors", False):
+        return
+    previous_excepthook, previous_unraisablehook = sys.excepthook, sys.unraisablehook
+
+    def excepthook(kind, value, tb):
+        if not _closed_loop_noise(value):
+            previous_excepthook(kind, value, tb)
+
+    def unraisablehook(args):
+        if not _closed_loop_noise(args.exc_value):
+            previous_unraisablehook(args)
+
+    excepthook.drops_closed_loop_errors = True
+    sys.excepthook, sys.unraisablehook = excepthook, unraisablehook
+
+
 def _quiet_thread_errors(args) -> None:
     """After a failed save is reported, orbax's background threads may still fail while the
     process exits; their tracebacks would only repeat that error."""
@@ -281,6 +306,7 @@ class Checkpointer:
             enable_async_checkpointing=True)
         # orbax logs a failed background save with a traceback; `check` reports it in one line.
         logging.getLogger("absl").setLevel(logging.CRITICAL)
+        drop_closed_loop_errors()
         self.manager = ocp.CheckpointManager(self.directory, item_names=ITEMS, options=options)
 
     def due(self, step: int, last_step: int) -> bool:
