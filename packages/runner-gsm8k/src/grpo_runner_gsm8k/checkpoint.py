@@ -162,6 +162,7 @@ def resume_steps(cfg: RunConfig, required: bool = False) -> list[int]:
     candidates = _with_readable_config(run_dir, steps[::-1])
     step = candidates[0]
     check_compatible(saved_config(run_dir, step), config_to_dict(cfg), checkpoint_dir(run_dir) / str(step))
+    check_param_layout(run_dir, step)
     if step > cfg.train.steps:
         raise UserError(f"the checkpoint in {run_dir} is at step {step}, past train.steps={cfg.train.steps}; "
                         f"set train.steps >= {step} to continue the run")
