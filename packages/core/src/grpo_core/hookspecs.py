@@ -87,24 +87,17 @@ def grpo_meshes() -> list[MeshSpec]:
 
 @hookspec
 def grpo_rollouts() -> list[RolloutSpec]:
-    """Rollout backends selectable with `rollout.backend: <name>`; a backend implements
-    `grpo_core.contracts.RolloutBackend` and needs `grpo-core` alone.
+    """Rollout backends (`rollout.backend: <name>`): `grpo_core.contracts.RolloutBackend`s.
 
     Example (a uniform random sampler: the shape of a wrapper around another engine)::
 
         import math
-        from dataclasses import dataclass
         import jax, jax.numpy as jnp, numpy as np
-        from grpo_core import RolloutSpec, hookimpl
+        from grpo_core import NoOptions, RolloutSpec, hookimpl
         from grpo_core.rollout_records import RolloutResult, trim_batch
 
-        @dataclass(frozen=True)
-        class Options:
-            prompt_width: int = 64
-
         class UniformSampler:
-            def __init__(self, options):
-                self.options, self.vocab = options, None
+            vocab = None
 
             def load_weights(self, model):
                 self.vocab = model.config.vocab_size  # an engine would copy the weights here
@@ -114,20 +107,16 @@ def grpo_rollouts() -> list[RolloutSpec]:
 
             def generate(self, prompts, key, sampling, *, pad_token_id=0, batch_sharding=None):
                 rows = [list(p) for p in prompts for _ in range(sampling.n)]
-                width, new = self.options.prompt_width, sampling.max_new_tokens
-                ids = np.full((len(rows), width), pad_token_id, np.int32)
-                for i, row in enumerate(rows):
-                    ids[i, width - len(row):] = row
-                lengths = np.array([len(row) for row in rows])
-                mask = (np.arange(width) >= width - lengths[:, None]).astype(np.int32)
+                width, shape = max(map(len, rows)), (len(rows), sampling.max_new_tokens)
+                pad = [width - len(row) for row in rows]  # left padding
+                ids = np.array([[pad_token_id] * k + row for k, row in zip(pad, rows)], np.int32)
+                mask = np.array([[0] * k + [1] * (width - k) for k in pad], np.int32)
                 put = lambda x: x if batch_sharding is None else jax.device_put(x, batch_sharding)  # [rows, T]
                 return RolloutResult(
                     prompt_ids=put(jnp.asarray(ids)), prompt_mask=put(jnp.asarray(mask)),
-                    completion_ids=put(jax.random.randint(key, (len(rows), new), 0, self.vocab)),
-                    completion_mask=put(jnp.ones((len(rows), new), jnp.int32)),
-                    lengths=jnp.full(len(rows), new, jnp.int32),
-                    sampler_logps=put(jnp.full((len(rows), new), -math.log(self.vocab))),
-                    finished=jnp.zeros(len(rows), bool),
+                    completion_ids=put(jax.random.randint(key, shape, 0, self.vocab)),
+                    completion_mask=put(jnp.ones(shape, jnp.int32)), lengths=jnp.full(shape[0], shape[1]),
+                    sampler_logps=put(jnp.full(shape, -math.log(self.vocab))), finished=jnp.zeros(shape[0], bool),
                     num_prompts=len(prompts), n=sampling.n)
 
             def trim(self, result):
@@ -135,7 +124,7 @@ def grpo_rollouts() -> list[RolloutSpec]:
 
         @hookimpl
         def grpo_rollouts():
-            return [RolloutSpec("uniform", UniformSampler, Options, "Uniformly random tokens")]
+            return [RolloutSpec("uniform", lambda options: UniformSampler(), NoOptions, "Uniformly random tokens")]
     """
 
 
