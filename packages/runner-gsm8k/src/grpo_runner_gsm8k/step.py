@@ -106,8 +106,7 @@ def make_update(graphdef: nnx.GraphDef, impl: Any, loss_cfg: LossConfig, optimiz
     """A jitted `update(params, opt_state, batch) -> (params, opt_state, metrics)`; the forward
     and backward run in `compute_dtype` (None: the params' own dtype)."""
 
-    def micro_numerator(params, mb: UpdateBatch):
-        weights = compute_params(params, compute_dtype)  # differentiable: grads come back to params' dtype
+    def micro_numerator(weights, mb: UpdateBatch):
         hidden, lm_head = completion_hidden(graphdef, weights, mb.input_ids, mb.attention_mask, mb.prompt_width)
         out = grpo_loss(impl, hidden, lm_head, mb.targets, mb.loss_mask, mb.advantages, mb.old_logp,
                         mb.ref_logp, loss_cfg, temperature=temperature)
@@ -116,8 +115,12 @@ def make_update(graphdef: nnx.GraphDef, impl: Any, loss_cfg: LossConfig, optimiz
     grad_fn = jax.value_and_grad(micro_numerator, has_aux=True)
 
     def accumulate(params, batch: UpdateBatch):
+        # One compute-dtype copy per update, not per micro-batch; the gradient w.r.t. it is
+        # the gradient w.r.t. the params (the cast's transpose is a cast), summed in float32.
+        weights = compute_params(params, compute_dtype)
+
         def body(grads, mb):
-            (num, (den, metrics)), g = grad_fn(params, mb)
+            (num, (den, metrics)), g = grad_fn(weights, mb)
             return jax.tree.map(_add_f32, grads, g), (num, den, metrics)
 
         zeros = jax.tree.map(lambda p: jnp.zeros_like(p, dtype=jnp.float32), params)
