@@ -54,3 +54,33 @@ def test_a_batch_that_does_not_split_over_the_devices_is_a_clear_error(models, m
     batch_sharding = NamedSharding(mesh, PartitionSpec(STYLES["legacy"]))
     with pytest.raises(ValueError, match="multiple of 8"):
         sample(models[1], PROMPTS[:3], jax.random.key(0), batch_sharding=batch_sharding)
+
+
+@pytest.mark.parametrize("free, gathered", [(None, False), (1, False), (1 << 40, True)])
+def test_auto_gathers_sharded_weights_only_when_the_gathered_decode_fits(models, mesh, monkeypatch, capsys,
+                                                                          free, gathered):
+    """gather_weights=auto: with the devices' free memory faked (the CPU backend reports
+    none), the gathered decode is taken exactly when it fits, and samples the same tokens."""
+    from grpo_rollout import gather
+
+    monkeypatch.setattr(gather, "free_device_bytes", lambda devices: free)
+    plain, sharded = models
+    batch_sharding = NamedSharding(mesh, PartitionSpec(STYLES["legacy"]))
+    rollout = JaxRollout(JaxRolloutOptions(prompt_buckets=(8,), gather_weights="auto"))
+    rollout.load_weights(sharded)
+    result = rollout.generate(PROMPTS, jax.random.key(7), PARAMS, batch_sharding=batch_sharding)
+    line = capsys.readouterr().out.strip()
+    assert line.startswith(f"rollout: gather_weights=auto: {'gathered' if gathered else 'sharded'} weights")
+    assert ("no memory limit" in line) == (free is None)
+    expected = sample(plain, PROMPTS, jax.random.key(7))
+    np.testing.assert_array_equal(result.completion_ids, expected.completion_ids)
+    np.testing.assert_allclose(result.sampler_logps, expected.sampler_logps, atol=1e-5)
+    rollout.generate(PROMPTS, jax.random.key(8), PARAMS, batch_sharding=batch_sharding)
+    assert capsys.readouterr().out == ""  # decided once per batch shape
+
+
+def test_gather_weights_accepts_auto_true_false_only():
+    for value in ("auto", True, False):
+        assert JaxRolloutOptions(gather_weights=value).gather_weights == value
+    with pytest.raises(ValueError, match="gather_weights='yes' must be true, false or auto"):
+        JaxRolloutOptions(gather_weights="yes")

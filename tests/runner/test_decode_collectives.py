@@ -28,18 +28,34 @@ def tpu_devices(monkeypatch):
         pytest.skip(f"libtpu not available: {exc}")
 
 
-def decode_bytes_per_token(devices, tmp_path: Path, *overrides: str) -> dict[str, int]:
+def plan_inputs(devices, tmp_path: Path, *overrides: str) -> plan.PlanInputs:
     registry = default_registry()
     cfg = load_config(TINY, [*SHAPE, f"logging.dir={tmp_path}", *overrides], registry=registry)
     resolved = build_mesh_from_config(cfg.mesh, registry.mesh, devices=devices)  # auto: fsdp over all 8
     qcfg = plan.plan_architecture(cfg)
     graphdef, params = plan.abstract_run_model(cfg, qcfg, resolved.mesh, resolved.strategy)
     program = build_program(cfg, registry, resolved.mesh, graphdef, SamplingParams.from_config(cfg.rollout))
-    inputs = plan.PlanInputs(cfg=cfg, mesh=resolved.mesh, qcfg=qcfg, program=program, params=params, opt_state=None)
-    return decode_collective_bytes_per_token(plan.compile_rollout(inputs)[1])
+    return plan.PlanInputs(cfg=cfg, mesh=resolved.mesh, qcfg=qcfg, program=program, params=params, opt_state=None)
+
+
+def decode_bytes_per_token(devices, tmp_path: Path, *overrides: str) -> dict[str, int]:
+    return decode_collective_bytes_per_token(plan.compile_rollout(plan_inputs(devices, tmp_path, *overrides))[1])
 
 
 def test_gathered_weights_leave_no_collective_in_the_decode_loop(tpu_devices, tmp_path):
     sharded = decode_bytes_per_token(tpu_devices, tmp_path)
     assert sum(sharded.values()) > 0  # FSDP weights: collectives every token
     assert decode_bytes_per_token(tpu_devices, tmp_path, "rollout.options.gather_weights=true") == {}
+
+
+@pytest.mark.parametrize("capacity_gib, gathered", [(32.0, True), (0.001, False)])
+def test_the_plan_takes_gathered_weights_when_auto_and_they_fit(tpu_devices, tmp_path, capacity_gib, gathered):
+    inputs = plan_inputs(tpu_devices, tmp_path, "rollout.options.gather_weights=auto")
+    decode = plan.rollout_phases(inputs, plan.Capacity(int(capacity_gib * plan.GIB), "test"))[-1]
+    assert decode.name == "rollout decode"
+    if gathered:
+        assert decode.note == ("gather_weights=auto: weights gathered once per rollout (the copy fits); "
+                               "collectives per decoded token: none")
+    else:
+        assert decode.note.startswith("gather_weights=auto: sharded weights (a gathered decode needs ")
+        assert "all-gather" in decode.note or "all-reduce" in decode.note

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +14,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from grpo_rollout.decode import batch_spec_axes, decode, prefill, rollout_graphdef
+from grpo_rollout.gather import GatheredDecoders
 from grpo_rollout.prompts import DEFAULT_PROMPT_BUCKETS, fit_to_bucket, left_pad, repeat_samples
 from grpo_core.rollout_records import DEFAULT_TRIM_BUCKET, RolloutResult, TrainBatch, trim_batch
 from grpo_core.contracts import SamplingParams
@@ -36,9 +38,11 @@ class JaxRolloutOptions:
                       back to an exact full-vocabulary threshold search when it is larger.
     decode_attention: "rollout" = the single-query decode attention of this package
                       (grpo_rollout.attention); "model" = the model's cached forward.
-    gather_weights:   replicate the weights on every device for the rollout (one
+    gather_weights:   replicate the weights on every device for the decode loop (one
                       all-gather per rollout instead of per-token collectives when
                       they are FSDP-sharded; needs a full weight copy per device).
+                      "auto": gather when the gathered decode, compiled for the batch,
+                      fits in the free memory of every device (see grpo_rollout.gather).
     """
 
     prompt_buckets: list | tuple = DEFAULT_PROMPT_BUCKETS  # YAML gives a list; stored as a tuple
@@ -47,7 +51,7 @@ class JaxRolloutOptions:
     cdf_block: int = 0
     top_p_candidates: int = DEFAULT_TOP_P_CANDIDATES
     decode_attention: str = "rollout"
-    gather_weights: bool = False  # off: the memory plan decides whether a full copy fits
+    gather_weights: bool | str = "auto"
 
     def __post_init__(self) -> None:
         buckets = tuple(sorted(int(b) for b in self.prompt_buckets))
@@ -61,8 +65,8 @@ class JaxRolloutOptions:
         if self.decode_attention not in DECODE_ATTENTION:
             raise ValueError(f"decode_attention={self.decode_attention!r} is not supported; use one of "
                              f"{', '.join(DECODE_ATTENTION)}.")
-        if not isinstance(self.gather_weights, bool):
-            raise ValueError(f"gather_weights={self.gather_weights!r} must be true or false.")
+        if not (isinstance(self.gather_weights, bool) or self.gather_weights == "auto"):
+            raise ValueError(f"gather_weights={self.gather_weights!r} must be true, false or auto.")
         if self.cdf_block < 0 or self.top_p_candidates < 1:
             raise ValueError(f"cdf_block={self.cdf_block} must be >= 0 and "
                              f"top_p_candidates={self.top_p_candidates} >= 1.")
@@ -87,6 +91,7 @@ class JaxRollout:
         self.options = options or JaxRolloutOptions()
         self._graphdef: Any = None
         self._weights: Any = None
+        self._gathered_decoders = GatheredDecoders()
 
     def load_weights(self, model: nnx.Module) -> None:
         """Sample from `model`'s weights until the next call (no copy: the arrays are shared)."""
@@ -120,8 +125,17 @@ class JaxRollout:
         ids, mask = place(ids, batch_sharding), place(mask, batch_sharding)
         static = self.static_args(self._graphdef, self._weights, sampling, pad_token_id, batch_sharding)
         cache, state = prefill(self._weights, ids, mask, key, **static)
-        _, state = decode(self._weights, cache, state, key, **static)
+        _, state = self.decoder(self._weights, cache, state, key, static)(self._weights, cache, state, key)
         return finish(ids, mask, state, sampling)
+
+    def decoder(self, weights, cache, state, key, static: dict[str, Any]) -> Callable[..., Any]:
+        """`decode` for these arguments; with gather_weights=auto, the gathered decode when it
+        fits in device memory (decided once per batch shape, see grpo_rollout.gather)."""
+        if self.options.gather_weights == "auto":
+            gathered = self._gathered_decoders.get(weights, cache, state, key, static)
+            if gathered is not None:
+                return gathered
+        return functools.partial(decode, **static)
 
     def static_args(self, graphdef, weights, sampling: SamplingParams, pad_token_id: int,
                     batch_sharding: NamedSharding | None) -> dict[str, Any]:
@@ -130,7 +144,7 @@ class JaxRollout:
         return dict(graphdef=rollout_graphdef(graphdef, weights, batch_sharding), params=sampling, pad_id=int(pad_token_id),
                     cache_dtype=self.options.cache_dtype, batch_sharding=batch_sharding,
                     block=self.options.cdf_block or None, top_p_candidates=self.options.top_p_candidates,
-                    attention=self.options.decode_attention, gather_weights=self.options.gather_weights)
+                    attention=self.options.decode_attention, gather_weights=self.options.gather_weights is True)
 
     def trim(self, result: RolloutResult) -> TrainBatch:
         return trim_batch(result, self.options.trim_bucket)

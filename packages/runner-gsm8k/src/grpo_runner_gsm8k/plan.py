@@ -46,6 +46,7 @@ from grpo_meshes import (TRAIN_BATCH_AXES, batch_shard_count, build_mesh_from_co
 from grpo_rollout.backend import JaxRollout
 from grpo_rollout.collectives import decode_collective_bytes_per_token
 from grpo_rollout.decode import decode, prefill
+from grpo_rollout.gather import has_sharded_weights
 from grpo_rollout.prompts import bucket_length
 
 from grpo_runner_gsm8k.build import attention_impl, build_tokenizer, micro_batches, model_config, preflight, rows_per_step
@@ -317,20 +318,34 @@ def compile_rollout(inputs: PlanInputs) -> tuple[Any, Any]:
     return prefill_compiled, decode.lower(inputs.forward_params, cache, state, key, **static).compile()
 
 
-def rollout_phases(inputs: PlanInputs) -> list[PhaseMemory]:
+def rollout_phases(inputs: PlanInputs, capacity: Capacity) -> list[PhaseMemory]:
     """Prefill and decode of one rollout batch; decode is skipped when prefill does not fit."""
     static, prompts, key = _rollout_inputs(inputs)
-    held = inputs.held_beside_rollout
     first, compiled = compile_phase("rollout prefill", functools.partial(prefill.lower, **static),
-                                    (inputs.forward_params, prompts, prompts, key), held)
+                                    (inputs.forward_params, prompts, prompts, key), inputs.held_beside_rollout)
     if compiled is None:
         return [first]  # decode's inputs are prefill's outputs
     cache, state = abstract_outputs(compiled)
-    second, decoder = compile_phase("rollout decode", functools.partial(decode.lower, **static),
-                                    (inputs.forward_params, cache, state, key), held)
-    if decoder is not None:
-        second = dataclasses.replace(second, note=decode_traffic_note(decoder, inputs.rollout.options.gather_weights))
-    return [first, second]
+    return [first, decode_phase(inputs, static, (inputs.forward_params, cache, state, key), capacity)]
+
+
+def decode_phase(inputs: PlanInputs, static: dict[str, Any], args: tuple, capacity: Capacity) -> PhaseMemory:
+    """The decode loop as the run executes it: with gather_weights=auto, gathered when the
+    gathered decode fits the capacity (grpo_rollout.gather applies the same rule on devices)."""
+    held, option = inputs.held_beside_rollout, inputs.rollout.options.gather_weights
+    auto_note = ""
+    if option == "auto" and has_sharded_weights(inputs.forward_params):
+        gathered, decoder = compile_phase("rollout decode", functools.partial(
+            decode.lower, **{**static, "gather_weights": True}), args, held)
+        if decoder is not None and gathered.total <= capacity.bytes:
+            return dataclasses.replace(gathered, note="gather_weights=auto: weights gathered once per rollout (the "
+                                       f"copy fits); {decode_traffic_note(decoder, True)}")
+        auto_note = (f"gather_weights=auto: sharded weights (a gathered decode needs {gathered.total / GIB:.2f} GiB "
+                     f"of {capacity.gib:.2f}); ")
+    second, decoder = compile_phase("rollout decode", functools.partial(decode.lower, **static), args, held)
+    if decoder is None:
+        return second
+    return dataclasses.replace(second, note=auto_note + decode_traffic_note(decoder, static["gather_weights"]))
 
 
 def decode_traffic_note(decoder: Any, gathered: bool) -> str:
@@ -340,7 +355,7 @@ def decode_traffic_note(decoder: Any, gathered: bool) -> str:
         return "collectives per decoded token: none"
     listed = ", ".join(f"{kind} {size / (1 << 20):.1f} MiB" for kind, size in sorted(traffic.items()))
     hint = ("" if gathered else "; rollout.options.gather_weights=true gathers FSDP-sharded weights once per "
-            "rollout instead (a full compute-dtype copy per device: plan it to see whether it fits)")
+            "rollout instead (a full compute-dtype copy per device)")
     return f"collectives per decoded token: {listed}{hint}"
 
 
@@ -468,14 +483,14 @@ def does_not_fit_message(phase: PhaseMemory, capacity: Capacity, cfg: RunConfig)
             f"micro_batch_size_per_device){remat.get(cfg.model.remat, '')}")
 
 
-def fixed_phases(inputs: PlanInputs) -> list[PhaseMemory]:
+def fixed_phases(inputs: PlanInputs, capacity: Capacity) -> list[PhaseMemory]:
     """The phases that do not depend on the micro-batch size."""
-    return rollout_phases(inputs) + [p for p in [logps_phase(inputs)] if p is not None]
+    return rollout_phases(inputs, capacity) + [p for p in [logps_phase(inputs)] if p is not None]
 
 
 # ---- commands ----------------------------------------------------------------------------
 def plan_once(inputs: PlanInputs, capacity: Capacity) -> int:
-    phases = fixed_phases(inputs) + [train_phase(inputs, inputs.cfg)]
+    phases = fixed_phases(inputs, capacity) + [train_phase(inputs, inputs.cfg)]
     print("\n".join(header_lines(inputs) + table_lines(phases) + footer_lines(inputs)))
     print(peak_line(phases, capacity))
     top = peak(phases)
@@ -506,7 +521,7 @@ def largest_fitting(candidates: list[int], fits: Callable[[int], bool]) -> Optio
 
 
 def sweep_micro_batch(inputs: PlanInputs, capacity: Capacity) -> int:
-    fixed = fixed_phases(inputs)
+    fixed = fixed_phases(inputs, capacity)
     print("\n".join(header_lines(inputs)))
     print(f"sweep micro_batch_size_per_device over {micro_batch_candidates(inputs)} against "
           f"{capacity.gib:.2f} GiB ({capacity.source}); rollout peak {peak(fixed).total / GIB:.3f} GiB")
