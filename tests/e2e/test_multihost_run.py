@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
+from grpo_runner_gsm8k.checkpoint import checkpoint_dir, complete_steps
 from grpo_runner_gsm8k.tasks.arithmetic import ArithmeticOptions, ArithmeticTask
 
 REPO = Path(__file__).resolve().parents[2]
@@ -90,3 +93,38 @@ def test_two_process_run_shares_one_global_batch(tmp_path):
     assert [r["step"] for r in train] == [1, 2]  # written once, by process 0
     assert all(np.isfinite(r["train-other/loss"]) for r in train)
     assert any("eval/accuracy" in r for r in records)
+
+
+def distributed(port: int, process_id: int) -> list[str]:
+    return ["mesh.distributed=on", f"mesh.coordinator_address=127.0.0.1:{port}", "mesh.num_processes=2",
+            f"mesh.process_id={process_id}", "mesh.require_process_count=2"]
+
+
+@pytest.mark.slow
+def test_sigterm_to_one_process_stops_both_after_the_same_step_with_one_checkpoint(tmp_path):
+    """Schedulers signal the hosts of a job at slightly different times; here only process 1
+    is signalled. Both must finish the same step, save it together and exit 143."""
+    steps, port = 200, free_port()
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    overrides = [f"train.steps={steps}", "rollout.prompts_per_step=8", "rollout.n=4", "eval.every_steps=0",
+                 "checkpoint.every_steps=0", "mesh.strategy=full_fsdp", f"logging.dir={tmp_path}"]
+    procs = [subprocess.Popen([sys.executable, "-m", "grpo_runner_gsm8k.cli", "--config", TINY, *overrides,
+                               *distributed(port, i)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                              text=True, cwd=REPO) for i in range(2)]
+    try:
+        metrics, deadline = tmp_path / "metrics.jsonl", time.monotonic() + HARD_TIMEOUT_S
+        while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 2):
+            assert all(p.poll() is None for p in procs) and time.monotonic() < deadline, "step 2 never logged"
+            time.sleep(0.05)
+        procs[1].send_signal(signal.SIGTERM)
+        errs = [p.communicate(timeout=HARD_TIMEOUT_S)[1] for p in procs]
+    finally:
+        for proc in procs:
+            proc.kill()
+    assert [p.returncode for p in procs] == [143, 143], errs
+    saved = complete_steps(tmp_path)
+    assert len(saved) == 1 and 2 <= saved[0] < steps, saved
+    tail = (f"after step {saved[0]} of {steps}; saved checkpoint {checkpoint_dir(tmp_path) / str(saved[0])}; "
+            "run the same command again to continue")
+    assert errs[1].strip().splitlines()[-1] == f"grpo-run: stopped by SIGTERM {tail}"
+    assert errs[0].strip().splitlines()[-1] == f"grpo-run: stopped by a signal to another process {tail}"
