@@ -59,11 +59,11 @@ def test_a_batch_that_does_not_split_over_the_devices_is_a_clear_error(models, m
 @pytest.mark.parametrize("free, gathered", [(None, False), (1, False), (1 << 40, True)])
 def test_auto_gathers_sharded_weights_only_when_the_gathered_decode_fits(models, mesh, monkeypatch, capsys,
                                                                           free, gathered):
-    """gather_weights=auto: with the devices' free memory faked (the CPU backend reports
+    """gather_weights=auto: with the devices' spare memory faked (the CPU backend reports
     none), the gathered decode is taken exactly when it fits, and samples the same tokens."""
     from grpo_rollout import gather
 
-    monkeypatch.setattr(gather, "free_device_bytes", lambda devices: free)
+    monkeypatch.setattr(gather, "spare_device_bytes", lambda devices: free)
     plain, sharded = models
     batch_sharding = NamedSharding(mesh, PartitionSpec(STYLES["legacy"]))
     rollout = JaxRollout(JaxRolloutOptions(prompt_buckets=(8,), gather_weights="auto"))

@@ -5,8 +5,9 @@ runs collectives for every decoded token (for a 3B model on 8 chips, ~0.7 GB of
 all-gathers per token). Gathering them once before the loop removes that traffic but
 needs a full compute-dtype copy per device. `auto` compiles the gathered decode for the
 batch and takes it when what the call needs beyond its resident arguments (temporaries
-plus non-donated outputs) fits in the free memory of every device, the same rule
-`grpo-run --plan` applies against the device capacity.
+plus non-donated outputs) fits in every device's memory with GATHER_HEADROOM of it left
+free (the gather is an optimisation: it must not bring a run to the edge of an OOM);
+`grpo-run --plan` applies the same rule against the device capacity.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from jax.sharding import NamedSharding
 from grpo_rollout.decode import decode
 
 GIB = 1 << 30
+GATHER_HEADROOM = 0.10  # fraction of a device's memory the gathered decode must leave free
 
 
 def has_sharded_weights(weights: Any) -> bool:
@@ -29,16 +31,16 @@ def has_sharded_weights(weights: Any) -> bool:
                for leaf in jax.tree.leaves(weights) if hasattr(leaf, "sharding"))
 
 
-def free_device_bytes(devices: list[Any]) -> Optional[int]:
-    """The least free memory (limit - in use) over `devices`; None when a device reports no
-    limit (the CPU backend)."""
-    free = []
+def spare_device_bytes(devices: list[Any]) -> Optional[int]:
+    """The least memory over `devices` that a call may still take: (1 - GATHER_HEADROOM) of
+    the limit minus what is in use; None when a device reports no limit (the CPU backend)."""
+    spare = []
     for device in devices:
         stats = device.memory_stats()
         if not stats or "bytes_limit" not in stats:
             return None
-        free.append(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
-    return min(free)
+        spare.append(int(stats["bytes_limit"] * (1 - GATHER_HEADROOM)) - stats.get("bytes_in_use", 0))
+    return min(spare)
 
 
 def bytes_beyond_arguments(compiled: Any) -> int:
@@ -72,15 +74,16 @@ class GatheredDecoders:
     @staticmethod
     def _compile_if_fits(weights, cache, state, key, static, sharding: NamedSharding) -> Optional[Callable[..., Any]]:
         shape = f"{state.tokens.shape[0]} rows x {cache.k.shape[2]} cache slots"
-        free = free_device_bytes(list(sharding.mesh.local_devices))
-        if not every_process(free is not None):
+        spare = spare_device_bytes(list(sharding.mesh.local_devices))
+        if not every_process(spare is not None):
             print(f"rollout: gather_weights=auto: sharded weights for the decode of {shape} "
                   "(the devices report no memory limit to check a gathered copy against)", flush=True)
             return None
         compiled = decode.lower(weights, cache, state, key, **{**static, "gather_weights": True}).compile()
         needed = bytes_beyond_arguments(compiled)
-        fits = every_process(needed <= free)
+        fits = every_process(needed <= spare)
         print(f"rollout: gather_weights=auto: {'gathered' if fits else 'sharded'} weights for the decode of {shape} "
-              f"(gathered needs {needed / GIB:.2f} GiB beyond its arguments, {free / GIB:.2f} GiB free)", flush=True)
+              f"(gathered needs {needed / GIB:.2f} GiB beyond its arguments, {spare / GIB:.2f} GiB spare with "
+              f"{GATHER_HEADROOM:.0%} of device memory kept free)", flush=True)
         return compiled if fits else None
 

@@ -46,7 +46,7 @@ from grpo_meshes import (TRAIN_BATCH_AXES, batch_shard_count, build_mesh_from_co
 from grpo_rollout.backend import JaxRollout
 from grpo_rollout.collectives import decode_collective_bytes_per_token
 from grpo_rollout.decode import decode, prefill
-from grpo_rollout.gather import has_sharded_weights
+from grpo_rollout.gather import GATHER_HEADROOM, has_sharded_weights
 from grpo_rollout.prompts import bucket_length
 
 from grpo_runner_gsm8k.build import attention_impl, build_tokenizer, micro_batches, model_config, preflight, rows_per_step
@@ -331,17 +331,19 @@ def rollout_phases(inputs: PlanInputs, capacity: Capacity) -> list[PhaseMemory]:
 
 def decode_phase(inputs: PlanInputs, static: dict[str, Any], args: tuple, capacity: Capacity) -> PhaseMemory:
     """The decode loop as the run executes it: with gather_weights=auto, gathered when the
-    gathered decode fits the capacity (grpo_rollout.gather applies the same rule on devices)."""
+    gathered decode leaves GATHER_HEADROOM of the capacity free (grpo_rollout.gather applies
+    the same rule on devices)."""
     held, option = inputs.held_beside_rollout, inputs.rollout.options.gather_weights
     auto_note = ""
     if option == "auto" and has_sharded_weights(inputs.forward_params):
         gathered, decoder = compile_phase("rollout decode", functools.partial(
             decode.lower, **{**static, "gather_weights": True}), args, held)
-        if decoder is not None and gathered.total <= capacity.bytes:
+        limit = capacity.bytes * (1 - GATHER_HEADROOM)
+        if decoder is not None and gathered.total <= limit:
             return dataclasses.replace(gathered, note="gather_weights=auto: weights gathered once per rollout (the "
                                        f"copy fits); {decode_traffic_note(decoder, True)}")
-        auto_note = (f"gather_weights=auto: sharded weights (a gathered decode needs {gathered.total / GIB:.2f} GiB "
-                     f"of {capacity.gib:.2f}); ")
+        auto_note = (f"gather_weights=auto: sharded weights (a gathered decode needs {gathered.total / GIB:.2f} GiB, "
+                     f"over {limit / GIB:.2f}: {GATHER_HEADROOM:.0%} of {capacity.gib:.2f} kept free); ")
     second, decoder = compile_phase("rollout decode", functools.partial(decode.lower, **static), args, held)
     if decoder is None:
         return second
