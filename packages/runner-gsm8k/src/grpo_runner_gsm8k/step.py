@@ -9,13 +9,15 @@ optimizer state untouched.
 
 Precision: the forward and backward run on the params cast to `compute_dtype`
 (grpo_core.models.precision); the gradients of the stored params (float32 masters)
-are summed over micro-batches in float32.
+are summed over micro-batches in float32. With scanned layers and full remat, the layer
+gradients are summed inside the backward layer loop (grpo_core.models.layer_grads): no
+per-micro-batch gradient buffer beside the accumulator.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -101,31 +103,85 @@ def _add_f32(total, g):
     return total + g.astype(jnp.float32)
 
 
+def split_layers(state: nnx.State) -> tuple[nnx.State, nnx.State]:
+    """(the stacked decoder layers, everything else) of a model's state."""
+    return nnx.split_state(state, nnx.PathContains("layers"), ...)
+
+
+def accumulates_in_backward(graphdef: nnx.GraphDef, params: nnx.State) -> bool:
+    """Whether the layer gradients are summed inside the backward layer loop: the model's
+    layers are scanned with full remat (the memory-lean path; other settings use jax.grad)."""
+    model = nnx.merge(graphdef, params)
+    return hasattr(model, "accumulating_forward") and model.scan_layers and model.remat == "full"
+
+
+LossTerms = Callable[[jax.Array, jax.Array, UpdateBatch], tuple[jax.Array, tuple[jax.Array, LossMetrics]]]
+
+
+def _micro_step(graphdef: nnx.GraphDef, loss_terms: LossTerms, weights: nnx.State):
+    """Scan body over micro-batches: grads (float32) += jax.grad of this micro-batch's
+    numerator w.r.t. `weights` (the params in the compute dtype)."""
+    def numerator(w, mb: UpdateBatch):
+        return loss_terms(*completion_hidden(graphdef, w, mb.input_ids, mb.attention_mask, mb.prompt_width), mb)
+
+    grad_fn = jax.value_and_grad(numerator, has_aux=True)
+
+    def body(grads, mb: UpdateBatch):
+        (num, (den, metrics)), g = grad_fn(weights, mb)
+        return jax.tree.map(_add_f32, grads, g), (num, den, metrics)
+
+    return body
+
+
+def _micro_step_in_backward(graphdef: nnx.GraphDef, loss_terms: LossTerms, compute_dtype: Any,
+                            layers: nnx.State, others: nnx.State):
+    """Scan body over micro-batches for scanned, fully rematerialised layers: `layers`
+    (stored dtype) are cast one at a time in the layer loop and their gradients added to
+    the layer part of grads inside the backward loop (grpo_core.models.layer_grads);
+    `others` (compute dtype) are differentiated as usual."""
+    def numerator(other_weights, layer_grads, mb: UpdateBatch):
+        model = nnx.merge(graphdef, nnx.merge_state(layers, other_weights))
+        hidden, layer_grads = model.accumulating_forward(mb.input_ids, mb.attention_mask, layer_grads, compute_dtype)
+        num, aux = loss_terms(hidden[:, mb.prompt_width - 1 : -1], model.lm_head_weight(), mb)
+        return (num, layer_grads), aux
+
+    def body(grads, mb: UpdateBatch):
+        layer_total, other_total = split_layers(grads)
+        (num, _), vjp, (den, metrics) = jax.vjp(functools.partial(numerator, mb=mb), others,
+                                                layer_total["layers"], has_aux=True)
+        other_g, layer_sum = vjp((jnp.ones_like(num), layer_total["layers"]))  # seeded: total + gradient
+        new_total = nnx.merge_state(nnx.State({"layers": layer_sum}), jax.tree.map(_add_f32, other_total, other_g))
+        return new_total, (num, den, metrics)
+
+    return body
+
+
+def _accumulate(graphdef: nnx.GraphDef, loss_terms: LossTerms, compute_dtype: Any, micro_batches: int,
+                params: nnx.State, batch: UpdateBatch):
+    """(float32 gradient sums, numerator, denominator, metrics) over the micro-batches. The
+    params are cast to the compute dtype once per update, not per micro-batch (the
+    gradient w.r.t. the copy is the gradient w.r.t. the params: a cast's transpose is a cast)."""
+    if accumulates_in_backward(graphdef, params):
+        layers, others = split_layers(params)
+        body = _micro_step_in_backward(graphdef, loss_terms, compute_dtype, layers, compute_params(others, compute_dtype))
+    else:
+        body = _micro_step(graphdef, loss_terms, compute_params(params, compute_dtype))
+    zeros = jax.tree.map(lambda p: jnp.zeros_like(p, dtype=jnp.float32), params)
+    grads, (nums, dens, metrics) = jax.lax.scan(body, zeros, _split_micro(batch, micro_batches))
+    return grads, jnp.sum(nums), jnp.sum(dens), _merge_stacked(metrics, micro_batches)
+
+
 def make_update(graphdef: nnx.GraphDef, impl: Any, loss_cfg: LossConfig, optimizer: optax.GradientTransformation,
                 temperature: float, micro_batches: int, compute_dtype: Any = None):
     """A jitted `update(params, opt_state, batch) -> (params, opt_state, metrics)`; the forward
     and backward run in `compute_dtype` (None: the params' own dtype)."""
 
-    def micro_numerator(weights, mb: UpdateBatch):
-        hidden, lm_head = completion_hidden(graphdef, weights, mb.input_ids, mb.attention_mask, mb.prompt_width)
+    def loss_terms(hidden, lm_head, mb: UpdateBatch):
         out = grpo_loss(impl, hidden, lm_head, mb.targets, mb.loss_mask, mb.advantages, mb.old_logp,
                         mb.ref_logp, loss_cfg, temperature=temperature)
         return out.numerator, (out.denominator, out.metrics)
 
-    grad_fn = jax.value_and_grad(micro_numerator, has_aux=True)
-
-    def accumulate(params, batch: UpdateBatch):
-        # One compute-dtype copy per update, not per micro-batch; the gradient w.r.t. it is
-        # the gradient w.r.t. the params (the cast's transpose is a cast), summed in float32.
-        weights = compute_params(params, compute_dtype)
-
-        def body(grads, mb):
-            (num, (den, metrics)), g = grad_fn(weights, mb)
-            return jax.tree.map(_add_f32, grads, g), (num, den, metrics)
-
-        zeros = jax.tree.map(lambda p: jnp.zeros_like(p, dtype=jnp.float32), params)
-        grads, (nums, dens, metrics) = jax.lax.scan(body, zeros, _split_micro(batch, micro_batches))
-        return grads, jnp.sum(nums), jnp.sum(dens), _merge_stacked(metrics, micro_batches)
+    accumulate = functools.partial(_accumulate, graphdef, loss_terms, compute_dtype, micro_batches)
 
     @functools.partial(jax.jit, donate_argnums=(0, 1))
     def update(params, opt_state, batch: UpdateBatch):

@@ -23,6 +23,7 @@ compile time does not grow with depth; `layers.X` below is [L, ...X's own shape]
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -33,6 +34,7 @@ from jax.sharding import Mesh, NamedSharding
 from grpo_core.models.attention import Attention, KVCache
 from grpo_core.models.attention_impls import CausalMask, check_attention
 from grpo_core.models.config import QwenConfig
+from grpo_core.models.layer_grads import scan_accumulating
 from grpo_core.models.layers import MLP, Embedding, Projection, RMSNorm, rope_tables
 from grpo_core.sharding import Rules, check_auto_mesh, divides, freeze_rules, logical_to_spec
 
@@ -226,6 +228,22 @@ class QwenModel(nnx.Module):
         x, cache = self.over_layers(cached_step, (x, cache))
         return self.norm(x), cache.advance(input_ids.shape[1])
 
+    def accumulating_forward(self, input_ids, attention_mask, layer_grads, compute_dtype: Any = None):
+        """Cache-free forward of a training step whose stacked decoder layers stay in their
+        stored dtype and are cast one layer at a time to `compute_dtype` (the rest of the
+        model is passed in that dtype already). Returns (hidden, layer_grads):
+        `layer_grads` (float32, shaped like the layers' state) comes back unchanged and its
+        cotangent gains the layers' gradients inside the backward loop (see
+        grpo_core.models.layer_grads); full remat whatever `self.remat`."""
+        token_mask = attention_mask.astype(jnp.bool_)
+        cos, sin = rope_tables(positions_from_mask(token_mask), self.config.head_dim, self.config.rope_theta)
+        x = self._constrain(self.embed_tokens(input_ids))
+        graphdef, stacked = nnx.split(self.layers)
+        apply_layer = functools.partial(_apply_layer, graphdef, self._constrain)
+        x, layer_grads = scan_accumulating(apply_layer, compute_dtype, stacked, x,
+                                           (cos, sin, self._mask(token_mask)), layer_grads)
+        return self.norm(x), layer_grads
+
     def over_layers(self, step, carry, remat: str = "none"):
         """Thread `carry` through every decoder layer: carry = step(layer, i, carry), with
         `layer` a DecoderLayer holding layer i's parameters and i a traced int32 index.
@@ -248,6 +266,11 @@ class QwenModel(nnx.Module):
 
     def num_params(self) -> int:
         return sum(x.size for x in jax.tree.leaves(nnx.state(self, nnx.Param)))
+
+
+def _apply_layer(graphdef: nnx.GraphDef, constrain, weights, x, context):
+    cos, sin, visible = context
+    return constrain(nnx.merge(graphdef, weights)(x, cos, sin, visible)[0])
 
 
 def init_from_config(
