@@ -229,6 +229,22 @@ def drop_closed_loop_errors() -> None:
     sys.excepthook, sys.unraisablehook = excepthook, unraisablehook
 
 
+class _UnretrievedSaveTasks(logging.Filter):
+    """Drops asyncio's 'Task exception was never retrieved' records of orbax's write tasks:
+    when a write fails, its sibling tasks may be garbage-collected before the run checks the
+    save, and the failure reaches the user as the run's one error line anyway."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not (message.startswith("Task exception was never retrieved") and "orbax" in message)
+
+
+def drop_unretrieved_save_tasks() -> None:
+    asyncio_logger = logging.getLogger("asyncio")
+    if not any(isinstance(f, _UnretrievedSaveTasks) for f in asyncio_logger.filters):
+        asyncio_logger.addFilter(_UnretrievedSaveTasks())
+
+
 def _quiet_thread_errors(args) -> None:
     """After a failed save is reported, orbax's background threads may still fail while the
     process exits; their tracebacks would only repeat that error."""
@@ -308,6 +324,7 @@ class Checkpointer:
         # orbax logs a failed background save with a traceback; `check` reports it in one line.
         logging.getLogger("absl").setLevel(logging.CRITICAL)
         drop_closed_loop_errors()
+        drop_unretrieved_save_tasks()
         self.manager = ocp.CheckpointManager(self.directory, item_names=ITEMS, options=options)
 
     def due(self, step: int, last_step: int) -> bool:
