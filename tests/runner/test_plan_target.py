@@ -53,12 +53,18 @@ def test_slice_shapes_follow_cloud_tpu():
     assert shapes == {"v6e-8": (2, 4), "v6e-128": (8, 16), "v4-8": (2, 2, 1), "v4-256": (4, 4, 8)}
 
 
-def test_tiny_model_planned_by_the_tpu_compiler(tmp_path, capsys):
-    assert plan.plan_command(config(tmp_path=tmp_path), default_registry(), target="v5e-4") == 0
+@pytest.mark.parametrize("gather", ["auto", "false"])
+def test_tiny_model_planned_by_the_tpu_compiler(tmp_path, capsys, gather):
+    cfg = config(f"rollout.options.gather_weights={gather}", tmp_path=tmp_path)
+    assert plan.plan_command(cfg, default_registry(), target="v5e-4") == 0
     out = capsys.readouterr().out
     assert "on 4 TPU v5 lite device(s)" in out
     assert "figures: the TPU compiler's (libtpu) for v5e-4 (TPU v5 lite, topology v5e:2x2): 4 devices on 1 host" in out
-    assert re.search(r"^  rollout decode: collectives per decoded token: .*all-gather [\d.]+ MiB", out, re.M)
+    decode_line = {  # auto: the gathered copy of a tiny model fits; false: FSDP weights gathered every token
+        "auto": r"^  rollout decode: gather_weights=auto: weights gathered once per rollout \(the copy fits\); "
+                r"collectives per decoded token: none$",
+        "false": r"^  rollout decode: collectives per decoded token: .*all-gather [\d.]+ MiB"}[gather]
+    assert re.search(decode_line, out, re.M), out
     assert re.search(r"^peak: [\d.]+ GiB per device \(\w[\w -]+\) of 16\.00 GiB \(v5e HBM, cloud\.google\.com", out,
                      re.M)
     assert {"rollout prefill", "rollout decode", "train step"} <= {line[:18].strip() for line in out.splitlines()}
