@@ -63,12 +63,12 @@ class GatheredDecoders:
         self._by_signature: dict[Any, Optional[Callable[..., Any]]] = {}
 
     def get(self, weights, cache, state, key, static: dict[str, Any]) -> Optional[Callable[..., Any]]:
-        sharding = static.get("batch_sharding")
-        if sharding is None or not has_sharded_weights(weights):
-            return None  # nothing to gather
         signature = (cache.k.shape, state.tokens.shape, tuple(sorted(static.items(), key=lambda kv: kv[0])))
-        if signature not in self._by_signature:
-            self._by_signature[signature] = self._compile_if_fits(weights, cache, state, key, static, sharding)
+        if signature not in self._by_signature:  # decided once: no tree walk per rollout
+            sharding = static.get("batch_sharding")
+            sharded = sharding is not None and has_sharded_weights(weights)  # else nothing to gather
+            self._by_signature[signature] = (self._compile_if_fits(weights, cache, state, key, static, sharding)
+                                             if sharded else None)
         return self._by_signature[signature]
 
     @staticmethod

@@ -333,18 +333,20 @@ def decode_phase(inputs: PlanInputs, static: dict[str, Any], args: tuple, capaci
     """The decode loop as the run executes it: with gather_weights=auto, gathered when the
     gathered decode leaves GATHER_HEADROOM of the capacity free (grpo_rollout.gather applies
     the same rule on devices)."""
-    held, option = inputs.held_beside_rollout, inputs.rollout.options.gather_weights
+    def compile_decode(gather: bool) -> tuple[PhaseMemory, Any]:
+        lower = functools.partial(decode.lower, **{**static, "gather_weights": gather})
+        return compile_phase("rollout decode", lower, args, inputs.held_beside_rollout)
+
     auto_note = ""
-    if option == "auto" and has_sharded_weights(inputs.forward_params):
-        gathered, decoder = compile_phase("rollout decode", functools.partial(
-            decode.lower, **{**static, "gather_weights": True}), args, held)
+    if inputs.rollout.options.gather_weights == "auto" and has_sharded_weights(inputs.forward_params):
+        gathered, decoder = compile_decode(True)
         limit = capacity.bytes * (1 - GATHER_HEADROOM)
         if decoder is not None and gathered.total <= limit:
             return dataclasses.replace(gathered, note="gather_weights=auto: weights gathered once per rollout (the "
                                        f"copy fits); {decode_traffic_note(decoder, True)}")
         auto_note = (f"gather_weights=auto: sharded weights (a gathered decode needs {gathered.total / GIB:.2f} GiB, "
                      f"over {limit / GIB:.2f}: {GATHER_HEADROOM:.0%} of {capacity.gib:.2f} kept free); ")
-    second, decoder = compile_phase("rollout decode", functools.partial(decode.lower, **static), args, held)
+    second, decoder = compile_decode(static["gather_weights"])
     if decoder is None:
         return second
     return dataclasses.replace(second, note=auto_note + decode_traffic_note(decoder, static["gather_weights"]))

@@ -55,8 +55,12 @@ def completion_hidden(graphdef: nnx.GraphDef, params: nnx.State, input_ids, atte
     Only completion positions go through the LM head: the prompt never needs logits.
     """
     model = nnx.merge(graphdef, params)
-    hidden = model(input_ids, attention_mask=attention_mask)  # [N, T, H]
-    return hidden[:, prompt_width - 1 : -1], model.lm_head_weight()
+    return predicting_completion(model(input_ids, attention_mask=attention_mask), prompt_width), model.lm_head_weight()
+
+
+def predicting_completion(hidden: jax.Array, prompt_width: int) -> jax.Array:
+    """[N, T, H] -> [N, C, H]: the positions whose next token is a completion token."""
+    return hidden[:, prompt_width - 1 : -1]
 
 
 def make_score(graphdef: nnx.GraphDef, impl: Any, temperature: float):
@@ -145,7 +149,7 @@ def _micro_step_in_backward(graphdef: nnx.GraphDef, loss_terms: LossTerms, compu
     def numerator(other_weights, layer_grads, mb: UpdateBatch):
         model = nnx.merge(graphdef, nnx.merge_state(layers, other_weights))
         hidden, layer_grads = model.accumulating_forward(mb.input_ids, mb.attention_mask, layer_grads, compute_dtype)
-        num, aux = loss_terms(hidden[:, mb.prompt_width - 1 : -1], model.lm_head_weight(), mb)
+        num, aux = loss_terms(predicting_completion(hidden, mb.prompt_width), model.lm_head_weight(), mb)
         return (num, layer_grads), aux
 
     def body(grads, mb: UpdateBatch):

@@ -209,8 +209,7 @@ class QwenModel(nnx.Module):
             positions = positions_from_mask(token_mask)
             if cache is not None:
                 positions = positions + cache.lengths()[:, None]
-        cos, sin = rope_tables(positions, self.config.head_dim, self.config.rope_theta)  # [B, T, D/2]
-        x = self._constrain(self.embed_tokens(input_ids))  # [B, T, H]
+        x, cos, sin = self._embedded(input_ids, positions)
         if cache is None:
             visible = self._mask(token_mask)
 
@@ -228,6 +227,11 @@ class QwenModel(nnx.Module):
         x, cache = self.over_layers(cached_step, (x, cache))
         return self.norm(x), cache.advance(input_ids.shape[1])
 
+    def _embedded(self, input_ids, positions) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """(residual stream [B, T, H], rope cos, sin [B, T, D/2]) of the tokens at `positions`."""
+        cos, sin = rope_tables(positions, self.config.head_dim, self.config.rope_theta)
+        return self._constrain(self.embed_tokens(input_ids)), cos, sin
+
     def accumulating_forward(self, input_ids, attention_mask, layer_grads, compute_dtype: Any = None):
         """Cache-free forward of a training step whose stacked decoder layers stay in their
         stored dtype and are cast one layer at a time to `compute_dtype` (the rest of the
@@ -236,8 +240,7 @@ class QwenModel(nnx.Module):
         cotangent gains the layers' gradients inside the backward loop (see
         grpo_core.models.layer_grads); full remat whatever `self.remat`."""
         token_mask = attention_mask.astype(jnp.bool_)
-        cos, sin = rope_tables(positions_from_mask(token_mask), self.config.head_dim, self.config.rope_theta)
-        x = self._constrain(self.embed_tokens(input_ids))
+        x, cos, sin = self._embedded(input_ids, positions_from_mask(token_mask))
         graphdef, stacked = nnx.split(self.layers)
         apply_layer = functools.partial(_apply_layer, graphdef, self._constrain)
         x, layer_grads = scan_accumulating(apply_layer, compute_dtype, stacked, x,
