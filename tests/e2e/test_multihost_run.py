@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +24,7 @@ TINY = str(REPO / "configs" / "tiny.yaml")
 RUN = ["train.steps=2", "rollout.prompts_per_step=8", "rollout.n=4", "eval.every_steps=2", "eval.num_questions=8",
        "checkpoint.every_steps=0", "mesh.strategy=full_fsdp"]
 HARD_TIMEOUT_S = 300
+LEAVE_TIMEOUT_S = 120  # JAX's shutdown barrier alone waits 300 s
 TASK_OPTIONS = {"digits": 1, "operations": "+", "max_result": 9}  # as configs/tiny.yaml
 
 # Prints the sum of |param| of the final params after main() so processes can be compared.
@@ -57,16 +59,18 @@ def start(devices: int, args: list[str]) -> subprocess.Popen:
 
 
 def finish(procs: list[subprocess.Popen]) -> list[str]:
-    outs = []
-    try:
-        for proc in procs:
-            out, err = proc.communicate(timeout=HARD_TIMEOUT_S)
-            assert proc.returncode == 0, err[-3000:]
-            outs.append(out)
-    finally:
-        for proc in procs:
-            proc.kill()
-    return outs
+    """Each process's stdout; the first one to fail fails the test at once (its peers would
+    otherwise wait for it until the hard timeout)."""
+    with ThreadPoolExecutor(len(procs)) as pool:
+        futures = {pool.submit(proc.communicate, timeout=HARD_TIMEOUT_S): proc for proc in procs}
+        try:
+            for future in as_completed(futures):
+                out, err = future.result()
+                assert futures[future].returncode == 0, err[-3000:]
+        finally:
+            for proc in procs:
+                proc.kill()
+    return [future.result()[0] for future in futures]
 
 
 def printed(out: str, tag: str) -> str:
@@ -128,3 +132,37 @@ def test_sigterm_to_one_process_stops_both_after_the_same_step_with_one_checkpoi
             "run the same command again to continue")
     assert errs[1].strip().splitlines()[-1] == f"grpo-run: stopped by SIGTERM {tail}"
     assert errs[0].strip().splitlines()[-1] == f"grpo-run: stopped by a signal to another process {tail}"
+
+
+# Process 1 alone fails after both have joined (a host-local problem, e.g. its own disk).
+FAIL_ON_ONE = """
+import sys, jax
+from grpo_core.errors import UserError
+from grpo_runner_gsm8k import cli, loop
+def run(self):
+    if jax.process_index() == 1:
+        raise UserError("process 1 fails alone")
+    return original(self)
+original, loop.Trainer.run = loop.Trainer.run, run
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.slow
+def test_a_process_failing_alone_ends_the_run_on_every_process(tmp_path):
+    """Neither the failed process (at JAX's shutdown barrier) nor its peer (in a collective)
+    may wait for the other: both exit, the failed one with its own one-line error."""
+    port = free_port()
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    procs = [subprocess.Popen([sys.executable, "-c", FAIL_ON_ONE, "--config", TINY, *RUN, f"logging.dir={tmp_path}",
+                               *distributed(port, i)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                              text=True, cwd=REPO) for i in range(2)]
+    try:
+        errs = [p.communicate(timeout=LEAVE_TIMEOUT_S)[1] for p in procs]
+    finally:
+        for proc in procs:
+            proc.kill()
+    assert procs[1].returncode == 2, errs[1][-3000:]
+    assert errs[1].strip().splitlines()[-1] == "grpo-run: error: process 1 fails alone"
+    assert procs[0].returncode == 1, errs[0][-3000:]
+    assert errs[0].strip().splitlines()[-1].startswith("grpo-run: process 0 of 2 failed")

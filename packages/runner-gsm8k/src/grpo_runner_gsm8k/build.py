@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import tempfile
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -332,9 +333,10 @@ def prepare_run_dir(cfg: RunConfig) -> Path:
     run_dir = Path(cfg.logging.dir)
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
-        probe = run_dir / ".write-test"
-        probe.write_text("")
-        probe.unlink()
+        # A name of its own: every process of a multi-host run probes the same (shared) directory.
+        fd, probe = tempfile.mkstemp(prefix=".write-test-", dir=run_dir)
+        os.close(fd)
+        os.unlink(probe)
     except OSError as exc:
         raise UserError(f"logging.dir {str(run_dir)!r} is not writable ({exc.strerror}); "
                         "choose a writable directory") from None

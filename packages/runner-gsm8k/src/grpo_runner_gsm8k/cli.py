@@ -23,6 +23,7 @@ from grpo_core.errors import UserError
 from grpo_runner_gsm8k.preemption import Stopped
 
 EXIT_BAD_INPUT = 2
+EXIT_CRASH = 1
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -144,7 +145,31 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
         one_line = " ".join(str(exc).split())
         print(f"grpo-run: error: {one_line}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return leave_peers(EXIT_BAD_INPUT)
+    except Exception:
+        if not has_peers():
+            raise
+        traceback.print_exc()
+        jax = sys.modules["jax"]
+        print(f"grpo-run: process {jax.process_index()} of {jax.process_count()} failed; when another process "
+              "failed first, its log has the cause", file=sys.stderr)
+        return leave_peers(EXIT_CRASH)
+
+
+def has_peers() -> bool:
+    jax = sys.modules.get("jax")
+    return jax is not None and jax.distributed.is_initialized() and jax.process_count() > 1
+
+
+def leave_peers(code: int) -> int:
+    """A process of a multi-process run that fails on its own exits at once: at JAX's shutdown
+    barrier it would wait for peers still running (5 minutes, then a crash dump). Its
+    peers are stopped by JAX's coordination service when its heartbeat stops."""
+    if not has_peers():
+        return code
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":
