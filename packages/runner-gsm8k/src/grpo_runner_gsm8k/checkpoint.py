@@ -31,6 +31,7 @@ import re
 import shutil
 import sys
 import threading
+import warnings
 from pathlib import Path
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -240,6 +241,9 @@ class _UnretrievedSaveTasks(logging.Filter):
 
 
 def drop_unretrieved_save_tasks() -> None:
+    """Also the RuntimeWarning for the write coroutines a failed save never started (emitted
+    whenever they are garbage-collected, at exit too)."""
+    warnings.filterwarnings("ignore", message=r"coroutine 'async_serialize_from_host\.", category=RuntimeWarning)
     asyncio_logger = logging.getLogger("asyncio")
     if not any(isinstance(f, _UnretrievedSaveTasks) for f in asyncio_logger.filters):
         asyncio_logger.addFilter(_UnretrievedSaveTasks())
