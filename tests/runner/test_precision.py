@@ -94,8 +94,13 @@ def test_float32_masters_move_every_tensor_where_bfloat16_storage_freezes():
           f"unchanged, update_ratio {ratio_pure:.3e}")
 
 
-def test_update_ratio_is_relative_norm_of_the_change():
-    old = {"a": jnp.asarray([3.0, 0.0]), "b": jnp.asarray([[4.0]], jnp.bfloat16)}
-    new = {"a": jnp.asarray([3.0, 0.5]), "b": jnp.asarray([[4.0]], jnp.bfloat16)}
-    assert float(update_ratio(new, old)) == pytest.approx(0.5 / 5.0, rel=1e-6)
-    assert float(update_ratio(old, old)) == 0.0
+def test_update_ratio_is_relative_norm_of_what_the_update_changes_in_storage():
+    """bfloat16 spacing at 4.0 is 2^-5: +0.01 rounds away, +0.02 lands on 4.03125. Jitted
+    too, where a compiler may fuse the rounding cast away as excess precision."""
+    params = {"a": jnp.asarray([3.0, 0.0]), "b": jnp.asarray([[4.0]], jnp.bfloat16)}
+    rounded_away = {"a": jnp.asarray([0.0, 0.5]), "b": jnp.asarray([[0.01]])}
+    kept = {"a": jnp.asarray([0.0, 0.5]), "b": jnp.asarray([[0.02]])}
+    for ratio in (update_ratio, jax.jit(update_ratio)):
+        assert float(ratio(params, rounded_away)) == pytest.approx(0.5 / 5.0, rel=1e-6)
+        assert float(ratio(params, kept)) == pytest.approx(np.hypot(0.5, 2.0 ** -5) / 5.0, rel=1e-6)
+        assert float(ratio(params, jax.tree.map(jnp.zeros_like, kept))) == 0.0

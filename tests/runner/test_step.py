@@ -15,7 +15,7 @@ from grpo_core.sharding import freeze_rules, shard_model
 from grpo_losses import FusedLogps, FusedOptions
 from grpo_meshes import MeshStrategy, train_batch_sharding
 from grpo_runner_gsm8k.build import build_model
-from grpo_runner_gsm8k.step import UpdateBatch, accumulates_in_backward, make_update
+from grpo_runner_gsm8k.step import UpdateBatch, accumulates_in_backward, apply_finite_update, make_update
 
 ROWS, PROMPT, COMPLETION = 16, 4, 12
 QCFG = QwenConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -163,3 +163,19 @@ def test_update_that_would_overflow_the_params_is_skipped():
     assert float(metrics["skipped"]) == 1.0
     for a, b in zip(jax.tree.leaves(nnx.to_pure_dict(new_params)), jax.tree.leaves(before), strict=True):
         np.testing.assert_array_equal(np.asarray(a), b)
+
+
+@pytest.mark.parametrize("grads_stored", [True, False])
+def test_finite_update_that_overflows_a_parameter_is_skipped(grads_stored):
+    """SGD moves w = 3e38 by +1e38, a finite update whose sum overflows float32 (3.4e38);
+    the same update to w = 1.0 is applied, with its relative size as update_ratio."""
+    optimizer = optax.sgd(1e38)
+    grads = {"w": jnp.asarray([-1.0])}
+    for start, applied in ((3e38, False), (1.0, True)):
+        params = {"w": jnp.asarray([start], jnp.float32)}
+        new, _, ratio, ok = jax.jit(apply_finite_update, static_argnums=(0, 5))(
+            optimizer, grads, optimizer.init(params), params, jnp.asarray(True), grads_stored)
+        assert bool(ok) == applied
+        expected = np.float32(start) + np.float32(1e38) if applied else np.float32(start)
+        assert float(new["w"][0]) == float(expected)
+        assert float(ratio) == (pytest.approx(1e38, rel=1e-6) if applied else 0.0)

@@ -43,8 +43,18 @@ def global_norm_f32(tree: Any) -> jax.Array:
     return jnp.sqrt(sum(squares, jnp.float32(0.0)))
 
 
-def update_ratio(new: Any, old: Any) -> jax.Array:
-    """||new - old|| / ||old|| over the whole tree, in float32: the relative size of an update.
-    Zero means the update was rounded away (or skipped)."""
-    delta = jax.tree.map(lambda a, b: a.astype(jnp.float32) - b.astype(jnp.float32), new, old)
-    return global_norm_f32(delta) / jnp.maximum(global_norm_f32(old), jnp.finfo(jnp.float32).tiny)
+def update_ratio(params: Any, updates: Any) -> jax.Array:
+    """||applied|| / ||params|| over the whole tree, in float32, where `applied` is what adding
+    `updates` really changes in the params' own dtype: the relative size of an update. Zero
+    means the update was rounded away (or skipped). Computed before the params change, so
+    the update can overwrite them in place."""
+    applied = jax.tree.map(lambda p, u: _stored(p.astype(jnp.float32) + u, p.dtype) - p.astype(jnp.float32),
+                           params, updates)
+    return global_norm_f32(applied) / jnp.maximum(global_norm_f32(params), jnp.finfo(jnp.float32).tiny)
+
+
+def _stored(x: jax.Array, dtype: Any) -> jax.Array:
+    """float32 `x` rounded as storing it in `dtype` would. reduce_precision, not a round
+    trip through `dtype`: compilers may drop such a pair of casts as excess precision."""
+    info = jnp.finfo(dtype)
+    return jax.lax.reduce_precision(x, exponent_bits=info.nexp, mantissa_bits=info.nmant)
