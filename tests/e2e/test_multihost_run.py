@@ -52,9 +52,12 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def cpu_env(devices: int) -> dict[str, str]:
+    return {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+
+
 def start(devices: int, args: list[str]) -> subprocess.Popen:
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
-    return subprocess.Popen([sys.executable, "-c", DRIVER, TINY, *args], env=env, stdout=subprocess.PIPE,
+    return subprocess.Popen([sys.executable, "-c", DRIVER, TINY, *args], env=cpu_env(devices), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
 
 
@@ -104,17 +107,20 @@ def distributed(port: int, process_id: int) -> list[str]:
             f"mesh.process_id={process_id}", "mesh.require_process_count=2"]
 
 
+def start_command(program: list[str], args: list[str]) -> subprocess.Popen:
+    """`python <program> --config tiny.yaml <args>` on 4 CPU devices; stderr kept for the checks."""
+    return subprocess.Popen([sys.executable, *program, "--config", TINY, *args], env=cpu_env(4),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=REPO)
+
+
 @pytest.mark.slow
 def test_sigterm_to_one_process_stops_both_after_the_same_step_with_one_checkpoint(tmp_path):
     """Schedulers signal the hosts of a job at slightly different times; here only process 1
     is signalled. Both must finish the same step, save it together and exit 143."""
     steps, port = 200, free_port()
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
     overrides = [f"train.steps={steps}", "rollout.prompts_per_step=8", "rollout.n=4", "eval.every_steps=0",
                  "checkpoint.every_steps=0", "mesh.strategy=full_fsdp", f"logging.dir={tmp_path}"]
-    procs = [subprocess.Popen([sys.executable, "-m", "grpo_runner_gsm8k.cli", "--config", TINY, *overrides,
-                               *distributed(port, i)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                              text=True, cwd=REPO) for i in range(2)]
+    procs = [start_command(["-m", "grpo_runner_gsm8k.cli"], [*overrides, *distributed(port, i)]) for i in range(2)]
     try:
         metrics, deadline = tmp_path / "metrics.jsonl", time.monotonic() + HARD_TIMEOUT_S
         while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 2):
@@ -153,10 +159,8 @@ def test_a_process_failing_alone_ends_the_run_on_every_process(tmp_path):
     """Neither the failed process (at JAX's shutdown barrier) nor its peer (in a collective)
     may wait for the other: both exit, the failed one with its own one-line error."""
     port = free_port()
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
-    procs = [subprocess.Popen([sys.executable, "-c", FAIL_ON_ONE, "--config", TINY, *RUN, f"logging.dir={tmp_path}",
-                               *distributed(port, i)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                              text=True, cwd=REPO) for i in range(2)]
+    procs = [start_command(["-c", FAIL_ON_ONE], [*RUN, f"logging.dir={tmp_path}", *distributed(port, i)])
+             for i in range(2)]
     try:
         errs = [p.communicate(timeout=LEAVE_TIMEOUT_S)[1] for p in procs]
     finally:

@@ -48,9 +48,11 @@ def update_ratio(params: Any, updates: Any) -> jax.Array:
     `updates` really changes in the params' own dtype: the relative size of an update. Zero
     means the update was rounded away (or skipped). Computed before the params change, so
     the update can overwrite them in place."""
-    applied = jax.tree.map(lambda p, u: _stored(p.astype(jnp.float32) + u, p.dtype) - p.astype(jnp.float32),
-                           params, updates)
-    return global_norm_f32(applied) / jnp.maximum(global_norm_f32(params), jnp.finfo(jnp.float32).tiny)
+    def applied(p, u):
+        before = p.astype(jnp.float32)
+        return _stored(before + u, p.dtype) - before
+
+    return global_norm_f32(jax.tree.map(applied, params, updates)) / jnp.maximum(global_norm_f32(params), jnp.finfo(jnp.float32).tiny)
 
 
 def _stored(x: jax.Array, dtype: Any) -> jax.Array:
