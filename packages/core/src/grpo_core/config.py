@@ -146,6 +146,26 @@ class LossConfig:
     std_ddof: int = setting(1, "Delta degrees of freedom of the advantage std.", ge=0)
     advantage_eps: float = setting(1e-4, "Added to the std to avoid division by zero.", ge=0.0)
     dynamic_sampling: bool = setting(False, "Mask out groups whose rewards all agree (zero std).")
+    dynamic_sampling_mode: Literal["mask", "refill"] = setting(
+        "mask", "With dynamic_sampling: mask = train on the informative groups of the one rollout; refill = "
+        "roll out fresh prompts until prompts_per_step informative groups (DAPO) or max_extra_rollouts.")
+    # 4: DAPO's runs needed ~2-3 generation batches per step once most groups were solved.
+    max_extra_rollouts: int = setting(
+        4, "Refill: extra rollouts of prompts_per_step prompts per step at most; missing groups stay masked.", ge=1)
+    mismatch_correction: Literal["none", "truncate", "mask"] = setting(
+        "none", "Rollout/training mismatch correction of the policy-gradient term by rho = pi_train_old / "
+        "pi_sampler: truncate = weight clip(rho, c_min, c_max) (TIS); mask = weight rho inside "
+        "[c_min, c_max], 0 outside (MIS).")
+    mismatch_level: Literal["token", "sequence"] = setting(
+        "token", "token = one rho per token; sequence = exp of the summed log-ratio of the sequence, for all its tokens.")
+    # 2.0: verl's rollout-correction default threshold.
+    mismatch_c_max: float = setting(2.0, "Upper threshold of rho.", gt=0.0)
+    mismatch_c_min: Optional[float] = setting(None, "Lower threshold of rho; null = no lower bound.", gt=0.0)
+    mask_truncated_completions: bool = setting(
+        False, "Leave completions cut at rollout.max_new_tokens without a stop token out of the loss (DAPO).")
+    top_entropy_quantile: float = setting(
+        1.0, "Train the policy-gradient term only on the top fraction q of each micro-batch's completion "
+        "tokens by policy entropy (1.0 = every token).", gt=0.0, le=1.0)
 
 
 @dataclass(frozen=True)
