@@ -214,6 +214,15 @@ def validate_plugins(cfg: RunConfig, registry: Any) -> None:
         except PluginError as exc:
             raise ConfigError(f"{_name_key(kind, where)}: {exc}") from None
         plugin_options(spec.options, options, where if where.startswith("task.") else f"{where}.options")
+        if kind == "loss":
+            _check_entropy_provided(cfg, spec)
+
+
+def _check_entropy_provided(cfg: RunConfig, spec: Any) -> None:
+    if cfg.loss.top_entropy_quantile < 1.0 and not getattr(spec, "provides_entropy", True):
+        raise ConfigError(f"loss.top_entropy_quantile = {cfg.loss.top_entropy_quantile} selects tokens by entropy, "
+                          f"but loss.impl = {cfg.loss.impl!r} cannot provide the entropy; use loss.impl=fused "
+                          "(or jax, pallas) or set loss.top_entropy_quantile=1.0")
 
 
 def _name_key(kind: str, where: str) -> str:
@@ -233,12 +242,22 @@ def validate_cross_fields(cfg: RunConfig) -> None:
     if cfg.model.param_dtype == "bfloat16" and cfg.model.dtype == "float32":
         raise ConfigError("model.param_dtype = bfloat16 with model.dtype = float32: float32 compute on bfloat16 "
                           "weights gains nothing; set model.param_dtype=float32 (or model.dtype=bfloat16)")
+    _check_loss_options(cfg.loss)
     if not cfg.task.rewards:
         raise ConfigError("task.rewards is empty: name at least one reward function, e.g. {correctness: 1.0}")
     for name in cfg.task.reward_options:
         if name not in cfg.task.rewards:
             raise ConfigError(f"task.reward_options.{name} configures a reward that task.rewards does not use; "
                               f"add it to task.rewards or remove the options")
+
+
+def _check_loss_options(loss: Any) -> None:
+    if loss.mismatch_c_min is not None and loss.mismatch_c_min > loss.mismatch_c_max:
+        raise ConfigError(f"loss.mismatch_c_min = {loss.mismatch_c_min} is above loss.mismatch_c_max = "
+                          f"{loss.mismatch_c_max}: every ratio would be truncated or masked; set c_min <= c_max")
+    if loss.dynamic_sampling_mode == "refill" and not loss.dynamic_sampling:
+        raise ConfigError("loss.dynamic_sampling_mode = 'refill' with loss.dynamic_sampling = false: refilling "
+                          "replaces groups that dynamic sampling drops; set loss.dynamic_sampling=true")
 
 
 def check_eval_reward(cfg: RunConfig) -> None:

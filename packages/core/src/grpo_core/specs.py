@@ -61,9 +61,13 @@ class LossSpec(PluginSpec):
     masks them. V may be sharded over the `tp` mesh axis. The GRPO math on top
     (`grpo_losses.grpo_loss`) is shared by every implementation; see
     `grpo_losses.logps.TokenLogpsImpl`.
+
+    provides_entropy: false for an implementation that cannot return the entropy;
+    configs that need it (`loss.top_entropy_quantile` < 1) are then refused at load.
     """
 
     kind: ClassVar[str] = "loss"
+    provides_entropy: bool = True
 
 
 @dataclass(frozen=True)

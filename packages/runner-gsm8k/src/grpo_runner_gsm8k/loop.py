@@ -19,6 +19,7 @@ from flax import nnx
 
 from grpo_core.config import RunConfig
 from grpo_core.config_io import config_to_dict, config_to_yaml
+from grpo_core.contracts import CompletionText
 from grpo_core.models.precision import compute_params, needs_cast
 from grpo_core.registry import Registry
 from grpo_losses import compute_advantages
@@ -45,10 +46,12 @@ def tokenize_prompts(c: Components, examples: list) -> list[list[int]]:
     return [c.prompt_ids[ex.id] if ex.id in c.prompt_ids else next(fresh) for ex in examples]
 
 
-def decode_completions(c: Components, result: RolloutResult) -> list[str]:
+def decode_completions(c: Components, result: RolloutResult) -> list[CompletionText]:
     ids = host_array(result.completion_ids)
     mask = host_array(result.completion_mask).astype(bool)
-    return c.tokenizer.batch_decode([row[m].tolist() for row, m in zip(ids, mask)], skip_special_tokens=True)
+    texts = c.tokenizer.batch_decode([row[m].tolist() for row, m in zip(ids, mask)], skip_special_tokens=True)
+    lengths, finished = host_array(result.lengths), host_array(result.finished)
+    return [CompletionText(text, int(n), ids.shape[1], bool(done)) for text, n, done in zip(texts, lengths, finished)]
 
 
 def rollout(c: Components, program: RunProgram, params, examples: list, key, sampling) -> RolloutResult:
@@ -71,6 +74,7 @@ class Trainer:
         check_run_dir(cfg)  # bad input fails before anything is built or written
         candidates = resume_steps(cfg, required=resume)
         warn_if_updates_round_away(cfg)
+        note_void_correction(cfg)
         self.c = build_components(cfg, registry)
         self.graphdef, params = nnx.split(self.c.model)
         self.program = build_program(cfg, registry, self.c.mesh, self.graphdef, self.c.sampling)
@@ -142,14 +146,15 @@ class Trainer:
         put = lambda x: jax.device_put(x, self.train_sharding)  # noqa: E731
         input_ids, attention_mask = put(trimmed.input_ids), put(trimmed.attention_mask)
         targets = put(trimmed.input_ids[:, width:])
-        keep = put(np.asarray(advantages.keep, np.float32)[:, None])  # host values: the same on every process
+        keep = put(trained_rows(result, advantages, self.cfg.loss)[:, None])  # host values: the same on every process
         loss_mask = put(trimmed.completion_mask[:, width:]) * keep
         old_logp = self.old_logps(trimmed, weights, input_ids, attention_mask, targets, width)
         ref_logp = None
         if self.program.scores_ref_logps:
             ref_logp = self.program.score(self.ref_params, input_ids, attention_mask, targets, prompt_width=width)
+        sampler_logp = put(trimmed.sampler_logps[:, width:]) if self.program.carries_sampler_logps else None
         return UpdateBatch(input_ids, attention_mask, targets, loss_mask, jax.device_put(np.asarray(advantages.advantages), self.row_sharding),
-                           old_logp, ref_logp, prompt_width=width)
+                           old_logp, ref_logp, sampler_logp, prompt_width=width)
 
     def old_logps(self, trimmed, weights, input_ids, attention_mask, targets, width) -> Optional[jax.Array]:
         """Sampler log-probs when asked; None (exactly on-policy) for a single epoch; else one forward."""
@@ -194,6 +199,7 @@ class Trainer:
             "train-seq_len/prompt/mean": float(prompt_lengths.mean()), "train-seq_len/prompt/max": int(prompt_lengths.max()),
             "train-seq_len/completion/mean": float(lengths.mean()), "train-seq_len/completion/max": int(lengths.max()),
         })
+        out.update(objective_metrics(train, result, self.cfg.loss))
         out.update(memory_metrics())
         return out
 
@@ -269,6 +275,36 @@ class Trainer:
 
     def last_checkpoint(self) -> str:
         return str(self.checkpoints.directory / str(self.state.step))
+
+
+def note_void_correction(cfg: RunConfig) -> None:
+    """One start-up line when the mismatch correction is on but cannot do anything."""
+    if cfg.loss.mismatch_correction != "none" and cfg.rollout.use_sampler_logps:
+        print(f"grpo-run: note: loss.mismatch_correction = {cfg.loss.mismatch_correction} has nothing to correct: "
+              "with rollout.use_sampler_logps: true the old log-probs are the sampler's, so every ratio is 1; "
+              "set rollout.use_sampler_logps=false to correct the rollout/training mismatch", file=sys.stderr)
+
+
+def trained_rows(result: RolloutResult, advantages, loss_cfg) -> np.ndarray:
+    """[N] float32 host values, 1 on rows the loss trains on: the dynamic-sampling keep mask,
+    without completions cut at max_new_tokens when `mask_truncated_completions` (DAPO)."""
+    keep = np.asarray(advantages.keep, np.float32)
+    if loss_cfg.mask_truncated_completions:
+        keep = keep * host_array(result.finished).astype(np.float32)
+    return keep
+
+
+OPTIONAL_TRAIN_METRICS = ("mismatch_kl", "mismatch_ratio_mean", "mismatch_ratio_max", "mismatch_rejected_frac",
+                          "entropy_selected_frac")
+
+
+def objective_metrics(train: dict, result: RolloutResult, loss_cfg) -> dict:
+    """train-other/* metrics of the objective options in use (mismatch correction, entropy
+    selection, truncated completions)."""
+    out = {f"train-other/{name}": float(train[name]) for name in OPTIONAL_TRAIN_METRICS if name in train}
+    if loss_cfg.mask_truncated_completions:
+        out["train-other/truncated_frac"] = float(1.0 - np.mean(host_array(result.finished)))
+    return out
 
 
 def memory_metrics() -> dict:

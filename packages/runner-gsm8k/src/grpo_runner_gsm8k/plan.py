@@ -292,6 +292,7 @@ def abstract_update_batch(inputs: PlanInputs) -> UpdateBatch:
         advantages=abstract_array((rows,), jnp.float32, train_batch_sharding(mesh, ndim=1)),
         old_logp=tokens(jnp.float32, completion_w) if inputs.program.has_old_logps else None,
         ref_logp=tokens(jnp.float32, completion_w) if inputs.program.scores_ref_logps else None,
+        sampler_logp=tokens(jnp.float32, completion_w) if inputs.program.carries_sampler_logps else None,
         prompt_width=prompt_w)
 
 
