@@ -35,6 +35,7 @@ from grpo_runner_gsm8k.multihost import gather_objects, host_array, local_prompt
 from grpo_runner_gsm8k.optim import learning_rate_schedule
 from grpo_runner_gsm8k.preemption import StopRequest
 from grpo_runner_gsm8k.program import RunProgram, build_program
+from grpo_runner_gsm8k.refill import Sampled, merge_results, merge_scores, needs_more, pick_groups, refill_metrics
 from grpo_runner_gsm8k.rewards import score
 from grpo_runner_gsm8k.step import UpdateBatch
 
@@ -115,17 +116,13 @@ class Trainer:
     def step(self) -> dict:
         start = time.monotonic()
         self.state.key, key = jax.random.split(self.state.key)
-        examples = gather_objects(self.c.task.train_batch(self.prompts_per_process))
         weights = self.forward_params(self.state.params)
-        result = rollout(self.c, self.program, weights, examples, key, self.program.sampling)
-        jax.block_until_ready(result.completion_ids)
-        rollout_s = time.monotonic() - start
+        times = {"rollout_s": 0.0, "reward_s": 0.0}
+        (_, result, scores), refill = self.sample_batch(weights, key, times)
 
         reward_start = time.monotonic()
-        answers = [ex.answer for ex in examples for _ in range(self.cfg.rollout.n)]
-        scores = score(self.c.rewards, decode_completions(self.c, result), answers)
         advantages = compute_advantages(jnp.asarray(scores.total), self.cfg.rollout.n, self.program.loss_cfg)
-        reward_s = time.monotonic() - reward_start
+        times["reward_s"] += time.monotonic() - reward_start
 
         update_start = time.monotonic()
         batch = self.update_batch(result, advantages, weights)
@@ -136,8 +133,43 @@ class Trainer:
         step_s = time.monotonic() - start
         self.state.step += 1
         self.step_times.append(step_s)
-        return self.step_metrics(result, scores, advantages, train_metrics,
-                                 dict(rollout_s=rollout_s, reward_s=reward_s, update_s=update_s, step_s=step_s))
+        metrics = self.step_metrics(result, scores, advantages, train_metrics,
+                                    dict(**times, update_s=update_s, step_s=step_s))
+        return {**metrics, **refill}
+
+    def scored_rollout(self, weights, key, times: dict) -> Sampled:
+        """Fresh prompts from the task, rolled out with `weights` and scored; adds its seconds to `times`."""
+        start = time.monotonic()
+        examples = gather_objects(self.c.task.train_batch(self.prompts_per_process))
+        result = rollout(self.c, self.program, weights, examples, key, self.program.sampling)
+        jax.block_until_ready(result.completion_ids)
+        reward_start = time.monotonic()
+        answers = [ex.answer for ex in examples for _ in range(self.cfg.rollout.n)]
+        scores = score(self.c.rewards, decode_completions(self.c, result), answers)
+        times["rollout_s"] += reward_start - start
+        times["reward_s"] += time.monotonic() - reward_start
+        return Sampled(examples, result, scores)
+
+    def sample_batch(self, weights, key, times: dict) -> tuple[Sampled, dict]:
+        """The step's rollout batch and the refill metrics ({} unless dynamic sampling refills,
+        see refill.py)."""
+        rounds = [self.scored_rollout(weights, key, times)]
+        loss, n, want = self.cfg.loss, self.cfg.rollout.n, self.cfg.rollout.prompts_per_step
+        if not (loss.dynamic_sampling and loss.dynamic_sampling_mode == "refill"):
+            return rounds[0], {}
+        while needs_more(rounds, n, want, loss.max_extra_rollouts):
+            self.state.key, key = jax.random.split(self.state.key)
+            rounds.append(self.scored_rollout(weights, key, times))
+        picks = pick_groups(rounds, n, want)
+        result = self.on_train_devices(merge_results([r.result for r in rounds], picks, n))
+        examples = [rounds[i].examples[g] for i, g in picks]
+        scores = merge_scores([r.scores for r in rounds], picks, n)
+        return Sampled(examples, result, scores), refill_metrics(rounds, picks, n)
+
+    def on_train_devices(self, result: RolloutResult) -> RolloutResult:
+        """A host-side result placed like the update batch (host values: the same on every process)."""
+        return jax.tree.map(lambda x: jax.device_put(x, self.train_sharding if x.ndim == 2 else self.row_sharding),
+                            result)
 
     def update_batch(self, result: RolloutResult, advantages, weights) -> UpdateBatch:
         """The update's inputs; `weights` (the rollout's compute-dtype params) score old log-probs."""
