@@ -101,7 +101,9 @@ class RolloutSpec(PluginSpec):
 @dataclass(frozen=True)
 class RewardSpec(PluginSpec):
     """A reward function: `factory(options) -> fn` with
-    `fn(completions: list[str], answers: list[str]) -> list[float]`."""
+    `fn(completions: list[str], answers: list[str]) -> list[float]`. The runner's
+    completions are `grpo_core.contracts.CompletionText` strings, which also carry
+    their token count, the token budget and whether they ended on a stop token."""
 
     kind: ClassVar[str] = "reward"
 
