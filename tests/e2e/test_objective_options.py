@@ -63,12 +63,13 @@ def test_option_trains_and_logs_its_metrics(tmp_path, name):
 
 
 def test_option_metrics_reach_wandb(tmp_path):
-    _run(tmp_path, "loss.mismatch_correction=truncate", "loss.top_entropy_quantile=0.5", "logging.wandb=offline",
-         "train.steps=1")
+    every_option = [overrides for name, (overrides, _) in OPTION_RUNS.items()
+                    if name in ("mis_sequence", "overlong", "entropy_fused", "refill")]
+    _run(tmp_path, *sum(every_option, []), "logging.wandb=offline", "train.steps=1")
     logs = list(tmp_path.glob("wandb/offline-run-*/run-*.wandb"))
     assert len(logs) == 1
     data = logs[0].read_bytes()
-    for key in [*MISMATCH, "train-other/entropy_selected_frac"]:
+    for key in sum((keys for _, keys in OPTION_RUNS.values()), []):
         assert key.encode() in data, key
 
 

@@ -129,7 +129,7 @@ def test_the_data_exercises_both_sides(helpers, case):
     assert 0.1 < fraction < 0.9
 
 
-def test_defaults_leave_the_loss_untouched(helpers):
+def test_without_mismatch_the_correction_changes_nothing(helpers):
     """Correction with thresholds no ratio reaches and q = 1 equal the plain loss exactly."""
     p = problem(helpers)
     plain, _ = implementation_result(IMPLS["jax"], p, BASE, True)
