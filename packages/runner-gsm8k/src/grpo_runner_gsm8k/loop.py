@@ -189,7 +189,9 @@ class Trainer:
                            old_logp, ref_logp, sampler_logp, prompt_width=width)
 
     def old_logps(self, trimmed, weights, input_ids, attention_mask, targets, width) -> Optional[jax.Array]:
-        """Sampler log-probs when asked; None (exactly on-policy) for a single epoch; else one forward."""
+        """Sampler log-probs when asked; None (exactly on-policy) for a single epoch, where the loss
+        takes stop_grad(logp) as the old training log-prob (also for the mismatch correction: the
+        params have not moved since the rollout); else one forward."""
         if self.cfg.rollout.use_sampler_logps:
             return jax.device_put(trimmed.sampler_logps[:, width:], self.train_sharding)
         if not self.program.scores_old_logps:
