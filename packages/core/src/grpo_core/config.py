@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
 Number = float | int
+# Projections LoRA can adapt (HF module names), and the name of all of them.
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "all-linear")
 
 
 def setting(default: Any, doc: str, *, ge: Number | None = None, gt: Number | None = None,
@@ -21,6 +23,27 @@ def setting(default: Any, doc: str, *, ge: Number | None = None, gt: Number | No
     if isinstance(default, (dict, list)):
         return field(default_factory=lambda: type(default)(default), metadata=meta)
     return field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    """LoRA: train low-rank adapters on a frozen base (rank null = full-parameter training)."""
+
+    rank: Optional[int] = setting(
+        None, "Adapter rank r; null trains every parameter. The base stays frozen in model.dtype (no float32 "
+        "master, no optimizer state); adapters A [in, r], B [r, out] train in float32.", ge=1)
+    # 16: PEFT's common r=8..16 setting scaled so alpha / r = 1 at r = 16.
+    alpha: float = setting(16.0, "Adapter scale numerator: scale = alpha / rank (alpha / sqrt(rank) with rslora).",
+                           gt=0.0)
+    dropout: float = setting(0.0, "Dropout on the adapters' input during training (only 0 is supported).",
+                             ge=0.0, lt=1.0)
+    target_modules: list = setting(
+        ["all-linear"], "Projections that get adapters: any of q_proj, k_proj, v_proj, o_proj, gate_proj, "
+        "up_proj, down_proj, or all-linear (all seven).")
+    rslora: bool = setting(False, "rsLoRA scaling alpha / sqrt(rank) instead of alpha / rank.")
+    init_from: Optional[str] = setting(
+        None, "A PEFT adapter directory (adapter_config.json + adapter_model.safetensors) to start from; "
+        "null starts at B = 0 (step 0 is the base model).")
 
 
 @dataclass(frozen=True)
@@ -52,7 +75,8 @@ class ModelConfig:
     scan_layers: bool = setting(
         True, "Run the decoder layers as one scan (compile time independent of depth); "
         "false loops over them in Python, for debugging.")
-    seed: int = setting(0, "Seed of the random initialisation.", ge=0)
+    seed: int = setting(0, "Seed of the random initialisation (and of the LoRA adapters' A).", ge=0)
+    lora: LoRAConfig = field(default_factory=LoRAConfig, metadata={"doc": "LoRA adapters (see LoRAConfig)."})
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from typing import Any, Iterable, Literal, Union
 
 import yaml
 
-from grpo_core.config import RunConfig
+from grpo_core.config import LORA_TARGETS, RunConfig
 from grpo_core.errors import ConfigError, PluginError
 
 EXPLICIT_MESH = re.compile(r"^\s*-?\d+\s*,\s*-?\d+\s*,\s*-?\d+\s*$")
@@ -243,6 +243,7 @@ def validate_cross_fields(cfg: RunConfig) -> None:
         raise ConfigError("model.param_dtype = bfloat16 with model.dtype = float32: float32 compute on bfloat16 "
                           "weights gains nothing; set model.param_dtype=float32 (or model.dtype=bfloat16)")
     _check_loss_options(cfg.loss)
+    _check_lora(cfg.model.lora)
     if not cfg.task.rewards:
         raise ConfigError("task.rewards is empty: name at least one reward function, e.g. {correctness: 1.0}")
     for name in cfg.task.reward_options:
@@ -258,6 +259,21 @@ def _check_loss_options(loss: Any) -> None:
     if loss.dynamic_sampling_mode == "refill" and not loss.dynamic_sampling:
         raise ConfigError("loss.dynamic_sampling_mode = 'refill' with loss.dynamic_sampling = false: refilling "
                           "replaces groups that dynamic sampling drops; set loss.dynamic_sampling=true")
+
+
+def _check_lora(lora: Any) -> None:
+    if lora.rank is None:
+        return
+    for name in lora.target_modules:
+        if name not in LORA_TARGETS:
+            close = difflib.get_close_matches(str(name), LORA_TARGETS, n=1, cutoff=0.5)
+            hint = f"did you mean {close[0]}?" if close else f"use some of {', '.join(LORA_TARGETS)}"
+            raise ConfigError(f"model.lora.target_modules: unknown module {name!r}; {hint}")
+    if not lora.target_modules:
+        raise ConfigError(f"model.lora.target_modules is empty; name some of {', '.join(LORA_TARGETS)}")
+    if lora.dropout > 0:
+        raise ConfigError(f"model.lora.dropout = {lora.dropout} is not supported (adapter dropout is not "
+                          "implemented); set model.lora.dropout=0")
 
 
 def check_eval_reward(cfg: RunConfig) -> None:

@@ -27,6 +27,7 @@ from grpo_core.tokenizer import build_char_tokenizer, load_tokenizer
 from grpo_meshes import (TRAIN_BATCH_AXES, ModelDims, ProcessLayout, batch_shard_count, build_mesh_from_config,
                          rollout_batch_sharding, setup_processes, validate_plan)
 
+from grpo_runner_gsm8k.adapters import check_lora_fits, storage_dtype
 from grpo_runner_gsm8k.multihost import local_prompt_count
 from grpo_runner_gsm8k.tasks.base import render_prompt
 
@@ -178,11 +179,11 @@ def attention_impl(cfg: RunConfig, mesh: Mesh) -> str:
 def load_or_init_model(cfg: RunConfig, qcfg: QwenConfig, mesh: Mesh, rules: Any) -> Any:
     if cfg.model.path:
         try:
-            return load_pretrained(cfg.model.path, dtype=cfg.model.param_dtype, mesh=mesh, rules=rules,
+            return load_pretrained(cfg.model.path, dtype=storage_dtype(cfg), mesh=mesh, rules=rules,
                                    remat=cfg.model.remat, scan_layers=cfg.model.scan_layers)
         except (OSError, ValueError) as exc:  # missing, corrupt or mismatched safetensors
             raise _input_error("model.path", exc, "re-download or re-export the checkpoint") from None
-    model = init_from_config(qcfg, seed=cfg.model.seed, dtype=cfg.model.param_dtype, remat=cfg.model.remat,
+    model = init_from_config(qcfg, seed=cfg.model.seed, dtype=storage_dtype(cfg), remat=cfg.model.remat,
                              scan_layers=cfg.model.scan_layers)
     return shard_model(model, mesh, rules)
 
@@ -293,6 +294,7 @@ def check_inputs(cfg: RunConfig, registry: Registry, process_index: int = 0, pro
     tokenizer = build_tokenizer(cfg)
     qcfg = model_config(cfg, tokenizer)
     check_tokenizer_fits(qcfg, tokenizer)
+    check_lora_fits(cfg, qcfg)
     check_lengths(cfg, qcfg)
     task = from_plugin(registry, "task", cfg.task.name, cfg.task.options, "task.options", seed=cfg.task.seed,
                        process_index=process_index, process_count=process_count)

@@ -335,10 +335,14 @@ class Checkpointer:
         """Every `every_steps` steps, and always after the last step (0 = only then)."""
         return step == last_step or (self.every_steps > 0 and step % self.every_steps == 0)
 
-    def save(self, state: TrainState, data_position: dict, model_config: dict, run_config: dict) -> None:
+    def save(self, state: TrainState, data_position: dict, model_config: dict, run_config: dict,
+             lora_base: Optional[dict] = None) -> None:
+        """`lora_base`: a LoRA run's base fingerprint (its params are then the adapters)."""
         self.wait()  # orbax would wait for the previous save anyway; its error belongs to that step
         meta = {"step": state.step, "skipped_steps": state.skipped_steps, "data": data_position,
                 "key": _key_record(state.key), "model_config": model_config, "param_layout": PARAM_LAYOUT}
+        if lora_base:
+            meta["lora_base"] = lora_base
         self.pending_step = state.step
         try:
             self.manager.save(state.step, args=ocp.args.Composite(

@@ -26,9 +26,10 @@ from grpo_losses import compute_advantages
 from grpo_meshes import train_batch_sharding
 from grpo_core.rollout_records import RolloutResult
 
+from grpo_runner_gsm8k.adapters import check_same_base, lora_spec, setup_lora
 from grpo_runner_gsm8k.build import (Components, build_components, check_run_dir, prepare_run_dir, prompt_token_ids,
                                      warn_if_updates_round_away)
-from grpo_runner_gsm8k.checkpoint import Checkpointer, TrainState, resume_steps, truncate_metrics
+from grpo_runner_gsm8k.checkpoint import Checkpointer, TrainState, resume_steps, saved_meta, truncate_metrics
 from grpo_runner_gsm8k.lock import RunDirLock
 from grpo_runner_gsm8k.metrics import MetricsLogger
 from grpo_runner_gsm8k.multihost import gather_objects, host_array, local_prompt_count
@@ -55,11 +56,12 @@ def decode_completions(c: Components, result: RolloutResult) -> list[CompletionT
     return [CompletionText(text, int(n), ids.shape[1], bool(done)) for text, n, done in zip(texts, lengths, finished)]
 
 
-def rollout(c: Components, program: RunProgram, params, examples: list, key, sampling) -> RolloutResult:
-    """One rollout with `params` (compute dtype) loaded into the backend for its duration only:
-    the update that follows needs that memory."""
+def rollout(c: Components, program: RunProgram, params, examples: list, key, sampling,
+            graphdef: Optional[nnx.GraphDef] = None) -> RolloutResult:
+    """One rollout with `params` (compute dtype; a model of `graphdef`, default the program's)
+    loaded into the backend for its duration only: the update that follows needs that memory."""
     prompts = tokenize_prompts(c, examples)
-    program.rollout.load_weights(nnx.merge(program.graphdef, params))
+    program.rollout.load_weights(nnx.merge(graphdef or program.graphdef, params))
     try:
         return program.rollout.generate(prompts, key, sampling, pad_token_id=c.tokenizer.pad_token_id,
                                         batch_sharding=c.rollout_sharding)
@@ -78,7 +80,13 @@ class Trainer:
         note_void_correction(cfg)
         self.c = build_components(cfg, registry)
         self.graphdef, params = nnx.split(self.c.model)
-        self.program = build_program(cfg, registry, self.c.mesh, self.graphdef, self.c.sampling)
+        self.lora, train_graphdef = None, None
+        if lora_spec(cfg) is not None:  # params become the adapters; the base is held once, frozen
+            self.lora, params = setup_lora(cfg, self.c.model, self.c.mesh, self.c.param_rules)
+            self.lora.decide_merge(self.c.mesh)
+            train_graphdef = self.lora.train_graphdef
+        self.program = build_program(cfg, registry, self.c.mesh, self.graphdef, self.c.sampling, train_graphdef)
+        self.score_policy = self.program.score if self.lora is None else self.lora.score(self.program)
         self.run_dir = prepare_run_dir(cfg)
         self.lock = RunDirLock(self.run_dir)
         if self.c.layout.process_index == 0:  # the processes of one multi-host run share the directory
@@ -94,9 +102,10 @@ class Trainer:
         self.lr_at = learning_rate_schedule(cfg.train)
         # the copy keeps the params' shardings exactly (as the plan assumes), size-1 mesh axes included
         self.cast = jax.jit(compute_params, static_argnums=1, out_shardings=jax.tree.map(lambda x: x.sharding, params))
-        # The frozen reference is only ever run forward: stored in the compute dtype.
-        self.ref_params = (jax.tree.map(jnp.copy, self.forward_params(params)) if self.program.scores_ref_logps
-                           else None)
+        # The frozen reference is only ever run forward: stored in the compute dtype (LoRA: the base itself).
+        self.ref_params = (None if not self.program.scores_ref_logps else self.lora.base if self.lora
+                           else jax.tree.map(jnp.copy, self.forward_params(params)))
+        self.frozen = () if self.lora is None else (self.lora.base,)  # the update's frozen part
         self.state = TrainState(params, self.program.init_opt_state(params), jax.random.key(cfg.train.seed))
         self.step_times: deque = deque(maxlen=10)  # seconds of the last steps, for the average metric
         self.train_sharding = train_batch_sharding(self.c.mesh)
@@ -110,7 +119,14 @@ class Trainer:
         rollout's decode reads it at every token: half the bytes of the masters), or the
         params themselves when they are stored in that dtype."""
         dtype = self.program.compute_dtype
+        if self.lora is not None:
+            return self.lora.policy(params, dtype)[1]
         return self.cast(params, dtype) if needs_cast(params, dtype) else params
+
+    @property
+    def policy_graphdef(self) -> nnx.GraphDef:
+        """The model of forward_params' state."""
+        return self.graphdef if self.lora is None else self.lora.policy_graphdef
 
     # ---- one step -------------------------------------------------------------
     def step(self) -> dict:
@@ -141,7 +157,7 @@ class Trainer:
         """Fresh prompts from the task, rolled out with `weights` and scored; adds its seconds to `times`."""
         start = time.monotonic()
         examples = gather_objects(self.c.task.train_batch(self.prompts_per_process))
-        result = rollout(self.c, self.program, weights, examples, key, self.program.sampling)
+        result = rollout(self.c, self.program, weights, examples, key, self.program.sampling, self.policy_graphdef)
         jax.block_until_ready(result.completion_ids)
         reward_start = time.monotonic()
         answers = [ex.answer for ex in examples for _ in range(self.cfg.rollout.n)]
@@ -196,13 +212,13 @@ class Trainer:
             return jax.device_put(trimmed.sampler_logps[:, width:], self.train_sharding)
         if not self.program.scores_old_logps:
             return None  # params do not change before the only update: ratio is exactly 1
-        return self.program.score(weights, input_ids, attention_mask, targets, prompt_width=width)
+        return self.score_policy(weights, input_ids, attention_mask, targets, prompt_width=width)
 
     def run_updates(self, batch: UpdateBatch) -> dict:
         totals: dict[str, float] = {}
         for _ in range(self.cfg.train.ppo_epochs):
             self.state.params, self.state.opt_state, metrics = self.program.update(
-                self.state.params, self.state.opt_state, batch)
+                self.state.params, self.state.opt_state, batch, *self.frozen)
             metrics = jax.device_get(metrics)
             self.state.skipped_steps += int(metrics["skipped"])
             totals = metrics  # the last epoch's metrics describe the final update
@@ -243,7 +259,7 @@ class Trainer:
         n = self.c.eval_sampling.n
         self.state.key, key = jax.random.split(self.state.key)
         result = rollout(self.c, self.program, self.forward_params(self.state.params), examples, key,
-                         self.c.eval_sampling)
+                         self.c.eval_sampling, self.policy_graphdef)
         judge = self.cfg.eval.reward  # checked to be one of task.rewards when the config loaded
         answers = [ex.answer for ex in examples for _ in range(n)]
         judged = score({judge: (self.c.rewards[judge][0], 1.0)}, decode_completions(self.c, result), answers)
@@ -260,11 +276,14 @@ class Trainer:
     # ---- checkpoints ---------------------------------------------------------------
     def save(self) -> None:
         self.checkpoints.save(self.state, self.c.task.state(), self.c.model.config.to_hf_dict(),
-                              config_to_dict(self.cfg))
+                              config_to_dict(self.cfg), lora_base=self.lora and self.lora.fingerprint)
 
     def restore(self, candidates: list[int]) -> None:
         """Continues from the newest readable of `candidates`: params, optimizer, RNG key,
         counters, data position."""
+        if self.lora is not None:
+            where = self.checkpoints.directory / str(candidates[0])
+            check_same_base(saved_meta(self.run_dir, candidates[0]).get("lora_base"), self.lora.fingerprint, where)
         step = self.checkpoints.restore_newest(candidates, self.state, self.c.task, self.c.mesh)
         print(f"resumed from step {step} of {self.checkpoints.directory}", file=sys.stderr)
 

@@ -49,8 +49,8 @@ def with_moment_dtype(inner: optax.GradientTransformation, dtype: Any) -> optax.
 
 
 def moment_dtype(cfg: RunConfig) -> str:
-    """train.moment_dtype, defaulting to the params' storage dtype."""
-    return cfg.train.moment_dtype or cfg.model.param_dtype
+    """train.moment_dtype, defaulting to the trained params' storage dtype (LoRA adapters: float32)."""
+    return cfg.train.moment_dtype or ("float32" if cfg.model.lora.rank is not None else cfg.model.param_dtype)
 
 
 def build_optimizer(cfg: TrainConfig, moments: Optional[str] = None) -> optax.GradientTransformation:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import jax
 import optax
@@ -45,6 +45,7 @@ class RunProgram:
     optimizer: optax.GradientTransformation
     update: Callable[..., Any]
     score: Callable[..., jax.Array]
+    train_graphdef: Optional[nnx.GraphDef] = None  # the model the update differentiates (LoRA: with adapters)
 
     @property
     def loss_cfg(self) -> LossConfig:
@@ -84,8 +85,8 @@ class RunProgram:
     def with_micro_batch_size(self, size: int) -> "RunProgram":
         """The same program with `train.micro_batch_size_per_device = size` (a new update)."""
         cfg = dataclasses.replace(self.cfg, train=dataclasses.replace(self.cfg.train, micro_batch_size_per_device=size))
-        return dataclasses.replace(self, cfg=cfg, update=_update(cfg, self.mesh, self.graphdef, self.loss_impl,
-                                                                 self.optimizer))
+        return dataclasses.replace(self, cfg=cfg, update=_update(cfg, self.mesh, self.train_graphdef or self.graphdef,
+                                                                 self.loss_impl, self.optimizer))
 
 
 def _update(cfg: RunConfig, mesh: Mesh, graphdef: nnx.GraphDef, loss_impl: Any,
@@ -95,8 +96,9 @@ def _update(cfg: RunConfig, mesh: Mesh, graphdef: nnx.GraphDef, loss_impl: Any,
 
 
 def build_program(cfg: RunConfig, registry: Registry, mesh: Mesh, graphdef: nnx.GraphDef,
-                  sampling: SamplingParams) -> RunProgram:
-    """The run's plugins and jitted functions for a model of `graphdef` on `mesh`."""
+                  sampling: SamplingParams, train_graphdef: Optional[nnx.GraphDef] = None) -> RunProgram:
+    """The run's plugins and jitted functions for a model of `graphdef` on `mesh`; the update
+    differentiates `train_graphdef` when given (a LoRA run: the model with adapters)."""
     loss_impl = from_plugin(registry, "loss", cfg.loss.impl, cfg.loss.options, "loss.options")
     if hasattr(loss_impl, "on_mesh"):  # an implementation that must know the mesh (pallas: shard_map, Mosaic)
         loss_impl = loss_impl.on_mesh(mesh)
@@ -104,5 +106,5 @@ def build_program(cfg: RunConfig, registry: Registry, mesh: Mesh, graphdef: nnx.
     optimizer = build_optimizer(cfg.train, moment_dtype(cfg))
     return RunProgram(cfg=cfg, mesh=mesh, graphdef=graphdef, loss_impl=loss_impl, rollout=rollout,
                       sampling=sampling, optimizer=optimizer,
-                      update=_update(cfg, mesh, graphdef, loss_impl, optimizer),
-                      score=make_score(graphdef, loss_impl, cfg.rollout.temperature))
+                      update=_update(cfg, mesh, train_graphdef or graphdef, loss_impl, optimizer),
+                      score=make_score(graphdef, loss_impl, cfg.rollout.temperature), train_graphdef=train_graphdef)

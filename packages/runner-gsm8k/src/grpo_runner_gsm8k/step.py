@@ -127,11 +127,13 @@ def accumulates_in_backward(graphdef: nnx.GraphDef, params: nnx.State, micro_bat
 LossTerms = Callable[[jax.Array, jax.Array, UpdateBatch], tuple[jax.Array, tuple[jax.Array, LossMetrics]]]
 
 
-def _micro_step(graphdef: nnx.GraphDef, loss_terms: LossTerms, weights: nnx.State):
+def _micro_step(graphdef: nnx.GraphDef, loss_terms: LossTerms, weights: nnx.State, frozen: Any = None):
     """Scan body over micro-batches: grads (float32) += jax.grad of this micro-batch's
-    numerator w.r.t. `weights` (the params in the compute dtype)."""
+    numerator w.r.t. `weights` (the params in the compute dtype); `frozen` (LoRA's base,
+    or None) completes the model's state and gets no gradient."""
     def numerator(w, mb: UpdateBatch):
-        return loss_terms(*completion_hidden(graphdef, w, mb.input_ids, mb.attention_mask, mb.prompt_width), mb)
+        state = w if frozen is None else nnx.merge_state(frozen, w)
+        return loss_terms(*completion_hidden(graphdef, state, mb.input_ids, mb.attention_mask, mb.prompt_width), mb)
 
     grad_fn = jax.value_and_grad(numerator, has_aux=True)
 
@@ -166,11 +168,15 @@ def _micro_step_in_backward(graphdef: nnx.GraphDef, loss_terms: LossTerms, compu
 
 
 def _accumulate(graphdef: nnx.GraphDef, loss_terms: LossTerms, compute_dtype: Any, micro_batches: int,
-                params: nnx.State, batch: UpdateBatch):
+                params: nnx.State, batch: UpdateBatch, frozen: Any = None):
     """(float32 gradient sums, numerator, denominator, metrics) over the micro-batches. The
     params are cast to the compute dtype once per update, not per micro-batch (the
-    gradient w.r.t. the copy is the gradient w.r.t. the params: a cast's transpose is a cast)."""
-    if accumulates_in_backward(graphdef, params, micro_batches):
+    gradient w.r.t. the copy is the gradient w.r.t. the params: a cast's transpose is a cast).
+    With `frozen` (LoRA's base, already in the compute dtype) `params` are the adapters:
+    jax.grad w.r.t. them alone, whose gradient buffer is adapter-sized."""
+    if frozen is not None:
+        body = _micro_step(graphdef, loss_terms, compute_params(params, compute_dtype), frozen)
+    elif accumulates_in_backward(graphdef, params, micro_batches):
         layers, others = split_layers(params)
         body = _micro_step_in_backward(graphdef, loss_terms, compute_dtype, layers, compute_params(others, compute_dtype))
     else:
@@ -208,8 +214,9 @@ def apply_finite_update(optimizer: optax.GradientTransformation, grads, opt_stat
 
 def make_update(graphdef: nnx.GraphDef, impl: Any, loss_cfg: LossConfig, optimizer: optax.GradientTransformation,
                 temperature: float, micro_batches: int, compute_dtype: Any = None):
-    """A jitted `update(params, opt_state, batch) -> (params, opt_state, metrics)`; the forward
-    and backward run in `compute_dtype` (None: the params' own dtype)."""
+    """A jitted `update(params, opt_state, batch, frozen=None) -> (params, opt_state, metrics)`;
+    the forward and backward run in `compute_dtype` (None: the params' own dtype). `frozen`:
+    a LoRA run's base state (params are then its adapters; see grpo_runner_gsm8k.adapters)."""
 
     def loss_terms(hidden, lm_head, mb: UpdateBatch):
         out = grpo_loss(impl, hidden, lm_head, mb.targets, mb.loss_mask, mb.advantages, mb.old_logp,
@@ -219,8 +226,8 @@ def make_update(graphdef: nnx.GraphDef, impl: Any, loss_cfg: LossConfig, optimiz
     accumulate = functools.partial(_accumulate, graphdef, loss_terms, compute_dtype, micro_batches)
 
     @functools.partial(jax.jit, donate_argnums=(0, 1))
-    def update(params, opt_state, batch: UpdateBatch):
-        grads, numerator, denominator, metrics = accumulate(params, batch)
+    def update(params, opt_state, batch: UpdateBatch, frozen=None):
+        grads, numerator, denominator, metrics = accumulate(params, batch, frozen)
         grads = jax.tree.map(lambda g: g / jnp.maximum(denominator, 1.0), grads)
         loss = finalize_loss(numerator, denominator)
         grad_norm = optax.tree.norm(grads)

@@ -59,6 +59,9 @@ class Projection(nnx.Module):
         contract = (tuple(range(x.ndim - self.n_in, x.ndim)), tuple(range(self.n_in)))
         # f32 accumulation for bf16 params too (as HF's bf16 matmuls do), result in x's dtype.
         y = jax.lax.dot_general(x, self.kernel[...], (contract, ((), ())), preferred_element_type=jnp.float32)
+        adapter = getattr(self, "lora", None)  # a LoRA adapter attached by grpo_core.models.lora
+        if adapter is not None:
+            y = y + adapter(x)
         if self.bias is not None:
             y = y + self.bias[...]
         return y.astype(x.dtype)

@@ -1,0 +1,157 @@
+"""LoRA runs: a frozen base in `model.dtype` plus float32 adapters (grpo_core.models.lora).
+
+The train state's params are the adapters alone (their optimizer state is adapter-sized);
+the base is held once, in the compute dtype, and serves three roles without a copy:
+the frozen part of the update (`make_update(..., frozen=base)`), the reference model of
+`loss.beta > 0` (the base with the adapters off), and the weights the rollout merges the
+adapters into (W + scale * A . B once per rollout) or, when that merged copy would not
+fit in device memory, decodes with the adapters applied per token.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+from grpo_core.config import RunConfig
+from grpo_core.errors import UserError
+from grpo_core.models import lora
+from grpo_core.models.precision import cast_floating
+from grpo_core.sharding import param_shardings
+from grpo_rollout.gather import GIB, spare_device_bytes
+
+from grpo_runner_gsm8k.step import make_score
+
+
+def lora_spec(cfg: RunConfig) -> Optional[lora.LoRASpec]:
+    """The run's adapters, or None for a full-parameter run."""
+    c = cfg.model.lora
+    if c.rank is None:
+        return None
+    return lora.LoRASpec(c.rank, c.alpha, lora.resolve_targets(c.target_modules), c.rslora)
+
+
+def check_lora_fits(cfg: RunConfig, qcfg: Any) -> None:
+    """model.lora.rank against the targets' dims (before any device work)."""
+    spec = lora_spec(cfg)
+    if spec is None:
+        return
+    try:
+        lora.check_rank_fits(spec, lora.layer_shapes(qcfg))
+    except ValueError as exc:
+        raise UserError(f"model.lora.rank: {exc}; lower model.lora.rank or drop that target") from None
+
+
+def storage_dtype(cfg: RunConfig) -> str:
+    """Where the model's weights are stored: a LoRA base is frozen in the compute dtype."""
+    return cfg.model.dtype if cfg.model.lora.rank is not None else cfg.model.param_dtype
+
+
+# ---- base fingerprint ------------------------------------------------------------------
+_MIX = np.uint32(2654435761)  # Knuth's multiplicative hash constant
+
+
+@jax.jit
+def _leaf_checksum(x: jax.Array) -> jax.Array:
+    """An exact, order-independent uint32 checksum of an array's bits and their positions
+    (modular integer sums: the same on any mesh and device count)."""
+    bits = jax.lax.bitcast_convert_type(x, jnp.uint16 if x.dtype.itemsize == 2 else jnp.uint32)
+    index = jnp.zeros(x.shape, jnp.uint32)
+    stride = 1
+    for axis in reversed(range(x.ndim)):
+        index = index + jax.lax.broadcasted_iota(jnp.uint32, x.shape, axis) * jnp.uint32(stride % (1 << 32))
+        stride *= x.shape[axis]
+    return jnp.sum((bits.astype(jnp.uint32) + 1) * (index * _MIX + 40503), dtype=jnp.uint32)
+
+
+def base_fingerprint(cfg: RunConfig, qcfg: Any, base: nnx.State) -> dict:
+    """What identifies a base: its source, its HF config and a checksum of its weights."""
+    digest = hashlib.sha256(json.dumps(qcfg.to_hf_dict(), sort_keys=True).encode())
+    for path, variable in sorted(nnx.to_flat_state(base), key=lambda kv: tuple(map(str, kv[0]))):
+        digest.update(f"{'.'.join(map(str, path))}:{int(_leaf_checksum(variable.get_value()))};".encode())
+    return {"source": cfg.model.path or f"random init (seed {cfg.model.seed})", "dtype": cfg.model.dtype,
+            "checksum": digest.hexdigest()[:16]}
+
+
+def describe(fingerprint: dict) -> str:
+    return f"{fingerprint['source']} ({fingerprint['dtype']}, checksum {fingerprint['checksum']})"
+
+
+def check_same_base(saved: Optional[dict], current: dict, where: Any) -> None:
+    if saved is None:
+        raise UserError(f"checkpoint {where} holds no LoRA adapters (a full-parameter run); set model.lora.rank=null "
+                        "to resume it, or start a new logging.dir")
+    if saved != current:
+        raise UserError(f"checkpoint {where} holds adapters of base {describe(saved)}, but this run's base is "
+                        f"{describe(current)}; set model.path to the checkpoint's base or start a new logging.dir")
+
+
+# ---- the run's LoRA state ----------------------------------------------------------------
+@dataclass
+class LoRARun:
+    """The frozen base and how a LoRA run's forward passes see the policy."""
+
+    spec: lora.LoRASpec
+    base_graphdef: nnx.GraphDef
+    train_graphdef: nnx.GraphDef
+    base: nnx.State
+    fingerprint: dict
+    merge: Callable[[nnx.State, nnx.State], nnx.State]
+    merged_rollout: bool = True
+
+    @property
+    def policy_graphdef(self) -> nnx.GraphDef:
+        """The model of `policy`'s state: the plain base (merged) or the base with adapters."""
+        return self.base_graphdef if self.merged_rollout else self.train_graphdef
+
+    def policy(self, adapters: nnx.State, dtype: Any) -> tuple[nnx.GraphDef, nnx.State]:
+        """(graphdef, state) of the policy for a forward pass: the merged copy, or the base
+        with the adapters (cast to `dtype`) applied per token."""
+        if self.merged_rollout:
+            return self.base_graphdef, self.merge(self.base, adapters)
+        return self.train_graphdef, nnx.merge_state(self.base, cast_floating(adapters, dtype))
+
+    def score(self, program: Any) -> Callable[..., jax.Array]:
+        """The jitted log-prob forward of `policy`'s state (the program's own when merged)."""
+        if self.merged_rollout:
+            return program.score
+        return make_score(self.train_graphdef, program.loss_impl, program.cfg.rollout.temperature)
+
+    def decide_merge(self, mesh: Mesh) -> None:
+        """Merged copy when it fits in every device's spare memory (like gather_weights: auto,
+        with the same headroom); printed once."""
+        kernels = dict(nnx.to_flat_state(self.base))
+        needed = sum(_device_bytes(kernels[(*lora.kernel_path(t), "kernel")].get_value()) for t in self.spec.targets)
+        spare = spare_device_bytes(list(mesh.local_devices))
+        self.merged_rollout = spare is None or needed <= spare
+        room = "no device memory limit reported" if spare is None else f"{spare / GIB:.2f} GiB spare"
+        print(f"lora: rollout {'merges the adapters once per rollout' if self.merged_rollout else 'applies the adapters per token'}"
+              f" (merged copy {needed / GIB:.2f} GiB per device, {room})", flush=True)
+
+
+def _device_bytes(x: jax.Array) -> int:
+    shard = x.sharding.shard_shape(x.shape)
+    return int(np.prod(shard)) * x.dtype.itemsize
+
+
+def setup_lora(cfg: RunConfig, model: nnx.Module, mesh: Mesh, rules: Any) -> tuple[LoRARun, nnx.State]:
+    """Attaches the adapters to `model` (a base frozen in the compute dtype); returns the run's
+    LoRA state and the initial adapters (float32, sharded by the kernels' logical axes)."""
+    spec = lora_spec(cfg)
+    base_graphdef, base = nnx.split(model)
+    lora.add_adapters(model, spec, jax.random.key(cfg.model.seed))
+    train_graphdef, state = nnx.split(model)
+    adapters, _ = lora.split_adapters(state)
+    adapters = jax.device_put(adapters, param_shardings(adapters, mesh, rules))
+    shardings = jax.tree.map(lambda x: x.sharding, base)
+    merge = jax.jit(lambda b, a: lora.merged_state(b, a, spec), out_shardings=shardings)
+    run = LoRARun(spec, base_graphdef, train_graphdef, base, base_fingerprint(cfg, model.config, base), merge)
+    return run, adapters
