@@ -23,7 +23,7 @@ from jax.sharding import Mesh
 
 from grpo_core.config import RunConfig
 from grpo_core.errors import UserError
-from grpo_core.models import lora
+from grpo_core.models import init_from_config, load_pretrained, lora, peft_io
 from grpo_core.models.precision import cast_floating
 from grpo_core.sharding import param_shardings
 from grpo_rollout.gather import GIB, spare_device_bytes
@@ -40,7 +40,8 @@ def lora_spec(cfg: RunConfig) -> Optional[lora.LoRASpec]:
 
 
 def check_lora_fits(cfg: RunConfig, qcfg: Any) -> None:
-    """model.lora.rank against the targets' dims (before any device work)."""
+    """model.lora.rank against the targets' dims, and model.lora.init_from against the model
+    and model.lora (before any device work)."""
     spec = lora_spec(cfg)
     if spec is None:
         return
@@ -48,6 +49,24 @@ def check_lora_fits(cfg: RunConfig, qcfg: Any) -> None:
         lora.check_rank_fits(spec, lora.layer_shapes(qcfg))
     except ValueError as exc:
         raise UserError(f"model.lora.rank: {exc}; lower model.lora.rank or drop that target") from None
+    if cfg.model.lora.init_from:
+        peft_adapters(cfg, qcfg, spec)
+
+
+def peft_adapters(cfg: RunConfig, qcfg: Any, spec: lora.LoRASpec) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """The arrays of the PEFT directory model.lora.init_from, which must fit the model and model.lora."""
+    where = cfg.model.lora.init_from
+    try:
+        theirs, arrays = peft_io.load_peft(where, qcfg)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise UserError(f"model.lora.init_from {where!r}: {exc}; point it at a PEFT LoRA adapter directory "
+                        "trained on this run's base model") from None
+    if theirs != spec:
+        raise UserError(f"model.lora.init_from {where!r} holds rank {theirs.rank}, alpha {theirs.alpha:g}, "
+                        f"targets {list(theirs.targets)}, rslora {theirs.rslora}, but model.lora says rank "
+                        f"{spec.rank}, alpha {spec.alpha:g}, targets {list(spec.targets)}, rslora {spec.rslora}; "
+                        "set model.lora to the adapter's values")
+    return arrays
 
 
 def storage_dtype(cfg: RunConfig) -> str:
@@ -150,8 +169,52 @@ def setup_lora(cfg: RunConfig, model: nnx.Module, mesh: Mesh, rules: Any) -> tup
     lora.add_adapters(model, spec, jax.random.key(cfg.model.seed))
     train_graphdef, state = nnx.split(model)
     adapters, _ = lora.split_adapters(state)
+    if cfg.model.lora.init_from:
+        adapters = lora.with_adapter_arrays(adapters, peft_adapters(cfg, model.config, spec))
     adapters = jax.device_put(adapters, param_shardings(adapters, mesh, rules))
     shardings = jax.tree.map(lambda x: x.sharding, base)
     merge = jax.jit(lambda b, a: lora.merged_state(b, a, spec), out_shardings=shardings)
     run = LoRARun(spec, base_graphdef, train_graphdef, base, base_fingerprint(cfg, model.config, base), merge)
     return run, adapters
+
+
+# ---- export ------------------------------------------------------------------------------
+@dataclass
+class SavedAdapters:
+    """A LoRA checkpoint's adapters with the base they were trained on, on one device."""
+
+    spec: lora.LoRASpec
+    base_graphdef: nnx.GraphDef
+    base: nnx.State
+    adapters: nnx.State
+
+    def merged_model(self) -> nnx.Module:
+        return nnx.merge(self.base_graphdef, lora.merged_state(self.base, self.adapters, self.spec))
+
+    def arrays(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        return {t: (np.asarray(a), np.asarray(b)) for t, (a, b) in lora.adapter_arrays(self.adapters, self.spec).items()}
+
+
+def base_model(cfg: RunConfig, qcfg: Any) -> nnx.Module:
+    """A LoRA run's base, rebuilt from its config on the default device."""
+    if cfg.model.path:
+        try:
+            return load_pretrained(cfg.model.path, dtype=cfg.model.dtype)
+        except (OSError, ValueError) as exc:
+            raise UserError(f"the run's base model.path {cfg.model.path!r} cannot be loaded ({exc}); the adapters "
+                            "need the base they were trained on") from None
+    return init_from_config(qcfg, seed=cfg.model.seed, dtype=cfg.model.dtype)
+
+
+def load_saved_adapters(cfg: RunConfig, qcfg: Any, meta: dict, where: Any,
+                        read: Callable[[Any], nnx.State]) -> SavedAdapters:
+    """The adapters of a LoRA checkpoint (`read(target)` restores its params onto `target`'s
+    ShapeDtypeStructs) and their base, whose fingerprint must be the checkpoint's."""
+    spec, model = lora_spec(cfg), base_model(cfg, qcfg)
+    base_graphdef, base = nnx.split(model)
+    check_same_base(meta.get("lora_base"), base_fingerprint(cfg, qcfg, base), where)
+    lora.add_adapters(model, spec, jax.random.key(cfg.model.seed))
+    template = lora.split_adapters(nnx.state(model))[0]
+    device = jax.tree.leaves(base)[0].sharding
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), template)
+    return SavedAdapters(spec, base_graphdef, base, read(target))

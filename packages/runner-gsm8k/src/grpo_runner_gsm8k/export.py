@@ -26,7 +26,9 @@ from grpo_core.errors import UserError
 from grpo_core.models import QwenConfig, QwenModel, export_pretrained
 from grpo_core.models.checkpoint import INDEX_FILE, abstract_model
 from grpo_core.models.config import SUPPORTED_DTYPES
+from grpo_core.models.peft_io import save_peft
 
+from grpo_runner_gsm8k.adapters import SavedAdapters, load_saved_adapters
 from grpo_runner_gsm8k.build import build_tokenizer
 from grpo_runner_gsm8k.checkpoint import (checkpoint_dir, complete_steps, saved_meta, saved_params,
                                           saved_run_config)
@@ -42,6 +44,8 @@ def _parser() -> argparse.ArgumentParser:
                         help="write into a non-empty --out (same-named files are replaced)")
     parser.add_argument("--dtype", choices=SUPPORTED_DTYPES,
                         help="dtype of the written weights (default: the model's torch_dtype)")
+    parser.add_argument("--peft", action="store_true",
+                        help="a LoRA run: write its adapters as a PEFT adapter directory instead of merged weights")
     return parser
 
 
@@ -68,13 +72,34 @@ def _host_device() -> jax.Device:
 
 
 def load_policy(run_dir: Path, step: int) -> tuple[QwenModel, Any]:
-    """The policy model of checkpoint `step` (params on one device) and the run's tokenizer."""
+    """The policy model of checkpoint `step` (params on one device; a LoRA run's adapters
+    merged into its base) and the run's tokenizer."""
     cfg = saved_run_config(run_dir, step)
     qcfg = QwenConfig.from_hf_dict(saved_meta(run_dir, step)["model_config"])
+    if cfg.model.lora.rank is not None:
+        return saved_lora(run_dir, step).merged_model(), build_tokenizer(cfg)
     graphdef, shapes = nnx.split(abstract_model(qcfg, cfg.model.param_dtype))
     on_host = SingleDeviceSharding(_host_device())
     target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=on_host), shapes)
     return nnx.merge(graphdef, saved_params(run_dir, step, target)), build_tokenizer(cfg)
+
+
+def saved_lora(run_dir: Path, step: int) -> SavedAdapters:
+    """A LoRA checkpoint's adapters and base (refused when the base is not the one they were trained on)."""
+    cfg, meta = saved_run_config(run_dir, step), saved_meta(run_dir, step)
+    qcfg = QwenConfig.from_hf_dict(meta["model_config"])
+    where = checkpoint_dir(run_dir) / str(step)
+    with jax.default_device(_host_device()):
+        return load_saved_adapters(cfg, qcfg, meta, where, lambda target: saved_params(run_dir, step, target))
+
+
+def export_peft(run_dir: Path, step: int, out_dir: Path) -> None:
+    cfg = saved_run_config(run_dir, step)
+    if cfg.model.lora.rank is None:
+        raise UserError(f"--peft: the run in {str(run_dir)!r} trained every parameter (model.lora.rank is null), "
+                        "so it has no adapters; export it without --peft")
+    saved = saved_lora(run_dir, step)
+    save_peft(out_dir, saved.arrays(), saved.spec, cfg.model.path)
 
 
 MANIFEST = ".grpo-export.json"
@@ -113,16 +138,20 @@ def check_out_dir(out: Path, force: bool) -> None:
 
 
 def export_run(run_dir: str | Path, out_dir: str | Path, step: Optional[int] = None, force: bool = False,
-               dtype: Optional[str] = None) -> int:
+               dtype: Optional[str] = None, peft: bool = False) -> int:
     """Writes checkpoint `step` (default: the newest) of `run_dir` to `out_dir` in `dtype`
-    (default: the model's torch_dtype; the stored float32 masters are rounded to it); returns the step."""
+    (default: the model's torch_dtype; the stored float32 masters are rounded to it), or with
+    `peft` a LoRA run's adapters as a PEFT directory; returns the step."""
     run_dir, out_dir = Path(run_dir), Path(out_dir)
     step = pick_step(run_dir, step)
     check_out_dir(out_dir, force)
     before = _stats(out_dir)
-    model, tokenizer = load_policy(run_dir, step)
     try:
-        export_pretrained(model, out_dir, tokenizer, dtype=dtype or model.config.torch_dtype)
+        if peft:
+            export_peft(run_dir, step, out_dir)
+        else:
+            model, tokenizer = load_policy(run_dir, step)
+            export_pretrained(model, out_dir, tokenizer, dtype=dtype or model.config.torch_dtype)
         written = sorted(name for name, stat in _stats(out_dir).items() if before.get(name) != stat)
         (out_dir / MANIFEST).write_text(json.dumps({"files": [n for n in written if n != MANIFEST]}, indent=1))
     except OSError as exc:
@@ -133,6 +162,6 @@ def export_run(run_dir: str | Path, out_dir: str | Path, step: Optional[int] = N
 
 def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
-    step = export_run(args.run_dir, args.out, args.step, force=args.force, dtype=args.dtype)
+    step = export_run(args.run_dir, args.out, args.step, force=args.force, dtype=args.dtype, peft=args.peft)
     print(f"exported step {step} of {args.run_dir} to {args.out}")
     return 0

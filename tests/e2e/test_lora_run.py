@@ -1,0 +1,116 @@
+"""LoRA runs end to end through the CLI, on a base exported by a short full-parameter run:
+resume is bitwise (adapters and their optimizer state are the checkpoint), a resume on a
+different base is refused naming both, export writes merged weights or a PEFT directory,
+and a run started from that PEFT directory begins at its adapters exactly."""
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from grpo_core.models.peft_io import ADAPTER_WEIGHTS
+from grpo_runner_gsm8k.export import saved_lora
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = REPO / "configs" / "tiny.yaml"
+SMALL = ["rollout.prompts_per_step=4", "rollout.n=4", "eval.every_steps=0", "checkpoint.every_steps=1",
+         "checkpoint.keep=9"]
+# beta > 0 scores the base as the reference; 16 rows over 8 devices at 1 per device: 2 micro-batches
+LORA = ["model.lora.rank=4", "model.lora.alpha=8", "loss.beta=0.05", "train.micro_batch_size_per_device=1",
+        "model.remat=full"]
+
+
+def grpo_run(*args: str, code: int = 0) -> subprocess.CompletedProcess:
+    done = subprocess.run([sys.executable, "-m", "grpo_runner_gsm8k.cli", *args], capture_output=True, text=True,
+                          cwd=REPO, timeout=600)
+    assert done.returncode == code, done.stderr[-3000:]
+    return done
+
+
+def train(run_dir: Path, *overrides: str, code: int = 0) -> subprocess.CompletedProcess:
+    return grpo_run("--config", str(TINY), *SMALL, f"logging.dir={run_dir}", *overrides, code=code)
+
+
+def one_line_error(done: subprocess.CompletedProcess) -> str:
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("grpo-run: error: "), done.stderr
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> Path:
+    """A base model: 2 full-parameter steps of the tiny config, exported."""
+    root = tmp_path_factory.mktemp("base")
+    train(root / "full", "train.steps=2")
+    grpo_run("export", "--run-dir", str(root / "full"), "--out", str(root / "hf"))
+    return root / "hf"
+
+
+def adapters_at(run_dir: Path, step: int) -> dict:
+    return saved_lora(run_dir, step).arrays()
+
+
+def test_resumed_lora_run_equals_uninterrupted_bitwise(base, tmp_path):
+    train(tmp_path / "whole", f"model.path={base}", *LORA, "train.steps=4")
+    train(tmp_path / "split", f"model.path={base}", *LORA, "train.steps=2")
+    resumed = train(tmp_path / "split", f"model.path={base}", *LORA, "train.steps=4")
+    assert "resumed from step 2" in resumed.stderr
+    whole, split = adapters_at(tmp_path / "whole", 4), adapters_at(tmp_path / "split", 4)
+    assert any(np.abs(b).max() > 0 for _, b in whole.values())  # B moved off zero: the adapters trained
+    for target in whole:
+        for x, y in zip(whole[target], split[target]):
+            assert np.array_equal(x, y), target
+
+
+def test_resume_on_another_base_is_refused_naming_both(base, tmp_path):
+    train(tmp_path / "run", f"model.path={base}", *LORA, "train.steps=1")
+    other = tmp_path / "other"
+    shutil.copytree(base, other)
+    weights = load_file(other / "model.safetensors")
+    weights["model.norm.weight"] = weights["model.norm.weight"] * 1.5
+    save_file(weights, other / "model.safetensors", metadata={"format": "pt"})
+    line = one_line_error(train(tmp_path / "run", f"model.path={base}", *LORA, "train.steps=2",
+                                "model.path=" + str(other), code=2))
+    # model.path differs, so the config check names it first; same path, other weights: the fingerprint
+    assert "model.path" in line
+    shutil.move(base, tmp_path / "base-aside")
+    shutil.copytree(other, base)
+    try:
+        line = one_line_error(train(tmp_path / "run", f"model.path={base}", *LORA, "train.steps=2", code=2))
+    finally:
+        shutil.rmtree(base)
+        shutil.move(tmp_path / "base-aside", base)
+    assert "holds adapters of base" in line and "this run's base is" in line and line.count("checksum") == 2
+
+
+def test_peft_export_then_start_from_it(base, tmp_path):
+    train(tmp_path / "first", f"model.path={base}", *LORA, "train.steps=2")
+    grpo_run("export", "--run-dir", str(tmp_path / "first"), "--out", str(tmp_path / "peft"), "--peft")
+    grpo_run("export", "--run-dir", str(tmp_path / "first"), "--out", str(tmp_path / "merged"))
+    assert (tmp_path / "merged" / "model.safetensors").exists()
+    # sgd at lr 1e-30 leaves every float32 adapter entry as it was: step 1 holds the loaded adapters
+    train(tmp_path / "second", f"model.path={base}", *LORA, "train.steps=1", "train.optimizer=sgd",
+          "train.lr=1e-30", f"model.lora.init_from={tmp_path / 'peft'}")
+    grpo_run("export", "--run-dir", str(tmp_path / "second"), "--out", str(tmp_path / "peft2"), "--peft")
+    first, second = (load_file(tmp_path / d / ADAPTER_WEIGHTS) for d in ("peft", "peft2"))
+    assert sorted(first) == sorted(second)
+    assert all(np.array_equal(first[k], second[k]) for k in first)
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    (["model.lora.rank=65"], "model.lora.rank: rank 65 is larger than q_proj's dims (64 in, 64 out)"),
+    (["model.lora.rank=8", "model.lora.init_from=PEFT"], "holds rank 4, alpha 8"),
+])
+def test_bad_lora_input_is_one_line(base, tmp_path, overrides, expected):
+    train(tmp_path / "first", f"model.path={base}", *LORA, "train.steps=1")
+    grpo_run("export", "--run-dir", str(tmp_path / "first"), "--out", str(tmp_path / "peft"), "--peft")
+    overrides = [o.replace("PEFT", str(tmp_path / "peft")) for o in overrides]
+    line = one_line_error(train(tmp_path / "run", f"model.path={base}", *LORA, *overrides, code=2))
+    assert expected in line
+    assert not (tmp_path / "run").exists()
