@@ -218,3 +218,13 @@ def load_saved_adapters(cfg: RunConfig, qcfg: Any, meta: dict, where: Any,
     device = jax.tree.leaves(base)[0].sharding
     target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), template)
     return SavedAdapters(spec, base_graphdef, base, read(target))
+
+
+def abstract_lora_model(cfg: RunConfig, qcfg: Any) -> nnx.Module:
+    """The run's base with its adapters, ShapeDtypeStruct leaves only (for the memory plan)."""
+    def build() -> nnx.Module:
+        model = init_from_config(qcfg, dtype=cfg.model.dtype, remat=cfg.model.remat, scan_layers=cfg.model.scan_layers)
+        lora.add_adapters(model, lora_spec(cfg), jax.random.key(cfg.model.seed))
+        return model
+
+    return nnx.eval_shape(build)

@@ -33,7 +33,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from grpo_core.config import RunConfig
 from grpo_core.contracts import SamplingParams
 from grpo_core.errors import UserError
-from grpo_core.models import QwenConfig
+from grpo_core.models import QwenConfig, lora
 from grpo_core.models.checkpoint import abstract_model
 from grpo_core.models.config import HUB_ARCHITECTURES, hub_architecture
 from grpo_core.models.precision import needs_cast
@@ -49,6 +49,7 @@ from grpo_rollout.decode import decode, prefill
 from grpo_rollout.gather import GATHER_HEADROOM, has_sharded_weights
 from grpo_rollout.prompts import bucket_length
 
+from grpo_runner_gsm8k.adapters import abstract_lora_model, lora_spec, storage_dtype
 from grpo_runner_gsm8k.build import attention_impl, build_tokenizer, micro_batches, model_config, preflight, rows_per_step
 from grpo_runner_gsm8k.optim import moment_dtype
 from grpo_runner_gsm8k.program import RunProgram, build_program
@@ -135,6 +136,7 @@ class PlanInputs:
     params: Any  # abstract: ShapeDtypeStruct leaves with their NamedShardings
     opt_state: Any
     target: Optional[str] = None  # the TPU slice, described, when planning for one
+    frozen: Any = None  # a LoRA run's abstract base (params are then its adapters)
 
     @property
     def graphdef(self) -> nnx.GraphDef:
@@ -150,12 +152,19 @@ class PlanInputs:
 
     @property
     def forward_params(self) -> Any:
-        """The params as rollout and scoring take them: in the compute dtype (see loop.Trainer.forward_params)."""
+        """The params as rollout and scoring take them: in the compute dtype (see loop.Trainer.forward_params);
+        a LoRA run's merged copy has its base's shapes."""
+        if self.frozen is not None:
+            return self.frozen
         return abstract_cast(self.params, resolve_dtype(self.cfg.model.dtype))
 
     @property
     def masters_beside_rollout(self) -> int:
-        """The stored params stay alive beside their compute-dtype copy when the dtypes differ."""
+        """The stored params stay alive beside their compute-dtype copy when the dtypes differ; a LoRA
+        run's base and adapters beside the merged copy (counted whole: an upper bound, since only
+        the targeted kernels are copied)."""
+        if self.frozen is not None:
+            return per_device_bytes(self.frozen) + self.params_bytes
         return self.params_bytes if needs_cast(self.params, resolve_dtype(self.cfg.model.dtype)) else 0
 
     @property
@@ -165,8 +174,9 @@ class PlanInputs:
 
     @property
     def reference_bytes(self) -> int:
-        """A frozen copy of the params (in the compute dtype) lives on the devices when the KL term is on."""
-        return per_device_bytes(self.forward_params) if self.cfg.loss.beta > 0 else 0
+        """A frozen copy of the params (in the compute dtype) lives on the devices when the KL term is on;
+        none for LoRA, whose reference is the base itself."""
+        return per_device_bytes(self.forward_params) if self.cfg.loss.beta > 0 and self.frozen is None else 0
 
 
 # ---- abstract inputs ------------------------------------------------------------
@@ -186,10 +196,12 @@ def abstract_cast(tree: Any, dtype: Any) -> Any:
         x.shape, dtype if jnp.issubdtype(x.dtype, jnp.floating) else x.dtype, x.sharding), tree)
 
 
-def abstract_run_model(cfg: RunConfig, qcfg: QwenConfig, mesh: Mesh, strategy: Any) -> tuple[nnx.GraphDef, Any]:
-    """(graphdef, abstract params) of the sharded model, built by shape evaluation only
-    and sharded as build.build_model shards the real one."""
-    model = abstract_model(qcfg, cfg.model.param_dtype, cfg.model.remat, cfg.model.scan_layers)
+def abstract_run_model(cfg: RunConfig, qcfg: QwenConfig, mesh: Mesh, strategy: Any,
+                       with_adapters: bool = False) -> tuple[nnx.GraphDef, Any]:
+    """(graphdef, abstract params) of the sharded model (with the LoRA adapters when asked),
+    built by shape evaluation only and sharded as build.build_model shards the real one."""
+    model = (abstract_lora_model(cfg, qcfg) if with_adapters
+             else abstract_model(qcfg, storage_dtype(cfg), cfg.model.remat, cfg.model.scan_layers))
     model.set_activation_sharding(mesh, strategy.activation_rules)
     model.set_attention(attention_impl(cfg, mesh))
     graphdef, state = nnx.split(model)
@@ -256,13 +268,18 @@ def build_plan_inputs(cfg: RunConfig, registry: Registry, target: Optional[Targe
     qcfg = plan_architecture(cfg)
     preflight(cfg, resolved.mesh, qcfg, devices)
     graphdef, params = abstract_run_model(cfg, qcfg, resolved.mesh, resolved.strategy)
+    frozen, train_graphdef = None, None
+    if lora_spec(cfg) is not None:  # train the adapters of the model with them; the base is frozen
+        train_graphdef, state = abstract_run_model(cfg, qcfg, resolved.mesh, resolved.strategy, with_adapters=True)
+        frozen, params = params, lora.split_adapters(state)[0]
     # stop ids change no buffer: the plan needs no tokenizer for them
-    program = build_program(cfg, registry, resolved.mesh, graphdef, SamplingParams.from_config(cfg.rollout))
+    program = build_program(cfg, registry, resolved.mesh, graphdef, SamplingParams.from_config(cfg.rollout),
+                            train_graphdef)
     check_plannable_rollout(cfg, program.rollout)
     return PlanInputs(
         cfg=cfg, mesh=resolved.mesh, qcfg=qcfg, program=program, params=params,
         opt_state=abstract_opt_state(program.optimizer, params, resolved.mesh),
-        target=describe(target, devices) if target else None)
+        target=describe(target, devices) if target else None, frozen=frozen)
 
 
 # ---- shapes ----------------------------------------------------------------------------
@@ -379,7 +396,8 @@ def logps_phase(inputs: PlanInputs) -> Optional[PhaseMemory]:
 def _update_lowering(inputs: PlanInputs, cfg: RunConfig) -> tuple[Callable[..., Any], tuple]:
     """(lower, abstract args) of one optimizer update over the widest batch, micro-batched as `cfg.train` says."""
     program = inputs.program.with_micro_batch_size(cfg.train.micro_batch_size_per_device)
-    return program.update.lower, (inputs.params, inputs.opt_state, abstract_update_batch(inputs))
+    frozen = () if inputs.frozen is None else (inputs.frozen,)
+    return program.update.lower, (inputs.params, inputs.opt_state, abstract_update_batch(inputs), *frozen)
 
 
 def compile_update(inputs: PlanInputs, cfg: RunConfig) -> Any:
@@ -431,7 +449,7 @@ def header_lines(inputs: PlanInputs) -> list[str]:
     data_devices = batch_shard_count(mesh, TRAIN_BATCH_AXES)
     micro = micro_batches(cfg, mesh)
     return [
-        f"model: {q.model_type}, {params / 1e9:.3f}B params, {cfg.model.param_dtype} masters, {cfg.model.dtype} "
+        f"model: {q.model_type}, {trained_line(inputs, params)}, {cfg.model.dtype} "
         f"compute, {moment_dtype(cfg)} moments, remat={cfg.model.remat}; mesh "
         + " ".join(f"{axis}={size}" for axis, size in mesh.shape.items())
         + f" on {mesh.size} {mesh.devices.flat[0].device_kind} device(s)",
@@ -441,6 +459,17 @@ def header_lines(inputs: PlanInputs) -> list[str]:
         f"train step: {rows} rows x {prompt_w + completion_w} tokens ({prompt_w} prompt + {completion_w} completion), "
         f"{micro} micro-batch(es) of {rows // micro // data_devices} row(s) per device",
     ]
+
+
+def trained_line(inputs: PlanInputs, params: int) -> str:
+    """What trains: every param in its master dtype, or LoRA adapters on a frozen base."""
+    if inputs.frozen is None:
+        return f"{params / 1e9:.3f}B params, {inputs.cfg.model.param_dtype} masters"
+    base = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(inputs.frozen))
+    state = per_device_bytes(inputs.params) + per_device_bytes(inputs.opt_state)
+    return (f"LoRA r={inputs.cfg.model.lora.rank}: {params / 1e6:.2f}M float32 adapter params ({params / base:.2%} of "
+            f"the {base / 1e9:.3f}B frozen base, stored in {inputs.cfg.model.dtype}; adapters + optimizer state "
+            f"{state / GIB:.3f} GiB per device)")
 
 
 def figures_line(inputs: PlanInputs) -> str:
