@@ -1,9 +1,8 @@
-"""Every plugin example in grpo_core.hookspecs, run as written: one training step of the
+"""Every plugin example in examples/hooks/, run as written: one training step of the
 tiny config with the example selected."""
 
 import ast
 import math
-import textwrap
 import types
 from pathlib import Path
 
@@ -13,7 +12,10 @@ from grpo_core import hookspecs
 from grpo_core.config_io import load_config
 from grpo_core.testing import registry_with
 
-TINY = Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ROOT / "configs" / "tiny.yaml"
+EXAMPLES = {"grpo_losses": "loss", "grpo_meshes": "mesh", "grpo_rollouts": "rollout", "grpo_rewards": "reward",
+            "grpo_tasks": "task"}
 
 # The entropy bonus gives the step a gradient whatever the rewards (one step of the tiny
 # model usually scores every sample alike, which leaves zero advantages).
@@ -29,10 +31,8 @@ SELECT = {
 
 
 def example_source(hook: str) -> str:
-    """The indented block after the first `::` of the hook's docstring."""
-    doc = getattr(hookspecs, hook).__doc__
-    block = doc.split("::\n", 1)[1]
-    return textwrap.dedent(block)
+    """The example plugin module of `hook`, as a user would copy it."""
+    return (ROOT / "examples" / "hooks" / f"{EXAMPLES[hook]}.py").read_text()
 
 
 def example_module(hook: str) -> types.ModuleType:
@@ -53,7 +53,7 @@ def imported_packages(source: str) -> set[str]:
 
 def test_every_hook_has_an_example_selected_here():
     hooks = {name for name, fn in vars(hookspecs).items() if name.startswith("grpo_") and callable(fn)}
-    assert hooks == set(SELECT)
+    assert hooks == set(SELECT) == set(EXAMPLES)
 
 
 @pytest.mark.parametrize("hook", sorted(SELECT))
@@ -70,10 +70,16 @@ def test_example_trains_one_step(hook, tmp_path):
     assert 0.0 <= metrics["eval/accuracy"] <= 1.0
 
 
-def test_rollout_example_needs_grpo_core_alone():
-    """A backend package depends on grpo-core only: the example imports no other project package."""
-    source = example_source("grpo_rollouts")
+@pytest.mark.parametrize("hook", sorted(SELECT))
+def test_example_needs_grpo_core_alone(hook):
+    """A plugin package of any kind depends on grpo-core only: no example imports another project package."""
+    source = example_source(hook)
     assert {name for name in imported_packages(source) if name.startswith("grpo")} == {"grpo_core"}
+
+
+def test_hookspecs_keep_one_line_docs():
+    for hook in SELECT:
+        assert len(getattr(hookspecs, hook).__doc__.strip().splitlines()) == 1, hook
 
 
 def test_a_backend_missing_a_protocol_method_is_refused_at_build(tmp_path):

@@ -1,21 +1,88 @@
-"""What the runner asks of a rollout backend and a task, typed, so that a plugin package
-providing one needs `grpo-core` alone.
+"""What the runner asks of each of the five plugin kinds (loss, mesh strategy, rollout
+backend, reward function, task), typed, so that a plugin package providing one needs
+`grpo-core` alone. A spec's factory (`grpo_core.specs`) builds the object a protocol
+here describes; members a plugin may leave out are their own protocols
+(`MeshAwareLoss`, `ListableTask`), checked with `isinstance`.
 
-The built-in implementations are `grpo_rollout.JaxRollout` and the tasks of
-`grpo_runner_gsm8k.tasks`; the examples in `grpo_core.hookspecs` implement both
-protocols from scratch.
+The built-in implementations are in grpo_losses, grpo_meshes, grpo_rollout and
+grpo_runner_gsm8k; the examples in `examples/hooks/` implement each from scratch.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Protocol, Sequence, runtime_checkable
+from typing import Any, NamedTuple, Protocol, Sequence, runtime_checkable
 
 import jax
-from jax.sharding import NamedSharding
+from jax.sharding import Mesh, NamedSharding
 
 from grpo_core.rollout_records import RolloutResult, TrainBatch
+
+Array = jax.Array
+
+
+# ---- loss (`LossSpec.factory(options) -> TokenLogpsImpl`) ---------------------------
+class TokenLogps(NamedTuple):
+    """Per-token results of a loss implementation, both float32 [B, T].
+
+    logp:    log p(target) under softmax(logits / temperature).
+    entropy: entropy of that softmax; None unless asked for with `entropy=True`.
+    """
+
+    logp: Array
+    entropy: Array | None = None
+
+
+class TokenLogpsImpl(Protocol):
+    """What `LossSpec.factory(options)` returns: `log_softmax(hidden @ lm_head / T)[target]`.
+
+    Call as `impl(hidden, lm_head, targets, temperature=1.0, *, entropy=False)`:
+      hidden  [B, T, H] float32 or bfloat16
+      lm_head [H, V]    same dtype family; V may be sharded over the `tp` mesh axis
+      targets [B, T]    int, every entry in [0, V) (padding positions too; mask later)
+      temperature       python float or scalar array (> 0)
+    Returns `TokenLogps` (float32 [B, T]), differentiable w.r.t. hidden and lm_head (the
+    temperature gets a zero cotangent). The GRPO math on top is shared by every impl.
+    """
+
+    def __call__(self, hidden: Array, lm_head: Array, targets: Array, temperature: float | Array = 1.0,
+                 *, entropy: bool = False) -> TokenLogps: ...
+
+
+@runtime_checkable
+class MeshAwareLoss(Protocol):
+    """Optional member of a loss implementation that must know the run's mesh (e.g. to
+    run its kernel per device under shard_map): the run calls it once and uses the result."""
+
+    def on_mesh(self, mesh: Mesh) -> TokenLogpsImpl: ...
+
+
+# ---- mesh strategy (`MeshSpec.factory(options) -> MeshStrategy`) ----------------------
+@runtime_checkable
+class MeshStrategy(Protocol):
+    """How devices form the ("dp", "fsdp", "tp") mesh and how logical axes map onto it.
+
+    param_rules / activation_rules: tuples of (logical_name, mesh_axis | tuple of mesh
+    axes | None) pairs, e.g. (("embed", "fsdp"), ("heads", "tp"), ("batch", ("dp", "fsdp"))).
+    """
+
+    param_rules: tuple
+    activation_rules: tuple
+
+    def mesh_shape(self, devices: Sequence[Any] | None = None) -> tuple[int, int, int]:
+        """(dp, fsdp, tp) sizes covering `devices` (default: jax.devices())."""
+
+    def build_mesh(self, devices: Sequence[Any] | None = None) -> Mesh:
+        """The Mesh with axes ("dp", "fsdp", "tp"), all AxisType.Auto, over `devices`."""
+
+
+# ---- reward (`RewardSpec.factory(options) -> RewardFn`) -------------------------------
+class RewardFn(Protocol):
+    """Scores decoded completions: one float per completion. `answers[i]` is the task's
+    reference final answer for `completions[i]` (e.g. "72")."""
+
+    def __call__(self, completions: list[str], answers: list[str]) -> Sequence[float]: ...
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -149,3 +216,12 @@ class Task(Protocol):
 
     def restore(self, state: dict[str, Any]) -> None:
         """Continues from a position returned by `state()`."""
+
+
+@runtime_checkable
+class ListableTask(Protocol):
+    """Optional member of a task with a finite training set: the runner then checks every
+    training prompt's format and length before the run starts (else the first batch only)."""
+
+    def train_examples(self) -> Sequence[Example]:
+        """Every training example of this process's shard, in no particular order."""

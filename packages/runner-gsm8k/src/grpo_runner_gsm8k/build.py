@@ -15,7 +15,7 @@ import jax
 from jax.sharding import Mesh
 
 from grpo_core.config import RunConfig
-from grpo_core.contracts import RolloutBackend, SamplingParams, Task
+from grpo_core.contracts import ListableTask, RolloutBackend, SamplingParams, Task
 from grpo_core.config_io import plugin_options
 from grpo_core.errors import UserError
 from grpo_core.models import QwenConfig, init_from_config, load_pretrained
@@ -226,9 +226,8 @@ def prompt_token_ids(cfg: RunConfig, tokenizer: Any, use_chat_template: bool, ex
 def prompts_to_check(cfg: RunConfig, task: Any, process_count: int) -> list:
     """The whole train split when the task can list it (`train_examples()`, a finite data set),
     else the first train batch (the task's position is left unchanged); plus the eval questions."""
-    listed = getattr(task, "train_examples", None)
-    if listed is not None:
-        examples = list(listed())
+    if isinstance(task, ListableTask):
+        examples = list(task.train_examples())
     else:
         position = task.state()
         examples = task.train_batch(local_prompt_count(cfg.rollout.prompts_per_step, process_count))

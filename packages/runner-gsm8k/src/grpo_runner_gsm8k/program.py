@@ -17,7 +17,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from grpo_core.config import LossConfig, RunConfig
-from grpo_core.contracts import RolloutBackend, SamplingParams
+from grpo_core.contracts import MeshAwareLoss, RolloutBackend, SamplingParams
 from grpo_core.models.qwen import resolve_dtype
 from grpo_core.registry import Registry
 
@@ -93,7 +93,7 @@ def build_program(cfg: RunConfig, registry: Registry, mesh: Mesh, graphdef: nnx.
                   sampling: SamplingParams) -> RunProgram:
     """The run's plugins and jitted functions for a model of `graphdef` on `mesh`."""
     loss_impl = from_plugin(registry, "loss", cfg.loss.impl, cfg.loss.options, "loss.options")
-    if hasattr(loss_impl, "on_mesh"):  # an implementation that must know the mesh (pallas: shard_map, Mosaic)
+    if isinstance(loss_impl, MeshAwareLoss):  # pallas: shard_map, Mosaic
         loss_impl = loss_impl.on_mesh(mesh)
     rollout = from_plugin(registry, "rollout", cfg.rollout.backend, cfg.rollout.options, "rollout.options")
     optimizer = build_optimizer(cfg.train, moment_dtype(cfg))

@@ -39,10 +39,9 @@ from typing import Any, Callable, Literal, Mapping, NamedTuple, Sequence
 import numpy as np
 from grpo_core import RewardSpec
 from grpo_core.config import setting
+from grpo_core.contracts import RewardFn
 
 logger = logging.getLogger(__name__)
-
-RewardFn = Callable[[list[str], list[str]], list[float]]
 
 # ---------------------------------------------------------------- parsing numbers
 
