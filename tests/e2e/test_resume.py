@@ -20,8 +20,8 @@ import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
 
-from grpo_runner_gsm8k.checkpoint import (checkpoint_dir, complete_steps, config_differences, saved_meta,
-                                          truncate_metrics)
+from grpo_runner_gsm8k.checkpoint import checkpoint_dir, complete_steps, config_differences, saved_meta
+from grpo_runner_gsm8k.metrics import truncate_metrics
 from grpo_runner_gsm8k.export import load_policy
 
 pytestmark = pytest.mark.slow

@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from grpo_runner_gsm8k.cli import main
 
@@ -87,3 +88,7 @@ def test_print_config_prints_resolved_yaml(capsys):
     assert main(["--config", TINY, "--print-config", "train.lr=1e-6"]) == 0
     out = capsys.readouterr().out
     assert "lr: 1.0e-06" in out and "epsilon_high: 0.2" in out
+    resolved = yaml.safe_load(out)  # "null = same as X" settings shown as the run uses them
+    assert resolved["train"]["moment_dtype"] == resolved["model"]["param_dtype"]
+    assert resolved["loss"]["max_completion_length"] == resolved["rollout"]["max_new_tokens"]
+    assert resolved["eval"]["max_new_tokens"] == resolved["rollout"]["max_new_tokens"]

@@ -18,11 +18,6 @@ SHAPE = ["model.architecture.vocab_size=8192", "rollout.prompts_per_step=8", "ro
          "rollout.max_new_tokens=8", "model.architecture.max_position_embeddings=64"]
 
 
-@pytest.fixture(autouse=True)
-def keep_xla_flags(monkeypatch):
-    monkeypatch.setenv("XLA_FLAGS", plan.os.environ.get("XLA_FLAGS", ""))
-
-
 def bench(*overrides: str, tmp_path: Path) -> dict:
     cfg = load_config(TINY, [*SHAPE, f"logging.dir={tmp_path}", *overrides], registry=default_registry())
     return flops.run(cfg, default_registry())

@@ -4,6 +4,7 @@ capacity, and the sweep finds the largest micro-batch size that fits."""
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -12,18 +13,14 @@ import pytest
 from grpo_core.config_io import load_config
 from grpo_core.registry import default_registry
 from grpo_runner_gsm8k import plan
+from grpo_rollout.decode import prefill
+from grpo_runner_gsm8k.plan.phases import rollout_inputs
 from grpo_runner_gsm8k.cli import main
 from grpo_runner_gsm8k.loop import Trainer
 
 TINY = str(Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml")
 # 8 devices hold 64 rows: 8 per device, so the micro-batch sizes 1, 2, 4, 8 are valid.
 SMALL = ["rollout.prompts_per_step=8", "rollout.n=8", "rollout.max_new_tokens=8"]
-
-
-@pytest.fixture(autouse=True)
-def keep_xla_flags(monkeypatch):
-    """The plan adds a CPU scheduler flag to XLA_FLAGS; keep it out of later tests."""
-    monkeypatch.setenv("XLA_FLAGS", plan.os.environ.get("XLA_FLAGS", ""))
 
 
 def config(*overrides: str, tmp_path: Path):
@@ -40,6 +37,7 @@ def table_rows(out: str) -> dict[str, list[float]]:
 
 
 def test_plan_prints_every_phase_and_fits(tmp_path, capsys):
+    flags = os.environ.get("XLA_FLAGS")
     assert plan.plan_command(config(tmp_path=tmp_path), default_registry(), capacity_gib=16.0) == 0
     out = capsys.readouterr().out
     rows = table_rows(out)
@@ -51,6 +49,7 @@ def test_plan_prints_every_phase_and_fits(tmp_path, capsys):
     assert "XLA_FLAGS has --xla_cpu_enable_concurrency_optimized_scheduler=false" in out  # the plan's own flag, shown
     assert rows["train step"][4] == 0  # no reference params without KL
     assert not (tmp_path / "run").exists()  # the plan loads nothing and writes nothing
+    assert os.environ.get("XLA_FLAGS") == flags  # its scheduler flag is scoped to the plan
 
 
 def test_plan_adds_the_log_probs_phase_and_reference_params_with_kl(tmp_path, capsys):
@@ -58,7 +57,7 @@ def test_plan_adds_the_log_probs_phase_and_reference_params_with_kl(tmp_path, ca
     assert plan.plan_command(cfg, default_registry(), capacity_gib=16) == 0
     assert set(table_rows(capsys.readouterr().out)) == {"rollout prefill", "rollout decode", "log-probs", "train step"}
     inputs = plan.build_plan_inputs(cfg, default_registry())
-    assert plan.train_phase(inputs, cfg).other == inputs.params_bytes > 0  # the reference copy
+    assert plan.train_phase(inputs, cfg.train.micro_batch_size_per_device).other == inputs.params_bytes > 0  # the reference copy
 
 
 def test_mixed_precision_plan_counts_masters_moments_and_the_compute_copy(tmp_path):
@@ -70,7 +69,7 @@ def test_mixed_precision_plan_counts_masters_moments_and_the_compute_copy(tmp_pa
     assert copy * 2 == masters > 0
     assert plan.per_device_bytes(inputs.opt_state) >= 2 * masters  # adamw: two float32 moments
     assert inputs.held_beside_rollout == plan.per_device_bytes(inputs.opt_state) + masters + copy
-    assert plan.train_phase(inputs, cfg).other == copy  # the bfloat16 reference
+    assert plan.train_phase(inputs, cfg.train.micro_batch_size_per_device).other == copy  # the bfloat16 reference
 
 
 def abstract(tree):
@@ -110,13 +109,13 @@ def test_the_plan_lowers_the_update_and_scoring_the_run_executes(tmp_path, dtype
 
     # rollout: the plan's prefill on its abstract compute-dtype weights is the run's on its real
     # ones (the stop ids and pad id, which the plan does not know without a tokenizer, are the run's)
-    static, prompts, key = plan._rollout_inputs(inputs)
+    static, prompts, key = rollout_inputs(inputs)
     static.update(params=trainer.program.sampling, pad_id=int(trainer.c.tokenizer.pad_token_id))
     weights = trainer.forward_params(trainer.state.params)
     run_static = trainer.program.rollout.static_args(trainer.graphdef, weights, trainer.program.sampling,
                                                      trainer.c.tokenizer.pad_token_id, trainer.c.rollout_sharding)
-    run_prefill = plan.prefill.lower(abstract(weights), prompts, prompts, key, **run_static).as_text()
-    assert plan.prefill.lower(inputs.forward_params, prompts, prompts, key, **static).as_text() == run_prefill
+    run_prefill = prefill.lower(abstract(weights), prompts, prompts, key, **run_static).as_text()
+    assert prefill.lower(inputs.forward_params, prompts, prompts, key, **static).as_text() == run_prefill
 
     widest = plan.abstract_update_batch(inputs)
     assert jax.tree.structure(widest.replace(prompt_width=width)) == jax.tree.structure(batch)
@@ -139,7 +138,7 @@ def test_sweep_finds_the_largest_micro_batch_size_that_fits(tmp_path, capsys):
     cfg = config("model.attention=xla", tmp_path=tmp_path)
     inputs = plan.build_plan_inputs(cfg, default_registry())
     assert plan.micro_batch_candidates(inputs) == [1, 2, 4, 8]
-    totals = {size: plan.train_phase(inputs, plan.with_micro_batch_size(cfg, size)).total for size in (2, 4)}
+    totals = {size: plan.train_phase(inputs, size).total for size in (2, 4)}
     assert totals[2] < totals[4]
     capacity_gib = (totals[2] + totals[4]) / 2 / plan.GIB  # 2 fits, 4 does not
     assert plan.plan_command(cfg, default_registry(), sweep="micro_batch_size_per_device",

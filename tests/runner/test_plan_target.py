@@ -25,12 +25,6 @@ HUGE = ["model.architecture.hidden_size=8192", "model.architecture.intermediate_
         "model.architecture.num_hidden_layers=16"]
 
 
-@pytest.fixture(autouse=True)
-def keep_xla_flags(monkeypatch):
-    """The plan adds a CPU scheduler flag to XLA_FLAGS; keep it out of later tests."""
-    monkeypatch.setenv("XLA_FLAGS", plan.os.environ.get("XLA_FLAGS", ""))
-
-
 def config(*overrides: str, tmp_path: Path):
     return load_config(TINY, [*SMALL, f"logging.dir={tmp_path / 'run'}", *overrides], registry=default_registry())
 
@@ -108,9 +102,9 @@ def test_pallas_loss_is_lowered_through_mosaic_for_the_target(tmp_path):
     shard_map), not the interpreter the CPU host would pick."""
     cfg = config("loss.impl=pallas", tmp_path=tmp_path)
     inputs = plan.build_plan_inputs(cfg, default_registry(), plan.parse_target("v5e-4"))
-    lower, args = plan._update_lowering(inputs, cfg)
+    lower, args = plan.update_lowering(inputs, cfg.train.micro_batch_size_per_device)
     assert lower(*args).as_text().count("tpu_custom_call") >= 3  # stats, d_h and d_w kernels
-    assert plan.train_phase(inputs, cfg).total > 0  # and the TPU compiler compiles them
+    assert plan.train_phase(inputs, cfg.train.micro_batch_size_per_device).total > 0  # and the TPU compiler compiles them
 
 
 def test_a_block_shape_the_tpu_cannot_tile_is_one_line_naming_the_option(tmp_path, capsys):
@@ -142,7 +136,7 @@ def test_tpu_compiler_keeps_no_compute_dtype_copy_of_the_layer_stack(tmp_path):
     kernel_sizes = {math.prod(leaf.sharding.shard_shape(leaf.shape))
                     for path, leaf in jax.tree_util.tree_leaves_with_path(inputs.params)
                     if "kernel" in jax.tree_util.keystr(path) and leaf.shape[0] == layers}
-    text = plan.compile_update(inputs, cfg).as_text()
+    text = plan.compile_update(inputs).as_text()
     stack_copies = [m.group(0) for m in re.finditer(rf"= bf16\[{layers},([\d,]+)\]", text)
                     if layers * math.prod(int(d) for d in m.group(1).split(",")) in kernel_sizes]
     assert len(kernel_sizes) == 3 and not stack_copies, stack_copies  # q/o, k/v and MLP shard sizes

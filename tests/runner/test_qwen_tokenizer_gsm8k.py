@@ -17,7 +17,7 @@ import pytest
 from grpo_core.config_io import load_config, plugin_options
 from grpo_core.registry import default_registry
 from grpo_runner_gsm8k.build import prompt_token_ids, sampling_params
-from grpo_runner_gsm8k.rewards import score
+from grpo_runner_gsm8k.scoring import score
 from grpo_runner_gsm8k.tasks.gsm8k import Gsm8kOptions, Gsm8kTask, final_answer, _read_jsonl
 
 REPO = Path(__file__).resolve().parents[2]

@@ -36,7 +36,7 @@ class ModelConfig:
         "HF config.json fields of the random-init model, used only when `path` is null "
         "(vocab_size defaults to the tokenizer's size).")
     tokenizer: Optional[str] = setting(
-        None, "Tokenizer directory or Hub id; null uses `path`; 'char' builds the character tokenizer.")
+        None, "Tokenizer directory or Hub id; null = `path` (filled in at load); 'char' builds the character tokenizer.")
     dtype: Literal["float32", "bfloat16"] = setting(
         "float32", "Compute dtype of every forward and backward pass (norms and softmax always run in float32).")
     # float32 masters keep updates of lr ~1e-6 that a bfloat16 weight rounds away.
@@ -112,7 +112,7 @@ class TrainConfig:
         0, "Sequences per device per micro-batch; 0 means the whole batch in one micro-batch.", ge=0)
     seed: int = setting(0, "Seed of sampling and dropout-free training randomness.", ge=0)
     moment_dtype: Optional[Literal["float32", "bfloat16"]] = setting(
-        None, "Dtype of the optimizer moments; null = model.param_dtype.")
+        None, "Dtype of the optimizer moments; null = model.param_dtype (filled in at load).")
 
 
 @dataclass(frozen=True)
@@ -137,7 +137,7 @@ class LossConfig:
     aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "fixed_length_norm"] = setting(
         "token_mean", "How per-token losses are reduced (fixed_length_norm = Dr.GRPO).")
     max_completion_length: Optional[int] = setting(
-        None, "Normaliser of fixed_length_norm; null uses rollout.max_new_tokens.", ge=1)
+        None, "Normaliser of fixed_length_norm; null = rollout.max_new_tokens (filled in at load).", ge=1)
     entropy_coef: float = setting(
         0.0, "Entropy bonus coefficient (0 = entropy is only a metric); aggregated like the loss.", ge=0.0)
     compute_entropy: bool = setting(True, "Report the policy entropy metric.")
@@ -175,7 +175,8 @@ class EvalConfig:
     num_questions: int = setting(64, "Test questions per evaluation.", ge=1)
     greedy: bool = setting(True, "Greedy decoding for accuracy.")
     n: int = setting(1, "Samples per question; pass@n is reported when > 1.", ge=1)
-    max_new_tokens: Optional[int] = setting(None, "Null uses rollout.max_new_tokens.", ge=1)
+    max_new_tokens: Optional[int] = setting(
+        None, "Sampled tokens per eval completion; null = rollout.max_new_tokens (filled in at load).", ge=1)
     reward: str = setting("correctness", "The reward of task.rewards that judges an answer.")
     pass_threshold: float = setting(1.0, "An answer is correct when eval.reward gives at least this.")
 

@@ -258,12 +258,24 @@ def resolve_run_dir(cfg: RunConfig) -> RunConfig:
     return dataclasses.replace(cfg, logging=dataclasses.replace(cfg.logging, dir=absolute))
 
 
+def resolve_defaults(cfg: RunConfig) -> RunConfig:
+    """Every "null = same as X" setting filled in with X, so the loaded config (and
+    `--print-config`, and the saved config.yaml) shows what the run uses."""
+    replace = dataclasses.replace
+    return replace(
+        cfg,
+        model=replace(cfg.model, tokenizer=cfg.model.tokenizer or cfg.model.path),
+        train=replace(cfg.train, moment_dtype=cfg.train.moment_dtype or cfg.model.param_dtype),
+        loss=replace(cfg.loss, max_completion_length=cfg.loss.max_completion_length or cfg.rollout.max_new_tokens),
+        eval=replace(cfg.eval, max_new_tokens=cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens))
+
+
 def load_config(path: str | Path | None = None, overrides: Iterable[str] = (), registry: Any = None) -> RunConfig:
     """The validated RunConfig from a YAML file (None = all defaults) plus overrides."""
     tree = read_yaml(path) if path is not None else {}
     for override in overrides:
         apply_override(tree, override)
-    cfg = resolve_run_dir(build_dataclass(RunConfig, tree))
+    cfg = resolve_defaults(resolve_run_dir(build_dataclass(RunConfig, tree)))
     validate_cross_fields(cfg)
     if registry is not None:
         validate_plugins(cfg, registry)

@@ -20,7 +20,8 @@ from grpo_core.config_io import plugin_options
 from grpo_core.errors import UserError
 from grpo_core.models import QwenConfig, init_from_config, load_pretrained
 from grpo_core.models.attention_impls import resolve_attention
-from grpo_core.models.checkpoint import resolve_model_dir
+from grpo_core.models.config import architecture_keys
+from grpo_core.models.hf_io import resolve_model_dir
 from grpo_core.registry import Registry
 from grpo_core.sharding import shard_model
 from grpo_core.tokenizer import build_char_tokenizer, load_tokenizer
@@ -86,13 +87,13 @@ def check_contract(kind: str, name: str, built: Any) -> None:
 
 
 def build_tokenizer(cfg: RunConfig) -> Any:
-    source = cfg.model.tokenizer or cfg.model.path
+    source = cfg.model.tokenizer  # model.path when null in the file (filled in at load)
     if source == "char":
         return build_char_tokenizer()
     if source is None:
         raise UserError("model.tokenizer and model.path are both null: set model.tokenizer to 'char' "
                         "or to a tokenizer directory / Hub id")
-    key = "model.tokenizer" if cfg.model.tokenizer else "model.path"
+    key = "model.path" if source == cfg.model.path else "model.tokenizer"
     if _looks_like_path(source) and not os.path.isdir(source):
         raise UserError(f"{key} {source!r} is not a directory; point {key} at a directory holding tokenizer "
                         "files, a Hub id 'org/name', or set model.tokenizer=char")
@@ -124,13 +125,9 @@ def model_config(cfg: RunConfig, tokenizer: Any) -> QwenConfig:
         raise UserError(f"model.architecture: {exc}") from None
 
 
-# HF config.json keys that QwenConfig reads without a field of the same name.
-ARCHITECTURE_EXTRA_KEYS = {"torch_dtype", "dtype", "rope_scaling", "rope_parameters", "use_sliding_window"}
-
-
 def check_architecture_keys(architecture: dict) -> None:
     """model.architecture is strict like every other section: a typo is an error, not a default."""
-    valid = {f.name for f in dataclasses.fields(QwenConfig)} | ARCHITECTURE_EXTRA_KEYS
+    valid = architecture_keys()
     for key in architecture:
         if key not in valid:
             close = difflib.get_close_matches(str(key), sorted(valid), n=1, cutoff=0.6)
@@ -139,9 +136,10 @@ def check_architecture_keys(architecture: dict) -> None:
 
 
 def check_tokenizer_fits(qcfg: QwenConfig, tokenizer: Any) -> None:
-    if len(tokenizer) > qcfg.vocab_size:
-        raise UserError(f"the tokenizer has {len(tokenizer)} tokens but the model's vocab_size is "
-                        f"{qcfg.vocab_size}; use a matching tokenizer or raise model.architecture.vocab_size")
+    try:
+        qcfg.check_tokenizer_fits(len(tokenizer), "use a matching tokenizer or raise model.architecture.vocab_size")
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
 
 
 def build_model(cfg: RunConfig, qcfg: QwenConfig, mesh: Mesh, strategy: Any) -> Any:
@@ -191,16 +189,16 @@ def sampling_params(cfg: RunConfig, tokenizer: Any, *, for_eval: bool = False) -
     r = cfg.rollout
     stop = () if r.ignore_eos else tuple(sorted({tokenizer.eos_token_id} - {None}))
     if for_eval:
-        return SamplingParams.from_config(r, stop, max_new_tokens=cfg.eval.max_new_tokens or r.max_new_tokens,
+        return SamplingParams.from_config(r, stop, max_new_tokens=cfg.eval.max_new_tokens,
                                           n=cfg.eval.n, greedy=cfg.eval.greedy)
     return SamplingParams.from_config(r, stop)
 
 
 def check_lengths(cfg: RunConfig, qcfg: QwenConfig) -> None:
     new_tokens_key = "rollout.max_new_tokens"
-    if (cfg.eval.max_new_tokens or 0) > cfg.rollout.max_new_tokens:
+    if cfg.eval.max_new_tokens > cfg.rollout.max_new_tokens:
         new_tokens_key = "eval.max_new_tokens"
-    new_tokens = max(cfg.rollout.max_new_tokens, cfg.eval.max_new_tokens or 0)
+    new_tokens = max(cfg.rollout.max_new_tokens, cfg.eval.max_new_tokens)
     longest = cfg.rollout.max_prompt_length + new_tokens
     if longest > qcfg.max_position_embeddings:
         raise UserError(f"rollout.max_prompt_length + {new_tokens_key} = {cfg.rollout.max_prompt_length} + "
@@ -250,6 +248,11 @@ def rows_per_step(cfg: RunConfig) -> int:
     return cfg.rollout.prompts_per_step * cfg.rollout.n
 
 
+def with_micro_batch_size(cfg: RunConfig, size: int) -> RunConfig:
+    """`cfg` with `train.micro_batch_size_per_device = size` (the plan's sweep)."""
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, micro_batch_size_per_device=size))
+
+
 def micro_batches(cfg: RunConfig, mesh: Mesh) -> int:
     """Gradient-accumulation steps: rows / (micro_batch_size_per_device * data-parallel devices)."""
     rows = rows_per_step(cfg)
@@ -272,7 +275,6 @@ def preflight(cfg: RunConfig, mesh: Mesh, qcfg: QwenConfig, devices: Optional[li
     validate_plan(mesh, ModelDims.from_config(qcfg), rollout_batch=rows,
                   train_micro_batch=rows // micro_batches(cfg, mesh), rollout_style=cfg.rollout.sharding,
                   device_count=len(devices))
-    check_lengths(cfg, qcfg)
 
 
 @dataclass
@@ -341,9 +343,3 @@ def prepare_run_dir(cfg: RunConfig) -> Path:
                         "choose a writable directory") from None
     return run_dir
 
-
-def loss_config_for_run(cfg: RunConfig):
-    """The loss section with max_completion_length filled from the rollout when null."""
-    if cfg.loss.max_completion_length is None:
-        return dataclasses.replace(cfg.loss, max_completion_length=cfg.rollout.max_new_tokens)
-    return cfg.loss

@@ -30,8 +30,6 @@ import logging
 import re
 import shutil
 import sys
-import threading
-import warnings
 from pathlib import Path
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -45,6 +43,8 @@ from grpo_core.config import CheckpointConfig, RunConfig
 from grpo_core.config_io import build_dataclass, config_to_dict
 from grpo_core.contracts import Task
 from grpo_core.errors import UserError
+
+from grpo_runner_gsm8k import orbax_noise
 
 CHECKPOINTS = "checkpoints"
 ITEMS = ("params", "opt_state", "meta", "config")
@@ -205,76 +205,9 @@ def cause_of(exc: BaseException) -> str:
     return f"{type(innermost).__name__}: {' '.join(str(innermost).split())[:200]}"
 
 
-def _closed_loop_noise(exc: BaseException | None) -> bool:
-    return isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed"
-
-
-def drop_closed_loop_errors() -> None:
-    """When a write of orbax's async save fails, TensorStore's completion callbacks of the
-    other writes race the save's event-loop shutdown and raise 'Event loop is closed' on
-    TensorStore's threads, reported through sys.excepthook / sys.unraisablehook. They only
-    repeat a failure the run reports in one line: drop them, pass everything else on."""
-    if getattr(sys.excepthook, "drops_closed_loop_errors", False):
-        return
-    previous_excepthook, previous_unraisablehook = sys.excepthook, sys.unraisablehook
-
-    def excepthook(kind, value, tb):
-        if not _closed_loop_noise(value):
-            previous_excepthook(kind, value, tb)
-
-    def unraisablehook(args):
-        if not _closed_loop_noise(args.exc_value):
-            previous_unraisablehook(args)
-
-    excepthook.drops_closed_loop_errors = True
-    sys.excepthook, sys.unraisablehook = excepthook, unraisablehook
-
-
-class _UnretrievedSaveTasks(logging.Filter):
-    """Drops asyncio's 'Task exception was never retrieved' records of orbax's write tasks:
-    when a write fails, its sibling tasks may be garbage-collected before the run checks the
-    save, and the failure reaches the user as the run's one error line anyway."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        message = record.getMessage()
-        return not (message.startswith("Task exception was never retrieved") and "orbax" in message)
-
-
-def drop_unretrieved_save_tasks() -> None:
-    """Also the RuntimeWarning for the write coroutines a failed save never started (emitted
-    whenever they are garbage-collected, at exit too)."""
-    warnings.filterwarnings("ignore", message=r"coroutine 'async_serialize_from_host\.", category=RuntimeWarning)
-    asyncio_logger = logging.getLogger("asyncio")
-    if not any(isinstance(f, _UnretrievedSaveTasks) for f in asyncio_logger.filters):
-        asyncio_logger.addFilter(_UnretrievedSaveTasks())
-
-
-def _quiet_thread_errors(args) -> None:
-    """After a failed save is reported, orbax's background threads may still fail while the
-    process exits; their tracebacks would only repeat that error."""
-
-
 def warn_fallback(where: Path, exc: BaseException, step: int) -> None:
     print(f"grpo-run: warning: checkpoint {where} is unreadable ({cause_of(exc)}); resuming from step {step}",
           file=sys.stderr)
-
-
-def _logged_at_or_before(line: str, last_step: int) -> bool:
-    try:
-        return int(json.loads(line)["step"]) <= last_step
-    except (ValueError, KeyError, TypeError):
-        return False  # a line cut short by a kill
-
-
-def truncate_metrics(path: Path, last_step: int) -> None:
-    """Keeps the metrics.jsonl records of steps <= `last_step`: the steps logged after the
-    checkpoint a run resumes from are run and logged again."""
-    if not path.is_file():
-        return
-    lines = path.read_text().splitlines(keepends=True)
-    kept = [line for line in lines if _logged_at_or_before(line, last_step)]
-    if len(kept) != len(lines):
-        path.write_text("".join(kept))
 
 
 # ---- the train state -----------------------------------------------------------------
@@ -325,10 +258,6 @@ class Checkpointer:
             preservation_policy=ocp.checkpoint_managers.LatestN(cfg.keep),
             cleanup_tmp_directories=True,  # what a killed save left behind
             enable_async_checkpointing=True)
-        # orbax logs a failed background save with a traceback; `check` reports it in one line.
-        logging.getLogger("absl").setLevel(logging.CRITICAL)
-        drop_closed_loop_errors()
-        drop_unretrieved_save_tasks()
         self.manager = ocp.CheckpointManager(self.directory, item_names=ITEMS, options=options)
 
     def due(self, step: int, last_step: int) -> bool:
@@ -364,9 +293,7 @@ class Checkpointer:
 
     def _save_failed(self, exc: BaseException) -> UserError:
         self.failed = True
-        threading.excepthook = _quiet_thread_errors
-        sys.unraisablehook = _quiet_thread_errors
-        logging.getLogger("asyncio").setLevel(logging.CRITICAL)  # orbax's failed write tasks, never awaited
+        orbax_noise.quiet_after_failed_save()
         where = self.directory / str(self.pending_step)
         return UserError(f"saving checkpoint {where} failed ({cause_of(exc)}); earlier checkpoints in "
                          f"{self.directory} are intact; free space or fix permissions there and run the same "

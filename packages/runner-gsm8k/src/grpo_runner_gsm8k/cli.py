@@ -20,6 +20,7 @@ import warnings
 from typing import Callable
 
 from grpo_core.errors import UserError
+from grpo_runner_gsm8k import orbax_noise
 from grpo_runner_gsm8k.preemption import Stopped
 
 EXIT_BAD_INPUT = 2
@@ -132,6 +133,7 @@ def _show_warning(message, category, filename, lineno, file=None, line=None) -> 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     warnings.showwarning = _show_warning
+    orbax_noise.install()
     # transformers serves tokenizers and configs only; its notice that torch is absent is noise here.
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")

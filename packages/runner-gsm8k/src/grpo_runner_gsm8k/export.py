@@ -24,7 +24,7 @@ from jax.sharding import SingleDeviceSharding
 
 from grpo_core.errors import UserError
 from grpo_core.models import QwenConfig, QwenModel, export_pretrained
-from grpo_core.models.checkpoint import INDEX_FILE, abstract_model
+from grpo_core.models.hf_io import INDEX_FILE, abstract_model
 from grpo_core.models.config import SUPPORTED_DTYPES
 
 from grpo_runner_gsm8k.build import build_tokenizer

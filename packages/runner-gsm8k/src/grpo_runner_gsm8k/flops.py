@@ -74,7 +74,7 @@ def run(cfg, registry) -> dict:
     rows, (prompt_w, completion_w) = rows_per_step(cfg), train_widths(inputs)
     devices = inputs.mesh.size
     analytic = 3 * forward_flops(inputs.qcfg, rows, prompt_w + completion_w, completion_w)
-    update = figures(compile_update(inputs, cfg), analytic, devices, body=False)
+    update = figures(compile_update(inputs), analytic, devices, body=False)
     slots = prompt_bucket(inputs) + cfg.rollout.max_new_tokens - 1
     decode = figures(compile_rollout(inputs)[1], decode_step_flops(inputs.qcfg, rows, slots), devices, body=True)
     return {"bench": "flops", "backend": jax.default_backend(), "devices": devices, "loss_impl": cfg.loss.impl,

@@ -27,14 +27,13 @@ from grpo_core.rollout_records import RolloutResult
 
 from grpo_runner_gsm8k.build import (Components, build_components, check_run_dir, prepare_run_dir, prompt_token_ids,
                                      warn_if_updates_round_away)
-from grpo_runner_gsm8k.checkpoint import Checkpointer, TrainState, resume_steps, truncate_metrics
+from grpo_runner_gsm8k.checkpoint import Checkpointer, TrainState, resume_steps
 from grpo_runner_gsm8k.lock import RunDirLock
-from grpo_runner_gsm8k.metrics import MetricsLogger
+from grpo_runner_gsm8k.metrics import MetricsLogger, truncate_metrics
 from grpo_runner_gsm8k.multihost import gather_objects, host_array, local_prompt_count
-from grpo_runner_gsm8k.optim import learning_rate_schedule
 from grpo_runner_gsm8k.preemption import StopRequest
 from grpo_runner_gsm8k.program import RunProgram, build_program
-from grpo_runner_gsm8k.rewards import score
+from grpo_runner_gsm8k.scoring import score
 from grpo_runner_gsm8k.step import UpdateBatch
 
 
@@ -86,7 +85,6 @@ class Trainer:
 
     def _build_training(self, cfg: RunConfig, params, candidates: list[int]) -> None:
         self.prompts_per_process = local_prompt_count(cfg.rollout.prompts_per_step, self.c.layout.process_count)
-        self.lr_at = learning_rate_schedule(cfg.train)
         # the copy keeps the params' shardings exactly (as the plan assumes), size-1 mesh axes included
         self.cast = jax.jit(compute_params, static_argnums=1, out_shardings=jax.tree.map(lambda x: x.sharding, params))
         # The frozen reference is only ever run forward: stored in the compute dtype.
@@ -120,7 +118,7 @@ class Trainer:
         reward_start = time.monotonic()
         answers = [ex.answer for ex in examples for _ in range(self.cfg.rollout.n)]
         scores = score(self.c.rewards, decode_completions(self.c, result), answers)
-        advantages = compute_advantages(jnp.asarray(scores.total), self.cfg.rollout.n, self.program.loss_cfg)
+        advantages = compute_advantages(jnp.asarray(scores.total), self.cfg.rollout.n, self.cfg.loss)
         reward_s = time.monotonic() - reward_start
 
         update_start = time.monotonic()
@@ -188,7 +186,7 @@ class Trainer:
             "train-other/ratio_mean": train["ratio_mean"], "train-other/update_ratio": train["update_ratio"],
             "train-other/entropy": train.get("entropy_mean", float("nan")),
             "train-other/kl": train.get("kl_mean", 0.0),
-            "train-other/lr": float(self.lr_at(self.state.step - 1)),
+            "train-other/lr": float(self.program.lr_schedule(self.state.step - 1)),
             "train-other/skipped_steps": self.state.skipped_steps,
             "train-other/zero_std_frac": float(np.mean(np.asarray(advantages.zero_std))),
             "train-seq_len/prompt/mean": float(prompt_lengths.mean()), "train-seq_len/prompt/max": int(prompt_lengths.max()),

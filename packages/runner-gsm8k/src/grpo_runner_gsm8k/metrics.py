@@ -1,4 +1,5 @@
-"""Metric sinks: `<run_dir>/metrics.jsonl`, Weights & Biases, and progress on the terminal."""
+"""Metric sinks: `<run_dir>/metrics.jsonl` (cut back to the resumed step on resume), Weights &
+Biases, and progress on the terminal."""
 
 from __future__ import annotations
 
@@ -101,3 +102,21 @@ class MetricsLogger:
             self.jsonl.close()
         if self.wandb_run is not None:
             self.wandb_run.finish()
+
+
+def _logged_at_or_before(line: str, last_step: int) -> bool:
+    try:
+        return int(json.loads(line)["step"]) <= last_step
+    except (ValueError, KeyError, TypeError):
+        return False  # a line cut short by a kill
+
+
+def truncate_metrics(path: Path, last_step: int) -> None:
+    """Keeps the metrics.jsonl records of steps <= `last_step`: the steps logged after the
+    checkpoint a run resumes from are run and logged again."""
+    if not path.is_file():
+        return
+    lines = path.read_text().splitlines(keepends=True)
+    kept = [line for line in lines if _logged_at_or_before(line, last_step)]
+    if len(kept) != len(lines):
+        path.write_text("".join(kept))

@@ -16,13 +16,13 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from grpo_core.config import LossConfig, RunConfig
+from grpo_core.config import RunConfig
 from grpo_core.contracts import MeshAwareLoss, RolloutBackend, SamplingParams
 from grpo_core.models.qwen import resolve_dtype
 from grpo_core.registry import Registry
 
-from grpo_runner_gsm8k.build import from_plugin, loss_config_for_run, micro_batches
-from grpo_runner_gsm8k.optim import build_optimizer, moment_dtype
+from grpo_runner_gsm8k.build import from_plugin, micro_batches, with_micro_batch_size
+from grpo_runner_gsm8k.optim import build_optimizer, learning_rate_schedule
 from grpo_runner_gsm8k.step import make_score, make_update
 
 
@@ -42,18 +42,14 @@ class RunProgram:
     loss_impl: Any
     rollout: RolloutBackend
     sampling: SamplingParams
+    lr_schedule: optax.Schedule  # the optimizer's, also read for the lr metric
     optimizer: optax.GradientTransformation
     update: Callable[..., Any]
     score: Callable[..., jax.Array]
 
     @property
-    def loss_cfg(self) -> LossConfig:
-        """The loss section with max_completion_length filled from the rollout when null."""
-        return loss_config_for_run(self.cfg)
-
-    @property
     def compute_dtype(self) -> Any:
-        return resolve_dtype(self.cfg.model.dtype)
+        return compute_dtype(self.cfg)
 
     @property
     def scores_old_logps(self) -> bool:
@@ -78,15 +74,20 @@ class RunProgram:
 
     def with_micro_batch_size(self, size: int) -> "RunProgram":
         """The same program with `train.micro_batch_size_per_device = size` (a new update)."""
-        cfg = dataclasses.replace(self.cfg, train=dataclasses.replace(self.cfg.train, micro_batch_size_per_device=size))
+        cfg = with_micro_batch_size(self.cfg, size)
         return dataclasses.replace(self, cfg=cfg, update=_update(cfg, self.mesh, self.graphdef, self.loss_impl,
                                                                  self.optimizer))
 
 
 def _update(cfg: RunConfig, mesh: Mesh, graphdef: nnx.GraphDef, loss_impl: Any,
             optimizer: optax.GradientTransformation) -> Callable[..., Any]:
-    return make_update(graphdef, loss_impl, loss_config_for_run(cfg), optimizer, cfg.rollout.temperature,
-                       micro_batches(cfg, mesh), resolve_dtype(cfg.model.dtype))
+    return make_update(graphdef, loss_impl, cfg.loss, optimizer, cfg.rollout.temperature,
+                       micro_batches(cfg, mesh), compute_dtype(cfg))
+
+
+def compute_dtype(cfg: RunConfig) -> Any:
+    """The dtype every forward and backward pass runs in (model.dtype)."""
+    return resolve_dtype(cfg.model.dtype)
 
 
 def build_program(cfg: RunConfig, registry: Registry, mesh: Mesh, graphdef: nnx.GraphDef,
@@ -96,8 +97,9 @@ def build_program(cfg: RunConfig, registry: Registry, mesh: Mesh, graphdef: nnx.
     if isinstance(loss_impl, MeshAwareLoss):  # pallas: shard_map, Mosaic
         loss_impl = loss_impl.on_mesh(mesh)
     rollout = from_plugin(registry, "rollout", cfg.rollout.backend, cfg.rollout.options, "rollout.options")
-    optimizer = build_optimizer(cfg.train, moment_dtype(cfg))
+    lr_schedule = learning_rate_schedule(cfg.train)
+    optimizer = build_optimizer(cfg.train, lr_schedule, cfg.train.moment_dtype)
     return RunProgram(cfg=cfg, mesh=mesh, graphdef=graphdef, loss_impl=loss_impl, rollout=rollout,
-                      sampling=sampling, optimizer=optimizer,
+                      sampling=sampling, lr_schedule=lr_schedule, optimizer=optimizer,
                       update=_update(cfg, mesh, graphdef, loss_impl, optimizer),
                       score=make_score(graphdef, loss_impl, cfg.rollout.temperature))

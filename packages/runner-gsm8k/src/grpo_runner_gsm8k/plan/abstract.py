@@ -1,0 +1,204 @@
+"""The abstract twin of a built run: mesh, model and optimizer state as sharded shapes
+(no weights, no data), and the widest batches a step can see."""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from grpo_core.config import RunConfig
+from grpo_core.contracts import SamplingParams
+from grpo_core.errors import UserError
+from grpo_core.models import QwenConfig
+from grpo_core.models.hf_io import abstract_model
+from grpo_core.models.config import HUB_ARCHITECTURES, hub_architecture
+from grpo_core.models.precision import needs_cast
+from grpo_core.registry import Registry
+from grpo_core.rollout_records import trimmed_widths
+from grpo_core.sharding import param_shardings
+from grpo_meshes import build_mesh_from_config, setup_processes, train_batch_sharding
+from grpo_rollout.backend import JaxRollout
+from grpo_rollout.prompts import bucket_length
+
+from grpo_runner_gsm8k.build import (attention_impl, build_tokenizer, check_lengths, model_config, preflight,
+                                     rows_per_step)
+from grpo_runner_gsm8k.program import RunProgram, build_program
+from grpo_runner_gsm8k.step import UpdateBatch
+from grpo_runner_gsm8k.tpu_target import Target, describe, target_devices
+
+
+@dataclass
+class PlanInputs:
+    """Everything the compiles share: the mesh, the abstract model and optimizer state."""
+
+    cfg: RunConfig
+    mesh: Mesh
+    qcfg: QwenConfig
+    program: RunProgram  # the run's own jitted functions and plugins
+    params: Any  # abstract: ShapeDtypeStruct leaves with their NamedShardings
+    opt_state: Any
+    target: Optional[str] = None  # the TPU slice, described, when planning for one
+
+    @property
+    def graphdef(self) -> nnx.GraphDef:
+        return self.program.graphdef
+
+    @property
+    def rollout(self) -> JaxRollout:
+        return self.program.rollout
+
+    @property
+    def params_bytes(self) -> int:
+        return per_device_bytes(self.params)
+
+    @property
+    def forward_params(self) -> Any:
+        """The params as rollout and scoring take them: in the compute dtype (see loop.Trainer.forward_params)."""
+        return abstract_cast(self.params, self.program.compute_dtype)
+
+    @property
+    def masters_beside_rollout(self) -> int:
+        """The stored params stay alive beside their compute-dtype copy when the dtypes differ."""
+        return self.params_bytes if needs_cast(self.params, self.program.compute_dtype) else 0
+
+    @property
+    def held_beside_rollout(self) -> int:
+        """Device state alive during rollout and scoring that is not their argument."""
+        return per_device_bytes(self.opt_state) + self.masters_beside_rollout + self.reference_bytes
+
+    @property
+    def reference_bytes(self) -> int:
+        """A frozen copy of the params (in the compute dtype) lives on the devices when the KL term is on."""
+        return per_device_bytes(self.forward_params) if self.cfg.loss.beta > 0 else 0
+
+
+def per_device_bytes(tree: Any) -> int:
+    """Bytes one device holds of a pytree of sharded ShapeDtypeStructs."""
+    return sum(math.prod(leaf.sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize
+               for leaf in jax.tree.leaves(tree) if hasattr(leaf, "sharding"))
+
+
+def abstract_array(shape: tuple[int, ...], dtype: Any, sharding: NamedSharding) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+
+def abstract_cast(tree: Any, dtype: Any) -> Any:
+    """grpo_core.models.precision.compute_params of abstract params: floating leaves in `dtype`."""
+    return jax.tree.map(lambda x: abstract_array(
+        x.shape, dtype if jnp.issubdtype(x.dtype, jnp.floating) else x.dtype, x.sharding), tree)
+
+
+def abstract_run_model(cfg: RunConfig, qcfg: QwenConfig, mesh: Mesh, strategy: Any) -> tuple[nnx.GraphDef, Any]:
+    """(graphdef, abstract params) of the sharded model, built by shape evaluation only
+    and sharded as build.build_model shards the real one."""
+    model = abstract_model(qcfg, cfg.model.param_dtype, cfg.model.remat, cfg.model.scan_layers)
+    model.set_activation_sharding(mesh, strategy.activation_rules)
+    model.set_attention(attention_impl(cfg, mesh))
+    graphdef, state = nnx.split(model)
+    shardings = param_shardings(state, mesh, strategy.param_rules)
+    return graphdef, jax.tree.map(lambda leaf, sharding: abstract_array(leaf.shape, leaf.dtype, sharding),
+                                  state, shardings)
+
+
+def abstract_outputs(compiled: Any) -> Any:
+    """The outputs of a compiled function as sharded ShapeDtypeStructs."""
+    return jax.tree.map(lambda info, sharding: abstract_array(info.shape, info.dtype, sharding),
+                        compiled.out_info, compiled.output_shardings)
+
+
+def abstract_opt_state(optimizer: Any, params: Any, mesh: Mesh) -> Any:
+    """The optimizer state as the run holds it: param-shaped leaves (moments) sharded like
+    their params (eager `optimizer.init` keeps the params' shardings), the rest (step
+    counts) replicated."""
+    shapes = jax.eval_shape(optimizer.init, params)
+    return optax.tree_map_params(
+        optimizer, lambda leaf, param: abstract_array(leaf.shape, leaf.dtype, param.sharding), shapes, params,
+        transform_non_params=lambda leaf: abstract_array(leaf.shape, leaf.dtype, replicated(mesh)))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, PartitionSpec())
+
+
+def abstract_key(mesh: Mesh) -> jax.ShapeDtypeStruct:
+    key = jax.eval_shape(lambda: jax.random.key(0))
+    return abstract_array(key.shape, key.dtype, replicated(mesh))
+
+
+def plan_architecture(cfg: RunConfig) -> QwenConfig:
+    """A local model dir or the built-in table for `model.path`, the config's
+    `model.architecture` (sized to the tokenizer) otherwise."""
+    path = cfg.model.path
+    if path is None:
+        return model_config(cfg, build_tokenizer(cfg))
+    if os.path.isdir(path):
+        return model_config(cfg, None)
+    known = hub_architecture(path)
+    if known is None:
+        raise UserError(f"model.path {path!r} is not a local directory and its architecture is not built in "
+                        f"(known: {', '.join(HUB_ARCHITECTURES)}); download the model's config.json into a "
+                        "directory and point model.path at it")
+    return known
+
+
+def check_plannable_rollout(cfg: RunConfig, backend: Any) -> None:
+    if not isinstance(backend, JaxRollout):
+        raise UserError(f"rollout.backend {cfg.rollout.backend!r}: the memory plan compiles the 'jax' backend's "
+                        "prefill and decode only; plan with rollout.backend=jax")
+
+
+def build_plan_inputs(cfg: RunConfig, registry: Registry, target: Optional[Target] = None) -> PlanInputs:
+    """The plan's inputs on this host's devices, or on the compile-only devices of a TPU
+    `target` (every host of the slice, planned from this one process)."""
+    devices = target_devices(target) if target else None
+    if devices is None:
+        setup_processes(cfg.mesh)
+    resolved = build_mesh_from_config(cfg.mesh, registry.mesh, devices)
+    qcfg = plan_architecture(cfg)
+    check_lengths(cfg, qcfg)
+    preflight(cfg, resolved.mesh, qcfg, devices)
+    graphdef, params = abstract_run_model(cfg, qcfg, resolved.mesh, resolved.strategy)
+    # stop ids change no buffer: the plan needs no tokenizer for them
+    program = build_program(cfg, registry, resolved.mesh, graphdef, SamplingParams.from_config(cfg.rollout))
+    check_plannable_rollout(cfg, program.rollout)
+    return PlanInputs(
+        cfg=cfg, mesh=resolved.mesh, qcfg=qcfg, program=program, params=params,
+        opt_state=abstract_opt_state(program.optimizer, params, resolved.mesh),
+        target=describe(target, devices) if target else None)
+
+
+def prompt_bucket(inputs: PlanInputs) -> int:
+    """Widest prompt batch: rollout.max_prompt_length rounded up to the backend's bucket."""
+    try:
+        return bucket_length(inputs.cfg.rollout.max_prompt_length, inputs.rollout.options.prompt_buckets)
+    except ValueError as exc:
+        raise UserError(f"rollout.max_prompt_length: {exc}") from None
+
+
+def train_widths(inputs: PlanInputs) -> tuple[int, int]:
+    """(prompt, completion) columns of the widest trimmed training batch."""
+    r = inputs.cfg.rollout
+    return trimmed_widths(r.max_prompt_length, r.max_new_tokens, prompt_bucket(inputs), r.max_new_tokens,
+                          inputs.rollout.options.trim_bucket)
+
+
+def abstract_update_batch(inputs: PlanInputs) -> UpdateBatch:
+    """The widest UpdateBatch of a step, as the loop builds it (see loop.Trainer.update_batch)."""
+    cfg, mesh = inputs.cfg, inputs.mesh
+    rows, (prompt_w, completion_w) = rows_per_step(cfg), train_widths(inputs)
+    tokens = lambda dtype, width: abstract_array((rows, width), dtype, train_batch_sharding(mesh))  # noqa: E731
+    return UpdateBatch(
+        input_ids=tokens(jnp.int32, prompt_w + completion_w), attention_mask=tokens(jnp.int32, prompt_w + completion_w),
+        targets=tokens(jnp.int32, completion_w), loss_mask=tokens(jnp.float32, completion_w),
+        advantages=abstract_array((rows,), jnp.float32, train_batch_sharding(mesh, ndim=1)),
+        old_logp=tokens(jnp.float32, completion_w) if inputs.program.has_old_logps else None,
+        ref_logp=tokens(jnp.float32, completion_w) if inputs.program.scores_ref_logps else None,
+        prompt_width=prompt_w)

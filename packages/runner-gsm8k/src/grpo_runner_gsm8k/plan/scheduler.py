@@ -1,0 +1,30 @@
+"""The XLA:CPU scheduler a CPU plan compiles with."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Iterator
+
+CPU_MEMORY_SCHEDULER_FLAG = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
+
+
+@contextlib.contextmanager
+def memory_minimizing_cpu_scheduler() -> Iterator[None]:
+    """XLA_FLAGS with the CPU flag below for the duration of the plan, restored after.
+
+    XLA:CPU's default scheduler favours thread concurrency and keeps every unrolled
+    layer's attention buffers alive at once, which hides what remat saves (a 4-layer
+    Qwen2.5-3B step: 25.9 GiB temp with it, 7.5 GiB without). Accelerators schedule for
+    memory already; the flag is read when the backend starts, so the plan enters this
+    before any device work."""
+    before = os.environ.get("XLA_FLAGS")
+    if "xla_cpu_enable_concurrency_optimized_scheduler" not in (before or ""):
+        os.environ["XLA_FLAGS"] = f"{before or ''} {CPU_MEMORY_SCHEDULER_FLAG}".strip()
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("XLA_FLAGS", None)
+        else:
+            os.environ["XLA_FLAGS"] = before
