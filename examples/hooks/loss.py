@@ -1,9 +1,5 @@
-"""Example `grpo_losses` plugin: Loss implementations selectable with `loss.impl: <name>`.
-
-A complete plugin module (register it in pyproject.toml as
-`[project.entry-points.grpo] my_plugin = "my_plugin.plugin"`); tests/e2e/test_hookspec_examples.py
-trains one step of the tiny config with it.
-"""
+"""A `grpo_losses` plugin: a naive loss implementation (`loss.impl: naive`) that
+materialises the logits; a `grpo_core.contracts.TokenLogpsImpl`."""
 
 from dataclasses import dataclass
 import jax, jax.numpy as jnp

@@ -1,9 +1,5 @@
-"""Example `grpo_meshes` plugin: Mesh strategies selectable with `mesh.strategy: <name>`.
-
-A complete plugin module (register it in pyproject.toml as
-`[project.entry-points.grpo] my_plugin = "my_plugin.plugin"`); tests/e2e/test_hookspec_examples.py
-trains one step of the tiny config with it.
-"""
+"""A `grpo_meshes` plugin: pure data parallelism (`mesh.strategy: data_only`); a
+`grpo_core.contracts.MeshStrategy`."""
 
 from dataclasses import dataclass
 import jax, numpy as np

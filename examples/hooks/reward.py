@@ -1,9 +1,5 @@
-"""Example `grpo_rewards` plugin: Reward functions selectable under `task.rewards: {<name>: <weight>}`.
-
-A complete plugin module (register it in pyproject.toml as
-`[project.entry-points.grpo] my_plugin = "my_plugin.plugin"`); tests/e2e/test_hookspec_examples.py
-trains one step of the tiny config with it.
-"""
+"""A `grpo_rewards` plugin: 1 for a short completion (`task.rewards: {short: 1.0}`); a
+`grpo_core.contracts.RewardFn`."""
 
 from dataclasses import dataclass
 from grpo_core import RewardSpec, hookimpl

@@ -1,9 +1,4 @@
-"""Example `grpo_tasks` plugin: Tasks selectable with `task.name: <name>`; a task implements `grpo_core.contracts.Task`.
-
-A complete plugin module (register it in pyproject.toml as
-`[project.entry-points.grpo] my_plugin = "my_plugin.plugin"`); tests/e2e/test_hookspec_examples.py
-trains one step of the tiny config with it.
-"""
+"""A `grpo_tasks` plugin: repeat a number (`task.name: echo`); a `grpo_core.contracts.Task`."""
 
 from dataclasses import dataclass
 from grpo_core import TaskSpec, hookimpl

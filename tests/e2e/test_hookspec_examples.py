@@ -3,17 +3,16 @@ tiny config with the example selected."""
 
 import ast
 import math
+import re
 import types
 from pathlib import Path
 
 import pytest
 
 from grpo_core import hookspecs
-from grpo_core.config_io import load_config
 from grpo_core.testing import registry_with
 
 ROOT = Path(__file__).resolve().parents[2]
-TINY = ROOT / "configs" / "tiny.yaml"
 EXAMPLES = {"grpo_losses": "loss", "grpo_meshes": "mesh", "grpo_rollouts": "rollout", "grpo_rewards": "reward",
             "grpo_tasks": "task"}
 
@@ -57,11 +56,11 @@ def test_every_hook_has_an_example_selected_here():
 
 
 @pytest.mark.parametrize("hook", sorted(SELECT))
-def test_example_trains_one_step(hook, tmp_path):
+def test_example_trains_one_step(hook, tiny_config):
     from grpo_runner_gsm8k.loop import Trainer
 
     registry = registry_with(example_module(hook))
-    cfg = load_config(TINY, [*ONE_STEP, *SELECT[hook], f"logging.dir={tmp_path}"], registry=registry)
+    cfg = tiny_config(*ONE_STEP, *SELECT[hook], registry=registry)
     trainer = Trainer(cfg, registry)
     metrics = trainer.run()
     assert trainer.state.step == 1
@@ -82,13 +81,41 @@ def test_hookspecs_keep_one_line_docs():
         assert len(getattr(hookspecs, hook).__doc__.strip().splitlines()) == 1, hook
 
 
-def test_a_backend_missing_a_protocol_method_is_refused_at_build(tmp_path):
+def test_a_backend_missing_a_protocol_method_is_refused_at_build(uniform_backend_run):
     from grpo_core.errors import UserError
     from grpo_runner_gsm8k.loop import Trainer
 
     module = example_module("grpo_rollouts")
     del module.UniformSampler.release_weights
-    registry = registry_with(module)
-    cfg = load_config(TINY, [*ONE_STEP, *SELECT["grpo_rollouts"], f"logging.dir={tmp_path}"], registry=registry)
     with pytest.raises(UserError, match="without release_weights, which grpo_core.contracts.RolloutBackend"):
-        Trainer(cfg, registry)
+        Trainer(*uniform_backend_run(module))
+
+
+@pytest.fixture
+def uniform_backend_run(tiny_config):
+    """`uniform_backend_run(module)`: (config, registry) of one step of the tiny run with the
+    rollout example of `module`."""
+    def build(module):
+        registry = registry_with(module)
+        return tiny_config(*ONE_STEP, *SELECT["grpo_rollouts"], registry=registry), registry
+
+    return build
+
+
+def test_the_rollout_example_is_planned_through_its_contract(uniform_backend_run, capsys):
+    """`grpo-run --plan` compiles a third-party backend's own phases (PlannableRollout)."""
+    from grpo_runner_gsm8k.plan import plan_command
+
+    assert plan_command(*uniform_backend_run(example_module("grpo_rollouts")), capacity_gib=16.0) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^rollout sample +[\d.]+ ", out, re.M) and re.search(r"^train step +[\d.]+ ", out, re.M)
+
+
+def test_a_backend_without_the_planning_members_is_refused_by_the_plan(uniform_backend_run):
+    from grpo_core.errors import UserError
+    from grpo_runner_gsm8k.plan import plan_command
+
+    module = example_module("grpo_rollouts")
+    del module.UniformSampler.compile_phases
+    with pytest.raises(UserError, match="cannot be planned: .*grpo_core.contracts.PlannableRollout"):
+        plan_command(*uniform_backend_run(module), capacity_gib=16.0)

@@ -95,5 +95,5 @@ def test_pallas_loss_runs_per_device_on_the_run_mesh(tmp_path):
     """The run binds its mesh to the pallas loss (Mosaic kernels cannot be partitioned by the
     compiler, so they run per device in shard_map; here interpreted on the CPU devices)."""
     trainer, last = _run(tmp_path, "loss.impl=pallas", "train.steps=1", "eval.every_steps=0")
-    assert trainer.program.loss_impl.mesh is trainer.c.mesh
+    assert trainer.built.plugins.loss_impl.mesh is trainer.built.mesh
     assert math.isfinite(last["train-other/loss"]) and math.isfinite(last["train-other/grad_norm"])

@@ -36,7 +36,8 @@ class ModelConfig:
         "HF config.json fields of the random-init model, used only when `path` is null "
         "(vocab_size defaults to the tokenizer's size).")
     tokenizer: Optional[str] = setting(
-        None, "Tokenizer directory or Hub id; null = `path` (filled in at load); 'char' builds the character tokenizer.")
+        None, "Tokenizer directory or Hub id; null = `path` (filled in at load); 'char' builds the character "
+        "tokenizer.")
     dtype: Literal["float32", "bfloat16"] = setting(
         "float32", "Compute dtype of every forward and backward pass (norms and softmax always run in float32).")
     # float32 masters keep updates of lr ~1e-6 that a bfloat16 weight rounds away.

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, NamedTuple, Protocol, Sequence, runtime_checkable
 
 import jax
 from jax.sharding import Mesh, NamedSharding
@@ -145,6 +145,31 @@ def _check(ok: bool, name: str, value: Any, fix: str) -> None:
         raise ValueError(f"SamplingParams.{name}={value!r} is invalid: {fix}.")
 
 
+@dataclass(frozen=True)
+class Policy:
+    """The weights a rollout samples from, in the compute dtype and sharded like the run's
+    params: a flax nnx `graphdef` and its `weights` (an nnx State; `module()` merges them),
+    and the architecture `config` (a `grpo_core.models.QwenConfig`). A backend outside JAX
+    reads the weights by name through `grpo_core.models.hf_names`."""
+
+    graphdef: Any
+    weights: Any
+    config: Any
+
+    @classmethod
+    def of(cls, model: Any) -> "Policy":
+        """The policy of a `grpo_core.models` model (its arrays are shared, not copied)."""
+        from flax import nnx
+
+        graphdef, weights = nnx.split(model)
+        return cls(graphdef, weights, model.config)
+
+    def module(self) -> Any:
+        from flax import nnx
+
+        return nnx.merge(self.graphdef, self.weights)
+
+
 @runtime_checkable
 class RolloutBackend(Protocol):
     """A sampler the loop drives (built by `RolloutSpec.factory(options)`).
@@ -154,10 +179,8 @@ class RolloutBackend(Protocol):
     update (which needs that memory); `trim` then turns the result into the training batch.
     """
 
-    def load_weights(self, model: Any) -> None:
-        """The policy to sample from until the next call: a `grpo_core.models` Qwen model
-        (flax nnx) holding the weights in the compute dtype, sharded like the run's params.
-        A backend outside JAX reads them by name through `grpo_core.models.hf_names`."""
+    def load_weights(self, policy: Policy) -> None:
+        """The policy to sample from until the next call."""
 
     def release_weights(self) -> None:
         """Drop every reference to the loaded weights (a colocated engine may also free
@@ -173,6 +196,67 @@ class RolloutBackend(Protocol):
     def trim(self, result: RolloutResult) -> TrainBatch:
         """Prompt and completion joined into one left-padded training batch
         (`grpo_core.rollout_records.trim_batch` does it for any result)."""
+
+
+@dataclass(frozen=True)
+class RolloutShapes:
+    """One rollout batch as `grpo-run --plan` gives it to a backend: abstract, no data.
+
+    policy:            a `Policy` whose weights are jax.ShapeDtypeStructs with NamedShardings.
+    prompts:           prompts per rollout (rows = prompts * sampling.n).
+    max_prompt_length: the longest prompt, in tokens.
+    sampling:          as the run samples (stop token ids may be empty: they change no buffer).
+    batch_sharding:    NamedSharding of the [prompts * n, ...] batch.
+    key:               an abstract PRNG key, replicated on the mesh.
+    pad_token_id:      the padding id (the plan, without a tokenizer, pads with 0).
+    """
+
+    policy: Policy
+    prompts: int
+    max_prompt_length: int
+    sampling: SamplingParams
+    batch_sharding: NamedSharding
+    key: Any
+    pad_token_id: int = 0
+
+
+@dataclass(frozen=True)
+class RolloutWidths:
+    """Widest token columns of a planned rollout: the prompt batch it samples from, and the
+    (prompt, completion) columns of the training batch its `trim` returns."""
+
+    prompt: int
+    train_prompt: int
+    train_completion: int
+
+
+class PhaseCompiler(Protocol):
+    """What `grpo-run --plan` lends a backend to compile its phases with."""
+
+    def compile(self, name: str, build: Callable[[], Any], arguments: Any, *, record: bool = True,
+                note: str | Callable[[Any], str] = "") -> Any:
+        """`build()` (e.g. `jitted.lower(*abstract_args).compile()`) with the abstract
+        `arguments` it takes; recorded as phase `name` of the plan (with `note`, or
+        `note(compiled)`) unless `record` is False. None when the compiler refused it for
+        memory (a recorded refusal shows what it asked for)."""
+
+    def spare_bytes(self, compiled: Any) -> int | None:
+        """What a call of `compiled` may take beyond its arguments on a planned device, with
+        the state held beside the rollout resident and `grpo_rollout.gather`'s headroom kept
+        free; None when the capacity is unknown."""
+
+
+@runtime_checkable
+class PlannableRollout(Protocol):
+    """Optional member of a rollout backend: `grpo-run --plan` compiles its phases for the
+    configured shapes (a backend without it cannot be planned, and says so)."""
+
+    def widths(self, max_prompt_length: int, max_new_tokens: int) -> RolloutWidths:
+        """The widest batches of a rollout of prompts up to `max_prompt_length` tokens."""
+
+    def compile_phases(self, shapes: RolloutShapes, compiler: PhaseCompiler) -> None:
+        """Compiles every device program one rollout runs, in order, through `compiler`;
+        stops after a phase it refuses (the next one's inputs are that one's outputs)."""
 
 
 @dataclass(frozen=True)

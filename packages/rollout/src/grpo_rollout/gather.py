@@ -64,6 +64,18 @@ def every_process(flag: bool) -> bool:
     return bool(np.all(multihost_utils.process_allgather(np.array(flag))))
 
 
+def gather_refused_note(gathered: Any, spare: Optional[int]) -> str:
+    """Why a plan's auto decode keeps the weights sharded (a prefix of the decode's note)."""
+    if gathered is None:
+        return "gather_weights=auto: sharded weights (the compiler refused a gathered decode for memory); "
+    if spare is None:
+        return "gather_weights=auto: sharded weights (no device capacity to check a gathered copy against); "
+    needed = bytes_beyond_arguments(gathered)
+    return (f"gather_weights=auto: sharded weights (a gathered decode needs {needed / GIB:.2f} "
+            f"GiB beyond its arguments, {spare / GIB:.2f} GiB spare with {GATHER_HEADROOM:.0%} of device memory "
+            "kept free); ")
+
+
 class GatheredDecoders:
     """The compiled gathered decode per batch signature, or None where it does not fit."""
 

@@ -25,32 +25,10 @@ from grpo_core.models.hf_io import resolve_model_dir
 from grpo_core.registry import Registry
 from grpo_core.sharding import shard_model
 from grpo_core.tokenizer import build_char_tokenizer, load_tokenizer
-from grpo_meshes import (TRAIN_BATCH_AXES, ModelDims, ProcessLayout, batch_shard_count, build_mesh_from_config,
-                         rollout_batch_sharding, setup_processes, validate_plan)
+from grpo_meshes import TRAIN_BATCH_AXES, ModelDims, batch_shard_count, validate_plan
 
 from grpo_runner_gsm8k.multihost import local_prompt_count
 from grpo_runner_gsm8k.tasks.base import render_prompt
-
-
-@dataclass
-class Components:
-    """The built pieces of a run (model params live in `model`)."""
-
-    cfg: RunConfig
-    layout: ProcessLayout
-    mesh: Mesh
-    param_rules: Any
-    tokenizer: Any
-    model: Any
-    task: Any
-    rewards: dict[str, tuple[Any, float]]
-    sampling: SamplingParams
-    eval_sampling: SamplingParams
-    prompt_ids: dict[str, list[int]] = dataclasses.field(default_factory=dict)  # checked prompts by example id
-
-    @property
-    def rollout_sharding(self):
-        return rollout_batch_sharding(self.mesh, self.cfg.rollout.sharding)
 
 
 def _input_error(key: str, exc: Exception, fix: str) -> UserError:
@@ -185,9 +163,13 @@ def load_or_init_model(cfg: RunConfig, qcfg: QwenConfig, mesh: Mesh, rules: Any)
     return shard_model(model, mesh, rules)
 
 
-def sampling_params(cfg: RunConfig, tokenizer: Any, *, for_eval: bool = False) -> SamplingParams:
+def stop_token_ids(cfg: RunConfig, tokenizer: Any) -> tuple[int, ...]:
+    return () if cfg.rollout.ignore_eos else tuple(sorted({tokenizer.eos_token_id} - {None}))
+
+
+def sampling_params(cfg: RunConfig, stop: tuple[int, ...], *, for_eval: bool = False) -> SamplingParams:
+    """How the run samples for training (or eval), stopping at the `stop` token ids."""
     r = cfg.rollout
-    stop = () if r.ignore_eos else tuple(sorted({tokenizer.eos_token_id} - {None}))
     if for_eval:
         return SamplingParams.from_config(r, stop, max_new_tokens=cfg.eval.max_new_tokens,
                                           n=cfg.eval.n, greedy=cfg.eval.greedy)
@@ -221,25 +203,25 @@ def prompt_token_ids(cfg: RunConfig, tokenizer: Any, use_chat_template: bool, ex
     return ids
 
 
-def prompts_to_check(cfg: RunConfig, task: Any, process_count: int) -> list:
+def prompts_to_check(cfg: RunConfig, task: Any, prompts_per_process: int) -> list:
     """The whole train split when the task can list it (`train_examples()`, a finite data set),
     else the first train batch (the task's position is left unchanged); plus the eval questions."""
     if isinstance(task, ListableTask):
         examples = list(task.train_examples())
     else:
         position = task.state()
-        examples = task.train_batch(local_prompt_count(cfg.rollout.prompts_per_step, process_count))
+        examples = task.train_batch(prompts_per_process)
         task.restore(position)
     if cfg.eval.every_steps:
         examples += task.test_examples(cfg.eval.num_questions)
     return examples
 
 
-def check_prompts(cfg: RunConfig, tokenizer: Any, task: Any, process_count: int) -> dict[str, list[int]]:
+def check_prompts(cfg: RunConfig, tokenizer: Any, task: Any, prompts_per_process: int) -> dict[str, list[int]]:
     """Renders and tokenizes every prompt the run can see, so a prompt format or length that
     cannot work fails before the run starts, not mid-run; returns the token ids by example id
     (the run reuses them instead of tokenizing again)."""
-    examples = prompts_to_check(cfg, task, process_count)
+    examples = prompts_to_check(cfg, task, prompts_per_process)
     ids = prompt_token_ids(cfg, tokenizer, task.use_chat_template, examples)
     return {ex.id: row for ex, row in zip(examples, ids) if ex.id}
 
@@ -270,7 +252,6 @@ def micro_batches(cfg: RunConfig, mesh: Mesh) -> int:
 def preflight(cfg: RunConfig, mesh: Mesh, qcfg: QwenConfig, devices: Optional[list] = None) -> None:
     """Checks before any compile; `devices` (default: this run's) are those the mesh must cover."""
     devices = jax.devices() if devices is None else devices
-    local_prompt_count(cfg.rollout.prompts_per_step, len({d.process_index for d in devices}))
     rows = rows_per_step(cfg)
     validate_plan(mesh, ModelDims.from_config(qcfg), rollout_batch=rows,
                   train_micro_batch=rows // micro_batches(cfg, mesh), rollout_style=cfg.rollout.sharding,
@@ -286,11 +267,13 @@ class Inputs:
     task: Any
     rewards: dict[str, tuple[Any, float]]
     prompt_ids: dict[str, list[int]]
+    prompts_per_process: int  # prompts each process takes per step
 
 
 def check_inputs(cfg: RunConfig, registry: Registry, process_index: int = 0, process_count: int = 1) -> Inputs:
     """Tokenizer, model config, task data, reward functions and every prompt, checked against
     the config (no device is touched: `--print-config` runs this too)."""
+    prompts_per_process = local_prompt_count(cfg.rollout.prompts_per_step, process_count)
     tokenizer = build_tokenizer(cfg)
     qcfg = model_config(cfg, tokenizer)
     check_tokenizer_fits(qcfg, tokenizer)
@@ -300,21 +283,8 @@ def check_inputs(cfg: RunConfig, registry: Registry, process_index: int = 0, pro
     rewards = {name: (from_plugin(registry, "reward", name, cfg.task.reward_options.get(name, {}),
                                   f"task.reward_options.{name}"), float(weight))
                for name, weight in cfg.task.rewards.items()}
-    return Inputs(tokenizer, qcfg, task, rewards, check_prompts(cfg, tokenizer, task, process_count))
-
-
-def build_components(cfg: RunConfig, registry: Registry) -> Components:
-    layout = setup_processes(cfg.mesh)
-    resolved = build_mesh_from_config(cfg.mesh, registry.mesh)
-    inputs = check_inputs(cfg, registry, layout.process_index, layout.process_count)
-    preflight(cfg, resolved.mesh, inputs.qcfg)
-    tokenizer = inputs.tokenizer
-    return Components(
-        cfg=cfg, layout=layout, mesh=resolved.mesh, param_rules=resolved.strategy.param_rules, tokenizer=tokenizer,
-        model=build_model(cfg, inputs.qcfg, resolved.mesh, resolved.strategy), task=inputs.task,
-        rewards=inputs.rewards,
-        sampling=sampling_params(cfg, tokenizer), eval_sampling=sampling_params(cfg, tokenizer, for_eval=True),
-        prompt_ids=inputs.prompt_ids)
+    return Inputs(tokenizer, qcfg, task, rewards, check_prompts(cfg, tokenizer, task, prompts_per_process),
+                  prompts_per_process)
 
 
 def check_run_dir(cfg: RunConfig) -> None:

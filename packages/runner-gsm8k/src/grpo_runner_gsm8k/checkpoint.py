@@ -40,7 +40,7 @@ import orbax.checkpoint as ocp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from grpo_core.config import CheckpointConfig, RunConfig
-from grpo_core.config_io import build_dataclass, config_to_dict
+from grpo_core.config_io import build_dataclass, config_to_dict, resolve_defaults
 from grpo_core.contracts import Task
 from grpo_core.errors import UserError
 
@@ -89,25 +89,27 @@ def saved_meta(run_dir: str | Path, step: int) -> dict:
     return _read_item(run_dir, step, "meta", ocp.JsonCheckpointHandler(), ocp.args.JsonRestore())
 
 
-def check_param_layout(run_dir: str | Path, step: int) -> None:
-    """Refuses, in one line, a checkpoint written before decoder layers were stacked."""
-    if saved_meta(run_dir, step).get("param_layout") != PARAM_LAYOUT:
-        raise UserError(f"checkpoint {checkpoint_dir(run_dir) / str(step)} was written by an older version with "
+def check_param_layout(meta: dict, where: Path) -> None:
+    """Refuses, in one line, a checkpoint (its `meta`, read from `where`) written before
+    decoder layers were stacked."""
+    if meta.get("param_layout") != PARAM_LAYOUT:
+        raise UserError(f"checkpoint {where} was written by an older version with "
                         "one parameter subtree per decoder layer, which this version (layers stacked for one "
                         "scan) cannot restore; start a new logging.dir, or export it with the older version "
                         "and set model.path to the export")
 
 
-def saved_params(run_dir: str | Path, step: int, target: Any) -> Any:
-    """The params of checkpoint `step`, placed where `target` (ShapeDtypeStructs with
-    shardings, in the params' tree structure) says."""
-    check_param_layout(run_dir, step)
+def saved_params(run_dir: str | Path, step: int, target: Any, meta: dict) -> Any:
+    """The params of checkpoint `step` (whose `meta` the caller read), placed where `target`
+    (ShapeDtypeStructs with shardings, in the params' tree structure) says."""
+    check_param_layout(meta, checkpoint_dir(run_dir) / str(step))
     return _read_item(run_dir, step, "params", ocp.StandardCheckpointHandler(), ocp.args.StandardRestore(target))
 
 
 def saved_run_config(run_dir: str | Path, step: int) -> RunConfig:
-    """The RunConfig a checkpoint was written with."""
-    return build_dataclass(RunConfig, saved_config(run_dir, step))
+    """The RunConfig a checkpoint was written with (its "same as X" defaults filled in, as
+    a config written before they were filled in at load would lack them)."""
+    return resolve_defaults(build_dataclass(RunConfig, saved_config(run_dir, step)))
 
 
 # ---- resuming --------------------------------------------------------------------------
@@ -146,42 +148,51 @@ def check_compatible(saved: dict, current: dict, where: Path) -> None:
                         "or set logging.dir to a new directory to start a fresh run")
 
 
-def resume_steps(cfg: RunConfig, required: bool = False) -> list[int]:
-    """The checkpoints to continue from, newest first (the first that restores is used), or []
-    for a fresh start. A newest checkpoint whose config cannot be read is skipped with a
-    warning. Reads only, so a refused resume writes nothing."""
+@dataclass(frozen=True)
+class Resume:
+    """Where a run continues: checkpoint steps newest first (the first that restores is
+    used), and the meta of the first, read once when its config was checked."""
+
+    steps: list[int]
+    meta: dict
+
+
+def resume_point(cfg: RunConfig, required: bool = False) -> Optional[Resume]:
+    """The checkpoints to continue from, or None for a fresh start. A newest checkpoint whose
+    config or meta cannot be read is skipped with a warning. Reads only, so a refused resume
+    writes nothing."""
     run_dir = Path(cfg.logging.dir)
     steps = complete_steps(run_dir)
     if not steps:
         if required:
             raise UserError(f"--resume: no complete checkpoint in {checkpoint_dir(run_dir)}; run without "
                             "--resume to start, or set logging.dir to the directory of the run to continue")
-        return []
+        return None
     if cfg.checkpoint.resume == "never" and not required:
         raise UserError(f"logging.dir {str(run_dir)!r} already holds checkpoints (newest: step {steps[-1]}) and "
                         "checkpoint.resume is 'never'; set logging.dir to a new directory, or pass --resume")
-    candidates = _with_readable_config(run_dir, steps[::-1])
-    step = candidates[0]
-    check_compatible(saved_config(run_dir, step), config_to_dict(cfg), checkpoint_dir(run_dir) / str(step))
-    check_param_layout(run_dir, step)
+    candidates, config, meta = _newest_readable(run_dir, steps[::-1])
+    step, where = candidates[0], checkpoint_dir(run_dir) / str(candidates[0])
+    check_compatible(config, config_to_dict(cfg), where)
+    check_param_layout(meta, where)
     if step > cfg.train.steps:
         raise UserError(f"the checkpoint in {run_dir} is at step {step}, past train.steps={cfg.train.steps}; "
                         f"set train.steps >= {step} to continue the run")
-    return candidates
+    return Resume(candidates, meta)
 
 
-def _with_readable_config(run_dir: Path, newest_first: list[int]) -> list[int]:
+def _newest_readable(run_dir: Path, newest_first: list[int]) -> tuple[list[int], dict, dict]:
+    """(the steps from the newest whose config and meta read, that config, that meta)."""
     for i, step in enumerate(newest_first):
         try:
-            saved_config(run_dir, step)
-            saved_meta(run_dir, step)
+            config, meta = saved_config(run_dir, step), saved_meta(run_dir, step)
         except UserError as exc:
             if i + 1 == len(newest_first):
                 raise
             warn_fallback(checkpoint_dir(run_dir) / str(step), exc, newest_first[i + 1])
             continue
-        return newest_first[i:]
-    return []
+        return newest_first[i:], config, meta
+    raise UserError(f"no checkpoint to resume from in {checkpoint_dir(run_dir)}")
 
 
 # Python's "[Errno 28] No space left on device" and TensorStore's "...: File too large [os_error_code='27']"
@@ -299,12 +310,13 @@ class Checkpointer:
                          f"{self.directory} are intact; free space or fix permissions there and run the same "
                          "command again to continue")
 
-    def restore_newest(self, candidates: list[int], state: TrainState, task: Task, mesh: Mesh) -> int:
-        """Restores the newest of `candidates` (newest first) whose arrays read back; ones that
-        do not are skipped with a warning and moved aside, so later saves can use their steps."""
+    def restore_newest(self, resume: Resume, state: TrainState, task: Task, mesh: Mesh) -> int:
+        """Restores the newest of `resume.steps` whose arrays read back; ones that do not are
+        skipped with a warning and moved aside, so later saves can use their steps."""
+        candidates = resume.steps
         for i, step in enumerate(candidates):
             try:
-                self.restore(step, state, task, mesh)
+                self.restore(step, state, task, mesh, resume.meta if i == 0 else None)
             except UserError:
                 raise
             except Exception as exc:  # noqa: BLE001 - a truncated or partly deleted checkpoint
@@ -325,14 +337,14 @@ class Checkpointer:
         if steps:
             self.manager.reload()
 
-    def restore(self, step: int, state: TrainState, task: Task, mesh: Mesh) -> None:
-        """Sets `state` and the task's data position from checkpoint `step`; the arrays land
-        on `mesh` with the shardings of `state`'s arrays."""
-        check_param_layout(self.directory.parent, step)
+    def restore(self, step: int, state: TrainState, task: Task, mesh: Mesh, meta: Optional[dict] = None) -> None:
+        """Sets `state` and the task's data position from checkpoint `step` (its `meta` when
+        already read); the arrays land on `mesh` with the shardings of `state`'s arrays."""
+        meta = saved_meta(self.directory.parent, step) if meta is None else meta
+        check_param_layout(meta, self.directory / str(step))
         restored = self.manager.restore(step, args=ocp.args.Composite(
             params=ocp.args.StandardRestore(_on_mesh(state.params, mesh)),
-            opt_state=ocp.args.StandardRestore(_on_mesh(state.opt_state, mesh)), meta=ocp.args.JsonRestore()))
-        meta = restored.meta
+            opt_state=ocp.args.StandardRestore(_on_mesh(state.opt_state, mesh))))
         state.params, state.opt_state = restored.params, restored.opt_state
         state.key, state.step, state.skipped_steps = _key_from_record(meta["key"]), meta["step"], meta["skipped_steps"]
         try:

@@ -70,11 +70,12 @@ def _host_device() -> jax.Device:
 def load_policy(run_dir: Path, step: int) -> tuple[QwenModel, Any]:
     """The policy model of checkpoint `step` (params on one device) and the run's tokenizer."""
     cfg = saved_run_config(run_dir, step)
-    qcfg = QwenConfig.from_hf_dict(saved_meta(run_dir, step)["model_config"])
+    meta = saved_meta(run_dir, step)
+    qcfg = QwenConfig.from_hf_dict(meta["model_config"])
     graphdef, shapes = nnx.split(abstract_model(qcfg, cfg.model.param_dtype))
     on_host = SingleDeviceSharding(_host_device())
     target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=on_host), shapes)
-    return nnx.merge(graphdef, saved_params(run_dir, step, target)), build_tokenizer(cfg)
+    return nnx.merge(graphdef, saved_params(run_dir, step, target, meta)), build_tokenizer(cfg)
 
 
 MANIFEST = ".grpo-export.json"

@@ -48,7 +48,8 @@ def with_moment_dtype(inner: optax.GradientTransformation, dtype: Any) -> optax.
     return optax.GradientTransformation(init, update)
 
 
-def build_optimizer(cfg: TrainConfig, lr: optax.Schedule, moments: Optional[str] = None) -> optax.GradientTransformation:
+def build_optimizer(cfg: TrainConfig, lr: optax.Schedule,
+                    moments: Optional[str] = None) -> optax.GradientTransformation:
     """Clip by global norm (when set), then the configured optimizer following the `lr`
     schedule (`learning_rate_schedule(cfg)`); its moments in the `moments` dtype when given."""
     parts = [optax.clip_by_global_norm(cfg.max_grad_norm)] if cfg.max_grad_norm else []

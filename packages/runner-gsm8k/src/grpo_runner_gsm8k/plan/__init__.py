@@ -37,13 +37,13 @@ __all__ = ["EXIT_DOES_NOT_FIT", "GIB", "Capacity", "PlanInputs", "abstract_run_m
            "rollout_phases", "train_phase", "train_widths", "update_lowering"]
 
 def plan_once(inputs: PlanInputs, capacity: Capacity) -> int:
-    phases = fixed_phases(inputs, capacity) + [train_phase(inputs, inputs.cfg.train.micro_batch_size_per_device)]
+    phases = fixed_phases(inputs, capacity) + [train_phase(inputs, inputs.run.cfg.train.micro_batch_size_per_device)]
     print("\n".join(header_lines(inputs) + table_lines(phases) + footer_lines(inputs)))
     print(peak_line(phases, capacity))
     top = peak(phases)
     if top.total <= capacity.bytes:
         return 0
-    print(f"grpo-run: does not fit: {does_not_fit_message(top, capacity, inputs.cfg)}", file=sys.stderr)
+    print(f"grpo-run: does not fit: {does_not_fit_message(top, capacity, inputs.run.cfg)}", file=sys.stderr)
     return EXIT_DOES_NOT_FIT
 
 

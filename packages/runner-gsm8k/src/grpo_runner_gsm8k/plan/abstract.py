@@ -15,45 +15,40 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from grpo_core.config import RunConfig
-from grpo_core.contracts import SamplingParams
+from grpo_core.contracts import PlannableRollout, RolloutWidths
 from grpo_core.errors import UserError
 from grpo_core.models import QwenConfig
 from grpo_core.models.hf_io import abstract_model
 from grpo_core.models.config import HUB_ARCHITECTURES, hub_architecture
 from grpo_core.models.precision import needs_cast
 from grpo_core.registry import Registry
-from grpo_core.rollout_records import trimmed_widths
 from grpo_core.sharding import param_shardings
-from grpo_meshes import build_mesh_from_config, setup_processes, train_batch_sharding
-from grpo_rollout.backend import JaxRollout
-from grpo_rollout.prompts import bucket_length
+from grpo_meshes import ProcessLayout, build_mesh_from_config, setup_processes, train_batch_sharding
 
 from grpo_runner_gsm8k.build import (attention_impl, build_tokenizer, check_lengths, model_config, preflight,
-                                     rows_per_step)
-from grpo_runner_gsm8k.program import RunProgram, build_program
+                                     rows_per_step, sampling_params)
+from grpo_runner_gsm8k.checkpoint import TrainState
+from grpo_runner_gsm8k.multihost import local_prompt_count
+from grpo_runner_gsm8k.run import BuiltRun, RunShape, assemble
 from grpo_runner_gsm8k.step import UpdateBatch
 from grpo_runner_gsm8k.tpu_target import Target, describe, target_devices
 
 
-@dataclass
+@dataclass(frozen=True)
 class PlanInputs:
-    """Everything the compiles share: the mesh, the abstract model and optimizer state."""
+    """The abstract twin of a built run (`run`, whose state holds sharded ShapeDtypeStructs)
+    and, when planning for a TPU slice, that slice described."""
 
-    cfg: RunConfig
-    mesh: Mesh
-    qcfg: QwenConfig
-    program: RunProgram  # the run's own jitted functions and plugins
-    params: Any  # abstract: ShapeDtypeStruct leaves with their NamedShardings
-    opt_state: Any
-    target: Optional[str] = None  # the TPU slice, described, when planning for one
+    run: BuiltRun
+    target: Optional[str] = None
 
     @property
-    def graphdef(self) -> nnx.GraphDef:
-        return self.program.graphdef
+    def params(self) -> Any:
+        return self.run.state.params
 
     @property
-    def rollout(self) -> JaxRollout:
-        return self.program.rollout
+    def opt_state(self) -> Any:
+        return self.run.state.opt_state
 
     @property
     def params_bytes(self) -> int:
@@ -62,12 +57,12 @@ class PlanInputs:
     @property
     def forward_params(self) -> Any:
         """The params as rollout and scoring take them: in the compute dtype (see loop.Trainer.forward_params)."""
-        return abstract_cast(self.params, self.program.compute_dtype)
+        return abstract_cast(self.params, self.run.compute_dtype)
 
     @property
     def masters_beside_rollout(self) -> int:
         """The stored params stay alive beside their compute-dtype copy when the dtypes differ."""
-        return self.params_bytes if needs_cast(self.params, self.program.compute_dtype) else 0
+        return self.params_bytes if needs_cast(self.params, self.run.compute_dtype) else 0
 
     @property
     def held_beside_rollout(self) -> int:
@@ -77,7 +72,7 @@ class PlanInputs:
     @property
     def reference_bytes(self) -> int:
         """A frozen copy of the params (in the compute dtype) lives on the devices when the KL term is on."""
-        return per_device_bytes(self.forward_params) if self.cfg.loss.beta > 0 else 0
+        return per_device_bytes(self.forward_params) if self.run.scores_ref_logps else 0
 
 
 def per_device_bytes(tree: Any) -> int:
@@ -149,56 +144,77 @@ def plan_architecture(cfg: RunConfig) -> QwenConfig:
     return known
 
 
-def check_plannable_rollout(cfg: RunConfig, backend: Any) -> None:
-    if not isinstance(backend, JaxRollout):
-        raise UserError(f"rollout.backend {cfg.rollout.backend!r}: the memory plan compiles the 'jax' backend's "
-                        "prefill and decode only; plan with rollout.backend=jax")
+def plannable(run: BuiltRun) -> PlannableRollout:
+    """The run's rollout backend, which must implement the contract's planning members."""
+    if not isinstance(run.rollout, PlannableRollout):
+        raise UserError(f"rollout.backend {run.cfg.rollout.backend!r} cannot be planned: its backend implements no "
+                        "widths/compile_phases (grpo_core.contracts.PlannableRollout); add them, or plan with "
+                        "rollout.backend=jax")
+    return run.rollout
+
+
+def target_layout(devices: list) -> ProcessLayout:
+    """The process layout of the hosts of a TPU target's devices, planned from this process."""
+    processes = len({d.process_index for d in devices})
+    return ProcessLayout(0, processes, len(devices) // processes, len(devices), distributed=False)
+
+
+def abstract_run(cfg: RunConfig, registry: Registry, devices: Optional[list] = None) -> BuiltRun:
+    """The run's abstract twin on `devices` (default: this host's): the same plugins and jitted
+    functions, on a model and optimizer state of shapes only (no weights, tokenizer or data)."""
+    layout = setup_processes(cfg.mesh) if devices is None else target_layout(devices)
+    resolved = build_mesh_from_config(cfg.mesh, registry.mesh, devices)
+    qcfg = plan_architecture(cfg)
+    check_lengths(cfg, qcfg)
+    preflight(cfg, resolved.mesh, qcfg, devices)
+    graphdef, params = abstract_run_model(cfg, qcfg, resolved.mesh, resolved.strategy)
+    prompts = local_prompt_count(cfg.rollout.prompts_per_step, layout.process_count)
+    shape = RunShape(cfg, layout, resolved.mesh, qcfg, graphdef, prompts)
+
+    def make_state(optimizer: optax.GradientTransformation) -> TrainState:
+        return TrainState(params, abstract_opt_state(optimizer, params, resolved.mesh), abstract_key(resolved.mesh))
+
+    # stop ids change no buffer: the plan needs no tokenizer for them
+    return assemble(shape, registry, make_state, (sampling_params(cfg, ()), sampling_params(cfg, (), for_eval=True)))
 
 
 def build_plan_inputs(cfg: RunConfig, registry: Registry, target: Optional[Target] = None) -> PlanInputs:
     """The plan's inputs on this host's devices, or on the compile-only devices of a TPU
     `target` (every host of the slice, planned from this one process)."""
     devices = target_devices(target) if target else None
-    if devices is None:
-        setup_processes(cfg.mesh)
-    resolved = build_mesh_from_config(cfg.mesh, registry.mesh, devices)
-    qcfg = plan_architecture(cfg)
-    check_lengths(cfg, qcfg)
-    preflight(cfg, resolved.mesh, qcfg, devices)
-    graphdef, params = abstract_run_model(cfg, qcfg, resolved.mesh, resolved.strategy)
-    # stop ids change no buffer: the plan needs no tokenizer for them
-    program = build_program(cfg, registry, resolved.mesh, graphdef, SamplingParams.from_config(cfg.rollout))
-    check_plannable_rollout(cfg, program.rollout)
-    return PlanInputs(
-        cfg=cfg, mesh=resolved.mesh, qcfg=qcfg, program=program, params=params,
-        opt_state=abstract_opt_state(program.optimizer, params, resolved.mesh),
-        target=describe(target, devices) if target else None)
+    run = abstract_run(cfg, registry, devices)
+    plannable(run)
+    return PlanInputs(run, target=describe(target, devices) if target else None)
 
 
-def prompt_bucket(inputs: PlanInputs) -> int:
-    """Widest prompt batch: rollout.max_prompt_length rounded up to the backend's bucket."""
+def rollout_widths(inputs: PlanInputs) -> RolloutWidths:
+    r = inputs.run.cfg.rollout
     try:
-        return bucket_length(inputs.cfg.rollout.max_prompt_length, inputs.rollout.options.prompt_buckets)
+        return plannable(inputs.run).widths(r.max_prompt_length, r.max_new_tokens)
     except ValueError as exc:
         raise UserError(f"rollout.max_prompt_length: {exc}") from None
 
 
+def prompt_bucket(inputs: PlanInputs) -> int:
+    """Widest prompt batch the backend samples from (max_prompt_length, padded as it pads)."""
+    return rollout_widths(inputs).prompt
+
+
 def train_widths(inputs: PlanInputs) -> tuple[int, int]:
     """(prompt, completion) columns of the widest trimmed training batch."""
-    r = inputs.cfg.rollout
-    return trimmed_widths(r.max_prompt_length, r.max_new_tokens, prompt_bucket(inputs), r.max_new_tokens,
-                          inputs.rollout.options.trim_bucket)
+    widths = rollout_widths(inputs)
+    return widths.train_prompt, widths.train_completion
 
 
 def abstract_update_batch(inputs: PlanInputs) -> UpdateBatch:
     """The widest UpdateBatch of a step, as the loop builds it (see loop.Trainer.update_batch)."""
-    cfg, mesh = inputs.cfg, inputs.mesh
+    cfg, mesh = inputs.run.cfg, inputs.run.mesh
     rows, (prompt_w, completion_w) = rows_per_step(cfg), train_widths(inputs)
     tokens = lambda dtype, width: abstract_array((rows, width), dtype, train_batch_sharding(mesh))  # noqa: E731
     return UpdateBatch(
         input_ids=tokens(jnp.int32, prompt_w + completion_w), attention_mask=tokens(jnp.int32, prompt_w + completion_w),
         targets=tokens(jnp.int32, completion_w), loss_mask=tokens(jnp.float32, completion_w),
         advantages=abstract_array((rows,), jnp.float32, train_batch_sharding(mesh, ndim=1)),
-        old_logp=tokens(jnp.float32, completion_w) if inputs.program.has_old_logps else None,
-        ref_logp=tokens(jnp.float32, completion_w) if inputs.program.scores_ref_logps else None,
+        old_logp=tokens(jnp.float32, completion_w) if inputs.run.has_old_logps else None,
+        ref_logp=tokens(jnp.float32, completion_w) if inputs.run.scores_ref_logps else None,
         prompt_width=prompt_w)

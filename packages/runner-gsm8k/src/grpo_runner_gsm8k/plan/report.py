@@ -33,7 +33,7 @@ def table_lines(phases: list[PhaseMemory]) -> list[str]:
 
 
 def header_lines(inputs: PlanInputs) -> list[str]:
-    cfg, mesh, q = inputs.cfg, inputs.mesh, inputs.qcfg
+    cfg, mesh, q = inputs.run.cfg, inputs.run.mesh, inputs.run.qcfg
     params = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(inputs.params))
     rows, (prompt_w, completion_w) = rows_per_step(cfg), train_widths(inputs)
     data_devices = batch_shard_count(mesh, TRAIN_BATCH_AXES)
@@ -67,7 +67,7 @@ def footer_lines(inputs: PlanInputs) -> list[str]:
     lines = ["aliased: outputs written into donated argument buffers (counted once); other: device state that is "
              "not an argument of the phase (optimizer state and float32 masters during rollout, which runs on "
              "their compute-dtype copy; reference params when loss.beta > 0)"]
-    if not inputs.target and jax.default_backend() == "cpu" and inputs.cfg.model.dtype == "bfloat16":
+    if not inputs.target and jax.default_backend() == "cpu" and inputs.run.cfg.model.dtype == "bfloat16":
         lines.append("note: XLA:CPU upcasts bfloat16 matmul operands to float32, so the temp of a bfloat16 model "
                      "is overstated on CPU; compile on the accelerator for its exact figure")
     return lines
@@ -88,7 +88,7 @@ def does_not_fit_message(phase: PhaseMemory, capacity: Capacity, cfg: RunConfig)
     memory = "HBM" if "HBM" in capacity.source else "capacity"
     needs = (f"{phase.name} needs {phase.total / GIB:.2f} GiB per device, exceeds {memory} by "
              f"{(phase.total - capacity.bytes) / GIB:.2f} GiB (capacity {capacity.gib:.2f} GiB)")
-    if phase.name in ("rollout prefill", "rollout decode"):
+    if phase.name.startswith("rollout"):
         return (f"{needs}: lower rollout.prompts_per_step, rollout.n or rollout.max_new_tokens, set "
                 "rollout.options.cache_dtype=bfloat16, or use more devices")
     remat = {"none": " or enable model.remat (dots or full)", "dots": " or set model.remat=full"}

@@ -23,8 +23,8 @@ SWEEP_FIELDS = ("micro_batch_size_per_device",)
 
 def micro_batch_candidates(inputs: PlanInputs) -> list[int]:
     """Valid micro_batch_size_per_device values: divisors of the rows each data device holds."""
-    mesh = inputs.mesh
-    per_device = rows_per_step(inputs.cfg) // batch_shard_count(mesh, TRAIN_BATCH_AXES)
+    mesh = inputs.run.mesh
+    per_device = rows_per_step(inputs.run.cfg) // batch_shard_count(mesh, TRAIN_BATCH_AXES)
     return [size for size in range(1, per_device + 1) if per_device % size == 0]
 
 
@@ -74,7 +74,7 @@ def report_sweep(inputs: PlanInputs, capacity: Capacity, best: Optional[int],
                       "tried": {str(k): round(peak(v).total / GIB, 4) for k, v in sorted(tried.items())}}))
     if best is None:
         smallest = tried[min(tried)][-1]
-        reason = (does_not_fit_message(peak(fixed), capacity, inputs.cfg) if peak(fixed).total > capacity.bytes
+        reason = (does_not_fit_message(peak(fixed), capacity, inputs.run.cfg) if peak(fixed).total > capacity.bytes
                   else f"even micro_batch_size_per_device={min(tried)} needs {smallest.total / GIB:.2f} GiB per "
                        f"device: enable model.remat (dots or full), use more devices, or shorten the sequences")
         print(f"grpo-run: does not fit: {reason}", file=sys.stderr)
