@@ -5,6 +5,7 @@ slice has; bad names and configs too large for the chip's HBM are one-line error
 from __future__ import annotations
 
 import math
+import os
 import re
 
 import jax
@@ -44,7 +45,9 @@ def test_slice_shapes_follow_cloud_tpu():
 @pytest.mark.parametrize("gather", ["auto", "false"])
 def test_tiny_model_planned_by_the_tpu_compiler(plan_config, tmp_path, capsys, gather):
     cfg = plan_config(f"rollout.options.gather_weights={gather}")
+    environment = dict(os.environ)
     assert plan.plan_command(cfg, default_registry(), target="v5e-4") == 0
+    assert dict(os.environ) == environment  # libtpu's variables and the CPU scheduler flag are scoped to the plan
     out = capsys.readouterr().out
     assert "on 4 TPU v5 lite device(s)" in out
     assert "figures: the TPU compiler's (libtpu) for v5e-4 (TPU v5 lite, topology v5e:2x2): 4 devices on 1 host" in out

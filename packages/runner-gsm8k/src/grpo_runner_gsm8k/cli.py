@@ -21,6 +21,7 @@ from typing import Callable
 
 from grpo_core.errors import UserError
 from grpo_runner_gsm8k import orbax_noise
+from grpo_runner_gsm8k.environ import environment, unset
 from grpo_runner_gsm8k.preemption import Stopped
 
 EXIT_BAD_INPUT = 2
@@ -131,12 +132,14 @@ def _show_warning(message, category, filename, lineno, file=None, line=None) -> 
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    # transformers serves tokenizers and configs only; its notice that torch is absent is noise here.
+    with environment(**unset(TRANSFORMERS_NO_ADVISORY_WARNINGS="1", TRANSFORMERS_VERBOSITY="error")):
+        return _main(sys.argv[1:] if argv is None else argv)
+
+
+def _main(argv: list[str]) -> int:
     warnings.showwarning = _show_warning
     orbax_noise.install()
-    # transformers serves tokenizers and configs only; its notice that torch is absent is noise here.
-    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     try:
         return run(argv)
     except Stopped as exc:

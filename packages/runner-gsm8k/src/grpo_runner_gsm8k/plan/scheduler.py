@@ -6,6 +6,8 @@ import contextlib
 import os
 from typing import Iterator
 
+from grpo_runner_gsm8k.environ import environment
+
 CPU_MEMORY_SCHEDULER_FLAG = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
 
 
@@ -18,13 +20,7 @@ def memory_minimizing_cpu_scheduler() -> Iterator[None]:
     Qwen2.5-3B step: 25.9 GiB temp with it, 7.5 GiB without). Accelerators schedule for
     memory already; the flag is read when the backend starts, so the plan enters this
     before any device work."""
-    before = os.environ.get("XLA_FLAGS")
-    if "xla_cpu_enable_concurrency_optimized_scheduler" not in (before or ""):
-        os.environ["XLA_FLAGS"] = f"{before or ''} {CPU_MEMORY_SCHEDULER_FLAG}".strip()
-    try:
+    flags = os.environ.get("XLA_FLAGS", "")
+    chosen = "xla_cpu_enable_concurrency_optimized_scheduler" in flags  # the user's own choice stays
+    with environment(**({} if chosen else {"XLA_FLAGS": f"{flags} {CPU_MEMORY_SCHEDULER_FLAG}".strip()})):
         yield
-    finally:
-        if before is None:
-            os.environ.pop("XLA_FLAGS", None)
-        else:
-            os.environ["XLA_FLAGS"] = before
