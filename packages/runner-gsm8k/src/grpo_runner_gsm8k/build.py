@@ -263,16 +263,16 @@ class Inputs:
     """What a run reads before any device work: every check of the config against them is done."""
 
     tokenizer: Any
-    qcfg: QwenConfig
     task: Any
     rewards: dict[str, tuple[Any, float]]
     prompt_ids: dict[str, list[int]]
     prompts_per_process: int  # prompts each process takes per step
 
 
-def check_inputs(cfg: RunConfig, registry: Registry, process_index: int = 0, process_count: int = 1) -> Inputs:
-    """Tokenizer, model config, task data, reward functions and every prompt, checked against
-    the config (no device is touched: `--print-config` runs this too)."""
+def check_inputs(cfg: RunConfig, registry: Registry, process_index: int = 0,
+                 process_count: int = 1) -> tuple[QwenConfig, Inputs]:
+    """(model config, inputs): tokenizer, model config, task data, reward functions and every
+    prompt, checked against the config (no device is touched: `--print-config` runs this too)."""
     prompts_per_process = local_prompt_count(cfg.rollout.prompts_per_step, process_count)
     tokenizer = build_tokenizer(cfg)
     qcfg = model_config(cfg, tokenizer)
@@ -283,8 +283,8 @@ def check_inputs(cfg: RunConfig, registry: Registry, process_index: int = 0, pro
     rewards = {name: (from_plugin(registry, "reward", name, cfg.task.reward_options.get(name, {}),
                                   f"task.reward_options.{name}"), float(weight))
                for name, weight in cfg.task.rewards.items()}
-    return Inputs(tokenizer, qcfg, task, rewards, check_prompts(cfg, tokenizer, task, prompts_per_process),
-                  prompts_per_process)
+    return qcfg, Inputs(tokenizer, task, rewards, check_prompts(cfg, tokenizer, task, prompts_per_process),
+                        prompts_per_process)
 
 
 def check_run_dir(cfg: RunConfig) -> None:

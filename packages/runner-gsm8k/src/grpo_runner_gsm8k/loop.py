@@ -113,7 +113,7 @@ class Trainer:
     def step(self) -> dict:
         start = time.monotonic()
         self.state.key, key = jax.random.split(self.state.key)
-        examples = gather_objects(self.built.inputs.task.train_batch(self.built.prompts_per_process))
+        examples = gather_objects(self.built.inputs.task.train_batch(self.built.inputs.prompts_per_process))
         weights = self.forward_params(self.state.params)
         result = rollout(self.built, weights, examples, key, self.built.sampling)
         jax.block_until_ready(result.completion_ids)

@@ -64,7 +64,6 @@ class BuiltRun:
     score: Callable[..., jax.Array]
     sampling: SamplingParams
     eval_sampling: SamplingParams
-    prompts_per_process: int
     inputs: Optional[Inputs] = None
 
     @property
@@ -132,7 +131,6 @@ class RunShape:
     mesh: Mesh
     qcfg: QwenConfig
     graphdef: nnx.GraphDef
-    prompts_per_process: int  # prompts each process takes per step
 
 
 def assemble(shape: RunShape, registry: Registry, make_state: Callable[[optax.GradientTransformation], TrainState],
@@ -147,19 +145,17 @@ def assemble(shape: RunShape, registry: Registry, make_state: Callable[[optax.Gr
         state=make_state(optimizer), plugins=plugins, lr_schedule=lr_schedule, optimizer=optimizer,
         update=make_run_update(cfg, mesh, shape.graphdef, plugins.loss_impl, optimizer),
         score=make_score(shape.graphdef, plugins.loss_impl, cfg.rollout.temperature),
-        sampling=samplings[0], eval_sampling=samplings[1],
-        prompts_per_process=shape.prompts_per_process,
-        inputs=inputs)
+        sampling=samplings[0], eval_sampling=samplings[1], inputs=inputs)
 
 
 def build_run(cfg: RunConfig, registry: Registry) -> BuiltRun:
     """The run on this process's devices: inputs checked, model loaded and sharded, state initialised."""
     layout = setup_processes(cfg.mesh)
     resolved = build_mesh_from_config(cfg.mesh, registry.mesh)
-    inputs = check_inputs(cfg, registry, layout.process_index, layout.process_count)
-    preflight(cfg, resolved.mesh, inputs.qcfg)
-    graphdef, params = nnx.split(build_model(cfg, inputs.qcfg, resolved.mesh, resolved.strategy))
-    shape = RunShape(cfg, layout, resolved.mesh, inputs.qcfg, graphdef, inputs.prompts_per_process)
+    qcfg, inputs = check_inputs(cfg, registry, layout.process_index, layout.process_count)
+    preflight(cfg, resolved.mesh, qcfg)
+    graphdef, params = nnx.split(build_model(cfg, qcfg, resolved.mesh, resolved.strategy))
+    shape = RunShape(cfg, layout, resolved.mesh, qcfg, graphdef)
 
     def make_state(optimizer: optax.GradientTransformation) -> TrainState:
         return TrainState(params, init_opt_state(optimizer, params, resolved.mesh), jax.random.key(cfg.train.seed))

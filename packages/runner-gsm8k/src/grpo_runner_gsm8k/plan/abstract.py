@@ -166,10 +166,10 @@ def abstract_run(cfg: RunConfig, registry: Registry, devices: Optional[list] = N
     resolved = build_mesh_from_config(cfg.mesh, registry.mesh, devices)
     qcfg = plan_architecture(cfg)
     check_lengths(cfg, qcfg)
+    local_prompt_count(cfg.rollout.prompts_per_step, layout.process_count)  # the prompts split over the hosts
     preflight(cfg, resolved.mesh, qcfg, devices)
     graphdef, params = abstract_run_model(cfg, qcfg, resolved.mesh, resolved.strategy)
-    prompts = local_prompt_count(cfg.rollout.prompts_per_step, layout.process_count)
-    shape = RunShape(cfg, layout, resolved.mesh, qcfg, graphdef, prompts)
+    shape = RunShape(cfg, layout, resolved.mesh, qcfg, graphdef)
 
     def make_state(optimizer: optax.GradientTransformation) -> TrainState:
         return TrainState(params, abstract_opt_state(optimizer, params, resolved.mesh), abstract_key(resolved.mesh))
