@@ -72,8 +72,7 @@ class BuiltRun:
 
     @property
     def compute_dtype(self) -> Any:
-        """The dtype every forward and backward pass runs in (model.dtype)."""
-        return resolve_dtype(self.cfg.model.dtype)
+        return compute_dtype(self.cfg)
 
     @property
     def rollout_sharding(self) -> NamedSharding:
@@ -100,10 +99,15 @@ class BuiltRun:
                                                                         self.plugins.loss_impl, self.optimizer))
 
 
+def compute_dtype(cfg: RunConfig) -> Any:
+    """The dtype every forward and backward pass runs in (model.dtype)."""
+    return resolve_dtype(cfg.model.dtype)
+
+
 def make_run_update(cfg: RunConfig, mesh: Mesh, graphdef: nnx.GraphDef, loss_impl: Any,
                     optimizer: optax.GradientTransformation) -> Callable[..., Any]:
     return make_update(graphdef, loss_impl, cfg.loss, optimizer, cfg.rollout.temperature,
-                       micro_batches(cfg, mesh), resolve_dtype(cfg.model.dtype))
+                       micro_batches(cfg, mesh), compute_dtype(cfg))
 
 
 def build_plugins(cfg: RunConfig, registry: Registry, mesh: Mesh) -> Plugins:
