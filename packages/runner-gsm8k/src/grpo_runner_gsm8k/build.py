@@ -1,4 +1,5 @@
-"""Everything a run needs, built from a validated RunConfig in dependency order."""
+"""The pieces of a run and their checks against the config: plugins, tokenizer, model config and
+model, samplings, prompts, batch arithmetic (rows, micro-batches) and the run directory."""
 
 from __future__ import annotations
 
