@@ -153,6 +153,13 @@ def _describe(tp: Any) -> str:
             bool: "true/false", dict: "a mapping", list: "a list"}.get(tp, getattr(tp, "__name__", str(tp)))
 
 
+def _finite(value: int | float) -> bool:
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an integer beyond the float range
+        return False
+
+
 def _coerce(tp: Any, value: Any) -> tuple[bool, Any]:
     """(ok, converted value) for `value` against type annotation `tp`."""
     origin = typing.get_origin(tp)
@@ -167,7 +174,7 @@ def _coerce(tp: Any, value: Any) -> tuple[bool, Any]:
     if tp is type(None):
         return value is None, value
     if tp is float:  # every float setting means a finite number: NaN and inf are refused
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and _finite(value)
         return ok, float(value) if ok else value
     if tp is int:
         return isinstance(value, int) and not isinstance(value, bool), value
@@ -214,9 +221,26 @@ def build_dataclass(cls: type, data: Any, prefix: str = "") -> Any:
     return cls(**values)
 
 
+def _check_text(key: str, value: Any) -> None:
+    """Every string of a value is real Unicode: YAML's "\\ud800" escapes make lone surrogates,
+    which no tokenizer, file system or log can take."""
+    texts = [value] if isinstance(value, str) else []
+    if isinstance(value, dict):
+        texts = [str(k) for k in value] + [v for v in value.values() if isinstance(v, str)]
+    elif isinstance(value, list):
+        texts = [v for v in value if isinstance(v, str)]
+    for text in texts:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ConfigError(f"{key} = {text!r} holds a lone surrogate (a \\ud800-\\udfff escape), which is "
+                              "not text; write the character itself or drop the escape") from None
+
+
 def _field_value(tp: Any, value: Any, key: str, meta: typing.Mapping) -> Any:
     if dataclasses.is_dataclass(tp):
         return build_dataclass(tp, value, key + ".")
+    _check_text(key, value)
     ok, converted = _coerce(tp, value)
     if not ok:
         raise ConfigError(f"{key} = {value!r} has the wrong type: expected {_describe(tp)}")
@@ -265,7 +289,7 @@ def validate_cross_fields(cfg: RunConfig) -> None:
         raise ConfigError("rollout.n = 1 with loss.scale_rewards = 'group': a group of one sample has no std; "
                           "set rollout.n >= 2 or loss.scale_rewards=none")
     for name, weight in cfg.task.rewards.items():
-        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight):
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not _finite(weight):
             raise ConfigError(f"task.rewards.{name} = {weight!r} has the wrong type: expected a finite number "
                               "(the weight)")
     if cfg.model.param_dtype == "bfloat16" and cfg.model.dtype == "float32":
