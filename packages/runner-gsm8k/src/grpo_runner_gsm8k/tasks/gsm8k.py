@@ -89,7 +89,8 @@ def _parse_jsonl_line(path: Path, number: int, offset: int, raw: bytes) -> Any:
         return json.loads(line)
     except json.JSONDecodeError as exc:
         byte = offset + len(line[:exc.pos].encode("utf-8"))
-        raise UserError(f"{path}:{number} (byte {byte}) is not valid JSON ({exc.msg}); fix or remove the line") from None
+        raise UserError(f"{path}:{number} is not valid JSON ({exc.msg} at byte {byte} of the file); fix or remove "
+                        "the line") from None
     except RecursionError:
         raise UserError(f"{path}:{number} (byte {offset}) nests JSON too deeply; fix or remove the line") from None
 
