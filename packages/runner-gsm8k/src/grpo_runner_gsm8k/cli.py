@@ -22,7 +22,7 @@ import warnings
 from typing import Callable
 
 from grpo_core.errors import UserError
-from grpo_runner_gsm8k.crash import CONTEXT, report_crash
+from grpo_runner_gsm8k.crash import CONTEXT, begin, report_crash
 from grpo_runner_gsm8k.preemption import Stopped
 
 EXIT_SIGINT = 128 + 2
@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     # transformers serves tokenizers and configs only; its notice that torch is absent is noise here.
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    CONTEXT.argv = tuple(argv)
+    begin(argv)
     try:
         return run(argv)
     except Stopped as exc:

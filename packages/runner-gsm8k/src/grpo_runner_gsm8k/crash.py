@@ -32,6 +32,11 @@ class CrashContext:
 CONTEXT = CrashContext()
 
 
+def begin(argv: list[str]) -> None:
+    """A fresh context for one command (tests run several in one process)."""
+    CONTEXT.argv, CONTEXT.run_dir, CONTEXT.config_yaml = tuple(argv), None, ""
+
+
 def versions() -> list[str]:
     lines = [f"python {platform.python_version()} ({platform.platform()})"]
     for name in PACKAGES:
