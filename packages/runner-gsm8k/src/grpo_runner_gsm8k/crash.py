@@ -85,8 +85,11 @@ def where_raised(exc: BaseException) -> str:
 
 
 def cause(exc: BaseException) -> str:
-    from grpo_runner_gsm8k.checkpoint import cause_of
-
+    """The cause on one short line (the operating-system error when there is one)."""
+    try:
+        from grpo_runner_gsm8k.checkpoint import cause_of
+    except Exception:  # noqa: BLE001 - the boundary must answer even when the checkpoint stack cannot import
+        return f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
     return cause_of(exc)
 
 
