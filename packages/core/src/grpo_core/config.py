@@ -12,6 +12,9 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
 Number = float | int
+# JAX's default (32-bit) PRNG keys keep the low 32 bits of a seed: 2**32 would repeat seed 0.
+JAX_SEED_MAX = 2**32 - 1
+NUMPY_SEED_MAX = 2**64 - 1
 
 
 def setting(default: Any, doc: str, *, ge: Number | None = None, gt: Number | None = None,
@@ -52,7 +55,7 @@ class ModelConfig:
     scan_layers: bool = setting(
         True, "Run the decoder layers as one scan (compile time independent of depth); "
         "false loops over them in Python, for debugging.")
-    seed: int = setting(0, "Seed of the random initialisation.", ge=0)
+    seed: int = setting(0, "Seed of the random initialisation (a JAX key: fits 32 bits).", ge=0, le=JAX_SEED_MAX)
 
 
 @dataclass(frozen=True)
@@ -66,7 +69,8 @@ class TaskConfig:
         {"correctness": 1.0}, "Reward function name -> weight; the total reward is the weighted sum.")
     reward_options: dict = setting(
         {}, "Reward function name -> options mapping, validated by that reward's options dataclass.")
-    seed: int = setting(0, "Seed of the data order (shuffled per epoch).", ge=0)
+    seed: int = setting(0, "Seed of the data order (shuffled per epoch; a numpy seed: fits 64 bits).", ge=0,
+                        le=NUMPY_SEED_MAX)
 
 
 @dataclass(frozen=True)
@@ -110,7 +114,8 @@ class TrainConfig:
     ppo_epochs: int = setting(1, "Passes over each rollout batch (the clipped ratio matters when > 1).", ge=1)
     micro_batch_size_per_device: int = setting(
         0, "Sequences per device per micro-batch; 0 means the whole batch in one micro-batch.", ge=0)
-    seed: int = setting(0, "Seed of sampling and dropout-free training randomness.", ge=0)
+    seed: int = setting(0, "Seed of sampling and dropout-free training randomness (a JAX key: fits 32 bits).",
+                        ge=0, le=JAX_SEED_MAX)
     moment_dtype: Optional[Literal["float32", "bfloat16"]] = setting(
         None, "Dtype of the optimizer moments; null = model.param_dtype.")
 

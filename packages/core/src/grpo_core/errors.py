@@ -1,8 +1,10 @@
-"""Errors caused by user input. The CLI prints them as one line and exits 2."""
+"""Errors caused by user input. The CLI prints them as one line and exits with `exit_code`."""
 
 
 class UserError(Exception):
     """Bad input: a config, a path, a name. The message says what, the value, and the fix."""
+
+    exit_code = 2
 
 
 class ConfigError(UserError):
@@ -11,3 +13,9 @@ class ConfigError(UserError):
 
 class PluginError(UserError):
     """A plugin that cannot be loaded, a duplicate name or an unknown name."""
+
+
+class DoesNotFit(UserError):
+    """A run whose compiled programs need more memory than the device has (exit 3, as `--plan`)."""
+
+    exit_code = 3

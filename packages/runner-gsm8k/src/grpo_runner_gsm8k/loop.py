@@ -30,6 +30,7 @@ from grpo_runner_gsm8k.build import (Components, build_components, check_run_dir
                                      warn_if_updates_round_away)
 from grpo_runner_gsm8k.checkpoint import Checkpointer, TrainState, resume_steps, truncate_metrics
 from grpo_runner_gsm8k.lock import RunDirLock
+from grpo_runner_gsm8k.memory_check import MemoryGuard
 from grpo_runner_gsm8k.metrics import MetricsLogger
 from grpo_runner_gsm8k.multihost import gather_objects, host_array, local_prompt_count
 from grpo_runner_gsm8k.optim import learning_rate_schedule
@@ -79,6 +80,9 @@ class Trainer:
         self.c = build_components(cfg, registry)
         self.graphdef, params = nnx.split(self.c.model)
         self.program = build_program(cfg, registry, self.c.mesh, self.graphdef, self.c.sampling)
+        self.memory = MemoryGuard(cfg)
+        if hasattr(self.program.rollout, "memory_check"):  # the jax backend checks its own compiles
+            self.program.rollout.memory_check = self.memory.check_compiled
         self.run_dir = prepare_run_dir(cfg)
         self.lock = RunDirLock(self.run_dir)
         if self.c.layout.process_index == 0:  # the processes of one multi-host run share the directory
@@ -183,7 +187,7 @@ class Trainer:
         old_logp = self.old_logps(trimmed, weights, input_ids, attention_mask, targets, width)
         ref_logp = None
         if self.program.scores_ref_logps:
-            ref_logp = self.program.score(self.ref_params, input_ids, attention_mask, targets, prompt_width=width)
+            ref_logp = self.score(self.ref_params, input_ids, attention_mask, targets, width)
         sampler_logp = put(trimmed.sampler_logps[:, width:]) if self.program.carries_sampler_logps else None
         return UpdateBatch(input_ids, attention_mask, targets, loss_mask, jax.device_put(np.asarray(advantages.advantages), self.row_sharding),
                            old_logp, ref_logp, sampler_logp, prompt_width=width)
@@ -196,11 +200,17 @@ class Trainer:
             return jax.device_put(trimmed.sampler_logps[:, width:], self.train_sharding)
         if not self.program.scores_old_logps:
             return None  # params do not change before the only update: ratio is exactly 1
-        return self.program.score(weights, input_ids, attention_mask, targets, prompt_width=width)
+        return self.score(weights, input_ids, attention_mask, targets, width)
+
+    def score(self, weights, input_ids, attention_mask, targets, width: int) -> jax.Array:
+        args = (weights, input_ids, attention_mask, targets)
+        self.memory.check("log-probs", self.program.score, *args, prompt_width=width)
+        return self.program.score(*args, prompt_width=width)
 
     def run_updates(self, batch: UpdateBatch) -> dict:
         totals: dict[str, float] = {}
         for _ in range(self.cfg.train.ppo_epochs):
+            self.memory.check("train step", self.program.update, self.state.params, self.state.opt_state, batch)
             self.state.params, self.state.opt_state, metrics = self.program.update(
                 self.state.params, self.state.opt_state, batch)
             metrics = jax.device_get(metrics)

@@ -43,7 +43,7 @@ from grpo_core.rollout_records import trimmed_widths
 from grpo_core.sharding import param_shardings
 from grpo_meshes import (TRAIN_BATCH_AXES, batch_shard_count, build_mesh_from_config, rollout_batch_sharding,
                          setup_processes, train_batch_sharding)
-from grpo_rollout.backend import JaxRollout
+from grpo_rollout.backend import JaxRollout, abstract_outputs
 from grpo_rollout.collectives import decode_collective_bytes_per_token
 from grpo_rollout.decode import decode, prefill
 from grpo_rollout.gather import GATHER_HEADROOM, has_sharded_weights
@@ -196,12 +196,6 @@ def abstract_run_model(cfg: RunConfig, qcfg: QwenConfig, mesh: Mesh, strategy: A
     shardings = param_shardings(state, mesh, strategy.param_rules)
     return graphdef, jax.tree.map(lambda leaf, sharding: abstract_array(leaf.shape, leaf.dtype, sharding),
                                   state, shardings)
-
-
-def abstract_outputs(compiled: Any) -> Any:
-    """The outputs of a compiled function as sharded ShapeDtypeStructs."""
-    return jax.tree.map(lambda info, sharding: abstract_array(info.shape, info.dtype, sharding),
-                        compiled.out_info, compiled.output_shardings)
 
 
 def abstract_opt_state(optimizer: Any, params: Any, mesh: Mesh) -> Any:
