@@ -1,4 +1,4 @@
-"""Errors caused by user input. The CLI prints them as one line and exits with `exit_code`."""
+"""Errors the CLI prints as one line, exiting with `exit_code`."""
 
 
 class UserError(Exception):
@@ -19,3 +19,10 @@ class DoesNotFit(UserError):
     """A run whose compiled programs need more memory than the device has (exit 3, as `--plan`)."""
 
     exit_code = 3
+
+
+class RunFault(UserError):
+    """The machine failed the run (a full disk, a directory turned read-only): exit 1 like any
+    failure that is not bad input, but a one-line message, since the cause is known."""
+
+    exit_code = 1

@@ -44,7 +44,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from grpo_core.config import CheckpointConfig, RunConfig
 from grpo_core.config_io import build_dataclass, config_to_dict
 from grpo_core.contracts import Task
-from grpo_core.errors import UserError
+from grpo_core.errors import RunFault, UserError
 
 CHECKPOINTS = "checkpoints"
 ITEMS = ("params", "opt_state", "meta", "config")
@@ -362,13 +362,15 @@ class Checkpointer:
         except Exception as exc:  # noqa: BLE001
             raise self._save_failed(exc) from None
 
-    def _save_failed(self, exc: BaseException) -> UserError:
+    def _save_failed(self, exc: BaseException) -> RunFault:
         self.failed = True
         threading.excepthook = _quiet_thread_errors
         sys.unraisablehook = _quiet_thread_errors
         logging.getLogger("asyncio").setLevel(logging.CRITICAL)  # orbax's failed write tasks, never awaited
+        # the run ends on this error; any write coroutine orbax abandoned with the save is moot
+        warnings.filterwarnings("ignore", message=r"coroutine '.*' was never awaited", category=RuntimeWarning)
         where = self.directory / str(self.pending_step)
-        return UserError(f"saving checkpoint {where} failed ({cause_of(exc)}); earlier checkpoints in "
+        return RunFault(f"saving checkpoint {where} failed ({cause_of(exc)}); earlier checkpoints in "
                          f"{self.directory} are intact; free space or fix permissions there and run the same "
                          "command again to continue")
 

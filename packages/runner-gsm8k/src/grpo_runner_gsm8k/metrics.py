@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from grpo_core.config import LoggingConfig
-from grpo_core.errors import UserError
+from grpo_core.errors import RunFault
 
 
 def _plain(value: Any) -> Any:
@@ -101,9 +101,9 @@ class MetricsLogger:
         """One closing line: final eval accuracy, wall time, run directory, last checkpoint."""
         self.progress.summary(metrics, self.run_dir, last_checkpoint)
 
-    def _write_failed(self, exc: OSError, what: str) -> UserError:
+    def _write_failed(self, exc: OSError, what: str) -> RunFault:
         self.failed = True
-        return UserError(f"writing {self.run_dir / 'metrics.jsonl'} ({what}) failed ({type(exc).__name__}: "
+        return RunFault(f"writing {self.run_dir / 'metrics.jsonl'} ({what}) failed ({type(exc).__name__}: "
                          f"{exc.strerror or exc}); free space or fix permissions in {self.run_dir} and run the same "
                          "command again to continue from its last checkpoint")
 
