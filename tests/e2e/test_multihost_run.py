@@ -107,6 +107,23 @@ def distributed(port: int, process_id: int) -> list[str]:
             f"mesh.process_id={process_id}", "mesh.require_process_count=2"]
 
 
+@pytest.mark.slow
+def test_two_process_refill_and_corrections_keep_the_processes_in_step(tmp_path):
+    """Refill rounds are decided from the gathered rewards, so both processes draw, roll out
+    and select alike (a disagreement would hang a collective or split the parameters)."""
+    port = free_port()
+    options = ["loss.dynamic_sampling=true", "loss.dynamic_sampling_mode=refill", "loss.max_extra_rollouts=3",
+               "loss.mismatch_correction=truncate", "loss.top_entropy_quantile=0.5", "eval.every_steps=0"]
+    outs = finish([start(4, [*RUN, *options, f"logging.dir={tmp_path}", *distributed(port, i)]) for i in range(2)])
+    sums = [float(printed(out, "PARAMS")) for out in outs]
+    assert sums[0] == sums[1]
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2]
+    for r in records:
+        assert r["train-other/refill_prompts_consumed"] == 8 * (1 + r["train-other/refill_extra_rollouts"])
+        assert np.isfinite(r["train-other/loss"]) and np.isfinite(r["train-other/mismatch_kl"])
+
+
 def start_command(program: list[str], args: list[str]) -> subprocess.Popen:
     """`python <program> --config tiny.yaml <args>` on 4 CPU devices; stderr kept for the checks."""
     return subprocess.Popen([sys.executable, *program, "--config", TINY, *args], env=cpu_env(4),

@@ -51,6 +51,31 @@ def test_vocab_sharded_equals_unsharded(helpers, impl_name, mesh_shape):
     assert got[1][1].sharding.spec == P(None, "tp")  # d lm_head stays vocab-sharded
 
 
+# token-level TIS (one-pass for fused), sequence-level MIS with entropy selection (two passes)
+CORRECTED = {"tis_token": LossConfig(mismatch_correction="truncate", mismatch_c_max=1.1),
+             "mis_sequence_entropy": LossConfig(mismatch_correction="mask", mismatch_level="sequence",
+                                                   mismatch_c_max=2.0, top_entropy_quantile=0.5)}
+
+
+@pytest.mark.parametrize("cfg_name", list(CORRECTED))
+@pytest.mark.parametrize("impl_name", list(IMPLS))
+def test_corrections_vocab_sharded_equal_unsharded(helpers, impl_name, cfg_name):
+    p = helpers.make_problem(4, 6, 8, VOCAB, seed=32, lengths=[6, 4, 1, 5])
+    cfg = CORRECTED[cfg_name]
+
+    def loss(impl):
+        return lambda h, w: grpo_loss(impl, h, w, p.targets, p.mask, p.advantages, p.base_logp + p.old_noise, None,
+                                      cfg, temperature=0.9, sampler_logp=p.base_logp).loss
+
+    want = jax.jit(jax.value_and_grad(loss(ReferenceLogps()), (0, 1)))(p.hidden, p.lm_head)
+    mesh = mesh_of((2, 1, 4))
+    with jax.set_mesh(mesh):
+        hidden = jax.device_put(p.hidden, NamedSharding(mesh, P("dp")))
+        lm_head = jax.device_put(p.lm_head, NamedSharding(mesh, P(None, "tp")))
+        got = jax.jit(jax.value_and_grad(loss(IMPLS[impl_name]), (0, 1)))(hidden, lm_head)
+    helpers.assert_tree_close(got, want)
+
+
 def test_explicit_axis_mesh(helpers):
     p = helpers.make_problem(4, 6, 8, VOCAB, seed=31)
     mesh = mesh_of((2, 1, 4), axis_types=(AxisType.Explicit,) * 3)

@@ -179,3 +179,33 @@ def test_finite_update_that_overflows_a_parameter_is_skipped(grads_stored):
         expected = np.float32(start) + np.float32(1e38) if applied else np.float32(start)
         assert float(new["w"][0]) == float(expected)
         assert float(ratio) == (pytest.approx(1e38, rel=1e-6) if applied else 0.0)
+
+
+def corrected_update(loss_cfg: LossConfig, micro_batches: int, with_sampler: bool = True):
+    graphdef, params = model_parts(None)
+    optimizer = optax.sgd(0.5)
+    update = make_update(graphdef, FUSED, loss_cfg, optimizer, 1.0, micro_batches)
+    batch = random_batch()
+    if with_sampler:  # near the random-init model's own log-probs (about -log V) so ratios straddle 1
+        noise = np.random.default_rng(9).normal(size=batch.targets.shape) * 0.3
+        batch = batch.replace(sampler_logp=jnp.asarray(-np.log(QCFG.vocab_size) + noise, jnp.float32))
+    new_params, _, metrics = update(params, optimizer.init(params), batch)
+    return jax.tree.map(np.asarray, nnx.to_pure_dict(new_params)), jax.device_get(metrics)
+
+
+@pytest.mark.parametrize("options", [
+    dict(mismatch_correction="truncate", mismatch_c_max=1.1),
+    dict(mismatch_correction="mask", mismatch_level="sequence", mismatch_c_min=0.2, mismatch_c_max=5.0),
+], ids=["tis_token", "mis_sequence"])
+def test_corrected_update_carries_sampler_logps_and_accumulates_exactly(options):
+    """Weights are per token or per whole sequence, and micro-batches split whole sequences,
+    so the micro-batched corrected update equals the one-batch one; and it is not the plain one."""
+    cfg = LossConfig(max_completion_length=COMPLETION, **options)
+    expected, metrics = corrected_update(cfg, 1)
+    actual, micro_metrics = corrected_update(cfg, 4)
+    assert_trees_close(actual, expected)
+    assert 0.0 < float(metrics["mismatch_rejected_frac"]) < 1.0
+    for name in ("mismatch_kl", "mismatch_ratio_mean", "mismatch_ratio_max", "mismatch_rejected_frac"):
+        assert float(micro_metrics[name]) == pytest.approx(float(metrics[name]), rel=1e-5), name
+    plain, _ = corrected_update(LOSS, 1, with_sampler=False)
+    assert max(float(np.max(np.abs(a - b))) for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(expected))) > 0

@@ -12,6 +12,9 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
 Number = float | int
+# JAX's default (32-bit) PRNG keys keep the low 32 bits of a seed: 2**32 would repeat seed 0.
+JAX_SEED_MAX = 2**32 - 1
+NUMPY_SEED_MAX = 2**64 - 1
 
 
 def setting(default: Any, doc: str, *, ge: Number | None = None, gt: Number | None = None,
@@ -53,7 +56,7 @@ class ModelConfig:
     scan_layers: bool = setting(
         True, "Run the decoder layers as one scan (compile time independent of depth); "
         "false loops over them in Python, for debugging.")
-    seed: int = setting(0, "Seed of the random initialisation.", ge=0)
+    seed: int = setting(0, "Seed of the random initialisation (a JAX key: fits 32 bits).", ge=0, le=JAX_SEED_MAX)
 
 
 @dataclass(frozen=True)
@@ -67,7 +70,8 @@ class TaskConfig:
         {"correctness": 1.0}, "Reward function name -> weight; the total reward is the weighted sum.")
     reward_options: dict = setting(
         {}, "Reward function name -> options mapping, validated by that reward's options dataclass.")
-    seed: int = setting(0, "Seed of the data order (shuffled per epoch).", ge=0)
+    seed: int = setting(0, "Seed of the data order (shuffled per epoch; a numpy seed: fits 64 bits).", ge=0,
+                        le=NUMPY_SEED_MAX)
 
 
 @dataclass(frozen=True)
@@ -111,7 +115,8 @@ class TrainConfig:
     ppo_epochs: int = setting(1, "Passes over each rollout batch (the clipped ratio matters when > 1).", ge=1)
     micro_batch_size_per_device: int = setting(
         0, "Sequences per device per micro-batch; 0 means the whole batch in one micro-batch.", ge=0)
-    seed: int = setting(0, "Seed of sampling and dropout-free training randomness.", ge=0)
+    seed: int = setting(0, "Seed of sampling and dropout-free training randomness (a JAX key: fits 32 bits).",
+                        ge=0, le=JAX_SEED_MAX)
     moment_dtype: Optional[Literal["float32", "bfloat16"]] = setting(
         None, "Dtype of the optimizer moments; null = model.param_dtype (filled in at load).")
 
@@ -147,6 +152,26 @@ class LossConfig:
     std_ddof: int = setting(1, "Delta degrees of freedom of the advantage std.", ge=0)
     advantage_eps: float = setting(1e-4, "Added to the std to avoid division by zero.", ge=0.0)
     dynamic_sampling: bool = setting(False, "Mask out groups whose rewards all agree (zero std).")
+    dynamic_sampling_mode: Literal["mask", "refill"] = setting(
+        "mask", "With dynamic_sampling: mask = train on the informative groups of the one rollout; refill = "
+        "roll out fresh prompts until prompts_per_step informative groups (DAPO) or max_extra_rollouts.")
+    # 4: DAPO's runs needed ~2-3 generation batches per step once most groups were solved.
+    max_extra_rollouts: int = setting(
+        4, "Refill: extra rollouts of prompts_per_step prompts per step at most; missing groups stay masked.", ge=1)
+    mismatch_correction: Literal["none", "truncate", "mask"] = setting(
+        "none", "Rollout/training mismatch correction of the policy-gradient term by rho = pi_train_old / "
+        "pi_sampler: truncate = weight clip(rho, c_min, c_max) (TIS); mask = weight rho inside "
+        "[c_min, c_max], 0 outside (MIS).")
+    mismatch_level: Literal["token", "sequence"] = setting(
+        "token", "token = one rho per token; sequence = exp of the summed log-ratio of the sequence, for all its tokens.")
+    # 2.0: verl's rollout-correction default threshold.
+    mismatch_c_max: float = setting(2.0, "Upper threshold of rho.", gt=0.0)
+    mismatch_c_min: Optional[float] = setting(None, "Lower threshold of rho; null = no lower bound.", gt=0.0)
+    mask_truncated_completions: bool = setting(
+        False, "Leave completions cut at rollout.max_new_tokens without a stop token out of the loss (DAPO).")
+    top_entropy_quantile: float = setting(
+        1.0, "Train the policy-gradient term only on the top fraction q of each micro-batch's completion "
+        "tokens by policy entropy (1.0 = every token).", gt=0.0, le=1.0)
 
 
 @dataclass(frozen=True)

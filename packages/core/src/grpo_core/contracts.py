@@ -309,3 +309,19 @@ class ListableTask(Protocol):
 
     def train_examples(self) -> Sequence[Example]:
         """Every training example of this process's shard, in no particular order."""
+
+
+class CompletionText(str):
+    """A decoded completion as reward functions receive it: a `str`, plus what only the
+    rollout knows. num_tokens: sampled tokens (the stop token included); max_tokens: the
+    rollout's token budget (`rollout.max_new_tokens`); finished: ended on a stop token.
+    Reward functions that need none of it use it as a plain string."""
+
+    num_tokens: int
+    max_tokens: int
+    finished: bool
+
+    def __new__(cls, text: str, num_tokens: int, max_tokens: int, finished: bool) -> "CompletionText":
+        value = super().__new__(cls, text)
+        value.num_tokens, value.max_tokens, value.finished = num_tokens, max_tokens, finished
+        return value

@@ -49,9 +49,13 @@ class PluginSpec:
 @dataclass(frozen=True)
 class LossSpec(PluginSpec):
     """A per-token log-prob implementation selected by `loss.impl`:
-    `factory(options) -> grpo_core.contracts.TokenLogpsImpl` (optionally a `MeshAwareLoss`)."""
+    `factory(options) -> grpo_core.contracts.TokenLogpsImpl` (optionally a `MeshAwareLoss`).
+
+    provides_entropy: false for an implementation that cannot return the entropy;
+    configs that need it (`loss.top_entropy_quantile` < 1) are then refused at load."""
 
     kind: ClassVar[str] = "loss"
+    provides_entropy: bool = True
 
 
 @dataclass(frozen=True)
@@ -71,7 +75,8 @@ class RolloutSpec(PluginSpec):
 
 @dataclass(frozen=True)
 class RewardSpec(PluginSpec):
-    """A reward function named in `task.rewards`: `factory(options) -> grpo_core.contracts.RewardFn`."""
+    """A reward function named in `task.rewards`: `factory(options) -> grpo_core.contracts.RewardFn`;
+    the runner's completions are `grpo_core.contracts.CompletionText` strings."""
 
     kind: ClassVar[str] = "reward"
 

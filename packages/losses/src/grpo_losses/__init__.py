@@ -11,6 +11,7 @@ Typical use in a training step::
 """
 
 from grpo_losses.advantages import Advantages, compute_advantages, group_advantages, zero_std_groups
+from grpo_losses.corrections import MismatchWeights, high_entropy_tokens, mismatch_weights
 from grpo_losses.fused import FusedLogps, FusedOptions
 from grpo_losses.logps import TokenLogps, TokenLogpsImpl, per_token_logps
 from grpo_losses.objective import (
@@ -32,6 +33,7 @@ __all__ = [
                                    "FusedOptions",
                                    "LossMetrics",
                                    "LossOutput",
+                                   "MismatchWeights",
                                    "PallasLogps",
                                    "PallasOptions",
                                    "ReferenceLogps",
@@ -41,9 +43,11 @@ __all__ = [
                                    "compute_advantages",
                                    "finalize_loss",
                                    "group_advantages",
+                                   "high_entropy_tokens",
                                    "grpo_loss",
                                    "kl_estimate",
                                    "loss_denominator",
+                                   "mismatch_weights",
                                    "per_token_logps",
                                    "token_losses",
                                    "validate_block_shape",

@@ -7,6 +7,7 @@ Per token (masked positions contribute nothing):
     log r  = clip(log r, -logratio_clamp, +logratio_clamp)   when set
     pg     = -min(r * A, clip(r, 1 - epsilon_low, 1 + epsilon_high) * A)
     pg     = min(pg, epsilon_c * |A|) where A < 0        (dual clip, when set)
+    pg     = pg * w_mismatch * selected          (both off by default; see corrections.py)
     loss   = pg + beta * KL_k(policy || ref) - entropy_coef * entropy
 with KL estimators on log q = ref_logp - logp:  k1 = -log q,  k2 = (log q)^2 / 2,
 k3 = exp(log q) - log q - 1; with `kl_importance_weighted` the estimate is
@@ -42,6 +43,7 @@ import jax
 import jax.numpy as jnp
 from grpo_core.config import LossConfig
 
+from grpo_losses.corrections import MismatchWeights, high_entropy_tokens, mismatch_weights
 from grpo_losses.logps import Array, TokenLogpsImpl
 
 F32 = jnp.float32
@@ -50,7 +52,8 @@ F32 = jnp.float32
 class LossMetrics(NamedTuple):
     """Sums over unmasked tokens, so micro-batches merge exactly (`merge`) before
     `summary()` turns them into means. `kl_sum` is None without ref_logp,
-    `entropy_sum` None unless entropy was computed."""
+    `entropy_sum` None unless entropy was computed; the mismatch sums are None
+    without `mismatch_correction`, `selected` None without entropy selection."""
 
     tokens: Array
     clip_low: Array  # tokens with A < 0 and r < 1 - epsilon_low
@@ -60,19 +63,25 @@ class LossMetrics(NamedTuple):
     ratio_max: Array  # -inf when no token is unmasked
     kl_sum: Array | None = None
     entropy_sum: Array | None = None
+    mismatch_kl_sum: Array | None = None  # k3 KL(sampler || train) per token
+    mismatch_ratio_sum: Array | None = None
+    mismatch_ratio_max: Array | None = None  # -inf when no token is unmasked
+    mismatch_rejected: Array | None = None  # tokens whose weight was truncated or masked
+    selected: Array | None = None  # tokens kept by high-entropy selection
 
     def merge(self, other: LossMetrics) -> LossMetrics:
         """The metrics of both micro-batches together."""
         def combine(name, a, b):
             if a is None:
                 return None
-            return {"ratio_min": jnp.minimum, "ratio_max": jnp.maximum}.get(name, jnp.add)(a, b)
+            maxima = {"ratio_min": jnp.minimum, "ratio_max": jnp.maximum, "mismatch_ratio_max": jnp.maximum}
+            return maxima.get(name, jnp.add)(a, b)
 
         return LossMetrics(*(combine(name, a, b) for name, a, b in zip(self._fields, self, other)))
 
     def summary(self) -> dict[str, Array]:
-        """clip_frac_low/high, ratio_mean/min/max, kl_mean, entropy_mean (the last
-        two only when available)."""
+        """clip_frac_low/high, ratio_mean/min/max, and where available kl_mean,
+        entropy_mean, mismatch_kl/ratio_mean/ratio_max/rejected_frac, entropy_selected_frac."""
         tokens = jnp.maximum(self.tokens, 1.0)
         out = {"clip_frac_low": self.clip_low / tokens, "clip_frac_high": self.clip_high / tokens,
                "ratio_mean": self.ratio_sum / tokens, "ratio_min": self.ratio_min, "ratio_max": self.ratio_max}
@@ -80,6 +89,11 @@ class LossMetrics(NamedTuple):
             out["kl_mean"] = self.kl_sum / tokens
         if self.entropy_sum is not None:
             out["entropy_mean"] = self.entropy_sum / tokens
+        if self.mismatch_kl_sum is not None:
+            out.update(mismatch_kl=self.mismatch_kl_sum / tokens, mismatch_ratio_mean=self.mismatch_ratio_sum / tokens,
+                       mismatch_ratio_max=self.mismatch_ratio_max, mismatch_rejected_frac=self.mismatch_rejected / tokens)
+        if self.selected is not None:
+            out["entropy_selected_frac"] = self.selected / tokens
         return out
 
 
@@ -109,34 +123,47 @@ def finalize_loss(numerator: Array, denominator: Array) -> Array:
 
 def grpo_loss(impl: TokenLogpsImpl, hidden: Array, lm_head: Array, targets: Array, mask: Array,
               advantages: Array, old_logp: Array | None, ref_logp: Array | None, cfg: LossConfig,
-              *, temperature: float | Array = 1.0) -> LossOutput:
+              *, temperature: float | Array = 1.0, sampler_logp: Array | None = None) -> LossOutput:
     """The GRPO loss of one micro-batch through `impl`.
 
     hidden [B, T, H] (states that predict `targets`, i.e. already shifted),
     lm_head [H, V], targets [B, T] int, mask [B, T] (1 = completion token),
     advantages [B], old_logp / ref_logp [B, T] float32 or None (None old means
     on-policy: ratio 1 with the policy gradient intact), temperature = the
-    sampling temperature. Differentiate `numerator` (see module doc).
+    sampling temperature, sampler_logp [B, T] the rollout's log-probs (needed by
+    `mismatch_correction` only). Differentiate `numerator` (see module doc).
 
     Implementations with a one-pass gradient (`impl.one_pass`, e.g. `fused`) get
-    the whole per-token objective when the ratios are per token: they form the
-    gradient while computing the logits, and `logp` then carries no gradient.
+    the whole per-token objective when every per-token term depends on its own
+    token alone: they form the gradient while computing the logits, and `logp`
+    then carries no gradient.
     """
     _check_config(cfg, ref_logp)
-    need_entropy = cfg.compute_entropy or cfg.entropy_coef > 0
+    need_entropy = cfg.compute_entropy or cfg.entropy_coef > 0 or cfg.top_entropy_quantile < 1.0
     mask = mask.astype(F32)
-    if getattr(impl, "one_pass", False) and cfg.importance_sampling_level == "token":
-        terms = TokenTerms.of(mask, advantages, old_logp, ref_logp, cfg)
+    if getattr(impl, "one_pass", False) and is_elementwise(cfg):
+        terms = TokenTerms.of(mask, advantages, old_logp, ref_logp, cfg, sampler_logp)
         numerator, out = impl.loss_numerator(hidden, lm_head, targets, temperature, terms,
                                              weighted_token_loss(cfg), entropy=need_entropy,
                                              entropy_grad=cfg.entropy_coef > 0)
-        _, metrics = token_losses(out.logp, out.entropy, mask, advantages, old_logp, ref_logp, cfg)
+        _, metrics = token_losses(out.logp, out.entropy, mask, advantages, old_logp, ref_logp, cfg,
+                                  sampler_logp=sampler_logp)
         return LossOutput(numerator, loss_denominator(mask, cfg), out.logp, metrics)
     out = impl(hidden, lm_head, targets, temperature, entropy=need_entropy)
     entropy = out.entropy if cfg.entropy_coef > 0 else _metric_only(out.entropy)
-    per_token, metrics = token_losses(out.logp, entropy, mask, advantages, old_logp, ref_logp, cfg)
+    selected = None if cfg.top_entropy_quantile >= 1.0 else high_entropy_tokens(out.entropy, mask, cfg.top_entropy_quantile)
+    per_token, metrics = token_losses(out.logp, entropy, mask, advantages, old_logp, ref_logp, cfg,
+                                      sampler_logp=sampler_logp, selected=selected)
     numerator, denominator = aggregate(per_token, mask, cfg)
     return LossOutput(numerator, denominator, out.logp, metrics)
+
+
+def is_elementwise(cfg: LossConfig) -> bool:
+    """Whether each token's loss depends on its own token only (no sequence-level ratio or
+    weight, no batch-wide entropy threshold): what a one-pass gradient needs."""
+    sequence_weight = cfg.mismatch_correction != "none" and cfg.mismatch_level == "sequence"
+    return (cfg.importance_sampling_level == "token" and not sequence_weight
+            and cfg.top_entropy_quantile >= 1.0)
 
 
 class TokenTerms(NamedTuple):
@@ -148,12 +175,13 @@ class TokenTerms(NamedTuple):
     weight: Array  # d numerator / d per-token loss (see `token_weights`)
     old_logp: Array | None
     ref_logp: Array | None
+    sampler_logp: Array | None = None
 
     @classmethod
     def of(cls, mask: Array, advantages: Array, old_logp: Array | None, ref_logp: Array | None,
-           cfg: LossConfig) -> TokenTerms:
+           cfg: LossConfig, sampler_logp: Array | None = None) -> TokenTerms:
         advantage = jnp.broadcast_to(advantages.astype(F32)[:, None], mask.shape)
-        return cls(mask, advantage, token_weights(mask, cfg), old_logp, ref_logp)
+        return cls(mask, advantage, token_weights(mask, cfg), old_logp, ref_logp, sampler_logp)
 
 
 def weighted_token_loss(cfg: LossConfig):
@@ -162,7 +190,8 @@ def weighted_token_loss(cfg: LossConfig):
     value depends on its own logp and entropy, so its gradient is elementwise."""
     def loss(logp: Array, entropy: Array | None, terms: TokenTerms) -> Array:
         entropy = entropy if cfg.entropy_coef > 0 else _metric_only(entropy)
-        per_token, _ = token_losses(logp, entropy, terms.mask, terms.advantage, terms.old_logp, terms.ref_logp, cfg)
+        per_token, _ = token_losses(logp, entropy, terms.mask, terms.advantage, terms.old_logp, terms.ref_logp, cfg,
+                                    sampler_logp=terms.sampler_logp)
         return per_token * terms.weight
 
     return loss
@@ -182,14 +211,21 @@ def _check_config(cfg: LossConfig, ref_logp: Array | None) -> None:
 
 
 def token_losses(logp: Array, entropy: Array | None, mask: Array, advantages: Array,
-                 old_logp: Array | None, ref_logp: Array | None,
-                 cfg: LossConfig) -> tuple[Array, LossMetrics]:
+                 old_logp: Array | None, ref_logp: Array | None, cfg: LossConfig, *,
+                 sampler_logp: Array | None = None, selected: Array | None = None) -> tuple[Array, LossMetrics]:
     """Per-token loss [B, T] (zero where mask is 0) and the metric sums.
-    advantages: [B], or [B, T] (one value per token) with token-level ratios."""
+    advantages: [B], or [B, T] (one value per token) with token-level ratios;
+    selected [B, T]: the high-entropy selection (None = every token)."""
     ratio = importance_ratio(logp, old_logp, mask, cfg)  # [B, T] or [B, 1]
     adv = advantages.astype(F32)
     adv = adv[:, None] if adv.ndim == 1 else adv  # [B, 1], or already per token
     per_token = clipped_surrogate(ratio, adv, cfg)
+    mismatch = None
+    if cfg.mismatch_correction != "none":
+        mismatch = mismatch_weights(logp if old_logp is None else old_logp, sampler_logp, mask, cfg)
+        per_token = per_token * mismatch.weight
+    if selected is not None:
+        per_token = per_token * selected
     kl = None if ref_logp is None else kl_estimate(logp, ref_logp, mask, cfg.kl_estimator)
     if kl is not None and cfg.kl_importance_weighted:
         kl = kl * ratio
@@ -199,7 +235,7 @@ def token_losses(logp: Array, entropy: Array | None, mask: Array, advantages: Ar
         per_token = per_token - cfg.entropy_coef * entropy
     ratio = jnp.broadcast_to(ratio, logp.shape)
     metrics = _metrics(ratio, adv, mask, kl, entropy if cfg.compute_entropy else None, cfg)
-    return per_token * mask, metrics
+    return per_token * mask, _with_selection_metrics(metrics, mask, mismatch, selected)
 
 
 def importance_ratio(logp: Array, old_logp: Array | None, mask: Array, cfg: LossConfig) -> Array:
@@ -279,3 +315,18 @@ def _metrics(ratio: Array, adv: Array, mask: Array, kl: Array | None, entropy: A
         ratio_min=jnp.min(jnp.where(valid, ratio, jnp.inf)), ratio_max=jnp.max(jnp.where(valid, ratio, -jnp.inf)),
         kl_sum=None if kl is None else jnp.sum(jax.lax.stop_gradient(kl) * mask),
         entropy_sum=None if entropy is None else jnp.sum(jax.lax.stop_gradient(entropy) * mask))
+
+
+def _with_selection_metrics(metrics: LossMetrics, mask: Array, mismatch: MismatchWeights | None,
+                            selected: Array | None) -> LossMetrics:
+    """`metrics` plus the sums of the mismatch correction and entropy selection in use."""
+    if mismatch is not None:
+        ratio = jnp.broadcast_to(mismatch.ratio, mask.shape)
+        metrics = metrics._replace(
+            mismatch_kl_sum=jnp.sum(mismatch.token_kl * mask),
+            mismatch_ratio_sum=jnp.sum(jnp.where(mask > 0, ratio, 0.0)),  # a sequence ratio may be inf
+            mismatch_ratio_max=jnp.max(jnp.where(mask > 0, ratio, -jnp.inf)),
+            mismatch_rejected=jnp.sum(jnp.broadcast_to(mismatch.rejected, mask.shape) * mask))
+    if selected is not None:
+        metrics = metrics._replace(selected=jnp.sum(selected * mask))
+    return metrics

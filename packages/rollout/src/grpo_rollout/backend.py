@@ -92,6 +92,10 @@ class JaxRollout:
         self._graphdef: Any = None
         self._weights: Any = None
         self._gathered_decoders = GatheredDecoders()
+        # memory_check(phase name, compiled) runs before a batch shape's first prefill and decode
+        # (the run sets it to refuse what does not fit; the jit calls then reuse those compiles).
+        self.memory_check: Callable[[str, Any], None] | None = None
+        self._checked: set[Any] = set()
 
     def load_weights(self, policy: Policy) -> None:
         """Sample from the policy's weights until the next call (no copy: the arrays are shared)."""
@@ -124,9 +128,25 @@ class JaxRollout:
         check_batch_divisible(ids.shape[0], sampling.n, batch_sharding)
         ids, mask = place(ids, batch_sharding), place(mask, batch_sharding)
         static = self.static_args(self._graphdef, self._weights, sampling, pad_token_id, batch_sharding)
+        self._check_memory(ids, mask, key, static)
         cache, state = prefill(self._weights, ids, mask, key, **static)
         _, state = self.decoder(self._weights, cache, state, key, static)(self._weights, cache, state, key)
         return finish(ids, mask, state, sampling)
+
+    def _check_memory(self, ids: jax.Array, mask: jax.Array, key: jax.Array, static: dict[str, Any]) -> None:
+        """Compiles prefill and decode for this batch and hands them to `memory_check` before either runs."""
+        signature = (ids.shape, tuple(sorted(static.items(), key=lambda kv: kv[0])))
+        if self.memory_check is None or signature in self._checked:
+            return
+        weights = self._weights
+        prefill_compiled = prefill.lower(weights, ids, mask, key, **static).compile()
+        self.memory_check("rollout prefill", prefill_compiled)
+        cache, state = abstract_outputs(prefill_compiled)
+        decoder = self.decoder(weights, cache, state, key, static)
+        if isinstance(decoder, functools.partial):  # the jitted decode, not a compiled gathered one
+            decoder = decode.lower(weights, cache, state, key, **static).compile()
+        self.memory_check("rollout decode", decoder)
+        self._checked.add(signature)
 
     def decoder(self, weights, cache, state, key, static: dict[str, Any]) -> Callable[..., Any]:
         """`decode` for these arguments; with gather_weights=auto, the gathered decode when it
@@ -167,8 +187,7 @@ class JaxRollout:
         args = (weights, prompts, prompts, key)
         first = compiler.compile("rollout prefill", lambda: prefill.lower(*args, **static).compile(), args)
         if first is not None:  # decode's inputs are prefill's outputs
-            cache, state = jax.tree.map(lambda info, sharding: jax.ShapeDtypeStruct(
-                info.shape, info.dtype, sharding=sharding), first.out_info, first.output_shardings)
+            cache, state = abstract_outputs(first)
             self._compile_decode(compiler, (weights, cache, state, key), static)
 
     def _compile_decode(self, compiler: PhaseCompiler, args: tuple, static: dict[str, Any]) -> None:
@@ -188,6 +207,12 @@ class JaxRollout:
         gather = static["gather_weights"]
         compiler.compile("rollout decode", build(gather), args,
                          note=lambda compiled: auto_note + decode_traffic_note(compiled, gather))
+
+
+def abstract_outputs(compiled: Any) -> Any:
+    """The outputs of a compiled function as sharded ShapeDtypeStructs."""
+    return jax.tree.map(lambda info, sharding: jax.ShapeDtypeStruct(info.shape, info.dtype, sharding=sharding),
+                        compiled.out_info, compiled.output_shardings)
 
 
 def check_batch_divisible(rows: int, n: int, batch_sharding: NamedSharding | None) -> None:

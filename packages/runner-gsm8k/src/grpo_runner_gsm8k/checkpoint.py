@@ -42,7 +42,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from grpo_core.config import CheckpointConfig, RunConfig
 from grpo_core.config_io import build_dataclass, config_to_dict, resolve_defaults
 from grpo_core.contracts import Task
-from grpo_core.errors import UserError
+from grpo_core.errors import RunFault, UserError
 
 from grpo_runner_gsm8k import orbax_noise
 
@@ -302,11 +302,11 @@ class Checkpointer:
         except Exception as exc:  # noqa: BLE001
             raise self._save_failed(exc) from None
 
-    def _save_failed(self, exc: BaseException) -> UserError:
+    def _save_failed(self, exc: BaseException) -> RunFault:
         self.failed = True
         orbax_noise.quiet_after_failed_save()
         where = self.directory / str(self.pending_step)
-        return UserError(f"saving checkpoint {where} failed ({cause_of(exc)}); earlier checkpoints in "
+        return RunFault(f"saving checkpoint {where} failed ({cause_of(exc)}); earlier checkpoints in "
                          f"{self.directory} are intact; free space or fix permissions there and run the same "
                          "command again to continue")
 

@@ -117,7 +117,7 @@ def export_run(run_dir: str | Path, out_dir: str | Path, step: Optional[int] = N
                dtype: Optional[str] = None) -> int:
     """Writes checkpoint `step` (default: the newest) of `run_dir` to `out_dir` in `dtype`
     (default: the model's torch_dtype; the stored float32 masters are rounded to it); returns the step."""
-    run_dir, out_dir = Path(run_dir), Path(out_dir)
+    run_dir, out_dir = Path(run_dir).expanduser(), Path(out_dir).expanduser()
     step = pick_step(run_dir, step)
     check_out_dir(out_dir, force)
     before = _stats(out_dir)

@@ -18,7 +18,7 @@ import numpy as np
 
 from grpo_core.config import RunConfig
 from grpo_core.config_io import config_to_dict, config_to_yaml
-from grpo_core.contracts import Policy
+from grpo_core.contracts import CompletionText, Policy
 from grpo_core.models.precision import compute_params, needs_cast
 from grpo_core.registry import Registry
 from grpo_losses import compute_advantages
@@ -28,9 +28,11 @@ from grpo_core.rollout_records import RolloutResult
 from grpo_runner_gsm8k.build import check_run_dir, prepare_run_dir, prompt_token_ids, warn_if_updates_round_away
 from grpo_runner_gsm8k.checkpoint import Checkpointer, Resume, TrainState, resume_point
 from grpo_runner_gsm8k.lock import RunDirLock
+from grpo_runner_gsm8k.memory_check import MemoryGuard
 from grpo_runner_gsm8k.metrics import MetricsLogger, truncate_metrics
 from grpo_runner_gsm8k.multihost import gather_objects, host_array
 from grpo_runner_gsm8k.preemption import StopRequest
+from grpo_runner_gsm8k.refill import Sampled, merge_results, merge_scores, needs_more, pick_groups, refill_metrics
 from grpo_runner_gsm8k.run import BuiltRun, build_run
 from grpo_runner_gsm8k.scoring import score
 from grpo_runner_gsm8k.step import UpdateBatch
@@ -44,10 +46,12 @@ def tokenize_prompts(run: BuiltRun, examples: list) -> list[list[int]]:
     return [inputs.prompt_ids[ex.id] if ex.id in inputs.prompt_ids else next(fresh) for ex in examples]
 
 
-def decode_completions(tokenizer, result: RolloutResult) -> list[str]:
+def decode_completions(tokenizer, result: RolloutResult) -> list[CompletionText]:
     ids = host_array(result.completion_ids)
     mask = host_array(result.completion_mask).astype(bool)
-    return tokenizer.batch_decode([row[m].tolist() for row, m in zip(ids, mask)], skip_special_tokens=True)
+    texts = tokenizer.batch_decode([row[m].tolist() for row, m in zip(ids, mask)], skip_special_tokens=True)
+    lengths, finished = host_array(result.lengths), host_array(result.finished)
+    return [CompletionText(text, int(n), ids.shape[1], bool(done)) for text, n, done in zip(texts, lengths, finished)]
 
 
 def rollout(run: BuiltRun, weights, examples: list, key, sampling) -> RolloutResult:
@@ -69,7 +73,11 @@ class Trainer:
         check_run_dir(cfg)  # bad input fails before anything is built or written
         resume_from = resume_point(cfg, required=resume)
         warn_if_updates_round_away(cfg)
+        note_void_correction(cfg)
         self.built = build_run(cfg, registry)
+        self.memory = MemoryGuard(cfg)
+        if hasattr(self.built.rollout, "memory_check"):  # the jax backend checks its own compiles
+            self.built.rollout.memory_check = self.memory.check_compiled
         self.run_dir = prepare_run_dir(cfg)
         self.lock = RunDirLock(self.run_dir)
         if self.built.layout.process_index == 0:  # the processes of one multi-host run share the directory
@@ -113,17 +121,13 @@ class Trainer:
     def step(self) -> dict:
         start = time.monotonic()
         self.state.key, key = jax.random.split(self.state.key)
-        examples = gather_objects(self.built.inputs.task.train_batch(self.built.inputs.prompts_per_process))
         weights = self.forward_params(self.state.params)
-        result = rollout(self.built, weights, examples, key, self.built.sampling)
-        jax.block_until_ready(result.completion_ids)
-        rollout_s = time.monotonic() - start
+        times = {"rollout_s": 0.0, "reward_s": 0.0}
+        (_, result, scores), refill = self.sample_batch(weights, key, times)
 
         reward_start = time.monotonic()
-        answers = [ex.answer for ex in examples for _ in range(self.cfg.rollout.n)]
-        scores = score(self.built.inputs.rewards, decode_completions(self.built.inputs.tokenizer, result), answers)
         advantages = compute_advantages(jnp.asarray(scores.total), self.cfg.rollout.n, self.cfg.loss)
-        reward_s = time.monotonic() - reward_start
+        times["reward_s"] += time.monotonic() - reward_start
 
         update_start = time.monotonic()
         batch = self.update_batch(result, advantages, weights)
@@ -134,8 +138,44 @@ class Trainer:
         step_s = time.monotonic() - start
         self.state.step += 1
         self.step_times.append(step_s)
-        return self.step_metrics(result, scores, advantages, train_metrics,
-                                 dict(rollout_s=rollout_s, reward_s=reward_s, update_s=update_s, step_s=step_s))
+        metrics = self.step_metrics(result, scores, advantages, train_metrics,
+                                    dict(**times, update_s=update_s, step_s=step_s))
+        return {**metrics, **refill}
+
+    def scored_rollout(self, weights, key, times: dict) -> Sampled:
+        """Fresh prompts from the task, rolled out with `weights` and scored; adds its seconds to `times`."""
+        start = time.monotonic()
+        inputs = self.built.inputs
+        examples = gather_objects(inputs.task.train_batch(inputs.prompts_per_process))
+        result = rollout(self.built, weights, examples, key, self.built.sampling)
+        jax.block_until_ready(result.completion_ids)
+        reward_start = time.monotonic()
+        answers = [ex.answer for ex in examples for _ in range(self.cfg.rollout.n)]
+        scores = score(inputs.rewards, decode_completions(inputs.tokenizer, result), answers)
+        times["rollout_s"] += reward_start - start
+        times["reward_s"] += time.monotonic() - reward_start
+        return Sampled(examples, result, scores)
+
+    def sample_batch(self, weights, key, times: dict) -> tuple[Sampled, dict]:
+        """The step's rollout batch and the refill metrics ({} unless dynamic sampling refills,
+        see refill.py)."""
+        rounds = [self.scored_rollout(weights, key, times)]
+        loss, n, want = self.cfg.loss, self.cfg.rollout.n, self.cfg.rollout.prompts_per_step
+        if not (loss.dynamic_sampling and loss.dynamic_sampling_mode == "refill"):
+            return rounds[0], {}
+        while needs_more(rounds, n, want, loss.max_extra_rollouts):
+            self.state.key, key = jax.random.split(self.state.key)
+            rounds.append(self.scored_rollout(weights, key, times))
+        picks = pick_groups(rounds, n, want)
+        result = self.on_train_devices(merge_results([r.result for r in rounds], picks, n))
+        examples = [rounds[i].examples[g] for i, g in picks]
+        scores = merge_scores([r.scores for r in rounds], picks, n)
+        return Sampled(examples, result, scores), refill_metrics(rounds, picks, n)
+
+    def on_train_devices(self, result: RolloutResult) -> RolloutResult:
+        """A host-side result placed like the update batch (host values: the same on every process)."""
+        return jax.tree.map(lambda x: jax.device_put(x, self.train_sharding if x.ndim == 2 else self.row_sharding),
+                            result)
 
     def update_batch(self, result: RolloutResult, advantages, weights) -> UpdateBatch:
         """The update's inputs; `weights` (the rollout's compute-dtype params) score old log-probs."""
@@ -144,26 +184,35 @@ class Trainer:
         put = lambda x: jax.device_put(x, self.train_sharding)  # noqa: E731
         input_ids, attention_mask = put(trimmed.input_ids), put(trimmed.attention_mask)
         targets = put(trimmed.input_ids[:, width:])
-        keep = put(np.asarray(advantages.keep, np.float32)[:, None])  # host values: the same on every process
+        keep = put(trained_rows(result, advantages, self.cfg.loss)[:, None])  # host values: the same on every process
         loss_mask = put(trimmed.completion_mask[:, width:]) * keep
         old_logp = self.old_logps(trimmed, weights, input_ids, attention_mask, targets, width)
         ref_logp = None
         if self.built.scores_ref_logps:
-            ref_logp = self.built.score(self.ref_params, input_ids, attention_mask, targets, prompt_width=width)
+            ref_logp = self.score(self.ref_params, input_ids, attention_mask, targets, width)
+        sampler_logp = put(trimmed.sampler_logps[:, width:]) if self.built.carries_sampler_logps else None
         return UpdateBatch(input_ids, attention_mask, targets, loss_mask, jax.device_put(np.asarray(advantages.advantages), self.row_sharding),
-                           old_logp, ref_logp, prompt_width=width)
+                           old_logp, ref_logp, sampler_logp, prompt_width=width)
 
     def old_logps(self, trimmed, weights, input_ids, attention_mask, targets, width) -> Optional[jax.Array]:
-        """Sampler log-probs when asked; None (exactly on-policy) for a single epoch; else one forward."""
+        """Sampler log-probs when asked; None (exactly on-policy) for a single epoch, where the loss
+        takes stop_grad(logp) as the old training log-prob (also for the mismatch correction: the
+        params have not moved since the rollout); else one forward."""
         if self.cfg.rollout.use_sampler_logps:
             return jax.device_put(trimmed.sampler_logps[:, width:], self.train_sharding)
         if not self.built.scores_old_logps:
             return None  # params do not change before the only update: ratio is exactly 1
-        return self.built.score(weights, input_ids, attention_mask, targets, prompt_width=width)
+        return self.score(weights, input_ids, attention_mask, targets, width)
+
+    def score(self, weights, input_ids, attention_mask, targets, width: int) -> jax.Array:
+        args = (weights, input_ids, attention_mask, targets)
+        self.memory.check("log-probs", self.built.score, *args, prompt_width=width)
+        return self.built.score(*args, prompt_width=width)
 
     def run_updates(self, batch: UpdateBatch) -> dict:
         totals: dict[str, float] = {}
         for _ in range(self.cfg.train.ppo_epochs):
+            self.memory.check("train step", self.built.update, self.state.params, self.state.opt_state, batch)
             self.state.params, self.state.opt_state, metrics = self.built.update(
                 self.state.params, self.state.opt_state, batch)
             metrics = jax.device_get(metrics)
@@ -196,6 +245,7 @@ class Trainer:
             "train-seq_len/prompt/mean": float(prompt_lengths.mean()), "train-seq_len/prompt/max": int(prompt_lengths.max()),
             "train-seq_len/completion/mean": float(lengths.mean()), "train-seq_len/completion/max": int(lengths.max()),
         })
+        out.update(objective_metrics(train, result, self.cfg.loss))
         out.update(memory_metrics())
         return out
 
@@ -271,6 +321,36 @@ class Trainer:
 
     def last_checkpoint(self) -> str:
         return str(self.checkpoints.directory / str(self.state.step))
+
+
+def note_void_correction(cfg: RunConfig) -> None:
+    """One start-up line when the mismatch correction is on but cannot do anything."""
+    if cfg.loss.mismatch_correction != "none" and cfg.rollout.use_sampler_logps:
+        print(f"grpo-run: note: loss.mismatch_correction = {cfg.loss.mismatch_correction} has nothing to correct: "
+              "with rollout.use_sampler_logps: true the old log-probs are the sampler's, so every ratio is 1; "
+              "set rollout.use_sampler_logps=false to correct the rollout/training mismatch", file=sys.stderr)
+
+
+def trained_rows(result: RolloutResult, advantages, loss_cfg) -> np.ndarray:
+    """[N] float32 host values, 1 on rows the loss trains on: the dynamic-sampling keep mask,
+    without completions cut at max_new_tokens when `mask_truncated_completions` (DAPO)."""
+    keep = np.asarray(advantages.keep, np.float32)
+    if loss_cfg.mask_truncated_completions:
+        keep = keep * host_array(result.finished).astype(np.float32)
+    return keep
+
+
+OPTIONAL_TRAIN_METRICS = ("mismatch_kl", "mismatch_ratio_mean", "mismatch_ratio_max", "mismatch_rejected_frac",
+                          "entropy_selected_frac")
+
+
+def objective_metrics(train: dict, result: RolloutResult, loss_cfg) -> dict:
+    """train-other/* metrics of the objective options in use (mismatch correction, entropy
+    selection, truncated completions)."""
+    out = {f"train-other/{name}": float(train[name]) for name in OPTIONAL_TRAIN_METRICS if name in train}
+    if loss_cfg.mask_truncated_completions:
+        out["train-other/truncated_frac"] = float(1.0 - np.mean(host_array(result.finished)))
+    return out
 
 
 def memory_metrics() -> dict:

@@ -28,6 +28,8 @@ def quiet_after_failed_save() -> None:
     threading.excepthook = _quiet_thread_errors
     sys.unraisablehook = _quiet_thread_errors
     logging.getLogger("asyncio").setLevel(logging.CRITICAL)  # orbax's failed write tasks, never awaited
+    # the run ends on this error; any write coroutine orbax abandoned with the save is moot
+    warnings.filterwarnings("ignore", message=r"coroutine '.*' was never awaited", category=RuntimeWarning)
 
 
 def _closed_loop_noise(exc: BaseException | None) -> bool:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Callable, Literal, Sequence
+from typing import Callable, Literal, Optional, Sequence
 
 from grpo_core import RewardSpec
 from grpo_core.config import setting
@@ -79,6 +79,46 @@ def format_reward(options: FormatOptions) -> RewardFn:
     return answer_format
 
 
+@dataclass(frozen=True)
+class OverlongOptions:
+    """Options of the `overlong` reward: DAPO's soft overlong punishment."""
+
+    max_length: Optional[int] = setting(
+        None, "L_max in tokens; null = the rollout's budget (rollout.max_new_tokens).", ge=1)
+    # 4096: DAPO's L_cache (with L_max 20480).
+    buffer: int = setting(
+        4096, "L_cache: the penalty rises linearly over this many tokens before L_max (at most L_max).", ge=1)
+
+
+def overlong_penalty(num_tokens: int, max_length: int, buffer: int) -> float:
+    """0 up to L_max - L_cache tokens, then falling linearly to -1 at L_max, -1 beyond
+    (Yu et al. 2025, DAPO, eq. 13); a buffer longer than L_max is cut to it."""
+    buffer = min(buffer, max_length)
+    start = max_length - buffer
+    if num_tokens <= start:
+        return 0.0
+    return max((start - num_tokens) / buffer, -1.0)
+
+
+def overlong_reward(options: OverlongOptions) -> RewardFn:
+    """`fn(completions, answers)` -> the soft overlong penalty of each completion's token
+    count; completions must be `grpo_core.contracts.CompletionText` (the runner's are)."""
+
+    def overlong(completions: list[str], answers: list[str]) -> list[float]:
+        check_pairs(completions, answers)
+        return [overlong_penalty(_token_count(c), options.max_length or c.max_tokens, options.buffer)
+                for c in completions]
+
+    return overlong
+
+
+def _token_count(completion: str) -> int:
+    if not hasattr(completion, "num_tokens"):
+        raise TypeError("the overlong reward needs token counts: pass grpo_core.contracts.CompletionText, "
+                        f"got {type(completion).__name__}")
+    return completion.num_tokens
+
+
 def check_pairs(completions: Sequence[str], answers: Sequence[str]) -> None:
     if len(completions) != len(answers):
         raise ValueError(f"got {len(completions)} completions but {len(answers)} answers; "
@@ -90,4 +130,6 @@ REWARD_SPECS = [
                "1 when the final answer (####, \\boxed, 'answer is', ...) equals the reference"),
     RewardSpec("format", format_reward, FormatOptions,
                "1 when the completion ends in the configured answer format"),
+    RewardSpec("overlong", overlong_reward, OverlongOptions,
+               "DAPO soft overlong punishment: 0, then down to -1 over the last `buffer` tokens before max_length"),
 ]

@@ -89,6 +89,11 @@ class BuiltRun:
         return self.cfg.rollout.use_sampler_logps or self.scores_old_logps
 
     @property
+    def carries_sampler_logps(self) -> bool:
+        """The update batch carries the sampler's log-probs: the loss corrects rollout/training mismatch."""
+        return self.cfg.loss.mismatch_correction != "none"
+
+    @property
     def scores_ref_logps(self) -> bool:
         return self.cfg.loss.beta > 0
 

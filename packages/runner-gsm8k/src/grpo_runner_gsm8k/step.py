@@ -35,7 +35,8 @@ class UpdateBatch:
 
     input_ids, attention_mask [N, T]; targets, loss_mask [N, C] (completion tokens,
     already multiplied by the dynamic-sampling keep mask); advantages [N];
-    old_logp / ref_logp [N, C] or None.
+    old_logp / ref_logp [N, C] or None; sampler_logp [N, C] the rollout's log-probs, carried
+    only when the loss corrects rollout/training mismatch (`loss.mismatch_correction`).
     """
 
     input_ids: jax.Array
@@ -45,6 +46,7 @@ class UpdateBatch:
     advantages: jax.Array
     old_logp: Optional[jax.Array] = None
     ref_logp: Optional[jax.Array] = None
+    sampler_logp: Optional[jax.Array] = None
     prompt_width: int = struct.field(pytree_node=False, default=1)
 
 
@@ -211,7 +213,7 @@ def make_update(graphdef: nnx.GraphDef, impl: Any, loss_cfg: LossConfig, optimiz
 
     def loss_terms(hidden, lm_head, mb: UpdateBatch):
         out = grpo_loss(impl, hidden, lm_head, mb.targets, mb.loss_mask, mb.advantages, mb.old_logp,
-                        mb.ref_logp, loss_cfg, temperature=temperature)
+                        mb.ref_logp, loss_cfg, temperature=temperature, sampler_logp=mb.sampler_logp)
         return out.numerator, (out.denominator, out.metrics)
 
     accumulate = functools.partial(_accumulate, graphdef, loss_terms, compute_dtype, micro_batches)

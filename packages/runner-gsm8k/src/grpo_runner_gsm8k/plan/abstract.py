@@ -103,12 +103,6 @@ def abstract_run_model(cfg: RunConfig, qcfg: QwenConfig, mesh: Mesh, strategy: A
                                   state, shardings)
 
 
-def abstract_outputs(compiled: Any) -> Any:
-    """The outputs of a compiled function as sharded ShapeDtypeStructs."""
-    return jax.tree.map(lambda info, sharding: abstract_array(info.shape, info.dtype, sharding),
-                        compiled.out_info, compiled.output_shardings)
-
-
 def abstract_opt_state(optimizer: Any, params: Any, mesh: Mesh) -> Any:
     """The optimizer state as the run holds it: param-shaped leaves (moments) sharded like
     their params (eager `optimizer.init` keeps the params' shardings), the rest (step
@@ -217,4 +211,5 @@ def abstract_update_batch(inputs: PlanInputs) -> UpdateBatch:
         advantages=abstract_array((rows,), jnp.float32, train_batch_sharding(mesh, ndim=1)),
         old_logp=tokens(jnp.float32, completion_w) if inputs.run.has_old_logps else None,
         ref_logp=tokens(jnp.float32, completion_w) if inputs.run.scores_ref_logps else None,
+        sampler_logp=tokens(jnp.float32, completion_w) if inputs.run.carries_sampler_logps else None,
         prompt_width=prompt_w)

@@ -1,0 +1,98 @@
+"""Dynamic sampling that refills the batch (DAPO, `loss.dynamic_sampling_mode: refill`).
+
+A group whose K rewards all agree has zero advantage and teaches nothing. After the
+step's rollout, while fewer than `prompts_per_step` groups are informative and fewer
+than `loss.max_extra_rollouts` extra rollouts were made, another `prompts_per_step`
+fresh prompts are drawn from the task and rolled out. The step then trains on the
+first `prompts_per_step` informative groups in the order they were sampled; when the
+limit runs out first, the batch is completed with uninformative groups of the earliest
+rollouts, which dynamic sampling masks as usual. Informative groups beyond the batch
+are discarded, as in DAPO.
+
+Every decision reads host values that are identical on every process (the gathered
+rewards), so every process draws, rolls out and selects alike. The task's data
+position advances by every prompt drawn and is saved with the checkpoint, so a
+resumed run draws exactly the prompts the uninterrupted one would.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from grpo_core.rollout_records import RolloutResult
+from grpo_losses import zero_std_groups
+
+from grpo_runner_gsm8k.multihost import host_array
+from grpo_runner_gsm8k.scoring import Scores
+
+
+class Sampled(NamedTuple):
+    """One rollout of the step with its scores (host values)."""
+
+    examples: list
+    result: RolloutResult
+    scores: Scores
+
+
+def informative(scores: Scores, n: int) -> np.ndarray:
+    """[P] bool: the group's rewards do not all agree."""
+    return ~np.asarray(zero_std_groups(scores.total, n))
+
+
+def needs_more(rounds: list[Sampled], n: int, want: int, max_extra: int) -> bool:
+    """Whether another rollout is due: too few informative groups, and rollouts left."""
+    found = sum(int(informative(r.scores, n).sum()) for r in rounds)
+    return found < want and len(rounds) - 1 < max_extra
+
+
+def pick_groups(rounds: list[Sampled], n: int, want: int) -> list[tuple[int, int]]:
+    """(rollout index, group index) of the `want` groups the step trains on: informative
+    ones first in sampling order, then uninformative ones of the earliest rollouts."""
+    groups = [(i, g, bool(good)) for i, r in enumerate(rounds) for g, good in enumerate(informative(r.scores, n))]
+    chosen = [(i, g) for i, g, good in groups if good][:want]
+    chosen += [(i, g) for i, g, good in groups if not good][: want - len(chosen)]
+    return chosen
+
+
+def merge_results(results: list[RolloutResult], picks: list[tuple[int, int]], n: int) -> RolloutResult:
+    """The rows of the picked groups as one host-side result; prompts are left-padded to
+    the widest prompt bucket among the rollouts."""
+    width = max(r.prompt_ids.shape[1] for r in results)
+    fields = {name: [_host_rows(r, name, width) for r in results] for name in _ROW_FIELDS}
+    sources = [(i, row) for i, g in picks for row in range(g * n, (g + 1) * n)]
+    merged = {name: np.stack([parts[i][row] for i, row in sources]) for name, parts in fields.items()}
+    return RolloutResult(**merged, num_prompts=len(picks), n=n)
+
+
+_ROW_FIELDS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "lengths", "sampler_logps",
+               "finished")
+
+
+def _host_rows(result: RolloutResult, name: str, width: int) -> np.ndarray:
+    values = host_array(getattr(result, name))
+    if name not in ("prompt_ids", "prompt_mask") or values.shape[1] == width:
+        return values
+    pad = np.zeros((values.shape[0], width - values.shape[1]), values.dtype)  # masked: any id does
+    return np.concatenate([pad, values], axis=1)
+
+
+def merge_scores(scores: list[Scores], picks: list[tuple[int, int]], n: int) -> Scores:
+    """The scores of the picked groups' rows; error counts are summed over every rollout."""
+    def rows(arrays: list[np.ndarray]) -> np.ndarray:
+        return np.concatenate([arrays[i][g * n:(g + 1) * n] for i, g in picks])
+
+    per_fn = {name: rows([s.per_fn[name] for s in scores]) for name in scores[0].per_fn}
+    errors = {name: sum(s.errors[name] for s in scores) for name in scores[0].errors}
+    return Scores(rows([s.total for s in scores]), per_fn, errors)
+
+
+def refill_metrics(rounds: list[Sampled], picks: list[tuple[int, int]], n: int) -> dict:
+    """train-other/refill_* of one step."""
+    found = sum(int(informative(r.scores, n).sum()) for r in rounds)
+    prompts = sum(len(r.examples) for r in rounds)
+    return {"train-other/refill_extra_rollouts": len(rounds) - 1,
+            "train-other/refill_prompts_consumed": prompts,
+            "train-other/refill_groups_dropped": prompts - found,  # zero-std groups sampled
+            "train-other/refill_groups_missing": len(picks) - min(found, len(picks))}  # masked in the batch
