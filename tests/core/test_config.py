@@ -88,10 +88,22 @@ def test_plugin_options_are_validated_by_the_plugin_dataclass():
 
 def test_float32_masters_are_the_default_and_bfloat16_weights_need_bfloat16_compute():
     cfg = load_config(None, ["model.dtype=bfloat16"])
-    assert (cfg.model.dtype, cfg.model.param_dtype, cfg.train.moment_dtype) == ("bfloat16", "float32", None)
+    assert (cfg.model.dtype, cfg.model.param_dtype, cfg.train.moment_dtype) == ("bfloat16", "float32", "float32")
     assert load_config(None, ["model.dtype=bfloat16", "model.param_dtype=bfloat16"]).model.param_dtype == "bfloat16"
     with pytest.raises(ConfigError, match=r"model.param_dtype = bfloat16 with model.dtype = float32.*"
                                           r"set model.param_dtype=float32"):
         load_config(None, ["model.param_dtype=bfloat16"])
     with pytest.raises(ConfigError, match=r"train.moment_dtype"):
         load_config(None, ["train.moment_dtype=float16"])
+
+
+def test_same_as_defaults_are_filled_in_at_load():
+    """A null "same as X" setting is X in the loaded config (what --print-config shows)."""
+    cfg = load_config(None, ["model.path=/models/q", "model.dtype=bfloat16", "model.param_dtype=bfloat16",
+                             "rollout.max_new_tokens=24"])
+    assert (cfg.model.tokenizer, cfg.train.moment_dtype) == ("/models/q", "bfloat16")
+    assert (cfg.loss.max_completion_length, cfg.eval.max_new_tokens) == (24, 24)
+    given = load_config(None, ["model.tokenizer=char", "train.moment_dtype=float32", "loss.max_completion_length=7",
+                               "eval.max_new_tokens=5"])
+    assert (given.model.tokenizer, given.train.moment_dtype, given.loss.max_completion_length,
+            given.eval.max_new_tokens) == ("char", "float32", 7, 5)

@@ -125,7 +125,7 @@ CATALOGUE = [
     Bad("missing-dataset-split-file", ("task.name=gsm8k", "task.options={path: '/nonexistent/{split}.jsonl'}"),
         "/nonexistent/train.jsonl does not exist", "check task.options.path"),
     Bad("dataset-line-not-json", ("task.name=gsm8k", "task.options={path: {tmp}/bad_data}"),
-        "bad_data/train.jsonl:2 is not valid JSON", "fix or remove the line"),
+        "bad_data/train.jsonl:2 is not valid JSON", "at byte 63 of the file); fix or remove the line"),
     Bad("dataset-prompt-too-long", ("task.name=gsm8k", "task.options={path: {tmp}/long_data}"),
         "prompt of example 'gsm8k/train/0' has", "raise rollout.max_prompt_length"),
     # ---- issue 17: inputs that used to give a traceback, or were silently accepted
@@ -178,6 +178,21 @@ CATALOGUE = [
         "give the per-device memory in GiB"),
     Bad("plan-unknown-hub-architecture", ("--plan", "model.path=Org/Unknown-Model", "model.tokenizer=char"),
         "architecture is not built in", "download the model's config.json into a directory"),
+    # ---- issue 26: sizes, seeds, data bytes and config edge cases
+    Bad("seed-beyond-32-bits", ("train.seed=4294967296",), "train.seed = 4294967296 is out of range",
+        "must be >= 0 and <= 4294967295"),
+    Bad("model-seed-beyond-32-bits", ("model.seed=18446744073709551616",), "model.seed = 18446744073709551616",
+        "<= 4294967295"),
+    Bad("number-beyond-float-range", ("train.lr=" + "9" * 400,), "train.lr = 999", "expected a finite number"),
+    Bad("section-overridden-with-null", ("rollout=null",), "override rollout=null: rollout is a section",
+        "set its keys (rollout.<key>=value) or give a mapping"),
+    Bad("section-overridden-with-scalar", ("train=3",), "override train=3: train is a section", "give a mapping"),
+    Bad("lone-surrogate-text", ('task.system_prompt="\\ud800"',), "task.system_prompt = '\\ud800' holds a lone "
+        "surrogate", "write the character itself"),
+    Bad("dataset-line-not-utf8", ("task.name=gsm8k", "task.options={path: {tmp}/latin1_data}"),
+        "latin1_data/train.jsonl:2: byte 79 (0xe9) is not UTF-8 text", "save the file as UTF-8"),
+    Bad("merge-key-onto-unknown-key", (), "unknown config key rollout.bogus", "valid keys",
+        config="model: {tokenizer: char}\nrollout:\n  <<: {n: 4, bogus: 1}\n"),
     Bad("run-dir-under-a-file", ("logging.dir={tmp}/file/run",), "is a file", "choose another logging.dir"),
     Bad("run-dir-is-a-file", ("logging.dir={tmp}/file",), "cannot be used as a directory: it is a file",
         "choose another logging.dir"),
@@ -198,6 +213,11 @@ def scratch(tmp_path) -> Path:
     (corrupt / "config.json").write_text(json.dumps(MODEL_CONFIG))
     (corrupt / "model.safetensors").write_bytes(b"\x00garbage, not a safetensors header" * 4)
     (tmp_path / "latin1.yaml").write_bytes("train:\n  steps: 3  # pr\u00e9cis\n".encode("latin-1"))
+    (tmp_path / "latin1_data").mkdir()
+    latin1_row = json.dumps({"question": "Caf\u00e9?", "answer": "#### 4"}, ensure_ascii=False)
+    (tmp_path / "latin1_data" / "train.jsonl").write_bytes(
+        _gsm8k_rows("What is 2 + 2?").encode() + (latin1_row + "\n").encode("latin-1"))
+    (tmp_path / "latin1_data" / "test.jsonl").write_text(_gsm8k_rows("What is 1 + 3?"))
     for name, train in [("bad_data", _gsm8k_rows("What is 2 + 2?") + "{not json\n"),
                         ("long_data", _gsm8k_rows("What is 2 + 2? " * 20)),
                         ("int_question", json.dumps({"question": 7, "answer": "#### 7"}) + "\n"),

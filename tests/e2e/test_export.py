@@ -15,8 +15,6 @@ from grpo_core.registry import default_registry
 from grpo_runner_gsm8k.cli import main as grpo_run
 from grpo_runner_gsm8k.export import load_policy
 
-REPO = Path(__file__).resolve().parents[2]
-TINY = REPO / "configs" / "tiny.yaml"
 STEPS = 2
 FAST = [f"train.steps={STEPS}", "rollout.prompts_per_step=4", "rollout.n=4", "eval.every_steps=0",
         "checkpoint.every_steps=1"]
@@ -28,13 +26,13 @@ def by_path(state) -> dict[str, np.ndarray]:
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
+def trained(tiny_config_path, tmp_path_factory):
     """(run dir, the trainer after a finished tiny run)."""
     from grpo_runner_gsm8k.loop import Trainer
 
     run_dir = tmp_path_factory.mktemp("run")
     registry = default_registry()
-    trainer = Trainer(load_config(TINY, [*FAST, f"logging.dir={run_dir}"], registry=registry), registry)
+    trainer = Trainer(load_config(tiny_config_path, [*FAST, f"logging.dir={run_dir}"], registry=registry), registry)
     trainer.run()
     return run_dir, trainer
 

@@ -1,19 +1,20 @@
-"""Every plugin example in grpo_core.hookspecs, run as written: one training step of the
+"""Every plugin example in examples/hooks/, run as written: one training step of the
 tiny config with the example selected."""
 
 import ast
 import math
-import textwrap
+import re
 import types
 from pathlib import Path
 
 import pytest
 
 from grpo_core import hookspecs
-from grpo_core.config_io import load_config
 from grpo_core.testing import registry_with
 
-TINY = Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = {"grpo_losses": "loss", "grpo_meshes": "mesh", "grpo_rollouts": "rollout", "grpo_rewards": "reward",
+            "grpo_tasks": "task"}
 
 # The entropy bonus gives the step a gradient whatever the rewards (one step of the tiny
 # model usually scores every sample alike, which leaves zero advantages).
@@ -29,10 +30,8 @@ SELECT = {
 
 
 def example_source(hook: str) -> str:
-    """The indented block after the first `::` of the hook's docstring."""
-    doc = getattr(hookspecs, hook).__doc__
-    block = doc.split("::\n", 1)[1]
-    return textwrap.dedent(block)
+    """The example plugin module of `hook`, as a user would copy it."""
+    return (ROOT / "examples" / "hooks" / f"{EXAMPLES[hook]}.py").read_text()
 
 
 def example_module(hook: str) -> types.ModuleType:
@@ -53,15 +52,15 @@ def imported_packages(source: str) -> set[str]:
 
 def test_every_hook_has_an_example_selected_here():
     hooks = {name for name, fn in vars(hookspecs).items() if name.startswith("grpo_") and callable(fn)}
-    assert hooks == set(SELECT)
+    assert hooks == set(SELECT) == set(EXAMPLES)
 
 
 @pytest.mark.parametrize("hook", sorted(SELECT))
-def test_example_trains_one_step(hook, tmp_path):
+def test_example_trains_one_step(hook, tiny_config):
     from grpo_runner_gsm8k.loop import Trainer
 
     registry = registry_with(example_module(hook))
-    cfg = load_config(TINY, [*ONE_STEP, *SELECT[hook], f"logging.dir={tmp_path}"], registry=registry)
+    cfg = tiny_config(*ONE_STEP, *SELECT[hook], registry=registry)
     trainer = Trainer(cfg, registry)
     metrics = trainer.run()
     assert trainer.state.step == 1
@@ -70,19 +69,53 @@ def test_example_trains_one_step(hook, tmp_path):
     assert 0.0 <= metrics["eval/accuracy"] <= 1.0
 
 
-def test_rollout_example_needs_grpo_core_alone():
-    """A backend package depends on grpo-core only: the example imports no other project package."""
-    source = example_source("grpo_rollouts")
+@pytest.mark.parametrize("hook", sorted(SELECT))
+def test_example_needs_grpo_core_alone(hook):
+    """A plugin package of any kind depends on grpo-core only: no example imports another project package."""
+    source = example_source(hook)
     assert {name for name in imported_packages(source) if name.startswith("grpo")} == {"grpo_core"}
 
 
-def test_a_backend_missing_a_protocol_method_is_refused_at_build(tmp_path):
+def test_hookspecs_keep_one_line_docs():
+    for hook in SELECT:
+        assert len(getattr(hookspecs, hook).__doc__.strip().splitlines()) == 1, hook
+
+
+def test_a_backend_missing_a_protocol_method_is_refused_at_build(uniform_backend_run):
     from grpo_core.errors import UserError
     from grpo_runner_gsm8k.loop import Trainer
 
     module = example_module("grpo_rollouts")
     del module.UniformSampler.release_weights
-    registry = registry_with(module)
-    cfg = load_config(TINY, [*ONE_STEP, *SELECT["grpo_rollouts"], f"logging.dir={tmp_path}"], registry=registry)
     with pytest.raises(UserError, match="without release_weights, which grpo_core.contracts.RolloutBackend"):
-        Trainer(cfg, registry)
+        Trainer(*uniform_backend_run(module))
+
+
+@pytest.fixture
+def uniform_backend_run(tiny_config):
+    """`uniform_backend_run(module)`: (config, registry) of one step of the tiny run with the
+    rollout example of `module`."""
+    def build(module):
+        registry = registry_with(module)
+        return tiny_config(*ONE_STEP, *SELECT["grpo_rollouts"], registry=registry), registry
+
+    return build
+
+
+def test_the_rollout_example_is_planned_through_its_contract(uniform_backend_run, capsys):
+    """`grpo-run --plan` compiles a third-party backend's own phases (PlannableRollout)."""
+    from grpo_runner_gsm8k.plan import plan_command
+
+    assert plan_command(*uniform_backend_run(example_module("grpo_rollouts")), capacity_gib=16.0) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^rollout sample +[\d.]+ ", out, re.M) and re.search(r"^train step +[\d.]+ ", out, re.M)
+
+
+def test_a_backend_without_the_planning_members_is_refused_by_the_plan(uniform_backend_run):
+    from grpo_core.errors import UserError
+    from grpo_runner_gsm8k.plan import plan_command
+
+    module = example_module("grpo_rollouts")
+    del module.UniformSampler.compile_phases
+    with pytest.raises(UserError, match="cannot be planned: .*grpo_core.contracts.PlannableRollout"):
+        plan_command(*uniform_backend_run(module), capacity_gib=16.0)

@@ -36,9 +36,9 @@ from grpo_core.config_io import load_config
 from grpo_core.registry import default_registry
 cfg = load_config(sys.argv[1], sys.argv[2:], registry=default_registry())
 trainer = loop.Trainer(cfg, default_registry())
-position = trainer.c.task.state()
-print("PROMPTS", json.dumps([ex.id for ex in gather_objects(trainer.c.task.train_batch(4))]), flush=True)
-trainer.c.task.restore(position)
+position = trainer.built.inputs.task.state()
+print("PROMPTS", json.dumps([ex.id for ex in gather_objects(trainer.built.inputs.task.train_batch(4))]), flush=True)
+trainer.built.inputs.task.restore(position)
 trainer.run()
 leaves = [np.asarray(jax.experimental.multihost_utils.process_allgather(x, tiled=True))
           for x in jax.tree.leaves(trainer.state.params)]

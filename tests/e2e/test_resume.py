@@ -20,8 +20,8 @@ import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
 
-from grpo_runner_gsm8k.checkpoint import (checkpoint_dir, complete_steps, config_differences, saved_meta,
-                                          truncate_metrics)
+from grpo_runner_gsm8k.checkpoint import checkpoint_dir, complete_steps, config_differences, saved_meta
+from grpo_runner_gsm8k.metrics import truncate_metrics
 from grpo_runner_gsm8k.export import load_policy
 
 pytestmark = pytest.mark.slow
@@ -282,7 +282,7 @@ def test_failing_save_stops_the_run_with_one_line_and_keeps_earlier_checkpoints(
             proc.kill()
             proc.wait(timeout=60)
     err = log.read_text()  # TensorStore's "Event loop is closed" callbacks are dropped by the run itself
-    assert proc.returncode == 2, err[-3000:]
+    assert proc.returncode == 1, err[-3000:]  # a fault of the machine, not bad input
     assert "Traceback" not in err, err[-3000:]
     errors = [line for line in err.splitlines() if line.startswith("grpo-run: error: ")]
     assert len(errors) == 1 and errors == err.strip().splitlines(), err[-3000:]

@@ -7,15 +7,13 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from grpo_core import LossSpec, NoOptions, hookimpl
-from grpo_core.config_io import load_config
 from grpo_core.registry import default_registry
 from grpo_core.testing import registry_with
 from grpo_losses import TokenLogps, ReferenceLogps
 
-REPO = Path(__file__).resolve().parents[2]
-TINY = REPO / "configs" / "tiny.yaml"
 FAST = ["train.steps=2", "rollout.prompts_per_step=4", "rollout.n=4", "rollout.max_new_tokens=4",
         "eval.every_steps=2", "eval.num_questions=8"]
 
@@ -31,34 +29,35 @@ EXPECTED_KEYS = [
 ]
 
 
-def _trainer(tmp_path, *overrides, registry=None):
+@pytest.fixture
+def trainer_of(tiny_config):
+    """`trainer_of(*overrides, registry=None)`: a Trainer of the tiny config at FAST (run
+    directory: the test's tmp_path / "run")."""
     from grpo_runner_gsm8k.loop import Trainer
 
-    registry = registry or default_registry()
-    cfg = load_config(TINY, [*FAST, f"logging.dir={tmp_path}", *overrides], registry=registry)
-    return Trainer(cfg, registry)
+    def build(*overrides: str, registry=None):
+        registry = registry or default_registry()
+        return Trainer(tiny_config(*FAST, *overrides, registry=registry), registry)
 
-
-def _run(tmp_path, *overrides, registry=None):
-    trainer = _trainer(tmp_path, *overrides, registry=registry)
-    return trainer, trainer.run()
+    return build
 
 
 def _records(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_tiny_run_writes_every_metric(tmp_path):
-    _, last = _run(tmp_path, "loss.beta=0.01", "logging.wandb=offline")
-    records = _records(tmp_path)
+def test_tiny_run_writes_every_metric(trainer_of, tmp_path):
+    trainer_of("loss.beta=0.01", "logging.wandb=offline").run()
+    run_dir = tmp_path / "run"
+    records = _records(run_dir)
     assert [r["step"] for r in records] == [1, 2]
     for key in EXPECTED_KEYS:
         assert key in records[-1], key
         assert records[-1][key] is not None and math.isfinite(records[-1][key]), (key, records[-1][key])
-    assert (tmp_path / "config.yaml").is_file()
+    assert (run_dir / "config.yaml").is_file()
     # Offline runs keep history and summary in the run's protobuf log; keys are stored as text.
-    logs = list(tmp_path.glob("wandb/offline-run-*/run-*.wandb"))
-    assert len(logs) == 1, list(tmp_path.rglob("*"))
+    logs = list(run_dir.glob("wandb/offline-run-*/run-*.wandb"))
+    assert len(logs) == 1, list(run_dir.rglob("*"))
     data = logs[0].read_bytes()
     for key in ("train-reward/total/mean", "eval/accuracy", "train-other/loss"):
         assert key.encode() in data, key
@@ -81,8 +80,8 @@ class NanLoss:
         return [LossSpec("nan_loss", build, NoOptions, "always NaN")]
 
 
-def test_non_finite_loss_skips_the_update(tmp_path):
-    trainer = _trainer(tmp_path, "loss.impl=nan_loss", "eval.every_steps=0", registry=registry_with(NanLoss()))
+def test_non_finite_loss_skips_the_update(trainer_of):
+    trainer = trainer_of("loss.impl=nan_loss", "eval.every_steps=0", registry=registry_with(NanLoss()))
     initial = jax.tree.map(np.array, trainer.state.params)
     last = trainer.run()
     assert last["train-other/skipped_steps"] == 2
@@ -91,9 +90,10 @@ def test_non_finite_loss_skips_the_update(tmp_path):
     assert max(jax.tree.leaves(diffs)) == 0.0
 
 
-def test_pallas_loss_runs_per_device_on_the_run_mesh(tmp_path):
+def test_pallas_loss_runs_per_device_on_the_run_mesh(trainer_of):
     """The run binds its mesh to the pallas loss (Mosaic kernels cannot be partitioned by the
     compiler, so they run per device in shard_map; here interpreted on the CPU devices)."""
-    trainer, last = _run(tmp_path, "loss.impl=pallas", "train.steps=1", "eval.every_steps=0")
-    assert trainer.program.loss_impl.mesh is trainer.c.mesh
+    trainer = trainer_of("loss.impl=pallas", "train.steps=1", "eval.every_steps=0")
+    last = trainer.run()
+    assert trainer.built.plugins.loss_impl.mesh is trainer.built.mesh
     assert math.isfinite(last["train-other/loss"]) and math.isfinite(last["train-other/grad_norm"])

@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from grpo_core.contracts import Policy
 from grpo_core.models import QwenConfig, init_from_config
 from grpo_rollout import JaxRollout, JaxRolloutOptions, SamplingParams
 
@@ -20,7 +21,7 @@ def model(request):
 
 
 def generate(model, params, seed=0, prompts=PROMPTS):
-    ROLLOUT.load_weights(model)
+    ROLLOUT.load_weights(Policy.of(model))
     return ROLLOUT.generate(prompts, jax.random.key(seed), params, pad_token_id=0)
 
 
@@ -98,7 +99,7 @@ def test_pre_padded_arrays_are_refitted_to_the_bucket(model):
     ids = np.zeros((len(PROMPTS), width), np.int32)
     for row, prompt in enumerate(PROMPTS):
         ids[row, width - len(prompt):] = prompt
-    ROLLOUT.load_weights(model)
+    ROLLOUT.load_weights(Policy.of(model))
     result = ROLLOUT.generate_padded(ids, (ids > 0).astype(np.int32), jax.random.key(0), params, pad_token_id=0)
     expected = generate(model, params)
     assert result.prompt_ids.shape[1] == 16

@@ -9,6 +9,7 @@ import jax
 import numpy as np
 import pytest
 
+from grpo_core.contracts import Policy
 from grpo_core.models import load_pretrained
 from grpo_rollout import JaxRollout, JaxRolloutOptions, SamplingParams
 
@@ -26,7 +27,7 @@ def greedy_tokens(name, eos=None, decode_attention="rollout"):
     params = SamplingParams(max_new_tokens=record["max_new_tokens"], greedy=True,
                             stop_token_ids=() if eos is None else (eos,))
     rollout = JaxRollout(JaxRolloutOptions(decode_attention=decode_attention))
-    rollout.load_weights(model)
+    rollout.load_weights(Policy.of(model))
     result = rollout.generate(record["prompts"], jax.random.key(0), params, pad_token_id=record["pad_id"])
     return np.asarray(result.completion_ids), result
 

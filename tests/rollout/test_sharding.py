@@ -7,6 +7,7 @@ import pytest
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from grpo_core.contracts import Policy
 from grpo_core.models import QwenConfig, init_from_config
 from grpo_core.sharding import DEFAULT_RULES, shard_model
 from grpo_rollout import JaxRollout, JaxRolloutOptions, SamplingParams
@@ -18,7 +19,7 @@ STYLES = {"legacy": ("dp", "fsdp", "tp"), "maxtext": "dp"}
 
 
 def sample(model, prompts, key, batch_sharding=None):
-    ROLLOUT.load_weights(model)
+    ROLLOUT.load_weights(Policy.of(model))
     return ROLLOUT.generate(prompts, key, PARAMS, batch_sharding=batch_sharding)
 
 
@@ -67,7 +68,7 @@ def test_auto_gathers_sharded_weights_only_when_the_gathered_decode_fits(models,
     plain, sharded = models
     batch_sharding = NamedSharding(mesh, PartitionSpec(STYLES["legacy"]))
     rollout = JaxRollout(JaxRolloutOptions(prompt_buckets=(8,), gather_weights="auto"))
-    rollout.load_weights(sharded)
+    rollout.load_weights(Policy.of(sharded))
     result = rollout.generate(PROMPTS, jax.random.key(7), PARAMS, batch_sharding=batch_sharding)
     line = capsys.readouterr().out.strip()
     assert line.startswith(f"rollout: gather_weights=auto: {'gathered' if gathered else 'sharded'} weights")

@@ -2,14 +2,11 @@
 
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+import yaml
 
 from grpo_runner_gsm8k.cli import main
-
-REPO = Path(__file__).resolve().parents[2]
-TINY = str(REPO / "configs" / "tiny.yaml")
 
 BAD_OVERRIDES = [
     (["loss.epsilon_hgih=0.3"], "loss.epsilon_hgih", "loss.epsilon_high"),
@@ -40,8 +37,8 @@ BAD_OVERRIDES = [
 
 
 @pytest.mark.parametrize("overrides,key,hint", BAD_OVERRIDES, ids=[o[0][0] for o in BAD_OVERRIDES])
-def test_bad_override_exits_2_naming_the_key(overrides, key, hint, capsys):
-    assert main(["--config", TINY, "--print-config", *overrides]) == 2
+def test_bad_override_exits_2_naming_the_key(tiny_config_path, overrides, key, hint, capsys):
+    assert main(["--config", tiny_config_path, "--print-config", *overrides]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1, err
     assert key in err[0] and hint in err[0], err[0]
@@ -70,20 +67,24 @@ def test_missing_config_file_exits_2(capsys):
     assert "/nonexistent/x.yaml" in capsys.readouterr().err
 
 
-def test_console_script_prints_one_line_and_no_traceback():
-    proc = subprocess.run([sys.executable, "-m", "grpo_runner_gsm8k.cli", "--config", TINY,
+def test_console_script_prints_one_line_and_no_traceback(tiny_config_path):
+    proc = subprocess.run([sys.executable, "-m", "grpo_runner_gsm8k.cli", "--config", tiny_config_path,
                            "loss.epsilon_hgih=0.3"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.strip() == ("grpo-run: error: unknown config key loss.epsilon_hgih; "
                                    "did you mean loss.epsilon_high?")
 
 
-def test_debug_shows_the_traceback(capsys):
-    assert main(["--config", TINY, "--debug", "train.stpes=1"]) == 2
+def test_debug_shows_the_traceback(tiny_config_path, capsys):
+    assert main(["--config", tiny_config_path, "--debug", "train.stpes=1"]) == 2
     assert "Traceback" in capsys.readouterr().err
 
 
-def test_print_config_prints_resolved_yaml(capsys):
-    assert main(["--config", TINY, "--print-config", "train.lr=1e-6"]) == 0
+def test_print_config_prints_resolved_yaml(tiny_config_path, capsys):
+    assert main(["--config", tiny_config_path, "--print-config", "train.lr=1e-6"]) == 0
     out = capsys.readouterr().out
     assert "lr: 1.0e-06" in out and "epsilon_high: 0.2" in out
+    resolved = yaml.safe_load(out)  # "null = same as X" settings shown as the run uses them
+    assert resolved["train"]["moment_dtype"] == resolved["model"]["param_dtype"]
+    assert resolved["loss"]["max_completion_length"] == resolved["rollout"]["max_new_tokens"]
+    assert resolved["eval"]["max_new_tokens"] == resolved["rollout"]["max_new_tokens"]

@@ -4,33 +4,26 @@ against the analytic count (module doc of grpo_runner_gsm8k.flops)."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
-from grpo_core.config_io import load_config
 from grpo_core.models import QwenConfig
 from grpo_core.registry import default_registry
-from grpo_runner_gsm8k import flops, plan
+from grpo_runner_gsm8k import flops
 
-TINY = str(Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml")
 # a vocabulary large against the hidden size, as in real models: the LM head dominates
 SHAPE = ["model.architecture.vocab_size=8192", "rollout.prompts_per_step=8", "rollout.n=2",
          "rollout.max_new_tokens=8", "model.architecture.max_position_embeddings=64"]
 
 
-@pytest.fixture(autouse=True)
-def keep_xla_flags(monkeypatch):
-    monkeypatch.setenv("XLA_FLAGS", plan.os.environ.get("XLA_FLAGS", ""))
+@pytest.fixture
+def bench(tiny_config):
+    """`bench(*overrides)`: the flops bench's figures for the tiny config at SHAPE."""
+    return lambda *overrides: flops.run(tiny_config(*SHAPE, *overrides), default_registry())
 
 
-def bench(*overrides: str, tmp_path: Path) -> dict:
-    cfg = load_config(TINY, [*SHAPE, f"logging.dir={tmp_path}", *overrides], registry=default_registry())
-    return flops.run(cfg, default_registry())
-
-
-def test_one_pass_update_is_within_ten_percent_of_analytic(tmp_path):
-    one_pass = bench(tmp_path=tmp_path)
-    two_pass = bench("loss.options.one_pass=false", tmp_path=tmp_path)
+def test_one_pass_update_is_within_ten_percent_of_analytic(bench):
+    one_pass = bench()
+    two_pass = bench("loss.options.one_pass=false")
     assert 1.0 <= one_pass["update"]["compiled_over_analytic"] <= 1.1
     # the fourth LM-head matmul of two passes shows up as waste
     assert two_pass["update"]["compiled_over_analytic"] > one_pass["update"]["compiled_over_analytic"] + 0.2

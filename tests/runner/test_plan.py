@@ -3,31 +3,21 @@ capacity, and the sweep finds the largest micro-batch size that fits."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
 import re
-from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import pytest
-from grpo_core.config_io import load_config
 from grpo_core.registry import default_registry
+from grpo_rollout.decode import prefill
 from grpo_runner_gsm8k import plan
+from grpo_runner_gsm8k.plan.phases import PhaseRecorder, rollout_shapes
 from grpo_runner_gsm8k.cli import main
 from grpo_runner_gsm8k.loop import Trainer
 
-TINY = str(Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml")
-# 8 devices hold 64 rows: 8 per device, so the micro-batch sizes 1, 2, 4, 8 are valid.
-SMALL = ["rollout.prompts_per_step=8", "rollout.n=8", "rollout.max_new_tokens=8"]
-
-
-@pytest.fixture(autouse=True)
-def keep_xla_flags(monkeypatch):
-    """The plan adds a CPU scheduler flag to XLA_FLAGS; keep it out of later tests."""
-    monkeypatch.setenv("XLA_FLAGS", plan.os.environ.get("XLA_FLAGS", ""))
-
-
-def config(*overrides: str, tmp_path: Path):
-    return load_config(TINY, [*SMALL, f"logging.dir={tmp_path / 'run'}", *overrides], registry=default_registry())
 
 
 def table_rows(out: str) -> dict[str, list[float]]:
@@ -39,8 +29,9 @@ def table_rows(out: str) -> dict[str, list[float]]:
     return rows
 
 
-def test_plan_prints_every_phase_and_fits(tmp_path, capsys):
-    assert plan.plan_command(config(tmp_path=tmp_path), default_registry(), capacity_gib=16.0) == 0
+def test_plan_prints_every_phase_and_fits(plan_config, tmp_path, capsys):
+    flags = os.environ.get("XLA_FLAGS")
+    assert plan.plan_command(plan_config(), default_registry(), capacity_gib=16.0) == 0
     out = capsys.readouterr().out
     rows = table_rows(out)
     assert set(rows) == {"rollout prefill", "rollout decode", "train step"}
@@ -51,26 +42,27 @@ def test_plan_prints_every_phase_and_fits(tmp_path, capsys):
     assert "XLA_FLAGS has --xla_cpu_enable_concurrency_optimized_scheduler=false" in out  # the plan's own flag, shown
     assert rows["train step"][4] == 0  # no reference params without KL
     assert not (tmp_path / "run").exists()  # the plan loads nothing and writes nothing
+    assert os.environ.get("XLA_FLAGS") == flags  # its scheduler flag is scoped to the plan
 
 
-def test_plan_adds_the_log_probs_phase_and_reference_params_with_kl(tmp_path, capsys):
-    cfg = config("loss.beta=0.04", tmp_path=tmp_path)
+def test_plan_adds_the_log_probs_phase_and_reference_params_with_kl(plan_config, capsys):
+    cfg = plan_config("loss.beta=0.04")
     assert plan.plan_command(cfg, default_registry(), capacity_gib=16) == 0
     assert set(table_rows(capsys.readouterr().out)) == {"rollout prefill", "rollout decode", "log-probs", "train step"}
     inputs = plan.build_plan_inputs(cfg, default_registry())
-    assert plan.train_phase(inputs, cfg).other == inputs.params_bytes > 0  # the reference copy
+    assert plan.train_phase(inputs, cfg.train.micro_batch_size_per_device).other == inputs.params_bytes > 0  # the reference copy
 
 
-def test_mixed_precision_plan_counts_masters_moments_and_the_compute_copy(tmp_path):
+def test_mixed_precision_plan_counts_masters_moments_and_the_compute_copy(plan_config):
     """bfloat16 compute on float32 masters: the rollout takes the bfloat16 copy (half the
     masters' bytes) while masters and float32 moments wait beside it; the reference is bfloat16."""
-    cfg = config("model.dtype=bfloat16", "loss.beta=0.04", tmp_path=tmp_path)
+    cfg = plan_config("model.dtype=bfloat16", "loss.beta=0.04")
     inputs = plan.build_plan_inputs(cfg, default_registry())
     masters, copy = inputs.params_bytes, plan.per_device_bytes(inputs.forward_params)
     assert copy * 2 == masters > 0
     assert plan.per_device_bytes(inputs.opt_state) >= 2 * masters  # adamw: two float32 moments
     assert inputs.held_beside_rollout == plan.per_device_bytes(inputs.opt_state) + masters + copy
-    assert plan.train_phase(inputs, cfg).other == copy  # the bfloat16 reference
+    assert plan.train_phase(inputs, cfg.train.micro_batch_size_per_device).other == copy  # the bfloat16 reference
 
 
 def abstract(tree):
@@ -92,31 +84,37 @@ def one_real_step(trainer: Trainer):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_the_plan_lowers_the_update_and_scoring_the_run_executes(tmp_path, dtype):
+def test_the_plan_lowers_the_update_and_scoring_the_run_executes(plan_config, dtype):
     """The run's update, scoring forward and rollout prefill, lowered on what a real step
     built, give the same program text as the plan's, lowered on its abstract params and
     optimizer state; the plan's widest batch has the run's structure, dtypes and shardings."""
-    cfg = config(f"model.dtype={dtype}", "loss.beta=0.04", "train.ppo_epochs=2", tmp_path=tmp_path)
+    cfg = plan_config(f"model.dtype={dtype}", "loss.beta=0.04", "train.ppo_epochs=2")
     trainer = Trainer(cfg, default_registry())
     params, opt_state, batch = one_real_step(trainer)
     inputs = plan.build_plan_inputs(cfg, default_registry())
 
-    run_update = trainer.program.update.lower(params, opt_state, batch).as_text()
-    assert inputs.program.update.lower(inputs.params, inputs.opt_state, batch).as_text() == run_update
+    run_update = trainer.built.update.lower(params, opt_state, batch).as_text()
+    assert inputs.run.update.lower(inputs.params, inputs.opt_state, batch).as_text() == run_update
 
     ids, width = (batch.input_ids, batch.attention_mask, batch.targets), batch.prompt_width
-    run_score = trainer.program.score.lower(abstract(trainer.ref_params), *ids, prompt_width=width).as_text()
-    assert inputs.program.score.lower(inputs.forward_params, *ids, prompt_width=width).as_text() == run_score
+    run_score = trainer.built.score.lower(abstract(trainer.ref_params), *ids, prompt_width=width).as_text()
+    assert inputs.run.score.lower(inputs.forward_params, *ids, prompt_width=width).as_text() == run_score
 
-    # rollout: the plan's prefill on its abstract compute-dtype weights is the run's on its real
-    # ones (the stop ids and pad id, which the plan does not know without a tokenizer, are the run's)
-    static, prompts, key = plan._rollout_inputs(inputs)
-    static.update(params=trainer.program.sampling, pad_id=int(trainer.c.tokenizer.pad_token_id))
+    # rollout: the prefill the backend compiles for the plan (through the RolloutBackend contract,
+    # on abstract compute-dtype weights) is the one it runs on the real weights (the stop ids and
+    # pad id, which the plan does not know without a tokenizer, are the run's here)
+    run = trainer.built
     weights = trainer.forward_params(trainer.state.params)
-    run_static = trainer.program.rollout.static_args(trainer.graphdef, weights, trainer.program.sampling,
-                                                     trainer.c.tokenizer.pad_token_id, trainer.c.rollout_sharding)
-    run_prefill = plan.prefill.lower(abstract(weights), prompts, prompts, key, **run_static).as_text()
-    assert plan.prefill.lower(inputs.forward_params, prompts, prompts, key, **static).as_text() == run_prefill
+    pad = int(run.inputs.tokenizer.pad_token_id)
+    shapes = dataclasses.replace(rollout_shapes(inputs), sampling=run.sampling, pad_token_id=pad)
+    recorder = PhaseRecorder(None, 0)
+    inputs.run.rollout.compile_phases(shapes, recorder)
+    static = run.rollout.static_args(run.graphdef, weights, run.sampling, pad, run.rollout_sharding)
+    prompts = jax.ShapeDtypeStruct((batch.advantages.shape[0], plan.prompt_bucket(inputs)), jnp.int32,
+                                   sharding=run.rollout_sharding)
+    run_prefill = prefill.lower(abstract(weights), prompts, prompts, shapes.key, **static).compile().as_text()
+    assert recorder.compiled["rollout prefill"].as_text() == run_prefill
+    assert "rollout decode" in recorder.compiled
 
     widest = plan.abstract_update_batch(inputs)
     assert jax.tree.structure(widest.replace(prompt_width=width)) == jax.tree.structure(batch)
@@ -125,8 +123,8 @@ def test_the_plan_lowers_the_update_and_scoring_the_run_executes(tmp_path, dtype
         assert planned.shape[0] == real.shape[0] and all(p >= r for p, r in zip(planned.shape[1:], real.shape[1:]))
 
 
-def test_plan_exits_3_with_the_fix_when_it_does_not_fit(tmp_path, capsys):
-    assert plan.plan_command(config(tmp_path=tmp_path), default_registry(), capacity_gib=1e-4) == plan.EXIT_DOES_NOT_FIT
+def test_plan_exits_3_with_the_fix_when_it_does_not_fit(plan_config, capsys):
+    assert plan.plan_command(plan_config(), default_registry(), capacity_gib=1e-4) == plan.EXIT_DOES_NOT_FIT
     captured = capsys.readouterr()
     assert "DOES NOT FIT" in captured.out
     [line] = captured.err.strip().splitlines()
@@ -134,12 +132,12 @@ def test_plan_exits_3_with_the_fix_when_it_does_not_fit(tmp_path, capsys):
     assert "lower train.micro_batch_size_per_device" in line
 
 
-def test_sweep_finds_the_largest_micro_batch_size_that_fits(tmp_path, capsys):
+def test_sweep_finds_the_largest_micro_batch_size_that_fits(plan_config, capsys):
     # Dense attention keeps the train step the largest phase, as the capacity below assumes.
-    cfg = config("model.attention=xla", tmp_path=tmp_path)
+    cfg = plan_config("model.attention=xla")
     inputs = plan.build_plan_inputs(cfg, default_registry())
     assert plan.micro_batch_candidates(inputs) == [1, 2, 4, 8]
-    totals = {size: plan.train_phase(inputs, plan.with_micro_batch_size(cfg, size)).total for size in (2, 4)}
+    totals = {size: plan.train_phase(inputs, size).total for size in (2, 4)}
     assert totals[2] < totals[4]
     capacity_gib = (totals[2] + totals[4]) / 2 / plan.GIB  # 2 fits, 4 does not
     assert plan.plan_command(cfg, default_registry(), sweep="micro_batch_size_per_device",
@@ -163,6 +161,7 @@ def test_largest_fitting_is_a_binary_search(threshold):
     assert len(calls) <= 3  # ceil(log2(6 + 1))
 
 
-def test_cli_plan_exit_code(tmp_path, capsys):
-    assert main(["--config", TINY, *SMALL, f"logging.dir={tmp_path / 'run'}", "--plan", "--capacity-gib", "1e-4"]) == 3
+def test_cli_plan_exit_code(tiny_config_path, plan_overrides, tmp_path, capsys):
+    argv = ["--config", tiny_config_path, *plan_overrides, f"logging.dir={tmp_path / 'run'}"]
+    assert main([*argv, "--plan", "--capacity-gib", "1e-4"]) == 3
     assert "does not fit" in capsys.readouterr().err

@@ -5,12 +5,11 @@ slice has; bad names and configs too large for the chip's HBM are one-line error
 from __future__ import annotations
 
 import math
+import os
 import re
-from pathlib import Path
 
 import jax
 import pytest
-from grpo_core.config_io import load_config
 from grpo_core.errors import UserError
 from grpo_core.registry import default_registry
 from grpo_runner_gsm8k import plan, tpu_target
@@ -18,21 +17,9 @@ from grpo_runner_gsm8k.cli import main
 
 pytest.importorskip("libtpu")
 
-TINY = str(Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml")
-SMALL = ["rollout.prompts_per_step=8", "rollout.n=8", "rollout.max_new_tokens=8"]
 # ~17B float32 params: their shards alone exceed a v5e chip's 16 GiB over 4 chips.
 HUGE = ["model.architecture.hidden_size=8192", "model.architecture.intermediate_size=32768",
         "model.architecture.num_hidden_layers=16"]
-
-
-@pytest.fixture(autouse=True)
-def keep_xla_flags(monkeypatch):
-    """The plan adds a CPU scheduler flag to XLA_FLAGS; keep it out of later tests."""
-    monkeypatch.setenv("XLA_FLAGS", plan.os.environ.get("XLA_FLAGS", ""))
-
-
-def config(*overrides: str, tmp_path: Path):
-    return load_config(TINY, [*SMALL, f"logging.dir={tmp_path / 'run'}", *overrides], registry=default_registry())
 
 
 @pytest.mark.parametrize("name, devices, hosts, kind", [
@@ -56,9 +43,11 @@ def test_slice_shapes_follow_cloud_tpu():
 
 
 @pytest.mark.parametrize("gather", ["auto", "false"])
-def test_tiny_model_planned_by_the_tpu_compiler(tmp_path, capsys, gather):
-    cfg = config(f"rollout.options.gather_weights={gather}", tmp_path=tmp_path)
+def test_tiny_model_planned_by_the_tpu_compiler(plan_config, tmp_path, capsys, gather):
+    cfg = plan_config(f"rollout.options.gather_weights={gather}")
+    environment = dict(os.environ)
     assert plan.plan_command(cfg, default_registry(), target="v5e-4") == 0
+    assert dict(os.environ) == environment  # libtpu's variables and the CPU scheduler flag are scoped to the plan
     out = capsys.readouterr().out
     assert "on 4 TPU v5 lite device(s)" in out
     assert "figures: the TPU compiler's (libtpu) for v5e-4 (TPU v5 lite, topology v5e:2x2): 4 devices on 1 host" in out
@@ -73,8 +62,8 @@ def test_tiny_model_planned_by_the_tpu_compiler(tmp_path, capsys, gather):
     assert not (tmp_path / "run").exists()
 
 
-def test_too_large_for_the_chip_exits_3_naming_phase_and_margin(tmp_path, capsys):
-    assert main(["--config", TINY, *SMALL, *HUGE, f"logging.dir={tmp_path / 'run'}", "--plan",
+def test_too_large_for_the_chip_exits_3_naming_phase_and_margin(tiny_config_path, plan_overrides, tmp_path, capsys):
+    assert main(["--config", tiny_config_path, *plan_overrides, *HUGE, f"logging.dir={tmp_path / 'run'}", "--plan",
                  "--target", "v5e-4"]) == plan.EXIT_DOES_NOT_FIT
     [line] = [x for x in capsys.readouterr().err.splitlines() if x.startswith("grpo-run:")]
     match = re.match(r"grpo-run: does not fit: (rollout prefill|rollout decode|train step) needs ([\d.]+) GiB per "
@@ -84,8 +73,8 @@ def test_too_large_for_the_chip_exits_3_naming_phase_and_margin(tmp_path, capsys
 
 
 @pytest.mark.parametrize("name", ["v7x-8", "v6e-12", "v6e:4x4x4", "tpu"])
-def test_bad_target_is_one_line_listing_valid_ones(name, tmp_path, capsys):
-    assert main(["--config", TINY, f"logging.dir={tmp_path / 'run'}", "--plan", "--target", name]) == 2
+def test_bad_target_is_one_line_listing_valid_ones(tiny_config_path, name, tmp_path, capsys):
+    assert main(["--config", tiny_config_path, f"logging.dir={tmp_path / 'run'}", "--plan", "--target", name]) == 2
     [line] = capsys.readouterr().err.strip().splitlines()
     assert line.startswith(f"grpo-run: error: --target {name!r}: ")
     assert "v6e-{1,4,8,16,32,64,128,256}" in line and "v4-{8,16,32" in line and "'v6e:4x4'" in line
@@ -98,23 +87,25 @@ def test_without_libtpu_target_says_how_to_install(monkeypatch):
         tpu_target.target_devices(tpu_target.parse_target("v5e-4"))
 
 
-def test_target_without_plan_is_refused(capsys):
-    assert main(["--config", TINY, "--target", "v6e-8"]) == 2
+def test_target_without_plan_is_refused(tiny_config_path, capsys):
+    assert main(["--config", tiny_config_path, "--target", "v6e-8"]) == 2
     assert "--target only applies to --plan" in capsys.readouterr().err
 
 
-def test_pallas_loss_is_lowered_through_mosaic_for_the_target(tmp_path):
+def test_pallas_loss_is_lowered_through_mosaic_for_the_target(plan_config, tmp_path):
     """The plan for TPU devices lowers the pallas loss as Mosaic kernels (per device, in
     shard_map), not the interpreter the CPU host would pick."""
-    cfg = config("loss.impl=pallas", tmp_path=tmp_path)
+    cfg = plan_config("loss.impl=pallas")
     inputs = plan.build_plan_inputs(cfg, default_registry(), plan.parse_target("v5e-4"))
-    lower, args = plan._update_lowering(inputs, cfg)
+    lower, args = plan.update_lowering(inputs, cfg.train.micro_batch_size_per_device)
     assert lower(*args).as_text().count("tpu_custom_call") >= 3  # stats, d_h and d_w kernels
-    assert plan.train_phase(inputs, cfg).total > 0  # and the TPU compiler compiles them
+    assert plan.train_phase(inputs, cfg.train.micro_batch_size_per_device).total > 0  # and the TPU compiler compiles them
 
 
-def test_a_block_shape_the_tpu_cannot_tile_is_one_line_naming_the_option(tmp_path, capsys):
-    args = ["--config", TINY, "--plan", "--target", "v5e-4", *SMALL, f"logging.dir={tmp_path / 'run'}",
+def test_a_block_shape_the_tpu_cannot_tile_is_one_line_naming_the_option(tiny_config_path, plan_overrides, tmp_path,
+                                                                          capsys):
+    args = ["--config", tiny_config_path, "--plan", "--target", "v5e-4", *plan_overrides,
+            f"logging.dir={tmp_path / 'run'}",
             "loss.impl=pallas", "model.dtype=bfloat16", "loss.options.time_block=8"]
     assert main(args) == 2
     [line] = capsys.readouterr().err.strip().splitlines()
@@ -131,18 +122,18 @@ STACKED = ["model.architecture.hidden_size=512", "model.architecture.intermediat
            "train.micro_batch_size_per_device=2"]
 
 
-def test_tpu_compiler_keeps_no_compute_dtype_copy_of_the_layer_stack(tmp_path):
+def test_tpu_compiler_keeps_no_compute_dtype_copy_of_the_layer_stack(tiny_config):
     """Each layer casts its own float32 kernels to bfloat16 inside the layer loop; the TPU
     compiler would otherwise hoist one cast of the whole stack out of the loops and hold it
     all step (on the 3B v6e-8 preset 0.98 GiB of train-step temp). Looks for a bfloat16
     value shaped [layers, ...] with as many elements as a stacked kernel's shard."""
-    cfg = load_config(TINY, [*STACKED, f"logging.dir={tmp_path / 'run'}"], registry=default_registry())
+    cfg = tiny_config(*STACKED)
     inputs = plan.build_plan_inputs(cfg, default_registry(), tpu_target.parse_target("v6e-8"))
     layers = cfg.model.architecture["num_hidden_layers"]
     kernel_sizes = {math.prod(leaf.sharding.shard_shape(leaf.shape))
                     for path, leaf in jax.tree_util.tree_leaves_with_path(inputs.params)
                     if "kernel" in jax.tree_util.keystr(path) and leaf.shape[0] == layers}
-    text = plan.compile_update(inputs, cfg).as_text()
+    text = plan.compile_update(inputs).as_text()
     stack_copies = [m.group(0) for m in re.finditer(rf"= bf16\[{layers},([\d,]+)\]", text)
                     if layers * math.prod(int(d) for d in m.group(1).split(",")) in kernel_sizes]
     assert len(kernel_sizes) == 3 and not stack_copies, stack_copies  # q/o, k/v and MLP shard sizes

@@ -12,7 +12,7 @@ from grpo_core.config import LossConfig, TrainConfig
 from grpo_core.models import QwenConfig, init_from_config
 from grpo_core.models.precision import compute_params, update_ratio
 from grpo_losses import FusedLogps, FusedOptions
-from grpo_runner_gsm8k.optim import build_optimizer
+from grpo_runner_gsm8k.optim import build_optimizer, learning_rate_schedule
 from grpo_runner_gsm8k.step import UpdateBatch, make_update
 
 ROWS, PROMPT, COMPLETION = 16, 4, 8
@@ -38,7 +38,8 @@ def one_update(param_dtype: str, compute_dtype: str, lr: float, micro_batches: i
     """(params before, params after, metrics) of one adamw update from the same float32 init."""
     graphdef, params = nnx.split(init_from_config(QCFG, seed=0))
     params = compute_params(params, jnp.dtype(param_dtype))  # the float32 init, stored in param_dtype
-    optimizer = build_optimizer(TrainConfig(lr=lr), param_dtype)
+    train = TrainConfig(lr=lr)
+    optimizer = build_optimizer(train, learning_rate_schedule(train), param_dtype)
     update = make_update(graphdef, FUSED, LOSS, optimizer, 1.0, micro_batches, jnp.dtype(compute_dtype))
     before = jax.tree.map(np.asarray, params)
     after, opt_state, metrics = update(params, optimizer.init(params), random_batch())

@@ -16,8 +16,8 @@ import pytest
 
 from grpo_core.config_io import load_config, plugin_options
 from grpo_core.registry import default_registry
-from grpo_runner_gsm8k.build import prompt_token_ids, sampling_params
-from grpo_runner_gsm8k.rewards import score
+from grpo_runner_gsm8k.build import prompt_token_ids, sampling_params, stop_token_ids
+from grpo_runner_gsm8k.scoring import score
 from grpo_runner_gsm8k.tasks.gsm8k import Gsm8kOptions, Gsm8kTask, final_answer, _read_jsonl
 
 REPO = Path(__file__).resolve().parents[2]
@@ -72,8 +72,8 @@ def test_every_gsm8k_prompt_fits_the_presets_max_prompt_length(preset, tokenizer
 def test_generation_stops_on_im_end(preset, tokenizer):
     cfg = load_config(preset)
     im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    assert im_end in sampling_params(cfg, tokenizer).stop_token_ids
-    assert im_end in sampling_params(cfg, tokenizer, for_eval=True).stop_token_ids
+    assert im_end in sampling_params(cfg, stop_token_ids(cfg, tokenizer)).stop_token_ids
+    assert im_end in sampling_params(cfg, stop_token_ids(cfg, tokenizer), for_eval=True).stop_token_ids
 
 
 def test_gold_solutions_encoded_and_decoded_score_1(tokenizer):

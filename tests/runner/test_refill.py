@@ -7,7 +7,8 @@ from grpo_core.contracts import CompletionText
 from grpo_core.rollout_records import RolloutResult
 from grpo_runner_gsm8k.refill import (Sampled, merge_results, merge_scores, needs_more, pick_groups,
                                       refill_metrics)
-from grpo_runner_gsm8k.rewards import OverlongOptions, Scores, overlong_penalty, overlong_reward
+from grpo_runner_gsm8k.rewards import OverlongOptions, overlong_penalty, overlong_reward
+from grpo_runner_gsm8k.scoring import Scores
 
 N = 2  # samples per prompt
 

@@ -13,6 +13,6 @@ def test_bench_prints_one_json_line(capsys):
 
 
 def test_bench_shape_flags_override_preset():
-    args = bench._parser().parse_args(["--preset", "qwen2.5-0.5b", "--layers", "2", "--hidden", "128", "--heads", "2"])
+    args = bench.argument_parser().parse_args(["--preset", "qwen2.5-0.5b", "--layers", "2", "--hidden", "128", "--heads", "2"])
     cfg = bench.build_config(args)
     assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim) == (2, 128, 2, 64)

@@ -14,6 +14,9 @@ from typing import Any, Literal, Optional
 Number = float | int
 # Projections LoRA can adapt (HF module names), and the name of all of them.
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "all-linear")
+# JAX's default (32-bit) PRNG keys keep the low 32 bits of a seed: 2**32 would repeat seed 0.
+JAX_SEED_MAX = 2**32 - 1
+NUMPY_SEED_MAX = 2**64 - 1
 
 
 def setting(default: Any, doc: str, *, ge: Number | None = None, gt: Number | None = None,
@@ -59,7 +62,8 @@ class ModelConfig:
         "HF config.json fields of the random-init model, used only when `path` is null "
         "(vocab_size defaults to the tokenizer's size).")
     tokenizer: Optional[str] = setting(
-        None, "Tokenizer directory or Hub id; null uses `path`; 'char' builds the character tokenizer.")
+        None, "Tokenizer directory or Hub id; null = `path` (filled in at load); 'char' builds the character "
+        "tokenizer.")
     dtype: Literal["float32", "bfloat16"] = setting(
         "float32", "Compute dtype of every forward and backward pass (norms and softmax always run in float32).")
     # float32 masters keep updates of lr ~1e-6 that a bfloat16 weight rounds away.
@@ -75,7 +79,8 @@ class ModelConfig:
     scan_layers: bool = setting(
         True, "Run the decoder layers as one scan (compile time independent of depth); "
         "false loops over them in Python, for debugging.")
-    seed: int = setting(0, "Seed of the random initialisation (and of the LoRA adapters' A).", ge=0)
+    seed: int = setting(0, "Seed of the random initialisation and of the LoRA adapters' A (a JAX key: "
+                        "fits 32 bits).", ge=0, le=JAX_SEED_MAX)
     lora: LoRAConfig = field(default_factory=LoRAConfig, metadata={"doc": "LoRA adapters (see LoRAConfig)."})
 
 
@@ -90,7 +95,8 @@ class TaskConfig:
         {"correctness": 1.0}, "Reward function name -> weight; the total reward is the weighted sum.")
     reward_options: dict = setting(
         {}, "Reward function name -> options mapping, validated by that reward's options dataclass.")
-    seed: int = setting(0, "Seed of the data order (shuffled per epoch).", ge=0)
+    seed: int = setting(0, "Seed of the data order (shuffled per epoch; a numpy seed: fits 64 bits).", ge=0,
+                        le=NUMPY_SEED_MAX)
 
 
 @dataclass(frozen=True)
@@ -134,9 +140,11 @@ class TrainConfig:
     ppo_epochs: int = setting(1, "Passes over each rollout batch (the clipped ratio matters when > 1).", ge=1)
     micro_batch_size_per_device: int = setting(
         0, "Sequences per device per micro-batch; 0 means the whole batch in one micro-batch.", ge=0)
-    seed: int = setting(0, "Seed of sampling and dropout-free training randomness.", ge=0)
+    seed: int = setting(0, "Seed of sampling and dropout-free training randomness (a JAX key: fits 32 bits).",
+                        ge=0, le=JAX_SEED_MAX)
     moment_dtype: Optional[Literal["float32", "bfloat16"]] = setting(
-        None, "Dtype of the optimizer moments; null = model.param_dtype.")
+        None, "Dtype of the optimizer moments; null = the trained params' storage dtype: model.param_dtype, "
+        "or float32 with LoRA (the adapters' dtype) (filled in at load).")
 
 
 @dataclass(frozen=True)
@@ -161,7 +169,7 @@ class LossConfig:
     aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "fixed_length_norm"] = setting(
         "token_mean", "How per-token losses are reduced (fixed_length_norm = Dr.GRPO).")
     max_completion_length: Optional[int] = setting(
-        None, "Normaliser of fixed_length_norm; null uses rollout.max_new_tokens.", ge=1)
+        None, "Normaliser of fixed_length_norm; null = rollout.max_new_tokens (filled in at load).", ge=1)
     entropy_coef: float = setting(
         0.0, "Entropy bonus coefficient (0 = entropy is only a metric); aggregated like the loss.", ge=0.0)
     compute_entropy: bool = setting(True, "Report the policy entropy metric.")
@@ -219,7 +227,8 @@ class EvalConfig:
     num_questions: int = setting(64, "Test questions per evaluation.", ge=1)
     greedy: bool = setting(True, "Greedy decoding for accuracy.")
     n: int = setting(1, "Samples per question; pass@n is reported when > 1.", ge=1)
-    max_new_tokens: Optional[int] = setting(None, "Null uses rollout.max_new_tokens.", ge=1)
+    max_new_tokens: Optional[int] = setting(
+        None, "Sampled tokens per eval completion; null = rollout.max_new_tokens (filled in at load).", ge=1)
     reward: str = setting("correctness", "The reward of task.rewards that judges an answer.")
     pass_threshold: float = setting(1.0, "An answer is correct when eval.reward gives at least this.")
 

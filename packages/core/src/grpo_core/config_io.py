@@ -13,7 +13,7 @@ import re
 import types
 import typing
 from pathlib import Path
-from typing import Any, Iterable, Literal, Union
+from typing import Any, Iterable, Literal, Optional, Union
 
 import yaml
 
@@ -42,10 +42,16 @@ _Loader.add_implicit_resolver(
 
 
 def _mapping_without_duplicates(loader: _Loader, node: yaml.MappingNode, deep: bool = False) -> dict:
-    """YAML silently keeps the last of two equal keys (or sections); here that is an error."""
+    """YAML silently keeps the last of two equal keys (or sections); here that is an error. Merge
+    keys (`<<: *base`) are YAML's: the mapping's own keys win over merged ones."""
     seen: dict = {}
     for key_node, _ in node.value:
+        if key_node.tag == "tag:yaml.org,2002:merge":
+            continue
         key = loader.construct_object(key_node, deep=deep)
+        if not isinstance(key, typing.Hashable):
+            raise ConfigError(f"config key at line {key_node.start_mark.line + 1} is a {type(key).__name__}; "
+                              "keys are names such as rollout or n")
         if key in seen:
             raise ConfigError(f"duplicate key {key!r} at lines {seen[key]} and {key_node.start_mark.line + 1} "
                               "of the config; keep one of them (merge duplicated sections into one)")
@@ -61,8 +67,8 @@ def _parse(text: str):
 
 
 def read_yaml(path: str | Path) -> dict:
-    """The mapping in a YAML file; a missing file or a non-mapping is a ConfigError."""
-    path = Path(path)
+    """The mapping in a YAML file (`~` expanded); a missing file or a non-mapping is a ConfigError."""
+    path = Path(os.path.expanduser(path))
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} not found; pass an existing YAML file to --config")
     try:
@@ -83,21 +89,53 @@ def read_yaml(path: str | Path) -> dict:
     return data
 
 
+def _override_value(key: str, raw: str) -> Any:
+    """A YAML scalar or flow mapping; `~` and `~/...` are the home directory (a path), not null."""
+    if raw.strip().startswith("~"):
+        return raw.strip()
+    try:
+        return _parse(raw) if raw.strip() else None
+    except yaml.YAMLError:
+        raise ConfigError(f"override {key}: value {raw!r} is not a valid YAML scalar; quote it") from None
+
+
+def section_type(parts: list[str]) -> Optional[type]:
+    """The config dataclass that the dotted key `parts` names (RunConfig for []), else None."""
+    cls: Any = RunConfig
+    for part in parts:
+        hint = typing.get_type_hints(cls).get(part) if dataclasses.is_dataclass(cls) else None
+        if hint is None or not dataclasses.is_dataclass(hint):
+            return None
+        cls = hint
+    return cls
+
+
 def apply_override(tree: dict, override: str) -> None:
-    """Applies one `section.key=value` override (value parsed as a YAML scalar) in place."""
+    """Applies one `section.key=value` override in place. A whole section given a mapping
+    (`rollout={n: 4}`) is merged key by key, as `rollout.n=4` would be; `rollout={}` changes nothing."""
     key, sep, raw = override.partition("=")
     key = key.strip()
     if not sep or not key or any(not part for part in key.split(".")):
         raise ConfigError(f"override {override!r} is not of the form section.key=value "
                           "(example: train.lr=1e-6)")
-    try:
-        value = _parse(raw) if raw.strip() else None
-    except yaml.YAMLError:
-        raise ConfigError(f"override {key}: value {raw!r} is not a valid YAML scalar; quote it") from None
-    *parents, leaf = key.split(".")
+    _set(tree, key.split("."), _override_value(key, raw), key)
+
+
+def _set(tree: dict, parts: list[str], value: Any, key: str) -> None:
+    if section_type(parts) is not None:
+        if not isinstance(value, dict):
+            shown = "null" if value is None else repr(value)
+            raise ConfigError(f"override {key}={shown}: {key} is a section, and an override merges into it; "
+                              f"set its keys ({key}.<key>=value) or give a mapping ({key}={{key: value}})")
+        for name, inner in value.items():
+            _set(tree, [*parts, str(name)], inner, f"{key}.{name}")
+        return
+    *parents, leaf = parts
     node = tree
     for depth, part in enumerate(parents):
-        child = node.setdefault(part, {})
+        if node.get(part) is None:  # absent, or a section left empty (null) in the file
+            node[part] = {}
+        child = node[part]
         if not isinstance(child, dict):
             where = ".".join(parents[: depth + 1])
             raise ConfigError(f"override {key}: {where} is a value ({child!r}), not a section")
@@ -115,6 +153,13 @@ def _describe(tp: Any) -> str:
             bool: "true/false", dict: "a mapping", list: "a list"}.get(tp, getattr(tp, "__name__", str(tp)))
 
 
+def _finite(value: int | float) -> bool:
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an integer beyond the float range
+        return False
+
+
 def _coerce(tp: Any, value: Any) -> tuple[bool, Any]:
     """(ok, converted value) for `value` against type annotation `tp`."""
     origin = typing.get_origin(tp)
@@ -129,7 +174,7 @@ def _coerce(tp: Any, value: Any) -> tuple[bool, Any]:
     if tp is type(None):
         return value is None, value
     if tp is float:  # every float setting means a finite number: NaN and inf are refused
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and _finite(value)
         return ok, float(value) if ok else value
     if tp is int:
         return isinstance(value, int) and not isinstance(value, bool), value
@@ -176,9 +221,26 @@ def build_dataclass(cls: type, data: Any, prefix: str = "") -> Any:
     return cls(**values)
 
 
+def _check_text(key: str, value: Any) -> None:
+    """Every string of a value is real Unicode: YAML's "\\ud800" escapes make lone surrogates,
+    which no tokenizer, file system or log can take."""
+    texts = [value] if isinstance(value, str) else []
+    if isinstance(value, dict):
+        texts = [str(k) for k in value] + [v for v in value.values() if isinstance(v, str)]
+    elif isinstance(value, list):
+        texts = [v for v in value if isinstance(v, str)]
+    for text in texts:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ConfigError(f"{key} = {text!r} holds a lone surrogate (a \\ud800-\\udfff escape), which is "
+                              "not text; write the character itself or drop the escape") from None
+
+
 def _field_value(tp: Any, value: Any, key: str, meta: typing.Mapping) -> Any:
     if dataclasses.is_dataclass(tp):
         return build_dataclass(tp, value, key + ".")
+    _check_text(key, value)
     ok, converted = _coerce(tp, value)
     if not ok:
         raise ConfigError(f"{key} = {value!r} has the wrong type: expected {_describe(tp)}")
@@ -236,7 +298,7 @@ def validate_cross_fields(cfg: RunConfig) -> None:
         raise ConfigError("rollout.n = 1 with loss.scale_rewards = 'group': a group of one sample has no std; "
                           "set rollout.n >= 2 or loss.scale_rewards=none")
     for name, weight in cfg.task.rewards.items():
-        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight):
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not _finite(weight):
             raise ConfigError(f"task.rewards.{name} = {weight!r} has the wrong type: expected a finite number "
                               "(the weight)")
     if cfg.model.param_dtype == "bfloat16" and cfg.model.dtype == "float32":
@@ -293,12 +355,42 @@ def resolve_run_dir(cfg: RunConfig) -> RunConfig:
     return dataclasses.replace(cfg, logging=dataclasses.replace(cfg.logging, dir=absolute))
 
 
+def resolve_defaults(cfg: RunConfig) -> RunConfig:
+    """Every "null = same as X" setting filled in with X, so the loaded config (and
+    `--print-config`, and the saved config.yaml) shows what the run uses."""
+    replace = dataclasses.replace
+    return replace(
+        cfg,
+        model=replace(cfg.model, tokenizer=cfg.model.tokenizer or cfg.model.path),
+        train=replace(cfg.train, moment_dtype=cfg.train.moment_dtype or trained_param_dtype(cfg.model)),
+        loss=replace(cfg.loss, max_completion_length=cfg.loss.max_completion_length or cfg.rollout.max_new_tokens),
+        eval=replace(cfg.eval, max_new_tokens=cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens))
+
+
+def trained_param_dtype(model: Any) -> str:
+    """Storage dtype of what the optimizer updates: LoRA adapters train in float32."""
+    return "float32" if model.lora.rank is not None else model.param_dtype
+
+
+def _home(path: Optional[str]) -> Optional[str]:
+    return os.path.expanduser(path) if path and path.startswith("~") else path
+
+
+def expand_home(cfg: RunConfig) -> RunConfig:
+    """`~` at the start of model.path / model.tokenizer / model.lora.init_from is the home directory
+    (a Hub id never starts with it)."""
+    lora = dataclasses.replace(cfg.model.lora, init_from=_home(cfg.model.lora.init_from))
+    model = dataclasses.replace(cfg.model, path=_home(cfg.model.path), tokenizer=_home(cfg.model.tokenizer),
+                                lora=lora)
+    return dataclasses.replace(cfg, model=model)
+
+
 def load_config(path: str | Path | None = None, overrides: Iterable[str] = (), registry: Any = None) -> RunConfig:
     """The validated RunConfig from a YAML file (None = all defaults) plus overrides."""
     tree = read_yaml(path) if path is not None else {}
     for override in overrides:
         apply_override(tree, override)
-    cfg = resolve_run_dir(build_dataclass(RunConfig, tree))
+    cfg = resolve_defaults(expand_home(resolve_run_dir(build_dataclass(RunConfig, tree))))
     validate_cross_fields(cfg)
     if registry is not None:
         validate_plugins(cfg, registry)

@@ -1,21 +1,88 @@
-"""What the runner asks of a rollout backend and a task, typed, so that a plugin package
-providing one needs `grpo-core` alone.
+"""What the runner asks of each of the five plugin kinds (loss, mesh strategy, rollout
+backend, reward function, task), typed, so that a plugin package providing one needs
+`grpo-core` alone. A spec's factory (`grpo_core.specs`) builds the object a protocol
+here describes; members a plugin may leave out are their own protocols
+(`MeshAwareLoss`, `ListableTask`), checked with `isinstance`.
 
-The built-in implementations are `grpo_rollout.JaxRollout` and the tasks of
-`grpo_runner_gsm8k.tasks`; the examples in `grpo_core.hookspecs` implement both
-protocols from scratch.
+The built-in implementations are in grpo_losses, grpo_meshes, grpo_rollout and
+grpo_runner_gsm8k; the examples in `examples/hooks/` implement each from scratch.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, NamedTuple, Protocol, Sequence, runtime_checkable
 
 import jax
-from jax.sharding import NamedSharding
+from jax.sharding import Mesh, NamedSharding
 
 from grpo_core.rollout_records import RolloutResult, TrainBatch
+
+Array = jax.Array
+
+
+# ---- loss (`LossSpec.factory(options) -> TokenLogpsImpl`) ---------------------------
+class TokenLogps(NamedTuple):
+    """Per-token results of a loss implementation, both float32 [B, T].
+
+    logp:    log p(target) under softmax(logits / temperature).
+    entropy: entropy of that softmax; None unless asked for with `entropy=True`.
+    """
+
+    logp: Array
+    entropy: Array | None = None
+
+
+class TokenLogpsImpl(Protocol):
+    """What `LossSpec.factory(options)` returns: `log_softmax(hidden @ lm_head / T)[target]`.
+
+    Call as `impl(hidden, lm_head, targets, temperature=1.0, *, entropy=False)`:
+      hidden  [B, T, H] float32 or bfloat16
+      lm_head [H, V]    same dtype family; V may be sharded over the `tp` mesh axis
+      targets [B, T]    int, every entry in [0, V) (padding positions too; mask later)
+      temperature       python float or scalar array (> 0)
+    Returns `TokenLogps` (float32 [B, T]), differentiable w.r.t. hidden and lm_head (the
+    temperature gets a zero cotangent). The GRPO math on top is shared by every impl.
+    """
+
+    def __call__(self, hidden: Array, lm_head: Array, targets: Array, temperature: float | Array = 1.0,
+                 *, entropy: bool = False) -> TokenLogps: ...
+
+
+@runtime_checkable
+class MeshAwareLoss(Protocol):
+    """Optional member of a loss implementation that must know the run's mesh (e.g. to
+    run its kernel per device under shard_map): the run calls it once and uses the result."""
+
+    def on_mesh(self, mesh: Mesh) -> TokenLogpsImpl: ...
+
+
+# ---- mesh strategy (`MeshSpec.factory(options) -> MeshStrategy`) ----------------------
+@runtime_checkable
+class MeshStrategy(Protocol):
+    """How devices form the ("dp", "fsdp", "tp") mesh and how logical axes map onto it.
+
+    param_rules / activation_rules: tuples of (logical_name, mesh_axis | tuple of mesh
+    axes | None) pairs, e.g. (("embed", "fsdp"), ("heads", "tp"), ("batch", ("dp", "fsdp"))).
+    """
+
+    param_rules: tuple
+    activation_rules: tuple
+
+    def mesh_shape(self, devices: Sequence[Any] | None = None) -> tuple[int, int, int]:
+        """(dp, fsdp, tp) sizes covering `devices` (default: jax.devices())."""
+
+    def build_mesh(self, devices: Sequence[Any] | None = None) -> Mesh:
+        """The Mesh with axes ("dp", "fsdp", "tp"), all AxisType.Auto, over `devices`."""
+
+
+# ---- reward (`RewardSpec.factory(options) -> RewardFn`) -------------------------------
+class RewardFn(Protocol):
+    """Scores decoded completions: one float per completion. `answers[i]` is the task's
+    reference final answer for `completions[i]` (e.g. "72")."""
+
+    def __call__(self, completions: list[str], answers: list[str]) -> Sequence[float]: ...
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -78,6 +145,31 @@ def _check(ok: bool, name: str, value: Any, fix: str) -> None:
         raise ValueError(f"SamplingParams.{name}={value!r} is invalid: {fix}.")
 
 
+@dataclass(frozen=True)
+class Policy:
+    """The weights a rollout samples from, in the compute dtype and sharded like the run's
+    params: a flax nnx `graphdef` and its `weights` (an nnx State; `module()` merges them),
+    and the architecture `config` (a `grpo_core.models.QwenConfig`). A backend outside JAX
+    reads the weights by name through `grpo_core.models.hf_names`."""
+
+    graphdef: Any
+    weights: Any
+    config: Any
+
+    @classmethod
+    def of(cls, model: Any) -> "Policy":
+        """The policy of a `grpo_core.models` model (its arrays are shared, not copied)."""
+        from flax import nnx
+
+        graphdef, weights = nnx.split(model)
+        return cls(graphdef, weights, model.config)
+
+    def module(self) -> Any:
+        from flax import nnx
+
+        return nnx.merge(self.graphdef, self.weights)
+
+
 @runtime_checkable
 class RolloutBackend(Protocol):
     """A sampler the loop drives (built by `RolloutSpec.factory(options)`).
@@ -87,10 +179,8 @@ class RolloutBackend(Protocol):
     update (which needs that memory); `trim` then turns the result into the training batch.
     """
 
-    def load_weights(self, model: Any) -> None:
-        """The policy to sample from until the next call: a `grpo_core.models` Qwen model
-        (flax nnx) holding the weights in the compute dtype, sharded like the run's params.
-        A backend outside JAX reads them by name through `grpo_core.models.hf_names`."""
+    def load_weights(self, policy: Policy) -> None:
+        """The policy to sample from until the next call."""
 
     def release_weights(self) -> None:
         """Drop every reference to the loaded weights (a colocated engine may also free
@@ -106,6 +196,67 @@ class RolloutBackend(Protocol):
     def trim(self, result: RolloutResult) -> TrainBatch:
         """Prompt and completion joined into one left-padded training batch
         (`grpo_core.rollout_records.trim_batch` does it for any result)."""
+
+
+@dataclass(frozen=True)
+class RolloutShapes:
+    """One rollout batch as `grpo-run --plan` gives it to a backend: abstract, no data.
+
+    policy:            a `Policy` whose weights are jax.ShapeDtypeStructs with NamedShardings.
+    prompts:           prompts per rollout (rows = prompts * sampling.n).
+    max_prompt_length: the longest prompt, in tokens.
+    sampling:          as the run samples (stop token ids may be empty: they change no buffer).
+    batch_sharding:    NamedSharding of the [prompts * n, ...] batch.
+    key:               an abstract PRNG key, replicated on the mesh.
+    pad_token_id:      the padding id (the plan, without a tokenizer, pads with 0).
+    """
+
+    policy: Policy
+    prompts: int
+    max_prompt_length: int
+    sampling: SamplingParams
+    batch_sharding: NamedSharding
+    key: Any
+    pad_token_id: int = 0
+
+
+@dataclass(frozen=True)
+class RolloutWidths:
+    """Widest token columns of a planned rollout: the prompt batch it samples from, and the
+    (prompt, completion) columns of the training batch its `trim` returns."""
+
+    prompt: int
+    train_prompt: int
+    train_completion: int
+
+
+class PhaseCompiler(Protocol):
+    """What `grpo-run --plan` lends a backend to compile its phases with."""
+
+    def compile(self, name: str, build: Callable[[], Any], arguments: Any, *, record: bool = True,
+                note: str | Callable[[Any], str] = "") -> Any:
+        """`build()` (e.g. `jitted.lower(*abstract_args).compile()`) with the abstract
+        `arguments` it takes; recorded as phase `name` of the plan (with `note`, or
+        `note(compiled)`) unless `record` is False. None when the compiler refused it for
+        memory (a recorded refusal shows what it asked for)."""
+
+    def spare_bytes(self, compiled: Any) -> int | None:
+        """What a call of `compiled` may take beyond its arguments on a planned device, with
+        the state held beside the rollout resident and `grpo_rollout.gather`'s headroom kept
+        free; None when the capacity is unknown."""
+
+
+@runtime_checkable
+class PlannableRollout(Protocol):
+    """Optional member of a rollout backend: `grpo-run --plan` compiles its phases for the
+    configured shapes (a backend without it cannot be planned, and says so)."""
+
+    def widths(self, max_prompt_length: int, max_new_tokens: int) -> RolloutWidths:
+        """The widest batches of a rollout of prompts up to `max_prompt_length` tokens."""
+
+    def compile_phases(self, shapes: RolloutShapes, compiler: PhaseCompiler) -> None:
+        """Compiles every device program one rollout runs, in order, through `compiler`;
+        stops after a phase it refuses (the next one's inputs are that one's outputs)."""
 
 
 @dataclass(frozen=True)
@@ -149,6 +300,15 @@ class Task(Protocol):
 
     def restore(self, state: dict[str, Any]) -> None:
         """Continues from a position returned by `state()`."""
+
+
+@runtime_checkable
+class ListableTask(Protocol):
+    """Optional member of a task with a finite training set: the runner then checks every
+    training prompt's format and length before the run starts (else the first batch only)."""
+
+    def train_examples(self) -> Sequence[Example]:
+        """Every training example of this process's shard, in no particular order."""
 
 
 class CompletionText(str):

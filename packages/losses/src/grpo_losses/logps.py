@@ -1,45 +1,18 @@
 """The per-token log-prob interface every loss implementation provides.
 
-An implementation ("impl") maps hidden states and the LM-head weight to the
-log-probability of each target token, `log_softmax(hidden @ lm_head / T)[target]`,
-and optionally the entropy of that softmax. It is differentiable w.r.t. `hidden`
-and `lm_head` (not w.r.t. `temperature`). How it gets there (materialised logits,
-vocab blocks, Pallas kernels) is the implementation's business.
+Its contract (`TokenLogps`, `TokenLogpsImpl`) lives in `grpo_core.contracts`, so that a
+loss plugin depends on grpo-core alone; the names are re-exported here as before.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple, Protocol
-
 import jax
+
+from grpo_core.contracts import TokenLogps, TokenLogpsImpl
 
 Array = jax.Array
 
-
-class TokenLogps(NamedTuple):
-    """Per-token results of an implementation, both float32 [B, T].
-
-    logp:    log p(target) under softmax(logits / temperature).
-    entropy: entropy of that softmax; None unless asked for with `entropy=True`.
-    """
-
-    logp: Array
-    entropy: Array | None = None
-
-
-class TokenLogpsImpl(Protocol):
-    """What `LossSpec.factory(options)` returns.
-
-    Call as `impl(hidden, lm_head, targets, temperature=1.0, *, entropy=False)`:
-      hidden  [B, T, H] float32 or bfloat16
-      lm_head [H, V]    same dtype family; V may be sharded over the `tp` mesh axis
-      targets [B, T]    int, every entry in [0, V) (padding positions too; mask later)
-      temperature       python float or scalar array (> 0)
-    Returns `TokenLogps` (float32 [B, T]).
-    """
-
-    def __call__(self, hidden: Array, lm_head: Array, targets: Array, temperature: float | Array = 1.0,
-                 *, entropy: bool = False) -> TokenLogps: ...
+__all__ = ["Array", "TokenLogps", "TokenLogpsImpl", "per_token_logps"]
 
 
 def per_token_logps(impl: TokenLogpsImpl, hidden: Array, lm_head: Array, targets: Array,

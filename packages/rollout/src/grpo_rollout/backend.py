@@ -10,14 +10,14 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 from jax.sharding import NamedSharding
 
 from grpo_rollout.decode import batch_spec_axes, decode, prefill, rollout_graphdef
-from grpo_rollout.gather import GatheredDecoders
-from grpo_rollout.prompts import DEFAULT_PROMPT_BUCKETS, fit_to_bucket, left_pad, repeat_samples
-from grpo_core.rollout_records import DEFAULT_TRIM_BUCKET, RolloutResult, TrainBatch, trim_batch
-from grpo_core.contracts import SamplingParams
+from grpo_rollout.collectives import decode_traffic_note
+from grpo_rollout.gather import GatheredDecoders, bytes_beyond_arguments, gather_refused_note, has_sharded_weights
+from grpo_rollout.prompts import DEFAULT_PROMPT_BUCKETS, bucket_length, fit_to_bucket, left_pad, repeat_samples
+from grpo_core.rollout_records import DEFAULT_TRIM_BUCKET, RolloutResult, TrainBatch, trim_batch, trimmed_widths
+from grpo_core.contracts import PhaseCompiler, Policy, RolloutShapes, RolloutWidths, SamplingParams
 from grpo_rollout.sampling import DEFAULT_TOP_P_CANDIDATES
 
 CACHE_DTYPES = (None, "float32", "bfloat16")
@@ -79,7 +79,7 @@ class JaxRollout:
     Example::
 
         rollout = JaxRollout(JaxRolloutOptions())
-        rollout.load_weights(model)
+        rollout.load_weights(Policy.of(model))
         sampling = SamplingParams(max_new_tokens=64, n=8, temperature=1.0,
                                   stop_token_ids=(tokenizer.eos_token_id,))
         result = rollout.generate(token_lists, jax.random.key(0), sampling,
@@ -92,10 +92,14 @@ class JaxRollout:
         self._graphdef: Any = None
         self._weights: Any = None
         self._gathered_decoders = GatheredDecoders()
+        # memory_check(phase name, compiled) runs before a batch shape's first prefill and decode
+        # (the run sets it to refuse what does not fit; the jit calls then reuse those compiles).
+        self.memory_check: Callable[[str, Any], None] | None = None
+        self._checked: set[Any] = set()
 
-    def load_weights(self, model: nnx.Module) -> None:
-        """Sample from `model`'s weights until the next call (no copy: the arrays are shared)."""
-        self._graphdef, self._weights = nnx.split(model)
+    def load_weights(self, policy: Policy) -> None:
+        """Sample from the policy's weights until the next call (no copy: the arrays are shared)."""
+        self._graphdef, self._weights = policy.graphdef, policy.weights
 
     def release_weights(self) -> None:
         self._graphdef = self._weights = None
@@ -118,15 +122,31 @@ class JaxRollout:
                         the data axes of the mesh), or None for the default device.
         """
         if self._weights is None:
-            raise RuntimeError("JaxRollout.generate without weights: call load_weights(model) first.")
+            raise RuntimeError("JaxRollout.generate without weights: call load_weights(policy) first.")
         ids, mask = fit_to_bucket(prompt_ids, prompt_mask, pad_token_id, self.options.prompt_buckets)
         ids, mask = repeat_samples(ids, sampling.n), repeat_samples(mask, sampling.n)
         check_batch_divisible(ids.shape[0], sampling.n, batch_sharding)
         ids, mask = place(ids, batch_sharding), place(mask, batch_sharding)
         static = self.static_args(self._graphdef, self._weights, sampling, pad_token_id, batch_sharding)
+        self._check_memory(ids, mask, key, static)
         cache, state = prefill(self._weights, ids, mask, key, **static)
         _, state = self.decoder(self._weights, cache, state, key, static)(self._weights, cache, state, key)
         return finish(ids, mask, state, sampling)
+
+    def _check_memory(self, ids: jax.Array, mask: jax.Array, key: jax.Array, static: dict[str, Any]) -> None:
+        """Compiles prefill and decode for this batch and hands them to `memory_check` before either runs."""
+        signature = (ids.shape, tuple(sorted(static.items(), key=lambda kv: kv[0])))
+        if self.memory_check is None or signature in self._checked:
+            return
+        weights = self._weights
+        prefill_compiled = prefill.lower(weights, ids, mask, key, **static).compile()
+        self.memory_check("rollout prefill", prefill_compiled)
+        cache, state = abstract_outputs(prefill_compiled)
+        decoder = self.decoder(weights, cache, state, key, static)
+        if isinstance(decoder, functools.partial):  # the jitted decode, not a compiled gathered one
+            decoder = decode.lower(weights, cache, state, key, **static).compile()
+        self.memory_check("rollout decode", decoder)
+        self._checked.add(signature)
 
     def decoder(self, weights, cache, state, key, static: dict[str, Any]) -> Callable[..., Any]:
         """`decode` for these arguments; with gather_weights=auto, the gathered decode when it
@@ -148,6 +168,51 @@ class JaxRollout:
 
     def trim(self, result: RolloutResult) -> TrainBatch:
         return trim_batch(result, self.options.trim_bucket)
+
+    # ---- grpo-run --plan (grpo_core.contracts.PlannableRollout) ----------------------------
+    def widths(self, max_prompt_length: int, max_new_tokens: int) -> RolloutWidths:
+        """Prompts padded to their bucket; training batches trimmed as `trim` trims them."""
+        prompt = bucket_length(max_prompt_length, self.options.prompt_buckets)
+        train = trimmed_widths(max_prompt_length, max_new_tokens, prompt, max_new_tokens, self.options.trim_bucket)
+        return RolloutWidths(prompt, *train)
+
+    def compile_phases(self, shapes: RolloutShapes, compiler: PhaseCompiler) -> None:
+        """Prefill, then the decode loop as `generate` runs it (gathered or not: see `decoder`)."""
+        weights, key = shapes.policy.weights, shapes.key
+        static = self.static_args(shapes.policy.graphdef, weights, shapes.sampling, shapes.pad_token_id,
+                                  shapes.batch_sharding)
+        width = self.widths(shapes.max_prompt_length, shapes.sampling.max_new_tokens).prompt
+        prompts = jax.ShapeDtypeStruct((shapes.prompts * shapes.sampling.n, width), jnp.int32,
+                                       sharding=shapes.batch_sharding)
+        args = (weights, prompts, prompts, key)
+        first = compiler.compile("rollout prefill", lambda: prefill.lower(*args, **static).compile(), args)
+        if first is not None:  # decode's inputs are prefill's outputs
+            cache, state = abstract_outputs(first)
+            self._compile_decode(compiler, (weights, cache, state, key), static)
+
+    def _compile_decode(self, compiler: PhaseCompiler, args: tuple, static: dict[str, Any]) -> None:
+        def build(gather: bool) -> Callable[[], Any]:
+            return lambda: decode.lower(*args, **{**static, "gather_weights": gather}).compile()
+
+        auto_note = ""
+        if self.options.gather_weights == "auto" and has_sharded_weights(args[0]):
+            gathered = compiler.compile("rollout decode", build(True), args, record=False)
+            spare = None if gathered is None else compiler.spare_bytes(gathered)
+            if spare is not None and bytes_beyond_arguments(gathered) <= spare:
+                compiler.compile("rollout decode", lambda: gathered, args, note=lambda compiled: (
+                    "gather_weights=auto: weights gathered once per rollout (the copy fits); "
+                    + decode_traffic_note(compiled, True)))
+                return
+            auto_note = gather_refused_note(gathered, spare)
+        gather = static["gather_weights"]
+        compiler.compile("rollout decode", build(gather), args,
+                         note=lambda compiled: auto_note + decode_traffic_note(compiled, gather))
+
+
+def abstract_outputs(compiled: Any) -> Any:
+    """The outputs of a compiled function as sharded ShapeDtypeStructs."""
+    return jax.tree.map(lambda info, sharding: jax.ShapeDtypeStruct(info.shape, info.dtype, sharding=sharding),
+                        compiled.out_info, compiled.output_shardings)
 
 
 def check_batch_divisible(rows: int, n: int, batch_sharding: NamedSharding | None) -> None:

@@ -25,3 +25,14 @@ def decode_collective_bytes_per_token(compiled: Any) -> dict[str, int]:
         raise ValueError("the compiled function has no top-level while loop; pass the compiled `decode`")
     per_body = [module.collective_bytes(body) for body in bodies if body]
     return max(per_body, key=lambda totals: sum(totals.values()), default={})
+
+
+def decode_traffic_note(decoder: Any, gathered: bool) -> str:
+    """The collectives the compiled decode loop runs for every token, per device, in words."""
+    traffic = decode_collective_bytes_per_token(decoder)
+    if not traffic:
+        return "collectives per decoded token: none"
+    listed = ", ".join(f"{kind} {size / (1 << 20):.1f} MiB" for kind, size in sorted(traffic.items()))
+    hint = ("" if gathered else "; rollout.options.gather_weights=true gathers FSDP-sharded weights once per "
+            "rollout instead (a full compute-dtype copy per device)")
+    return f"collectives per decoded token: {listed}{hint}"

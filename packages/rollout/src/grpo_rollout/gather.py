@@ -31,15 +31,23 @@ def has_sharded_weights(weights: Any) -> bool:
                for leaf in jax.tree.leaves(weights) if hasattr(leaf, "sharding"))
 
 
+def spare_bytes(limit: int, resident: int) -> int:
+    """What a call may still take of a device with `limit` bytes, `resident` of them in use,
+    keeping GATHER_HEADROOM of the limit free. The `auto` rule, for the run (limit and use
+    as the devices report them) and for `grpo-run --plan` (the capacity, the phase's
+    arguments and the state held beside it): gather when the gathered decode's
+    `bytes_beyond_arguments` is at most this."""
+    return int(limit * (1 - GATHER_HEADROOM)) - resident
+
+
 def spare_device_bytes(devices: list[Any]) -> Optional[int]:
-    """The least memory over `devices` that a call may still take: (1 - GATHER_HEADROOM) of
-    the limit minus what is in use; None when a device reports no limit (the CPU backend)."""
+    """The least `spare_bytes` over `devices`; None when a device reports no limit (the CPU backend)."""
     spare = []
     for device in devices:
         stats = device.memory_stats()
         if not stats or "bytes_limit" not in stats:
             return None
-        spare.append(int(stats["bytes_limit"] * (1 - GATHER_HEADROOM)) - stats.get("bytes_in_use", 0))
+        spare.append(spare_bytes(stats["bytes_limit"], stats.get("bytes_in_use", 0)))
     return min(spare)
 
 
@@ -54,6 +62,18 @@ def every_process(flag: bool) -> bool:
     if jax.process_count() == 1:
         return flag
     return bool(np.all(multihost_utils.process_allgather(np.array(flag))))
+
+
+def gather_refused_note(gathered: Any, spare: Optional[int]) -> str:
+    """Why a plan's auto decode keeps the weights sharded (a prefix of the decode's note)."""
+    if gathered is None:
+        return "gather_weights=auto: sharded weights (the compiler refused a gathered decode for memory); "
+    if spare is None:
+        return "gather_weights=auto: sharded weights (no device capacity to check a gathered copy against); "
+    needed = bytes_beyond_arguments(gathered)
+    return (f"gather_weights=auto: sharded weights (a gathered decode needs {needed / GIB:.2f} "
+            f"GiB beyond its arguments, {spare / GIB:.2f} GiB spare with {GATHER_HEADROOM:.0%} of device memory "
+            "kept free); ")
 
 
 class GatheredDecoders:

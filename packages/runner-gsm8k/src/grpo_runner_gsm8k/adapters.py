@@ -28,8 +28,6 @@ from grpo_core.models.precision import cast_floating
 from grpo_core.sharding import param_shardings
 from grpo_rollout.gather import GIB, spare_device_bytes
 
-from grpo_runner_gsm8k.step import make_score
-
 
 def lora_spec(cfg: RunConfig) -> Optional[lora.LoRASpec]:
     """The run's adapters, or None for a full-parameter run."""
@@ -137,12 +135,6 @@ class LoRARun:
         if self.merged_rollout:
             return self.base_graphdef, self.merge(self.base, adapters)
         return self.train_graphdef, nnx.merge_state(self.base, cast_floating(adapters, dtype))
-
-    def score(self, program: Any) -> Callable[..., jax.Array]:
-        """The jitted log-prob forward of `policy`'s state (the program's own when merged)."""
-        if self.merged_rollout:
-            return program.score
-        return make_score(self.train_graphdef, program.loss_impl, program.cfg.rollout.temperature)
 
     def decide_merge(self, mesh: Mesh) -> None:
         """Merged copy when it fits in every device's spare memory (like gather_weights: auto,

@@ -1,4 +1,5 @@
-"""Everything a run needs, built from a validated RunConfig in dependency order."""
+"""The pieces of a run and their checks against the config: plugins, tokenizer, model config and
+model, samplings, prompts, batch arithmetic (rows, micro-batches) and the run directory."""
 
 from __future__ import annotations
 
@@ -15,42 +16,21 @@ import jax
 from jax.sharding import Mesh
 
 from grpo_core.config import RunConfig
-from grpo_core.contracts import RolloutBackend, SamplingParams, Task
+from grpo_core.contracts import ListableTask, RolloutBackend, SamplingParams, Task
 from grpo_core.config_io import plugin_options
 from grpo_core.errors import UserError
 from grpo_core.models import QwenConfig, init_from_config, load_pretrained
 from grpo_core.models.attention_impls import resolve_attention
-from grpo_core.models.checkpoint import resolve_model_dir
+from grpo_core.models.config import architecture_keys
+from grpo_core.models.hf_io import resolve_model_dir
 from grpo_core.registry import Registry
 from grpo_core.sharding import shard_model
 from grpo_core.tokenizer import build_char_tokenizer, load_tokenizer
-from grpo_meshes import (TRAIN_BATCH_AXES, ModelDims, ProcessLayout, batch_shard_count, build_mesh_from_config,
-                         rollout_batch_sharding, setup_processes, validate_plan)
+from grpo_meshes import TRAIN_BATCH_AXES, ModelDims, batch_shard_count, validate_plan
 
 from grpo_runner_gsm8k.adapters import check_lora_fits, storage_dtype
 from grpo_runner_gsm8k.multihost import local_prompt_count
 from grpo_runner_gsm8k.tasks.base import render_prompt
-
-
-@dataclass
-class Components:
-    """The built pieces of a run (model params live in `model`)."""
-
-    cfg: RunConfig
-    layout: ProcessLayout
-    mesh: Mesh
-    param_rules: Any
-    tokenizer: Any
-    model: Any
-    task: Any
-    rewards: dict[str, tuple[Any, float]]
-    sampling: SamplingParams
-    eval_sampling: SamplingParams
-    prompt_ids: dict[str, list[int]] = dataclasses.field(default_factory=dict)  # checked prompts by example id
-
-    @property
-    def rollout_sharding(self):
-        return rollout_batch_sharding(self.mesh, self.cfg.rollout.sharding)
 
 
 def _input_error(key: str, exc: Exception, fix: str) -> UserError:
@@ -87,13 +67,13 @@ def check_contract(kind: str, name: str, built: Any) -> None:
 
 
 def build_tokenizer(cfg: RunConfig) -> Any:
-    source = cfg.model.tokenizer or cfg.model.path
+    source = cfg.model.tokenizer  # model.path when null in the file (filled in at load)
     if source == "char":
         return build_char_tokenizer()
     if source is None:
         raise UserError("model.tokenizer and model.path are both null: set model.tokenizer to 'char' "
                         "or to a tokenizer directory / Hub id")
-    key = "model.tokenizer" if cfg.model.tokenizer else "model.path"
+    key = "model.path" if source == cfg.model.path else "model.tokenizer"
     if _looks_like_path(source) and not os.path.isdir(source):
         raise UserError(f"{key} {source!r} is not a directory; point {key} at a directory holding tokenizer "
                         "files, a Hub id 'org/name', or set model.tokenizer=char")
@@ -125,13 +105,9 @@ def model_config(cfg: RunConfig, tokenizer: Any) -> QwenConfig:
         raise UserError(f"model.architecture: {exc}") from None
 
 
-# HF config.json keys that QwenConfig reads without a field of the same name.
-ARCHITECTURE_EXTRA_KEYS = {"torch_dtype", "dtype", "rope_scaling", "rope_parameters", "use_sliding_window"}
-
-
 def check_architecture_keys(architecture: dict) -> None:
     """model.architecture is strict like every other section: a typo is an error, not a default."""
-    valid = {f.name for f in dataclasses.fields(QwenConfig)} | ARCHITECTURE_EXTRA_KEYS
+    valid = architecture_keys()
     for key in architecture:
         if key not in valid:
             close = difflib.get_close_matches(str(key), sorted(valid), n=1, cutoff=0.6)
@@ -140,9 +116,10 @@ def check_architecture_keys(architecture: dict) -> None:
 
 
 def check_tokenizer_fits(qcfg: QwenConfig, tokenizer: Any) -> None:
-    if len(tokenizer) > qcfg.vocab_size:
-        raise UserError(f"the tokenizer has {len(tokenizer)} tokens but the model's vocab_size is "
-                        f"{qcfg.vocab_size}; use a matching tokenizer or raise model.architecture.vocab_size")
+    try:
+        qcfg.check_tokenizer_fits(len(tokenizer), "use a matching tokenizer or raise model.architecture.vocab_size")
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
 
 
 def build_model(cfg: RunConfig, qcfg: QwenConfig, mesh: Mesh, strategy: Any) -> Any:
@@ -188,20 +165,24 @@ def load_or_init_model(cfg: RunConfig, qcfg: QwenConfig, mesh: Mesh, rules: Any)
     return shard_model(model, mesh, rules)
 
 
-def sampling_params(cfg: RunConfig, tokenizer: Any, *, for_eval: bool = False) -> SamplingParams:
+def stop_token_ids(cfg: RunConfig, tokenizer: Any) -> tuple[int, ...]:
+    return () if cfg.rollout.ignore_eos else tuple(sorted({tokenizer.eos_token_id} - {None}))
+
+
+def sampling_params(cfg: RunConfig, stop: tuple[int, ...], *, for_eval: bool = False) -> SamplingParams:
+    """How the run samples for training (or eval), stopping at the `stop` token ids."""
     r = cfg.rollout
-    stop = () if r.ignore_eos else tuple(sorted({tokenizer.eos_token_id} - {None}))
     if for_eval:
-        return SamplingParams.from_config(r, stop, max_new_tokens=cfg.eval.max_new_tokens or r.max_new_tokens,
+        return SamplingParams.from_config(r, stop, max_new_tokens=cfg.eval.max_new_tokens,
                                           n=cfg.eval.n, greedy=cfg.eval.greedy)
     return SamplingParams.from_config(r, stop)
 
 
 def check_lengths(cfg: RunConfig, qcfg: QwenConfig) -> None:
     new_tokens_key = "rollout.max_new_tokens"
-    if (cfg.eval.max_new_tokens or 0) > cfg.rollout.max_new_tokens:
+    if cfg.eval.max_new_tokens > cfg.rollout.max_new_tokens:
         new_tokens_key = "eval.max_new_tokens"
-    new_tokens = max(cfg.rollout.max_new_tokens, cfg.eval.max_new_tokens or 0)
+    new_tokens = max(cfg.rollout.max_new_tokens, cfg.eval.max_new_tokens)
     longest = cfg.rollout.max_prompt_length + new_tokens
     if longest > qcfg.max_position_embeddings:
         raise UserError(f"rollout.max_prompt_length + {new_tokens_key} = {cfg.rollout.max_prompt_length} + "
@@ -224,32 +205,36 @@ def prompt_token_ids(cfg: RunConfig, tokenizer: Any, use_chat_template: bool, ex
     return ids
 
 
-def prompts_to_check(cfg: RunConfig, task: Any, process_count: int) -> list:
+def prompts_to_check(cfg: RunConfig, task: Any, prompts_per_process: int) -> list:
     """The whole train split when the task can list it (`train_examples()`, a finite data set),
     else the first train batch (the task's position is left unchanged); plus the eval questions."""
-    listed = getattr(task, "train_examples", None)
-    if listed is not None:
-        examples = list(listed())
+    if isinstance(task, ListableTask):
+        examples = list(task.train_examples())
     else:
         position = task.state()
-        examples = task.train_batch(local_prompt_count(cfg.rollout.prompts_per_step, process_count))
+        examples = task.train_batch(prompts_per_process)
         task.restore(position)
     if cfg.eval.every_steps:
         examples += task.test_examples(cfg.eval.num_questions)
     return examples
 
 
-def check_prompts(cfg: RunConfig, tokenizer: Any, task: Any, process_count: int) -> dict[str, list[int]]:
+def check_prompts(cfg: RunConfig, tokenizer: Any, task: Any, prompts_per_process: int) -> dict[str, list[int]]:
     """Renders and tokenizes every prompt the run can see, so a prompt format or length that
     cannot work fails before the run starts, not mid-run; returns the token ids by example id
     (the run reuses them instead of tokenizing again)."""
-    examples = prompts_to_check(cfg, task, process_count)
+    examples = prompts_to_check(cfg, task, prompts_per_process)
     ids = prompt_token_ids(cfg, tokenizer, task.use_chat_template, examples)
     return {ex.id: row for ex, row in zip(examples, ids) if ex.id}
 
 
 def rows_per_step(cfg: RunConfig) -> int:
     return cfg.rollout.prompts_per_step * cfg.rollout.n
+
+
+def with_micro_batch_size(cfg: RunConfig, size: int) -> RunConfig:
+    """`cfg` with `train.micro_batch_size_per_device = size` (the plan's sweep)."""
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, micro_batch_size_per_device=size))
 
 
 def micro_batches(cfg: RunConfig, mesh: Mesh) -> int:
@@ -269,12 +254,10 @@ def micro_batches(cfg: RunConfig, mesh: Mesh) -> int:
 def preflight(cfg: RunConfig, mesh: Mesh, qcfg: QwenConfig, devices: Optional[list] = None) -> None:
     """Checks before any compile; `devices` (default: this run's) are those the mesh must cover."""
     devices = jax.devices() if devices is None else devices
-    local_prompt_count(cfg.rollout.prompts_per_step, len({d.process_index for d in devices}))
     rows = rows_per_step(cfg)
     validate_plan(mesh, ModelDims.from_config(qcfg), rollout_batch=rows,
                   train_micro_batch=rows // micro_batches(cfg, mesh), rollout_style=cfg.rollout.sharding,
                   device_count=len(devices))
-    check_lengths(cfg, qcfg)
 
 
 @dataclass
@@ -282,15 +265,17 @@ class Inputs:
     """What a run reads before any device work: every check of the config against them is done."""
 
     tokenizer: Any
-    qcfg: QwenConfig
     task: Any
     rewards: dict[str, tuple[Any, float]]
     prompt_ids: dict[str, list[int]]
+    prompts_per_process: int  # prompts each process takes per step
 
 
-def check_inputs(cfg: RunConfig, registry: Registry, process_index: int = 0, process_count: int = 1) -> Inputs:
-    """Tokenizer, model config, task data, reward functions and every prompt, checked against
-    the config (no device is touched: `--print-config` runs this too)."""
+def check_inputs(cfg: RunConfig, registry: Registry, process_index: int = 0,
+                 process_count: int = 1) -> tuple[QwenConfig, Inputs]:
+    """(model config, inputs): tokenizer, model config, task data, reward functions and every
+    prompt, checked against the config (no device is touched: `--print-config` runs this too)."""
+    prompts_per_process = local_prompt_count(cfg.rollout.prompts_per_step, process_count)
     tokenizer = build_tokenizer(cfg)
     qcfg = model_config(cfg, tokenizer)
     check_tokenizer_fits(qcfg, tokenizer)
@@ -301,21 +286,8 @@ def check_inputs(cfg: RunConfig, registry: Registry, process_index: int = 0, pro
     rewards = {name: (from_plugin(registry, "reward", name, cfg.task.reward_options.get(name, {}),
                                   f"task.reward_options.{name}"), float(weight))
                for name, weight in cfg.task.rewards.items()}
-    return Inputs(tokenizer, qcfg, task, rewards, check_prompts(cfg, tokenizer, task, process_count))
-
-
-def build_components(cfg: RunConfig, registry: Registry) -> Components:
-    layout = setup_processes(cfg.mesh)
-    resolved = build_mesh_from_config(cfg.mesh, registry.mesh)
-    inputs = check_inputs(cfg, registry, layout.process_index, layout.process_count)
-    preflight(cfg, resolved.mesh, inputs.qcfg)
-    tokenizer = inputs.tokenizer
-    return Components(
-        cfg=cfg, layout=layout, mesh=resolved.mesh, param_rules=resolved.strategy.param_rules, tokenizer=tokenizer,
-        model=build_model(cfg, inputs.qcfg, resolved.mesh, resolved.strategy), task=inputs.task,
-        rewards=inputs.rewards,
-        sampling=sampling_params(cfg, tokenizer), eval_sampling=sampling_params(cfg, tokenizer, for_eval=True),
-        prompt_ids=inputs.prompt_ids)
+    return qcfg, Inputs(tokenizer, task, rewards, check_prompts(cfg, tokenizer, task, prompts_per_process),
+                        prompts_per_process)
 
 
 def check_run_dir(cfg: RunConfig) -> None:
@@ -344,9 +316,3 @@ def prepare_run_dir(cfg: RunConfig) -> Path:
                         "choose a writable directory") from None
     return run_dir
 
-
-def loss_config_for_run(cfg: RunConfig):
-    """The loss section with max_completion_length filled from the rollout when null."""
-    if cfg.loss.max_completion_length is None:
-        return dataclasses.replace(cfg.loss, max_completion_length=cfg.rollout.max_new_tokens)
-    return cfg.loss

@@ -30,8 +30,6 @@ import logging
 import re
 import shutil
 import sys
-import threading
-import warnings
 from pathlib import Path
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -42,9 +40,11 @@ import orbax.checkpoint as ocp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from grpo_core.config import CheckpointConfig, RunConfig
-from grpo_core.config_io import build_dataclass, config_to_dict
+from grpo_core.config_io import build_dataclass, config_to_dict, resolve_defaults
 from grpo_core.contracts import Task
-from grpo_core.errors import UserError
+from grpo_core.errors import RunFault, UserError
+
+from grpo_runner_gsm8k import orbax_noise
 
 CHECKPOINTS = "checkpoints"
 ITEMS = ("params", "opt_state", "meta", "config")
@@ -89,25 +89,27 @@ def saved_meta(run_dir: str | Path, step: int) -> dict:
     return _read_item(run_dir, step, "meta", ocp.JsonCheckpointHandler(), ocp.args.JsonRestore())
 
 
-def check_param_layout(run_dir: str | Path, step: int) -> None:
-    """Refuses, in one line, a checkpoint written before decoder layers were stacked."""
-    if saved_meta(run_dir, step).get("param_layout") != PARAM_LAYOUT:
-        raise UserError(f"checkpoint {checkpoint_dir(run_dir) / str(step)} was written by an older version with "
+def check_param_layout(meta: dict, where: Path) -> None:
+    """Refuses, in one line, a checkpoint (its `meta`, read from `where`) written before
+    decoder layers were stacked."""
+    if meta.get("param_layout") != PARAM_LAYOUT:
+        raise UserError(f"checkpoint {where} was written by an older version with "
                         "one parameter subtree per decoder layer, which this version (layers stacked for one "
                         "scan) cannot restore; start a new logging.dir, or export it with the older version "
                         "and set model.path to the export")
 
 
-def saved_params(run_dir: str | Path, step: int, target: Any) -> Any:
-    """The params of checkpoint `step`, placed where `target` (ShapeDtypeStructs with
-    shardings, in the params' tree structure) says."""
-    check_param_layout(run_dir, step)
+def saved_params(run_dir: str | Path, step: int, target: Any, meta: dict) -> Any:
+    """The params of checkpoint `step` (whose `meta` the caller read), placed where `target`
+    (ShapeDtypeStructs with shardings, in the params' tree structure) says."""
+    check_param_layout(meta, checkpoint_dir(run_dir) / str(step))
     return _read_item(run_dir, step, "params", ocp.StandardCheckpointHandler(), ocp.args.StandardRestore(target))
 
 
 def saved_run_config(run_dir: str | Path, step: int) -> RunConfig:
-    """The RunConfig a checkpoint was written with."""
-    return build_dataclass(RunConfig, saved_config(run_dir, step))
+    """The RunConfig a checkpoint was written with (its "same as X" defaults filled in, as
+    a config written before they were filled in at load would lack them)."""
+    return resolve_defaults(build_dataclass(RunConfig, saved_config(run_dir, step)))
 
 
 # ---- resuming --------------------------------------------------------------------------
@@ -146,42 +148,51 @@ def check_compatible(saved: dict, current: dict, where: Path) -> None:
                         "or set logging.dir to a new directory to start a fresh run")
 
 
-def resume_steps(cfg: RunConfig, required: bool = False) -> list[int]:
-    """The checkpoints to continue from, newest first (the first that restores is used), or []
-    for a fresh start. A newest checkpoint whose config cannot be read is skipped with a
-    warning. Reads only, so a refused resume writes nothing."""
+@dataclass(frozen=True)
+class Resume:
+    """Where a run continues: checkpoint steps newest first (the first that restores is
+    used), and the meta of the first, read once when its config was checked."""
+
+    steps: list[int]
+    meta: dict
+
+
+def resume_point(cfg: RunConfig, required: bool = False) -> Optional[Resume]:
+    """The checkpoints to continue from, or None for a fresh start. A newest checkpoint whose
+    config or meta cannot be read is skipped with a warning. Reads only, so a refused resume
+    writes nothing."""
     run_dir = Path(cfg.logging.dir)
     steps = complete_steps(run_dir)
     if not steps:
         if required:
             raise UserError(f"--resume: no complete checkpoint in {checkpoint_dir(run_dir)}; run without "
                             "--resume to start, or set logging.dir to the directory of the run to continue")
-        return []
+        return None
     if cfg.checkpoint.resume == "never" and not required:
         raise UserError(f"logging.dir {str(run_dir)!r} already holds checkpoints (newest: step {steps[-1]}) and "
                         "checkpoint.resume is 'never'; set logging.dir to a new directory, or pass --resume")
-    candidates = _with_readable_config(run_dir, steps[::-1])
-    step = candidates[0]
-    check_compatible(saved_config(run_dir, step), config_to_dict(cfg), checkpoint_dir(run_dir) / str(step))
-    check_param_layout(run_dir, step)
+    candidates, config, meta = _newest_readable(run_dir, steps[::-1])
+    step, where = candidates[0], checkpoint_dir(run_dir) / str(candidates[0])
+    check_compatible(config, config_to_dict(cfg), where)
+    check_param_layout(meta, where)
     if step > cfg.train.steps:
         raise UserError(f"the checkpoint in {run_dir} is at step {step}, past train.steps={cfg.train.steps}; "
                         f"set train.steps >= {step} to continue the run")
-    return candidates
+    return Resume(candidates, meta)
 
 
-def _with_readable_config(run_dir: Path, newest_first: list[int]) -> list[int]:
+def _newest_readable(run_dir: Path, newest_first: list[int]) -> tuple[list[int], dict, dict]:
+    """(the steps from the newest whose config and meta read, that config, that meta)."""
     for i, step in enumerate(newest_first):
         try:
-            saved_config(run_dir, step)
-            saved_meta(run_dir, step)
+            config, meta = saved_config(run_dir, step), saved_meta(run_dir, step)
         except UserError as exc:
             if i + 1 == len(newest_first):
                 raise
             warn_fallback(checkpoint_dir(run_dir) / str(step), exc, newest_first[i + 1])
             continue
-        return newest_first[i:]
-    return []
+        return newest_first[i:], config, meta
+    raise UserError(f"no checkpoint to resume from in {checkpoint_dir(run_dir)}")
 
 
 # Python's "[Errno 28] No space left on device" and TensorStore's "...: File too large [os_error_code='27']"
@@ -205,76 +216,9 @@ def cause_of(exc: BaseException) -> str:
     return f"{type(innermost).__name__}: {' '.join(str(innermost).split())[:200]}"
 
 
-def _closed_loop_noise(exc: BaseException | None) -> bool:
-    return isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed"
-
-
-def drop_closed_loop_errors() -> None:
-    """When a write of orbax's async save fails, TensorStore's completion callbacks of the
-    other writes race the save's event-loop shutdown and raise 'Event loop is closed' on
-    TensorStore's threads, reported through sys.excepthook / sys.unraisablehook. They only
-    repeat a failure the run reports in one line: drop them, pass everything else on."""
-    if getattr(sys.excepthook, "drops_closed_loop_errors", False):
-        return
-    previous_excepthook, previous_unraisablehook = sys.excepthook, sys.unraisablehook
-
-    def excepthook(kind, value, tb):
-        if not _closed_loop_noise(value):
-            previous_excepthook(kind, value, tb)
-
-    def unraisablehook(args):
-        if not _closed_loop_noise(args.exc_value):
-            previous_unraisablehook(args)
-
-    excepthook.drops_closed_loop_errors = True
-    sys.excepthook, sys.unraisablehook = excepthook, unraisablehook
-
-
-class _UnretrievedSaveTasks(logging.Filter):
-    """Drops asyncio's 'Task exception was never retrieved' records of orbax's write tasks:
-    when a write fails, its sibling tasks may be garbage-collected before the run checks the
-    save, and the failure reaches the user as the run's one error line anyway."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        message = record.getMessage()
-        return not (message.startswith("Task exception was never retrieved") and "orbax" in message)
-
-
-def drop_unretrieved_save_tasks() -> None:
-    """Also the RuntimeWarning for the write coroutines a failed save never started (emitted
-    whenever they are garbage-collected, at exit too)."""
-    warnings.filterwarnings("ignore", message=r"coroutine 'async_serialize_from_host\.", category=RuntimeWarning)
-    asyncio_logger = logging.getLogger("asyncio")
-    if not any(isinstance(f, _UnretrievedSaveTasks) for f in asyncio_logger.filters):
-        asyncio_logger.addFilter(_UnretrievedSaveTasks())
-
-
-def _quiet_thread_errors(args) -> None:
-    """After a failed save is reported, orbax's background threads may still fail while the
-    process exits; their tracebacks would only repeat that error."""
-
-
 def warn_fallback(where: Path, exc: BaseException, step: int) -> None:
     print(f"grpo-run: warning: checkpoint {where} is unreadable ({cause_of(exc)}); resuming from step {step}",
           file=sys.stderr)
-
-
-def _logged_at_or_before(line: str, last_step: int) -> bool:
-    try:
-        return int(json.loads(line)["step"]) <= last_step
-    except (ValueError, KeyError, TypeError):
-        return False  # a line cut short by a kill
-
-
-def truncate_metrics(path: Path, last_step: int) -> None:
-    """Keeps the metrics.jsonl records of steps <= `last_step`: the steps logged after the
-    checkpoint a run resumes from are run and logged again."""
-    if not path.is_file():
-        return
-    lines = path.read_text().splitlines(keepends=True)
-    kept = [line for line in lines if _logged_at_or_before(line, last_step)]
-    if len(kept) != len(lines):
-        path.write_text("".join(kept))
 
 
 # ---- the train state -----------------------------------------------------------------
@@ -325,10 +269,6 @@ class Checkpointer:
             preservation_policy=ocp.checkpoint_managers.LatestN(cfg.keep),
             cleanup_tmp_directories=True,  # what a killed save left behind
             enable_async_checkpointing=True)
-        # orbax logs a failed background save with a traceback; `check` reports it in one line.
-        logging.getLogger("absl").setLevel(logging.CRITICAL)
-        drop_closed_loop_errors()
-        drop_unretrieved_save_tasks()
         self.manager = ocp.CheckpointManager(self.directory, item_names=ITEMS, options=options)
 
     def due(self, step: int, last_step: int) -> bool:
@@ -366,22 +306,21 @@ class Checkpointer:
         except Exception as exc:  # noqa: BLE001
             raise self._save_failed(exc) from None
 
-    def _save_failed(self, exc: BaseException) -> UserError:
+    def _save_failed(self, exc: BaseException) -> RunFault:
         self.failed = True
-        threading.excepthook = _quiet_thread_errors
-        sys.unraisablehook = _quiet_thread_errors
-        logging.getLogger("asyncio").setLevel(logging.CRITICAL)  # orbax's failed write tasks, never awaited
+        orbax_noise.quiet_after_failed_save()
         where = self.directory / str(self.pending_step)
-        return UserError(f"saving checkpoint {where} failed ({cause_of(exc)}); earlier checkpoints in "
+        return RunFault(f"saving checkpoint {where} failed ({cause_of(exc)}); earlier checkpoints in "
                          f"{self.directory} are intact; free space or fix permissions there and run the same "
                          "command again to continue")
 
-    def restore_newest(self, candidates: list[int], state: TrainState, task: Task, mesh: Mesh) -> int:
-        """Restores the newest of `candidates` (newest first) whose arrays read back; ones that
-        do not are skipped with a warning and moved aside, so later saves can use their steps."""
+    def restore_newest(self, resume: Resume, state: TrainState, task: Task, mesh: Mesh) -> int:
+        """Restores the newest of `resume.steps` whose arrays read back; ones that do not are
+        skipped with a warning and moved aside, so later saves can use their steps."""
+        candidates = resume.steps
         for i, step in enumerate(candidates):
             try:
-                self.restore(step, state, task, mesh)
+                self.restore(step, state, task, mesh, resume.meta if i == 0 else None)
             except UserError:
                 raise
             except Exception as exc:  # noqa: BLE001 - a truncated or partly deleted checkpoint
@@ -402,14 +341,14 @@ class Checkpointer:
         if steps:
             self.manager.reload()
 
-    def restore(self, step: int, state: TrainState, task: Task, mesh: Mesh) -> None:
-        """Sets `state` and the task's data position from checkpoint `step`; the arrays land
-        on `mesh` with the shardings of `state`'s arrays."""
-        check_param_layout(self.directory.parent, step)
+    def restore(self, step: int, state: TrainState, task: Task, mesh: Mesh, meta: Optional[dict] = None) -> None:
+        """Sets `state` and the task's data position from checkpoint `step` (its `meta` when
+        already read); the arrays land on `mesh` with the shardings of `state`'s arrays."""
+        meta = saved_meta(self.directory.parent, step) if meta is None else meta
+        check_param_layout(meta, self.directory / str(step))
         restored = self.manager.restore(step, args=ocp.args.Composite(
             params=ocp.args.StandardRestore(_on_mesh(state.params, mesh)),
-            opt_state=ocp.args.StandardRestore(_on_mesh(state.opt_state, mesh)), meta=ocp.args.JsonRestore()))
-        meta = restored.meta
+            opt_state=ocp.args.StandardRestore(_on_mesh(state.opt_state, mesh))))
         state.params, state.opt_state = restored.params, restored.opt_state
         state.key, state.step, state.skipped_steps = _key_from_record(meta["key"]), meta["step"], meta["skipped_steps"]
         try:

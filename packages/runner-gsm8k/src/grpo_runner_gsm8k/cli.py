@@ -4,7 +4,9 @@
     grpo-run --config X.yaml --print-config              print the resolved config
     grpo-run plugins                                     list every registered plugin
 
-Bad input prints one line to stderr and exits 2; `--debug` shows the traceback.
+Every failure prints one line to stderr: `grpo-run: error: ...`. Exit codes: 2 bad input,
+3 the run does not fit in memory, 1 anything else (its traceback, config and versions go to
+`<run dir>/crash-<time>.log`, named in the line); `--debug` also prints the traceback.
 SIGTERM or SIGINT during training finishes the step in progress, saves a checkpoint, prints
 one line and exits 128 + the signal number (143, 130); the same command continues the run.
 """
@@ -20,10 +22,12 @@ import warnings
 from typing import Callable
 
 from grpo_core.errors import UserError
+from grpo_runner_gsm8k import orbax_noise
+from grpo_runner_gsm8k.environ import environment, unset
+from grpo_runner_gsm8k.crash import CONTEXT, begin, report_crash
 from grpo_runner_gsm8k.preemption import Stopped
 
-EXIT_BAD_INPUT = 2
-EXIT_CRASH = 1
+EXIT_SIGINT = 128 + 2
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -37,7 +41,7 @@ def train_parser() -> argparse.ArgumentParser:
     parser = ArgumentParser(prog="grpo-run", description="GRPO post-training of LLMs in JAX.")
     parser.add_argument("--config", help="YAML run config (default: the embedded tiny CPU config)")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
-    parser.add_argument("--debug", action="store_true", help="show tracebacks of input errors")
+    parser.add_argument("--debug", action="store_true", help="also print the traceback of an error")
     parser.add_argument("--resume", action="store_true",
                         help="continue from the newest checkpoint in logging.dir (an error if there is none)")
     parser.add_argument("--plan", action="store_true",
@@ -91,6 +95,7 @@ def _train(cfg, args: argparse.Namespace) -> int:
 def _train_command(argv: list[str]) -> int:
     args = train_parser().parse_intermixed_args(argv)
     cfg = _load(args)
+    _remember_run(cfg)
     if args.print_config:
         from grpo_core.config_io import config_to_yaml
         from grpo_core.registry import default_registry
@@ -101,6 +106,15 @@ def _train_command(argv: list[str]) -> int:
         print(config_to_yaml(cfg), end="")
         return 0
     return _train(cfg, args)
+
+
+def _remember_run(cfg) -> None:
+    """The crash log's place and contents, once the config is known."""
+    from pathlib import Path
+
+    from grpo_core.config_io import config_to_yaml
+
+    CONTEXT.run_dir, CONTEXT.config_yaml = Path(cfg.logging.dir), config_to_yaml(cfg)
 
 
 def _lazy(module: str) -> Callable[[list[str]], int]:
@@ -130,11 +144,15 @@ def _show_warning(message, category, filename, lineno, file=None, line=None) -> 
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    warnings.showwarning = _show_warning
     # transformers serves tokenizers and configs only; its notice that torch is absent is noise here.
-    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    with environment(**unset(TRANSFORMERS_NO_ADVISORY_WARNINGS="1", TRANSFORMERS_VERBOSITY="error")):
+        return _main(sys.argv[1:] if argv is None else argv)
+
+
+def _main(argv: list[str]) -> int:
+    warnings.showwarning = _show_warning
+    orbax_noise.install()
+    begin(argv)
     try:
         return run(argv)
     except Stopped as exc:
@@ -145,15 +163,18 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
         one_line = " ".join(str(exc).split())
         print(f"grpo-run: error: {one_line}", file=sys.stderr)
-        return leave_peers(EXIT_BAD_INPUT)
-    except Exception:
-        if not has_peers():
-            raise
-        traceback.print_exc()
-        jax = sys.modules["jax"]
-        print(f"grpo-run: process {jax.process_index()} of {jax.process_count()} failed; when another process "
-              "failed first, its log has the cause", file=sys.stderr)
-        return leave_peers(EXIT_CRASH)
+        return leave_peers(exc.exit_code)
+    except KeyboardInterrupt:  # outside training (which turns SIGINT into a saved stop): nothing to save
+        print("grpo-run: interrupted (SIGINT) outside a training step; the last checkpoint is as it was",
+              file=sys.stderr)
+        return leave_peers(EXIT_SIGINT)
+    except Exception as exc:  # noqa: BLE001 - the error boundary: no traceback reaches the user
+        code = report_crash(exc, debug="--debug" in argv)
+        if has_peers():
+            jax = sys.modules["jax"]
+            print(f"grpo-run: process {jax.process_index()} of {jax.process_count()} failed; when another "
+                  "process failed first, its log has the cause", file=sys.stderr)
+        return leave_peers(code)
 
 
 def has_peers() -> bool:

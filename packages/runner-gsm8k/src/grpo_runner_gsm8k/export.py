@@ -24,7 +24,7 @@ from jax.sharding import SingleDeviceSharding
 
 from grpo_core.errors import UserError
 from grpo_core.models import QwenConfig, QwenModel, export_pretrained
-from grpo_core.models.checkpoint import INDEX_FILE, abstract_model
+from grpo_core.models.hf_io import INDEX_FILE, abstract_model
 from grpo_core.models.config import SUPPORTED_DTYPES
 from grpo_core.models.peft_io import save_peft
 
@@ -75,13 +75,14 @@ def load_policy(run_dir: Path, step: int) -> tuple[QwenModel, Any]:
     """The policy model of checkpoint `step` (params on one device; a LoRA run's adapters
     merged into its base) and the run's tokenizer."""
     cfg = saved_run_config(run_dir, step)
-    qcfg = QwenConfig.from_hf_dict(saved_meta(run_dir, step)["model_config"])
     if cfg.model.lora.rank is not None:
         return saved_lora(run_dir, step).merged_model(), build_tokenizer(cfg)
+    meta = saved_meta(run_dir, step)
+    qcfg = QwenConfig.from_hf_dict(meta["model_config"])
     graphdef, shapes = nnx.split(abstract_model(qcfg, cfg.model.param_dtype))
     on_host = SingleDeviceSharding(_host_device())
     target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=on_host), shapes)
-    return nnx.merge(graphdef, saved_params(run_dir, step, target)), build_tokenizer(cfg)
+    return nnx.merge(graphdef, saved_params(run_dir, step, target, meta)), build_tokenizer(cfg)
 
 
 def saved_lora(run_dir: Path, step: int) -> SavedAdapters:
@@ -90,7 +91,7 @@ def saved_lora(run_dir: Path, step: int) -> SavedAdapters:
     qcfg = QwenConfig.from_hf_dict(meta["model_config"])
     where = checkpoint_dir(run_dir) / str(step)
     with jax.default_device(_host_device()):
-        return load_saved_adapters(cfg, qcfg, meta, where, lambda target: saved_params(run_dir, step, target))
+        return load_saved_adapters(cfg, qcfg, meta, where, lambda target: saved_params(run_dir, step, target, meta))
 
 
 def export_peft(run_dir: Path, step: int, out_dir: Path) -> None:
@@ -142,7 +143,7 @@ def export_run(run_dir: str | Path, out_dir: str | Path, step: Optional[int] = N
     """Writes checkpoint `step` (default: the newest) of `run_dir` to `out_dir` in `dtype`
     (default: the model's torch_dtype; the stored float32 masters are rounded to it), or with
     `peft` a LoRA run's adapters as a PEFT directory; returns the step."""
-    run_dir, out_dir = Path(run_dir), Path(out_dir)
+    run_dir, out_dir = Path(run_dir).expanduser(), Path(out_dir).expanduser()
     step = pick_step(run_dir, step)
     check_out_dir(out_dir, force)
     before = _stats(out_dir)

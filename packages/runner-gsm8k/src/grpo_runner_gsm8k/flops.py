@@ -72,11 +72,12 @@ def run(cfg, registry) -> dict:
 
     inputs = build_plan_inputs(cfg, registry)
     rows, (prompt_w, completion_w) = rows_per_step(cfg), train_widths(inputs)
-    devices = inputs.mesh.size
-    analytic = 3 * forward_flops(inputs.qcfg, rows, prompt_w + completion_w, completion_w)
-    update = figures(compile_update(inputs, cfg), analytic, devices, body=False)
+    devices = inputs.run.mesh.size
+    analytic = 3 * forward_flops(inputs.run.qcfg, rows, prompt_w + completion_w, completion_w)
+    update = figures(compile_update(inputs), analytic, devices, body=False)
     slots = prompt_bucket(inputs) + cfg.rollout.max_new_tokens - 1
-    decode = figures(compile_rollout(inputs)[1], decode_step_flops(inputs.qcfg, rows, slots), devices, body=True)
+    decode = figures(compile_rollout(inputs)["rollout decode"], decode_step_flops(inputs.run.qcfg, rows, slots),
+                     devices, body=True)
     return {"bench": "flops", "backend": jax.default_backend(), "devices": devices, "loss_impl": cfg.loss.impl,
             "loss_options": dict(cfg.loss.options), "rows": rows, "prompt_width": prompt_w,
             "completion_width": completion_w, "cache_slots": slots, "update": update, "decode_step": decode}

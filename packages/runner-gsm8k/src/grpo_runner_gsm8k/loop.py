@@ -15,118 +15,110 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from grpo_core.config import RunConfig
 from grpo_core.config_io import config_to_dict, config_to_yaml
-from grpo_core.contracts import CompletionText
+from grpo_core.contracts import CompletionText, Policy
 from grpo_core.models.precision import compute_params, needs_cast
 from grpo_core.registry import Registry
 from grpo_losses import compute_advantages
 from grpo_meshes import train_batch_sharding
 from grpo_core.rollout_records import RolloutResult
 
-from grpo_runner_gsm8k.adapters import check_same_base, lora_spec, setup_lora
-from grpo_runner_gsm8k.build import (Components, build_components, check_run_dir, prepare_run_dir, prompt_token_ids,
-                                     warn_if_updates_round_away)
-from grpo_runner_gsm8k.checkpoint import Checkpointer, TrainState, resume_steps, saved_meta, truncate_metrics
+from grpo_runner_gsm8k.adapters import check_same_base
+from grpo_runner_gsm8k.build import check_run_dir, prepare_run_dir, prompt_token_ids, warn_if_updates_round_away
+from grpo_runner_gsm8k.checkpoint import Checkpointer, Resume, TrainState, resume_point
 from grpo_runner_gsm8k.lock import RunDirLock
-from grpo_runner_gsm8k.metrics import MetricsLogger
-from grpo_runner_gsm8k.multihost import gather_objects, host_array, local_prompt_count
-from grpo_runner_gsm8k.optim import learning_rate_schedule
+from grpo_runner_gsm8k.memory_check import MemoryGuard
+from grpo_runner_gsm8k.metrics import MetricsLogger, truncate_metrics
+from grpo_runner_gsm8k.multihost import gather_objects, host_array
 from grpo_runner_gsm8k.preemption import StopRequest
-from grpo_runner_gsm8k.program import RunProgram, build_program
 from grpo_runner_gsm8k.refill import Sampled, merge_results, merge_scores, needs_more, pick_groups, refill_metrics
-from grpo_runner_gsm8k.rewards import score
+from grpo_runner_gsm8k.run import BuiltRun, build_run
+from grpo_runner_gsm8k.scoring import score
 from grpo_runner_gsm8k.step import UpdateBatch
 
 
-def tokenize_prompts(c: Components, examples: list) -> list[list[int]]:
+def tokenize_prompts(run: BuiltRun, examples: list) -> list[list[int]]:
     """Token ids of the prompts: from the ids checked at start where there are, else tokenized now."""
-    unseen = [ex for ex in examples if ex.id not in c.prompt_ids]
-    fresh = iter(prompt_token_ids(c.cfg, c.tokenizer, c.task.use_chat_template, unseen) if unseen else ())
-    return [c.prompt_ids[ex.id] if ex.id in c.prompt_ids else next(fresh) for ex in examples]
+    inputs = run.inputs
+    unseen = [ex for ex in examples if ex.id not in inputs.prompt_ids]
+    fresh = iter(prompt_token_ids(run.cfg, inputs.tokenizer, inputs.task.use_chat_template, unseen) if unseen else ())
+    return [inputs.prompt_ids[ex.id] if ex.id in inputs.prompt_ids else next(fresh) for ex in examples]
 
 
-def decode_completions(c: Components, result: RolloutResult) -> list[CompletionText]:
+def decode_completions(tokenizer, result: RolloutResult) -> list[CompletionText]:
     ids = host_array(result.completion_ids)
     mask = host_array(result.completion_mask).astype(bool)
-    texts = c.tokenizer.batch_decode([row[m].tolist() for row, m in zip(ids, mask)], skip_special_tokens=True)
+    texts = tokenizer.batch_decode([row[m].tolist() for row, m in zip(ids, mask)], skip_special_tokens=True)
     lengths, finished = host_array(result.lengths), host_array(result.finished)
     return [CompletionText(text, int(n), ids.shape[1], bool(done)) for text, n, done in zip(texts, lengths, finished)]
 
 
-def rollout(c: Components, program: RunProgram, params, examples: list, key, sampling,
-            graphdef: Optional[nnx.GraphDef] = None) -> RolloutResult:
-    """One rollout with `params` (compute dtype; a model of `graphdef`, default the program's)
-    loaded into the backend for its duration only: the update that follows needs that memory."""
-    prompts = tokenize_prompts(c, examples)
-    program.rollout.load_weights(nnx.merge(graphdef or program.graphdef, params))
+def rollout(run: BuiltRun, weights, examples: list, key, sampling) -> RolloutResult:
+    """One rollout with `weights` (compute dtype) loaded into the backend for its duration only:
+    the update that follows needs that memory."""
+    prompts = tokenize_prompts(run, examples)
+    run.rollout.load_weights(Policy(run.policy_graphdef, weights, run.qcfg))
     try:
-        return program.rollout.generate(prompts, key, sampling, pad_token_id=c.tokenizer.pad_token_id,
-                                        batch_sharding=c.rollout_sharding)
+        return run.rollout.generate(prompts, key, sampling, pad_token_id=run.inputs.tokenizer.pad_token_id,
+                                    batch_sharding=run.rollout_sharding)
     finally:
-        program.rollout.release_weights()
+        run.rollout.release_weights()
 
 
 class Trainer:
-    """Owns the compiled functions and runs steps; `run()` is the whole job."""
+    """Runs the steps of a built run; `run()` is the whole job."""
 
     def __init__(self, cfg: RunConfig, registry: Registry, resume: bool = False):
-        self.cfg = cfg
         check_run_dir(cfg)  # bad input fails before anything is built or written
-        candidates = resume_steps(cfg, required=resume)
+        resume_from = resume_point(cfg, required=resume)
         warn_if_updates_round_away(cfg)
         note_void_correction(cfg)
-        self.c = build_components(cfg, registry)
-        self.graphdef, params = nnx.split(self.c.model)
-        self.lora, train_graphdef = None, None
-        if lora_spec(cfg) is not None:  # params become the adapters; the base is held once, frozen
-            self.lora, params = setup_lora(cfg, self.c.model, self.c.mesh, self.c.param_rules)
-            self.lora.decide_merge(self.c.mesh)
-            train_graphdef = self.lora.train_graphdef
-        self.program = build_program(cfg, registry, self.c.mesh, self.graphdef, self.c.sampling, train_graphdef)
-        self.score_policy = self.program.score if self.lora is None else self.lora.score(self.program)
+        self.built = build_run(cfg, registry)
+        self.memory = MemoryGuard(cfg)
+        if hasattr(self.built.rollout, "memory_check"):  # the jax backend checks its own compiles
+            self.built.rollout.memory_check = self.memory.check_compiled
         self.run_dir = prepare_run_dir(cfg)
         self.lock = RunDirLock(self.run_dir)
-        if self.c.layout.process_index == 0:  # the processes of one multi-host run share the directory
+        if self.built.layout.process_index == 0:  # the processes of one multi-host run share the directory
             self.lock.acquire()
         try:
-            self._build_training(cfg, params, candidates)
+            self._build_training(resume_from)
         except BaseException:
             self.lock.release()
             raise
 
-    def _build_training(self, cfg: RunConfig, params, candidates: list[int]) -> None:
-        self.prompts_per_process = local_prompt_count(cfg.rollout.prompts_per_step, self.c.layout.process_count)
-        self.lr_at = learning_rate_schedule(cfg.train)
+    @property
+    def cfg(self) -> RunConfig:
+        return self.built.cfg
+
+    @property
+    def state(self) -> TrainState:
+        return self.built.state
+
+    def _build_training(self, resume_from: Optional[Resume]) -> None:
+        params = self.state.params
         # the copy keeps the params' shardings exactly (as the plan assumes), size-1 mesh axes included
         self.cast = jax.jit(compute_params, static_argnums=1, out_shardings=jax.tree.map(lambda x: x.sharding, params))
         # The frozen reference is only ever run forward: stored in the compute dtype (LoRA: the base itself).
-        self.ref_params = (None if not self.program.scores_ref_logps else self.lora.base if self.lora
+        self.ref_params = (None if not self.built.scores_ref_logps else self.built.lora.base if self.built.lora
                            else jax.tree.map(jnp.copy, self.forward_params(params)))
-        self.frozen = () if self.lora is None else (self.lora.base,)  # the update's frozen part
-        self.state = TrainState(params, self.program.init_opt_state(params), jax.random.key(cfg.train.seed))
         self.step_times: deque = deque(maxlen=10)  # seconds of the last steps, for the average metric
-        self.train_sharding = train_batch_sharding(self.c.mesh)
-        self.row_sharding = train_batch_sharding(self.c.mesh, ndim=1)
-        self.checkpoints = Checkpointer(self.run_dir, cfg.checkpoint)
-        if candidates:
-            self.restore(candidates)
+        self.train_sharding = train_batch_sharding(self.built.mesh)
+        self.row_sharding = train_batch_sharding(self.built.mesh, ndim=1)
+        self.checkpoints = Checkpointer(self.run_dir, self.cfg.checkpoint)
+        if resume_from is not None:
+            self.restore(resume_from)
 
     def forward_params(self, params):
         """`params` in the compute dtype: one copy of the float32 masters per call (the
         rollout's decode reads it at every token: half the bytes of the masters), or the
         params themselves when they are stored in that dtype."""
-        dtype = self.program.compute_dtype
-        if self.lora is not None:
-            return self.lora.policy(params, dtype)[1]
+        dtype = self.built.compute_dtype
+        if self.built.lora is not None:
+            return self.built.lora.policy(params, dtype)[1]
         return self.cast(params, dtype) if needs_cast(params, dtype) else params
-
-    @property
-    def policy_graphdef(self) -> nnx.GraphDef:
-        """The model of forward_params' state."""
-        return self.graphdef if self.lora is None else self.lora.policy_graphdef
 
     # ---- one step -------------------------------------------------------------
     def step(self) -> dict:
@@ -137,7 +129,7 @@ class Trainer:
         (_, result, scores), refill = self.sample_batch(weights, key, times)
 
         reward_start = time.monotonic()
-        advantages = compute_advantages(jnp.asarray(scores.total), self.cfg.rollout.n, self.program.loss_cfg)
+        advantages = compute_advantages(jnp.asarray(scores.total), self.cfg.rollout.n, self.cfg.loss)
         times["reward_s"] += time.monotonic() - reward_start
 
         update_start = time.monotonic()
@@ -156,12 +148,13 @@ class Trainer:
     def scored_rollout(self, weights, key, times: dict) -> Sampled:
         """Fresh prompts from the task, rolled out with `weights` and scored; adds its seconds to `times`."""
         start = time.monotonic()
-        examples = gather_objects(self.c.task.train_batch(self.prompts_per_process))
-        result = rollout(self.c, self.program, weights, examples, key, self.program.sampling, self.policy_graphdef)
+        inputs = self.built.inputs
+        examples = gather_objects(inputs.task.train_batch(inputs.prompts_per_process))
+        result = rollout(self.built, weights, examples, key, self.built.sampling)
         jax.block_until_ready(result.completion_ids)
         reward_start = time.monotonic()
         answers = [ex.answer for ex in examples for _ in range(self.cfg.rollout.n)]
-        scores = score(self.c.rewards, decode_completions(self.c, result), answers)
+        scores = score(inputs.rewards, decode_completions(inputs.tokenizer, result), answers)
         times["rollout_s"] += reward_start - start
         times["reward_s"] += time.monotonic() - reward_start
         return Sampled(examples, result, scores)
@@ -189,7 +182,7 @@ class Trainer:
 
     def update_batch(self, result: RolloutResult, advantages, weights) -> UpdateBatch:
         """The update's inputs; `weights` (the rollout's compute-dtype params) score old log-probs."""
-        trimmed = self.program.rollout.trim(result)
+        trimmed = self.built.rollout.trim(result)
         width = trimmed.prompt_width
         put = lambda x: jax.device_put(x, self.train_sharding)  # noqa: E731
         input_ids, attention_mask = put(trimmed.input_ids), put(trimmed.attention_mask)
@@ -198,9 +191,9 @@ class Trainer:
         loss_mask = put(trimmed.completion_mask[:, width:]) * keep
         old_logp = self.old_logps(trimmed, weights, input_ids, attention_mask, targets, width)
         ref_logp = None
-        if self.program.scores_ref_logps:
-            ref_logp = self.program.score(self.ref_params, input_ids, attention_mask, targets, prompt_width=width)
-        sampler_logp = put(trimmed.sampler_logps[:, width:]) if self.program.carries_sampler_logps else None
+        if self.built.scores_ref_logps:
+            ref_logp = self.score(self.ref_params, input_ids, attention_mask, targets, width)
+        sampler_logp = put(trimmed.sampler_logps[:, width:]) if self.built.carries_sampler_logps else None
         return UpdateBatch(input_ids, attention_mask, targets, loss_mask, jax.device_put(np.asarray(advantages.advantages), self.row_sharding),
                            old_logp, ref_logp, sampler_logp, prompt_width=width)
 
@@ -210,15 +203,21 @@ class Trainer:
         params have not moved since the rollout); else one forward."""
         if self.cfg.rollout.use_sampler_logps:
             return jax.device_put(trimmed.sampler_logps[:, width:], self.train_sharding)
-        if not self.program.scores_old_logps:
+        if not self.built.scores_old_logps:
             return None  # params do not change before the only update: ratio is exactly 1
-        return self.score_policy(weights, input_ids, attention_mask, targets, prompt_width=width)
+        return self.score(weights, input_ids, attention_mask, targets, width)
+
+    def score(self, weights, input_ids, attention_mask, targets, width: int) -> jax.Array:
+        args = (weights, input_ids, attention_mask, targets)
+        self.memory.check("log-probs", self.built.score, *args, prompt_width=width)
+        return self.built.score(*args, prompt_width=width)
 
     def run_updates(self, batch: UpdateBatch) -> dict:
         totals: dict[str, float] = {}
         for _ in range(self.cfg.train.ppo_epochs):
-            self.state.params, self.state.opt_state, metrics = self.program.update(
-                self.state.params, self.state.opt_state, batch, *self.frozen)
+            args = (self.state.params, self.state.opt_state, batch, *self.built.frozen)
+            self.memory.check("train step", self.built.update, *args)
+            self.state.params, self.state.opt_state, metrics = self.built.update(*args)
             metrics = jax.device_get(metrics)
             self.state.skipped_steps += int(metrics["skipped"])
             totals = metrics  # the last epoch's metrics describe the final update
@@ -243,7 +242,7 @@ class Trainer:
             "train-other/ratio_mean": train["ratio_mean"], "train-other/update_ratio": train["update_ratio"],
             "train-other/entropy": train.get("entropy_mean", float("nan")),
             "train-other/kl": train.get("kl_mean", 0.0),
-            "train-other/lr": float(self.lr_at(self.state.step - 1)),
+            "train-other/lr": float(self.built.lr_schedule(self.state.step - 1)),
             "train-other/skipped_steps": self.state.skipped_steps,
             "train-other/zero_std_frac": float(np.mean(np.asarray(advantages.zero_std))),
             "train-seq_len/prompt/mean": float(prompt_lengths.mean()), "train-seq_len/prompt/max": int(prompt_lengths.max()),
@@ -255,14 +254,14 @@ class Trainer:
 
     # ---- eval ------------------------------------------------------------------
     def evaluate(self) -> dict:
-        examples = gather_objects(self.c.task.test_examples(self.cfg.eval.num_questions))
-        n = self.c.eval_sampling.n
+        examples = gather_objects(self.built.inputs.task.test_examples(self.cfg.eval.num_questions))
+        n = self.built.eval_sampling.n
         self.state.key, key = jax.random.split(self.state.key)
-        result = rollout(self.c, self.program, self.forward_params(self.state.params), examples, key,
-                         self.c.eval_sampling, self.policy_graphdef)
+        result = rollout(self.built, self.forward_params(self.state.params), examples, key, self.built.eval_sampling)
         judge = self.cfg.eval.reward  # checked to be one of task.rewards when the config loaded
         answers = [ex.answer for ex in examples for _ in range(n)]
-        judged = score({judge: (self.c.rewards[judge][0], 1.0)}, decode_completions(self.c, result), answers)
+        inputs = self.built.inputs
+        judged = score({judge: (inputs.rewards[judge][0], 1.0)}, decode_completions(inputs.tokenizer, result), answers)
         per_question = judged.total.reshape(len(examples), n) >= self.cfg.eval.pass_threshold
         out = {"eval/accuracy": float(per_question[:, 0].mean())}
         if n > 1:
@@ -275,21 +274,21 @@ class Trainer:
 
     # ---- checkpoints ---------------------------------------------------------------
     def save(self) -> None:
-        self.checkpoints.save(self.state, self.c.task.state(), self.c.model.config.to_hf_dict(),
-                              config_to_dict(self.cfg), lora_base=self.lora and self.lora.fingerprint)
+        self.checkpoints.save(self.state, self.built.inputs.task.state(), self.built.qcfg.to_hf_dict(),
+                              config_to_dict(self.cfg), lora_base=self.built.lora and self.built.lora.fingerprint)
 
-    def restore(self, candidates: list[int]) -> None:
-        """Continues from the newest readable of `candidates`: params, optimizer, RNG key,
-        counters, data position."""
-        if self.lora is not None:
-            where = self.checkpoints.directory / str(candidates[0])
-            check_same_base(saved_meta(self.run_dir, candidates[0]).get("lora_base"), self.lora.fingerprint, where)
-        step = self.checkpoints.restore_newest(candidates, self.state, self.c.task, self.c.mesh)
+    def restore(self, resume_from: Resume) -> None:
+        """Continues from the newest readable checkpoint of `resume_from`: params, optimizer,
+        RNG key, counters, data position."""
+        if self.built.lora is not None:
+            where = self.checkpoints.directory / str(resume_from.steps[0])
+            check_same_base(resume_from.meta.get("lora_base"), self.built.lora.fingerprint, where)
+        step = self.checkpoints.restore_newest(resume_from, self.state, self.built.inputs.task, self.built.mesh)
         print(f"resumed from step {step} of {self.checkpoints.directory}", file=sys.stderr)
 
     # ---- the job -----------------------------------------------------------------
     def run(self) -> dict:
-        is_main = self.c.layout.process_index == 0
+        is_main = self.built.layout.process_index == 0
         (self.run_dir / "config.yaml").write_text(config_to_yaml(self.cfg))
         if is_main:
             truncate_metrics(self.run_dir / "metrics.jsonl", self.state.step)

@@ -1,4 +1,5 @@
-"""Metric sinks: `<run_dir>/metrics.jsonl`, Weights & Biases, and progress on the terminal."""
+"""Metric sinks: `<run_dir>/metrics.jsonl` (cut back to the resumed step on resume), Weights &
+Biases, and progress on the terminal."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from grpo_core.config import LoggingConfig
+from grpo_core.errors import RunFault
 
 
 def _plain(value: Any) -> Any:
@@ -72,6 +74,7 @@ class MetricsLogger:
         self.is_main = is_main_process
         self.progress = Progress(total_steps, cfg.every_steps)
         self.jsonl = open(run_dir / "metrics.jsonl", "a") if is_main_process else None
+        self.failed = False  # a write failed and was reported: closing repeats nothing
         self.wandb_run = self._start_wandb(cfg, config_dict) if is_main_process else None
 
     def _start_wandb(self, cfg: LoggingConfig, config_dict: dict):
@@ -86,8 +89,11 @@ class MetricsLogger:
         if not self.is_main:
             return
         record = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
-        self.jsonl.write(json.dumps(record) + "\n")
-        self.jsonl.flush()
+        try:
+            self.jsonl.write(json.dumps(record) + "\n")
+            self.jsonl.flush()
+        except OSError as exc:  # a full disk or a run directory turned read-only
+            raise self._write_failed(exc, f"step {step}") from None
         if self.wandb_run is not None:
             self.wandb_run.log({k: v for k, v in record.items() if k != "step"}, step=step)
         self.progress.update(step, record)
@@ -96,8 +102,36 @@ class MetricsLogger:
         """One closing line: final eval accuracy, wall time, run directory, last checkpoint."""
         self.progress.summary(metrics, self.run_dir, last_checkpoint)
 
+    def _write_failed(self, exc: OSError, what: str) -> RunFault:
+        self.failed = True
+        return RunFault(f"writing {self.run_dir / 'metrics.jsonl'} ({what}) failed ({type(exc).__name__}: "
+                         f"{exc.strerror or exc}); free space or fix permissions in {self.run_dir} and run the same "
+                         "command again to continue from its last checkpoint")
+
     def close(self) -> None:
         if self.jsonl is not None:
-            self.jsonl.close()
+            try:
+                self.jsonl.close()
+            except OSError as exc:
+                if not self.failed:
+                    raise self._write_failed(exc, "closing") from None
         if self.wandb_run is not None:
             self.wandb_run.finish()
+
+
+def _logged_at_or_before(line: str, last_step: int) -> bool:
+    try:
+        return int(json.loads(line)["step"]) <= last_step
+    except (ValueError, KeyError, TypeError):
+        return False  # a line cut short by a kill
+
+
+def truncate_metrics(path: Path, last_step: int) -> None:
+    """Keeps the metrics.jsonl records of steps <= `last_step`: the steps logged after the
+    checkpoint a run resumes from are run and logged again."""
+    if not path.is_file():
+        return
+    lines = path.read_text().splitlines(keepends=True)
+    kept = [line for line in lines if _logged_at_or_before(line, last_step)]
+    if len(kept) != len(lines):
+        path.write_text("".join(kept))

@@ -7,7 +7,7 @@ from typing import Any, Optional
 import jax.numpy as jnp
 import optax
 
-from grpo_core.config import RunConfig, TrainConfig
+from grpo_core.config import TrainConfig
 from grpo_core.models.precision import cast_floating
 
 
@@ -48,15 +48,10 @@ def with_moment_dtype(inner: optax.GradientTransformation, dtype: Any) -> optax.
     return optax.GradientTransformation(init, update)
 
 
-def moment_dtype(cfg: RunConfig) -> str:
-    """train.moment_dtype, defaulting to the trained params' storage dtype (LoRA adapters: float32)."""
-    return cfg.train.moment_dtype or ("float32" if cfg.model.lora.rank is not None else cfg.model.param_dtype)
-
-
-def build_optimizer(cfg: TrainConfig, moments: Optional[str] = None) -> optax.GradientTransformation:
-    """Clip by global norm (when set), then the configured optimizer with its schedule;
-    its moments in the `moments` dtype when given."""
-    lr = learning_rate_schedule(cfg)
+def build_optimizer(cfg: TrainConfig, lr: optax.Schedule,
+                    moments: Optional[str] = None) -> optax.GradientTransformation:
+    """Clip by global norm (when set), then the configured optimizer following the `lr`
+    schedule (`learning_rate_schedule(cfg)`); its moments in the `moments` dtype when given."""
     parts = [optax.clip_by_global_norm(cfg.max_grad_norm)] if cfg.max_grad_norm else []
     optimizer = optax.chain(*parts, _base_optimizer(cfg, lr))
     return optimizer if moments is None else with_moment_dtype(optimizer, jnp.dtype(moments))

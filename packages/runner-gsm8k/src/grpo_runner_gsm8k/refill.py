@@ -25,7 +25,7 @@ from grpo_core.rollout_records import RolloutResult
 from grpo_losses import zero_std_groups
 
 from grpo_runner_gsm8k.multihost import host_array
-from grpo_runner_gsm8k.rewards import Scores
+from grpo_runner_gsm8k.scoring import Scores
 
 
 class Sampled(NamedTuple):

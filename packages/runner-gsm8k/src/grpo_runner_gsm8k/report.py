@@ -7,6 +7,7 @@ update parts). Default output: RUN_DIR/report.png.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import warnings
 from dataclasses import dataclass
@@ -136,13 +137,23 @@ def build_figure(records: list[dict], title: str) -> Figure:
 
 def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
-    run_dir = Path(args.run_dir)
+    run_dir = Path(args.run_dir).expanduser()
     records = read_metrics(run_dir / "metrics.jsonl")
-    out = Path(args.out) if args.out else run_dir / "report.png"
+    out = Path(args.out).expanduser() if args.out else run_dir / "report.png"
     if out.suffix.lower() != ".png":
         raise UserError(f"--out {str(out)!r}: the report is a PNG image; give a path ending in .png")
     if not out.parent.is_dir():
         raise UserError(f"--out {str(out)!r}: directory {str(out.parent)!r} does not exist; create it first")
-    build_figure(records, run_dir.resolve().name).savefig(out, dpi=DPI)
+    write_png(build_figure(records, run_dir.resolve().name), out)
     print(f"wrote {out}")
     return 0
+
+
+def write_png(figure: Figure, out: Path) -> None:
+    try:
+        figure.savefig(out, dpi=DPI)
+    except OSError as exc:  # a read-only or full run directory
+        with contextlib.suppress(OSError):
+            out.unlink(missing_ok=True)  # what a full disk cut short
+        raise UserError(f"cannot write the report {str(out)!r} ({type(exc).__name__}: {exc.strerror or exc}); "
+                        "pass --out with a path in a writable directory") from None

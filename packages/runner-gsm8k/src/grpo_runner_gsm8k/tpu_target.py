@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import importlib.util
 import math
-import os
 import re
 from dataclasses import dataclass
 from typing import Any
 
 from grpo_core.errors import UserError
+
+from grpo_runner_gsm8k.environ import environment, unset
 
 HBM_SOURCE = "cloud.google.com/tpu/docs/v4, /v5e, /v5p, /v6e (HBM per chip)"
 INSTALL_HINT = ("install the TPU compiler: `uv sync --group tpu` in the grpo-jax checkout, or "
@@ -125,17 +126,16 @@ def target_devices(target: Target) -> list[Any]:
     # this host) must not be refused by libtpu's one-process-per-host lock; and what
     # libtpu would otherwise ask a Cloud TPU VM's metadata server (warning when there is
     # none) is the target itself.
-    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-    os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
-    os.environ.setdefault("TPU_ACCELERATOR_TYPE", target.accelerator_type)
-    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+    libtpu_environment = unset(ALLOW_MULTIPLE_LIBTPU_LOAD="1", TPU_SKIP_MDS_QUERY="1",
+                               TPU_ACCELERATOR_TYPE=target.accelerator_type, TPU_WORKER_HOSTNAMES="localhost")
     from jax.experimental import topologies
 
     options = {"chips_per_host_bounds": target.chips_per_host}
     if target.generation.megacore:
         options["chip_config_name"] = "megacore"
     try:
-        return list(topologies.get_topology_desc(target.topology_name, platform="tpu", **options).devices)
+        with environment(**libtpu_environment):
+            return list(topologies.get_topology_desc(target.topology_name, platform="tpu", **options).devices)
     except Exception as exc:  # libtpu reports a bad topology as a runtime error
         raise _bad_target(target.name, f"libtpu rejected topology {target.topology_name} "
                                        f"({' '.join(str(exc).split())[:200]})") from None

@@ -1,7 +1,7 @@
 """Qwen2 / Qwen2.5 / Qwen3 models in Flax NNX with Hugging Face parity."""
 
 from grpo_core.models.attention import KVCache
-from grpo_core.models.checkpoint import export_pretrained, load_pretrained
+from grpo_core.models.hf_io import export_pretrained, load_pretrained
 from grpo_core.models.config import PRESETS, QwenConfig
 from grpo_core.models.qwen import REMAT_MODES, QwenModel, init_from_config, positions_from_mask
 

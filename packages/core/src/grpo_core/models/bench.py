@@ -39,7 +39,7 @@ _SHAPE_FLAGS = {
 }
 
 
-def _parser() -> argparse.ArgumentParser:
+def argument_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="grpo-bench model", description=__doc__.split("\n")[0])
     p.add_argument("--preset", choices=sorted(PRESETS), help="model shape preset (default tiny-<family>)")
     p.add_argument("--family", choices=("qwen2", "qwen3"), default=None, help="model family (default qwen2)")
@@ -119,7 +119,7 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = argument_parser().parse_args(argv)
     print(json.dumps(run(args)), flush=True)
     return 0
 

@@ -40,6 +40,13 @@ _IGNORED_KEYS = frozenset(
 
 # Keys that change the forward pass in ways not implemented here: allowed value only.
 _ONLY_ALLOWED = {"quantization_config": None, "partial_rotary_factor": 1.0, "mlp_bias": False}
+# config.json keys `from_hf_dict` reads without a QwenConfig field of the same name.
+HF_EXTRA_KEYS = frozenset({"torch_dtype", "dtype", "rope_scaling", "rope_parameters", "use_sliding_window"})
+
+
+def architecture_keys() -> frozenset[str]:
+    """Every key a `model.architecture` mapping may hold (a typo is an error, not a default)."""
+    return frozenset(f.name for f in dataclasses.fields(QwenConfig)) | HF_EXTRA_KEYS
 
 
 def _unsupported(key: str, value: Any, supported: str) -> ValueError:
@@ -118,6 +125,13 @@ class QwenConfig:
 
     def replace(self, **changes: Any) -> QwenConfig:
         return dataclasses.replace(self, **changes)
+
+    def check_tokenizer_fits(self, tokenizer_size: int,
+                             fix: str = "use a model with vocab_size >= len(tokenizer)") -> None:
+        """A token id past the embedding table would be invalid: ValueError naming the `fix`."""
+        if tokenizer_size > self.vocab_size:
+            raise ValueError(f"the tokenizer has {tokenizer_size} tokens but the model's vocab_size is "
+                             f"{self.vocab_size}; {fix}")
 
     # ---- HF config.json ------------------------------------------------------------
     @classmethod

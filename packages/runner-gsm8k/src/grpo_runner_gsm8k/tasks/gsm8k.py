@@ -8,6 +8,7 @@ file pattern (jsonl or parquet) or, when `path` is empty, from the HF Hub.
 from __future__ import annotations
 
 import json
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +16,7 @@ from typing import Any
 
 from grpo_core.config import setting
 from grpo_core.contracts import Example
+from grpo_core.errors import UserError
 
 from grpo_runner_gsm8k.tasks.base import EpochOrder, check_process, shard_of
 
@@ -60,16 +62,37 @@ def final_answer(solution: str) -> str:
 
 
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    rows = []
-    with path.open(encoding="utf-8") as lines:
-        for number, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{number} is not valid JSON ({exc.msg}); fix or remove the line") from None
+    """The rows of a JSON-lines file; a line that is not UTF-8 or not JSON is a UserError
+    naming the file, the line and the byte offset in the file."""
+    rows, offset = [], 0
+    with path.open("rb") as lines:
+        for number, raw in enumerate(lines, 1):
+            row = _parse_jsonl_line(path, number, offset, raw)
+            if row is not _BLANK:
+                rows.append(row)
+            offset += len(raw)
     return rows
+
+
+_BLANK = object()
+
+
+def _parse_jsonl_line(path: Path, number: int, offset: int, raw: bytes) -> Any:
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise UserError(f"{path}:{number}: byte {offset + exc.start} (0x{raw[exc.start]:02x}) is not UTF-8 text; "
+                        "save the file as UTF-8 or remove the line") from None
+    if not line.strip():
+        return _BLANK
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as exc:
+        byte = offset + len(line[:exc.pos].encode("utf-8"))
+        raise UserError(f"{path}:{number} is not valid JSON ({exc.msg} at byte {byte} of the file); fix or remove "
+                        "the line") from None
+    except RecursionError:
+        raise UserError(f"{path}:{number} (byte {offset}) nests JSON too deeply; fix or remove the line") from None
 
 
 def _read_parquet(paths: list[Path]) -> list[dict[str, Any]]:
@@ -80,6 +103,7 @@ def _read_parquet(paths: list[Path]) -> list[dict[str, Any]]:
 
 
 def _split_files(path: str, split: str) -> list[Path]:
+    path = os.path.expanduser(path)
     if "{split}" in path:
         return [Path(path.format(split=split))]
     folder = Path(path)

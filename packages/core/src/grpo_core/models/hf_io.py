@@ -308,14 +308,6 @@ def _shard_file_name(i: int, n: int) -> str:
     return SINGLE_FILE if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
 
 
-def _check_tokenizer_fits(config: QwenConfig, tokenizer: Any) -> None:
-    if tokenizer is not None and len(tokenizer) > config.vocab_size:
-        raise ValueError(
-            f"tokenizer has {len(tokenizer)} tokens but the model's vocab_size is {config.vocab_size}; "
-            "ids past the embedding table would be invalid. Use a model with vocab_size >= len(tokenizer)."
-        )
-
-
 def export_pretrained(
     model: QwenModel,
     out_dir: str | os.PathLike,
@@ -328,7 +320,8 @@ def export_pretrained(
     Weights are written in `dtype` (None: the model's dtype; float32 masters round to
     nearest for bfloat16, as the forward pass casts them). Returns the directory."""
     out_dir = os.fspath(out_dir)
-    _check_tokenizer_fits(model.config, tokenizer)
+    if tokenizer is not None:
+        model.config.check_tokenizer_fits(len(tokenizer))
     dtype = resolve_dtype(dtype) if dtype is not None else model.dtype
     rows = _hf_tensors(model)
     shards = _plan_shards(rows, max_shard_bytes, dtype.itemsize)

@@ -1,0 +1,169 @@
+"""The phases of a step compiled on abstract inputs, with the compiler's memory figures."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import jax
+
+from grpo_core.errors import UserError
+from grpo_core.contracts import Policy, RolloutShapes
+from grpo_rollout.gather import spare_bytes
+
+from grpo_runner_gsm8k.plan.capacity import Capacity
+from grpo_runner_gsm8k.plan.abstract import (PlanInputs, abstract_key, abstract_update_batch, per_device_bytes,
+                                             plannable)
+
+
+@dataclass(frozen=True)
+class PhaseMemory:
+    """Per-device bytes of one compiled phase.
+
+    `aliased` outputs reuse donated argument buffers; `other` is state alive on the
+    device during the phase that is not one of its arguments (the optimizer state and
+    the float32 masters during the rollout, which runs on their compute-dtype copy;
+    the reference params when loss.beta > 0).
+    """
+
+    name: str
+    arguments: int
+    outputs: int
+    aliased: int
+    temp: int
+    other: int = 0
+    refused: bool = False  # the compiler refused it for HBM; temp is the size it reported
+    note: str = ""  # printed under the table
+
+    @property
+    def total(self) -> int:
+        return self.arguments + self.outputs - self.aliased + self.temp + self.other
+
+    @classmethod
+    def from_compiled(cls, name: str, compiled: Any, other: int = 0) -> "PhaseMemory":
+        stats = compiled.memory_analysis()
+        return cls(name, stats.argument_size_in_bytes, stats.output_size_in_bytes, stats.alias_size_in_bytes,
+                   stats.temp_size_in_bytes, other)
+
+
+# The TPU compiler refuses a program whose buffers exceed the chip's HBM, giving the size.
+_HBM_EXHAUSTED = re.compile(r"RESOURCE_EXHAUSTED:.*?required for HLO temporaries \(([\d.]+)([KMGT])\)", re.S)
+_UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def refused_temp(name: str, exc: jax.errors.JaxRuntimeError) -> int:
+    """The temporaries the compiler reported needing when it refused a program for HBM;
+    a rejected Pallas kernel is a UserError, anything else is raised again."""
+    if "Mosaic" in str(exc):
+        first = " ".join(str(exc).strip().splitlines()[0].split())[:300]
+        raise UserError(f"{name}: the TPU compiler rejected a Pallas kernel ({first}); with loss.impl: pallas "
+                        "change loss.options.block_size / time_block") from None
+    match = _HBM_EXHAUSTED.search(str(exc))
+    if not match:
+        raise exc
+    return int(float(match.group(1)) * _UNITS[match.group(2)])
+
+
+def compile_phase(name: str, lower: Callable[..., Any], args: tuple, other: int = 0) -> tuple[PhaseMemory, Any]:
+    """(memory, compiled) of `lower(*args).compile()`; when the compiler refuses it for
+    HBM, the memory it reported needing (temporaries) beside the arguments, and None."""
+    try:
+        compiled = lower(*args).compile()
+    except jax.errors.JaxRuntimeError as exc:
+        temp = refused_temp(name, exc)
+        return PhaseMemory(name, per_device_bytes(args), 0, 0, temp, other, refused=True), None
+    return PhaseMemory.from_compiled(name, compiled, other), compiled
+
+
+class PhaseRecorder:
+    """The plan's `grpo_core.contracts.PhaseCompiler`: compiles a backend's phases and keeps
+    their memory (and the compiled programs, by phase name) in order."""
+
+    def __init__(self, capacity: Optional[Capacity], other: int):
+        self.capacity, self.other = capacity, other  # other: state held beside every phase
+        self.phases: list[PhaseMemory] = []
+        self.compiled: dict[str, Any] = {}
+
+    def compile(self, name: str, build: Callable[[], Any], arguments: Any, *, record: bool = True,
+                note: str | Callable[[Any], str] = "") -> Any:
+        try:
+            compiled = build()
+        except jax.errors.JaxRuntimeError as exc:
+            temp = refused_temp(name, exc)
+            if record:
+                self.phases.append(PhaseMemory(name, per_device_bytes(arguments), 0, 0, temp, self.other, refused=True))
+            return None
+        if record:
+            text = note(compiled) if callable(note) else note
+            self.phases.append(dataclasses.replace(PhaseMemory.from_compiled(name, compiled, self.other), note=text))
+            self.compiled[name] = compiled
+        return compiled
+
+    def spare_bytes(self, compiled: Any) -> Optional[int]:
+        """grpo_rollout.gather's rule against the planned capacity, with this phase's
+        arguments and the state held beside it resident."""
+        if self.capacity is None:
+            return None
+        return spare_bytes(self.capacity.bytes, compiled.memory_analysis().argument_size_in_bytes + self.other)
+
+
+def rollout_shapes(inputs: PlanInputs) -> RolloutShapes:
+    """One rollout batch of the run, abstract: what the backend compiles its phases for."""
+    run, rollout = inputs.run, inputs.run.cfg.rollout
+    return RolloutShapes(policy=Policy(run.policy_graphdef, inputs.forward_params, run.qcfg),
+                         prompts=rollout.prompts_per_step, max_prompt_length=rollout.max_prompt_length,
+                         sampling=run.sampling, batch_sharding=run.rollout_sharding, key=abstract_key(run.mesh))
+
+
+def rollout_recorder(inputs: PlanInputs, capacity: Optional[Capacity]) -> PhaseRecorder:
+    """The rollout's phases compiled by its backend (through the RolloutBackend contract)."""
+    recorder = PhaseRecorder(capacity, inputs.held_beside_rollout)
+    plannable(inputs.run).compile_phases(rollout_shapes(inputs), recorder)
+    return recorder
+
+
+def rollout_phases(inputs: PlanInputs, capacity: Capacity) -> list[PhaseMemory]:
+    """The rollout's phases in order; a phase after one the compiler refused is not compiled."""
+    return rollout_recorder(inputs, capacity).phases
+
+
+def compile_rollout(inputs: PlanInputs) -> dict[str, Any]:
+    """{phase name: compiled} of one rollout batch, with no capacity to check a gathered decode against."""
+    return rollout_recorder(inputs, None).compiled
+
+
+def logps_phase(inputs: PlanInputs) -> Optional[PhaseMemory]:
+    """The full-batch scoring forward the loop runs for old (ppo_epochs > 1) or reference
+    (loss.beta > 0) log-probs; None when the run never calls it."""
+    run = inputs.run
+    if not (run.scores_ref_logps or run.scores_old_logps):
+        return None
+    batch = abstract_update_batch(inputs)
+    lower = functools.partial(run.score.lower, prompt_width=batch.prompt_width)
+    args = (inputs.forward_params, batch.input_ids, batch.attention_mask, batch.targets)
+    return compile_phase("log-probs", lower, args, inputs.held_beside_rollout)[0]
+
+
+def update_lowering(inputs: PlanInputs, size: int) -> tuple[Callable[..., Any], tuple]:
+    """(lower, abstract args) of one optimizer update over the widest batch, in micro-batches of
+    `size` rows per device (train.micro_batch_size_per_device)."""
+    run = inputs.run.with_micro_batch_size(size)
+    return run.update.lower, (inputs.params, inputs.opt_state, abstract_update_batch(inputs), *run.frozen)
+
+
+def compile_update(inputs: PlanInputs) -> Any:
+    lower, args = update_lowering(inputs, inputs.run.cfg.train.micro_batch_size_per_device)
+    return lower(*args).compile()
+
+
+def train_phase(inputs: PlanInputs, size: int) -> PhaseMemory:
+    lower, args = update_lowering(inputs, size)
+    return compile_phase("train step", lower, args, inputs.reference_bytes)[0]
+
+
+def fixed_phases(inputs: PlanInputs, capacity: Capacity) -> list[PhaseMemory]:
+    """The phases that do not depend on the micro-batch size."""
+    return rollout_phases(inputs, capacity) + [p for p in [logps_phase(inputs)] if p is not None]

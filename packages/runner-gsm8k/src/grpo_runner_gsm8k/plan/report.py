@@ -1,0 +1,107 @@
+"""The plan's printed report: header, per-phase table, verdict and the fix when it does not fit."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import jax
+
+from grpo_core.config import RunConfig
+from grpo_meshes import TRAIN_BATCH_AXES, batch_shard_count
+
+from grpo_runner_gsm8k.build import micro_batches, rows_per_step
+from grpo_runner_gsm8k.plan.capacity import GIB, Capacity
+from grpo_runner_gsm8k.plan.abstract import PlanInputs, per_device_bytes, prompt_bucket, train_widths
+from grpo_runner_gsm8k.plan.phases import PhaseMemory
+from grpo_runner_gsm8k.plan.scheduler import CPU_MEMORY_SCHEDULER_FLAG
+
+
+EXIT_DOES_NOT_FIT = 3
+
+
+COLUMNS = ("arguments", "outputs", "aliased", "temp", "other", "total")
+
+
+def table_lines(phases: list[PhaseMemory]) -> list[str]:
+    lines = [f"{'per device (GiB)':<18}" + "".join(f"{c:>11}" for c in COLUMNS)]
+    for p in phases:
+        values = (p.arguments, p.outputs, p.aliased, p.temp, p.other, p.total)
+        lines.append(f"{p.name:<18}" + "".join(f"{v / GIB:>11.3f}" for v in values)
+                     + ("  refused by the compiler: over HBM (temp as it reported)" if p.refused else ""))
+    return lines + [f"  {p.name}: {p.note}" for p in phases if p.note]
+
+
+def header_lines(inputs: PlanInputs) -> list[str]:
+    cfg, mesh, q = inputs.run.cfg, inputs.run.mesh, inputs.run.qcfg
+    params = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(inputs.params))
+    rows, (prompt_w, completion_w) = rows_per_step(cfg), train_widths(inputs)
+    data_devices = batch_shard_count(mesh, TRAIN_BATCH_AXES)
+    micro = micro_batches(cfg, mesh)
+    return [
+        f"model: {q.model_type}, {trained_line(inputs, params)}, {cfg.model.dtype} "
+        f"compute, {cfg.train.moment_dtype} moments, remat={cfg.model.remat}; mesh "
+        + " ".join(f"{axis}={size}" for axis, size in mesh.shape.items())
+        + f" on {mesh.size} {mesh.devices.flat[0].device_kind} device(s)",
+        figures_line(inputs),
+        f"rollout: {rows} rows x (prompt bucket {prompt_bucket(inputs)} + {cfg.rollout.max_new_tokens} new tokens), "
+        f"rollout.sharding={cfg.rollout.sharding}",
+        f"train step: {rows} rows x {prompt_w + completion_w} tokens ({prompt_w} prompt + {completion_w} completion), "
+        f"{micro} micro-batch(es) of {rows // micro // data_devices} row(s) per device",
+    ]
+
+
+def trained_line(inputs: PlanInputs, params: int) -> str:
+    """What trains: every param in its master dtype, or LoRA adapters on a frozen base."""
+    if inputs.frozen is None:
+        return f"{params / 1e9:.3f}B params, {inputs.run.cfg.model.param_dtype} masters"
+    base = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(inputs.frozen))
+    state = per_device_bytes(inputs.params) + per_device_bytes(inputs.opt_state)
+    return (f"LoRA r={inputs.run.cfg.model.lora.rank}: {params / 1e6:.2f}M float32 adapter params ({params / base:.2%} "
+            f"of the {base / 1e9:.3f}B frozen base, stored in {inputs.run.cfg.model.dtype}; adapters + optimizer "
+            f"state {state / GIB:.3f} GiB per device)")
+
+
+def figures_line(inputs: PlanInputs) -> str:
+    if inputs.target:
+        return f"figures: the TPU compiler's (libtpu) for {inputs.target}"
+    backend = jax.default_backend()
+    if backend == "cpu":
+        scheduler = (f", scheduled for memory as accelerators do (XLA_FLAGS has {CPU_MEMORY_SCHEDULER_FLAG})"
+                     if CPU_MEMORY_SCHEDULER_FLAG in os.environ.get("XLA_FLAGS", "") else "")
+        return (f"figures: XLA:CPU's, for this host's CPU devices (not a TPU's or GPU's){scheduler}; "
+                "--target <slice> gives the TPU compiler's")
+    return f"figures: the {backend} compiler's, for this host's devices"
+
+
+def footer_lines(inputs: PlanInputs) -> list[str]:
+    lines = ["aliased: outputs written into donated argument buffers (counted once); other: device state that is "
+             "not an argument of the phase (optimizer state and float32 masters during rollout, which runs on "
+             "their compute-dtype copy; reference params when loss.beta > 0)"]
+    if not inputs.target and jax.default_backend() == "cpu" and inputs.run.cfg.model.dtype == "bfloat16":
+        lines.append("note: XLA:CPU upcasts bfloat16 matmul operands to float32, so the temp of a bfloat16 model "
+                     "is overstated on CPU; compile on the accelerator for its exact figure")
+    return lines
+
+
+def peak(phases: list[PhaseMemory]) -> PhaseMemory:
+    return max(phases, key=lambda p: p.total)
+
+
+def peak_line(phases: list[PhaseMemory], capacity: Capacity) -> str:
+    top = peak(phases)
+    verdict = "fits" if top.total <= capacity.bytes else "DOES NOT FIT"
+    return (f"peak: {top.total / GIB:.3f} GiB per device ({top.name}) of {capacity.gib:.2f} GiB "
+            f"({capacity.source}): {verdict}, {100 * top.total / capacity.bytes:.0f}% used")
+
+
+def does_not_fit_message(phase: PhaseMemory, capacity: Capacity, cfg: RunConfig) -> str:
+    memory = "HBM" if "HBM" in capacity.source else "capacity"
+    needs = (f"{phase.name} needs {phase.total / GIB:.2f} GiB per device, exceeds {memory} by "
+             f"{(phase.total - capacity.bytes) / GIB:.2f} GiB (capacity {capacity.gib:.2f} GiB)")
+    if phase.name.startswith("rollout"):
+        return (f"{needs}: lower rollout.prompts_per_step, rollout.n or rollout.max_new_tokens, set "
+                "rollout.options.cache_dtype=bfloat16, or use more devices")
+    remat = {"none": " or enable model.remat (dots or full)", "dots": " or set model.remat=full"}
+    return (f"{needs}: lower train.micro_batch_size_per_device (largest that fits: run --sweep "
+            f"micro_batch_size_per_device){remat.get(cfg.model.remat, '')}")
