@@ -1,6 +1,7 @@
 """Strict config loading: keys, types, ranges, overrides, plugin options."""
 
 import dataclasses
+import os
 import typing
 from dataclasses import dataclass
 
@@ -107,3 +108,11 @@ def test_same_as_defaults_are_filled_in_at_load():
                                "eval.max_new_tokens=5"])
     assert (given.model.tokenizer, given.train.moment_dtype, given.loss.max_completion_length,
             given.eval.max_new_tokens) == ("char", "float32", 7, 5)
+
+
+def test_lora_moments_default_to_the_adapters_float32_and_its_init_from_expands_home():
+    """A LoRA run trains float32 adapters on a bfloat16 base: their moments are float32 by default."""
+    cfg = load_config(None, ["model.dtype=bfloat16", "model.param_dtype=bfloat16", "model.lora.rank=4",
+                             "model.lora.init_from=~/adapter"])
+    assert cfg.train.moment_dtype == "float32"
+    assert cfg.model.lora.init_from == os.path.join(os.path.expanduser("~"), "adapter")
