@@ -20,7 +20,7 @@ import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
 
-from grpo_runner_gsm8k.checkpoint import checkpoint_dir, complete_steps, config_differences, saved_meta
+from grpo_runner_gsm8k.checkpoint import Resume, checkpoint_dir, complete_steps, config_differences
 from grpo_runner_gsm8k.metrics import truncate_metrics
 from grpo_runner_gsm8k.export import load_policy
 
@@ -71,6 +71,10 @@ def final_params(run_dir: Path) -> list[np.ndarray]:
 def max_abs_param_diff(run_a: Path, run_b: Path) -> float:
     pairs = zip(final_params(run_a), final_params(run_b), strict=True)
     return max(float(np.max(np.abs(a - b))) for a, b in pairs)
+
+
+def saved_meta(run_dir: Path) -> dict:
+    return Resume.read(run_dir, [STEPS]).meta
 
 
 def files_of(run_dir: Path) -> dict[str, int]:
@@ -138,7 +142,7 @@ def check_sigkill_resume(uninterrupted: Path, tmp_path: Path, capsys, *overrides
     for key in ("train-other/loss", "train-other/grad_norm", "train-other/update_ratio", "train-reward/total/mean"):
         assert [r[key] for r in records] == [r[key] for r in reference], key
     for key in ("key", "data", "skipped_steps", "step"):
-        assert saved_meta(run_dir, STEPS)[key] == saved_meta(uninterrupted, STEPS)[key], key
+        assert saved_meta(run_dir)[key] == saved_meta(uninterrupted)[key], key
 
 
 def test_resume_flag_without_checkpoint_exits_2_and_writes_nothing(tmp_path):
@@ -331,7 +335,7 @@ def test_checkpoint_with_per_layer_params_is_refused_in_one_line(uninterrupted, 
     run_dir = tmp_path / "old-layout"
     shutil.copytree(uninterrupted, run_dir)
     meta_dir = checkpoint_dir(run_dir) / str(STEPS) / "meta"
-    meta = saved_meta(run_dir, STEPS)
+    meta = saved_meta(run_dir)
     del meta["param_layout"]
     shutil.rmtree(meta_dir)
     with ocp.Checkpointer(ocp.JsonCheckpointHandler()) as writer:
