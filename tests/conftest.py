@@ -2,7 +2,11 @@
 fixtures below are shared by the tests that start from configs/tiny.yaml."""
 
 import os
+import subprocess
+import sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, Optional
 
 import pytest
 
@@ -14,6 +18,60 @@ pytest_plugins = ["grpo_core.testing"]
 REPO = Path(__file__).resolve().parents[1]
 # 8 devices hold 64 rows: 8 per device, so the micro-batch sizes 1, 2, 4, 8 are valid.
 PLAN_SHAPE = ("rollout.prompts_per_step=8", "rollout.n=8", "rollout.max_new_tokens=8")
+
+
+@dataclass(frozen=True)
+class Cli:
+    """`grpo-run` in a subprocess with this process's environment (8 fake CPU devices),
+    started from the repository root as the README's commands are."""
+
+    config: str  # configs/tiny.yaml
+    cwd: Path = REPO
+
+    def argv(self, *args: str) -> list[str]:
+        return [sys.executable, "-m", "grpo_runner_gsm8k.cli", *args]
+
+    def train_argv(self, *args: str) -> list[str]:
+        """The argv of a run of the tiny config with `args` (overrides and flags) after it."""
+        return self.argv("--config", self.config, *args)
+
+    def run(self, argv: list[str], timeout: float, **kwargs) -> subprocess.CompletedProcess:
+        return subprocess.run(argv, capture_output=True, text=True, cwd=self.cwd, timeout=timeout, **kwargs)
+
+    def start(self, argv: list[str], **kwargs) -> subprocess.Popen:
+        return subprocess.Popen(argv, cwd=self.cwd, **kwargs)
+
+
+@pytest.fixture(scope="session")
+def repo_root() -> Path:
+    return REPO
+
+
+@pytest.fixture(scope="session")
+def grpo_cli(tiny_config_path) -> Cli:
+    return Cli(tiny_config_path)
+
+
+@pytest.fixture(scope="session")
+def small_run() -> Callable[..., list[str]]:
+    """`small_run(steps=1, eval_every=0)`: overrides of a short tiny run, 4 prompts x 4 samples
+    per step (a step takes seconds on CPU), evaluated every `eval_every` steps (0: never;
+    None: as the config says)."""
+    def overrides(steps: int = 1, eval_every: Optional[int] = 0) -> list[str]:
+        evals = [] if eval_every is None else [f"eval.every_steps={eval_every}"]
+        return [f"train.steps={steps}", "rollout.prompts_per_step=4", "rollout.n=4", *evals]
+
+    return overrides
+
+
+@pytest.fixture(scope="session")
+def one_step(tiny_config_path, small_run) -> Callable[..., list[str]]:
+    """`one_step(run_dir, *args, config=None, eval_every=0)`: grpo-run's arguments for one
+    small step of the tiny config (or the file `config`) into `run_dir`, `args` last."""
+    def argv(run_dir: Path, *args: str, config: Optional[str] = None, eval_every: Optional[int] = 0) -> list[str]:
+        return ["--config", config or tiny_config_path, *small_run(1, eval_every), f"logging.dir={run_dir}", *args]
+
+    return argv
 
 
 @pytest.fixture(scope="session")

@@ -3,10 +3,9 @@ exactly one stderr line that names the problem and the fix, no traceback, and no
 
 import json
 import os
-import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -14,9 +13,6 @@ from grpo_core import NoOptions, RewardSpec, hookimpl
 from grpo_core.testing import registry_with
 from grpo_runner_gsm8k.cli import main
 
-REPO = Path(__file__).resolve().parents[2]
-TINY = str(REPO / "configs" / "tiny.yaml")
-FAST = ["train.steps=1", "rollout.prompts_per_step=4", "rollout.n=4"]
 MODEL_CONFIG = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": 128, "hidden_size": 32,
                 "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
                 "num_key_value_heads": 2, "max_position_embeddings": 256, "rms_norm_eps": 1e-6,
@@ -230,13 +226,13 @@ def scratch(tmp_path) -> Path:
     return tmp_path
 
 
-def _argv(case: Bad, tmp: Path) -> list[str]:
-    config = TINY
+def _argv(case: Bad, tmp: Path, one_step: Callable[..., list[str]]) -> list[str]:
+    config = None
     if case.config is not None:
         config = str(tmp / "config.yaml")
         Path(config).write_text(case.config)
     args = [arg.replace("{tmp}", str(tmp)) for arg in case.args]
-    return ["--config", config, *FAST, f"logging.dir={tmp / 'run'}", *args]
+    return one_step(tmp / "run", *args, config=config, eval_every=None)  # eval on: some cases are about it
 
 
 def _files(root: Path) -> set[Path]:
@@ -252,8 +248,8 @@ def _assert_one_line(err: str, case: Bad) -> None:
 
 
 @pytest.mark.parametrize("case", CATALOGUE, ids=[c.id for c in CATALOGUE])
-def test_bad_input_exits_2_with_one_line_and_writes_nothing(case, scratch, capsys):
-    argv = _argv(case, scratch)
+def test_bad_input_exits_2_with_one_line_and_writes_nothing(case, scratch, one_step, capsys):
+    argv = _argv(case, scratch, one_step)
     before = _files(scratch)
     assert main(argv) == 2
     captured = capsys.readouterr()
@@ -269,12 +265,12 @@ def test_the_catalogue_holds_25_distinct_inputs():
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only directories; the file cases cover it")
-def test_read_only_parent_of_the_run_dir(tmp_path, capsys):
+def test_read_only_parent_of_the_run_dir(tmp_path, one_step, capsys):
     locked = tmp_path / "locked"
     locked.mkdir()
     locked.chmod(0o500)
     try:
-        assert main(["--config", TINY, *FAST, f"logging.dir={locked / 'run'}"]) == 2
+        assert main(one_step(locked / "run")) == 2
         _assert_one_line(capsys.readouterr().err, Bad("read-only", (), "is not writable", "choose a writable logging.dir"))
         assert list(locked.iterdir()) == []
     finally:
@@ -291,10 +287,9 @@ CONSOLE_CASES = [c for c in CATALOGUE if c.id in ("malformed-yaml", "corrupt-saf
 
 
 @pytest.mark.parametrize("case", CONSOLE_CASES, ids=[c.id for c in CONSOLE_CASES])
-def test_console_prints_one_line_and_exits_2(case, scratch):
+def test_console_prints_one_line_and_exits_2(case, scratch, one_step, grpo_cli):
     before = _files(scratch)
-    proc = subprocess.run([sys.executable, "-m", "grpo_runner_gsm8k.cli", *_argv(case, scratch)],
-                          capture_output=True, text=True, timeout=300, check=False)
+    proc = grpo_cli.run(grpo_cli.argv(*_argv(case, scratch, one_step)), timeout=300)
     assert proc.returncode == 2, proc.stderr[-3000:]
     _assert_one_line(proc.stderr, case)
     assert proc.stdout == ""
@@ -312,10 +307,10 @@ RESUME_CASES = [
 
 
 @pytest.fixture(scope="module")
-def trained_run(tmp_path_factory) -> Path:
+def trained_run(tmp_path_factory, one_step) -> Path:
     pytest.importorskip("grpo_runner_gsm8k.checkpoint")
     run_dir = tmp_path_factory.mktemp("trained") / "run"
-    assert main(["--config", TINY, *FAST, "eval.every_steps=0", f"logging.dir={run_dir}"]) == 0
+    assert main(one_step(run_dir)) == 0
     return run_dir
 
 
@@ -324,20 +319,20 @@ def _state(root: Path) -> dict[Path, tuple[int, int]]:
 
 
 @pytest.mark.parametrize("case", RESUME_CASES, ids=[c.id for c in RESUME_CASES])
-def test_refused_resume_exits_2_and_changes_nothing(case, trained_run, capsys):
+def test_refused_resume_exits_2_and_changes_nothing(case, trained_run, one_step, capsys):
     capsys.readouterr()
     before = _state(trained_run)
-    assert main(["--config", TINY, *FAST, "eval.every_steps=0", f"logging.dir={trained_run}", *case.args]) == 2
+    assert main(one_step(trained_run, *case.args)) == 2
     captured = capsys.readouterr()
     _assert_one_line(captured.err, case)
     assert captured.out == ""
     assert _state(trained_run) == before
 
 
-def test_resume_without_a_checkpoint_exits_2(tmp_path, capsys):
+def test_resume_without_a_checkpoint_exits_2(tmp_path, one_step, capsys):
     pytest.importorskip("grpo_runner_gsm8k.checkpoint")
     case = Bad("resume-without-checkpoint", (), "--resume: no complete checkpoint in", "run without --resume to start")
-    assert main(["--config", TINY, *FAST, f"logging.dir={tmp_path / 'run'}", "--resume"]) == 2
+    assert main(one_step(tmp_path / "run", "--resume")) == 2
     _assert_one_line(capsys.readouterr().err, case)
     assert list(tmp_path.iterdir()) == []
 
@@ -355,13 +350,12 @@ class RaisingReward:
 
 
 @pytest.mark.parametrize("flags", [(), ("--print-config",)], ids=["run", "print-config"])
-def test_reward_factory_that_raises_is_one_line(flags, scratch, capsys, monkeypatch):
+def test_reward_factory_that_raises_is_one_line(flags, scratch, one_step, capsys, monkeypatch):
     registry = registry_with(RaisingReward())
     monkeypatch.setattr("grpo_core.registry.default_registry", lambda: registry)
     case = Bad("reward-factory-raises", (), "task.reward_options.units of reward 'units': vocabulary file "
                "'units.txt' not found", "fix the options or the plugin's inputs")
-    argv = ["--config", TINY, *FAST, f"logging.dir={scratch / 'run'}", "task.rewards={correctness: 1.0, units: 0.5}",
-            *flags]
+    argv = one_step(scratch / "run", "task.rewards={correctness: 1.0, units: 0.5}", *flags)
     assert main(argv) == 2
     captured = capsys.readouterr()
     _assert_one_line(captured.err, case)

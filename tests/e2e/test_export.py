@@ -16,8 +16,6 @@ from grpo_runner_gsm8k.cli import main as grpo_run
 from grpo_runner_gsm8k.export import load_policy
 
 STEPS = 2
-FAST = [f"train.steps={STEPS}", "rollout.prompts_per_step=4", "rollout.n=4", "eval.every_steps=0",
-        "checkpoint.every_steps=1"]
 PROMPTS = ["<|im_start|>user\n3+4=<|im_end|>\n", "2+5="]
 
 
@@ -26,13 +24,14 @@ def by_path(state) -> dict[str, np.ndarray]:
 
 
 @pytest.fixture(scope="module")
-def trained(tiny_config_path, tmp_path_factory):
+def trained(tiny_config_path, small_run, tmp_path_factory):
     """(run dir, the trainer after a finished tiny run)."""
     from grpo_runner_gsm8k.loop import Trainer
 
     run_dir = tmp_path_factory.mktemp("run")
     registry = default_registry()
-    trainer = Trainer(load_config(tiny_config_path, [*FAST, f"logging.dir={run_dir}"], registry=registry), registry)
+    overrides = [*small_run(STEPS), "checkpoint.every_steps=1", f"logging.dir={run_dir}"]
+    trainer = Trainer(load_config(tiny_config_path, overrides, registry=registry), registry)
     trainer.run()
     return run_dir, trainer
 

@@ -11,10 +11,10 @@ failing-writer case of test_resume.py (RLIMIT_FSIZE) covers a failing save witho
 import os
 import shutil
 import subprocess
-import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -23,11 +23,8 @@ from grpo_runner_gsm8k.export import load_policy
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[2]
-TINY = REPO / "configs" / "tiny.yaml"
 # every step saved and kept, so the fault meets a save whatever the machine's speed
-RUN = ["train.steps=400", "rollout.prompts_per_step=4", "rollout.n=4", "eval.every_steps=0",
-       "checkpoint.every_steps=1", "checkpoint.keep=1000"]
+SAVE_EVERY_STEP = ["checkpoint.every_steps=1", "checkpoint.keep=1000"]
 TIMEOUT_S = 600
 
 
@@ -65,9 +62,14 @@ def mounted(target: Path):
             pass
 
 
-def start(run_dir: Path, log: Path, *extra: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "grpo_runner_gsm8k.cli", "--config", str(TINY), *RUN, *extra,
-                             f"logging.dir={run_dir}"], stdout=subprocess.DEVNULL, stderr=log.open("w"), cwd=REPO)
+@pytest.fixture(scope="session")
+def start(grpo_cli, small_run) -> Callable[[Path, Path], subprocess.Popen]:
+    """`start(run_dir, log)`: a long small run into `run_dir`, its stderr into `log`."""
+    def popen(run_dir: Path, log: Path) -> subprocess.Popen:
+        argv = grpo_cli.train_argv(*small_run(400), *SAVE_EVERY_STEP, f"logging.dir={run_dir}")
+        return grpo_cli.start(argv, stdout=subprocess.DEVNULL, stderr=log.open("w"))
+
+    return popen
 
 
 def wait_for_checkpoint(proc: subprocess.Popen, run_dir: Path, step: int, log: Path) -> None:
@@ -87,7 +89,7 @@ def one_error_line(proc: subprocess.Popen, log: Path) -> str:
     return errors[0]
 
 
-def test_disk_full_during_background_saves_stops_with_one_line(mountable, capsys):
+def test_disk_full_during_background_saves_stops_with_one_line(mountable, start, capsys):
     """A 6 MiB tmpfs holds a few checkpoints of the tiny run (~1 MiB each): the save (or the
     metrics write) that finds it full stops the run; the checkpoints before it restore."""
     disk = mountable / "disk"
@@ -106,7 +108,7 @@ def test_disk_full_during_background_saves_stops_with_one_line(mountable, capsys
         load_policy(run_dir, max(kept))
 
 
-def test_run_dir_turning_read_only_mid_run_stops_with_one_line(mountable, capsys):
+def test_run_dir_turning_read_only_mid_run_stops_with_one_line(mountable, start, capsys):
     """A read-only bind mount of the run directory, moved over it once checkpoint 2 is
     complete: every later write (the next save) fails with EROFS."""
     run_dir, log, stage = mountable / "run", mountable / "run.log", mountable / "stage"
@@ -130,7 +132,7 @@ def test_run_dir_turning_read_only_mid_run_stops_with_one_line(mountable, capsys
         load_policy(run_dir, max(kept))
 
 
-def test_report_on_a_read_only_run_dir_says_where_to_write_instead(mountable, tmp_path):
+def test_report_on_a_read_only_run_dir_says_where_to_write_instead(mountable, tmp_path, grpo_cli):
     run_dir, stage = tmp_path / "run", tmp_path / "stage"
     run_dir.mkdir()
     stage.mkdir()
@@ -139,13 +141,11 @@ def test_report_on_a_read_only_run_dir_says_where_to_write_instead(mountable, tm
         mount("--bind", str(run_dir), str(stage))
         mount("-o", "remount,bind,ro", str(stage))
         mount("--move", str(stage), str(run_dir))
-        done = subprocess.run([sys.executable, "-m", "grpo_runner_gsm8k.cli", "report", str(run_dir)],
-                              capture_output=True, text=True, cwd=REPO, timeout=TIMEOUT_S)
+        done = grpo_cli.run(grpo_cli.argv("report", str(run_dir)), timeout=TIMEOUT_S)
         assert done.returncode == 2, done.stderr
         assert done.stderr.strip() == (f"grpo-run: error: cannot write the report '{run_dir / 'report.png'}' "
                                        "(OSError: Read-only file system); pass --out with a path in a writable "
                                        "directory")
         out = tmp_path / "elsewhere.png"
-        done = subprocess.run([sys.executable, "-m", "grpo_runner_gsm8k.cli", "report", str(run_dir), "--out",
-                               str(out)], capture_output=True, text=True, cwd=REPO, timeout=TIMEOUT_S)
+        done = grpo_cli.run(grpo_cli.argv("report", str(run_dir), "--out", str(out)), timeout=TIMEOUT_S)
         assert done.returncode == 0 and out.stat().st_size > 0, done.stderr

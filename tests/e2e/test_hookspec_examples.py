@@ -5,21 +5,15 @@ import ast
 import math
 import re
 import types
-from pathlib import Path
+from typing import Callable
 
 import pytest
 
 from grpo_core import hookspecs
 from grpo_core.testing import registry_with
 
-ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = {"grpo_losses": "loss", "grpo_meshes": "mesh", "grpo_rollouts": "rollout", "grpo_rewards": "reward",
             "grpo_tasks": "task"}
-
-# The entropy bonus gives the step a gradient whatever the rewards (one step of the tiny
-# model usually scores every sample alike, which leaves zero advantages).
-ONE_STEP = ["train.steps=1", "rollout.prompts_per_step=4", "rollout.n=4", "eval.every_steps=1",
-            "eval.num_questions=8", "loss.entropy_coef=0.01"]
 SELECT = {
     "grpo_losses": ["loss.impl=naive"],
     "grpo_meshes": ["mesh.strategy=data_only"],
@@ -29,15 +23,28 @@ SELECT = {
 }
 
 
-def example_source(hook: str) -> str:
-    """The example plugin module of `hook`, as a user would copy it."""
-    return (ROOT / "examples" / "hooks" / f"{EXAMPLES[hook]}.py").read_text()
+@pytest.fixture(scope="session")
+def example_source(repo_root) -> Callable[[str], str]:
+    """`example_source(hook)`: the example plugin module of `hook`, as a user would copy it."""
+    return lambda hook: (repo_root / "examples" / "hooks" / f"{EXAMPLES[hook]}.py").read_text()
 
 
-def example_module(hook: str) -> types.ModuleType:
-    module = types.ModuleType(f"example_{hook}")
-    exec(compile(example_source(hook), module.__name__, "exec"), module.__dict__)
-    return module
+@pytest.fixture(scope="session")
+def example_module(example_source) -> Callable[[str], types.ModuleType]:
+    """`example_module(hook)`: a fresh module of the example of `hook`, executed as written."""
+    def load(hook: str) -> types.ModuleType:
+        module = types.ModuleType(f"example_{hook}")
+        exec(compile(example_source(hook), module.__name__, "exec"), module.__dict__)
+        return module
+
+    return load
+
+
+@pytest.fixture(scope="session")
+def one_step_config(small_run) -> list[str]:
+    """One small step, evaluated; the entropy bonus gives it a gradient whatever the rewards (one step
+    of the tiny model usually scores every sample alike, which leaves zero advantages)."""
+    return [*small_run(1, eval_every=1), "eval.num_questions=8", "loss.entropy_coef=0.01"]
 
 
 def imported_packages(source: str) -> set[str]:
@@ -56,11 +63,11 @@ def test_every_hook_has_an_example_selected_here():
 
 
 @pytest.mark.parametrize("hook", sorted(SELECT))
-def test_example_trains_one_step(hook, tiny_config):
+def test_example_trains_one_step(hook, tiny_config, example_module, one_step_config):
     from grpo_runner_gsm8k.loop import Trainer
 
     registry = registry_with(example_module(hook))
-    cfg = tiny_config(*ONE_STEP, *SELECT[hook], registry=registry)
+    cfg = tiny_config(*one_step_config, *SELECT[hook], registry=registry)
     trainer = Trainer(cfg, registry)
     metrics = trainer.run()
     assert trainer.state.step == 1
@@ -70,7 +77,7 @@ def test_example_trains_one_step(hook, tiny_config):
 
 
 @pytest.mark.parametrize("hook", sorted(SELECT))
-def test_example_needs_grpo_core_alone(hook):
+def test_example_needs_grpo_core_alone(hook, example_source):
     """A plugin package of any kind depends on grpo-core only: no example imports another project package."""
     source = example_source(hook)
     assert {name for name in imported_packages(source) if name.startswith("grpo")} == {"grpo_core"}
@@ -81,7 +88,7 @@ def test_hookspecs_keep_one_line_docs():
         assert len(getattr(hookspecs, hook).__doc__.strip().splitlines()) == 1, hook
 
 
-def test_a_backend_missing_a_protocol_method_is_refused_at_build(uniform_backend_run):
+def test_a_backend_missing_a_protocol_method_is_refused_at_build(uniform_backend_run, example_module):
     from grpo_core.errors import UserError
     from grpo_runner_gsm8k.loop import Trainer
 
@@ -92,17 +99,17 @@ def test_a_backend_missing_a_protocol_method_is_refused_at_build(uniform_backend
 
 
 @pytest.fixture
-def uniform_backend_run(tiny_config):
+def uniform_backend_run(tiny_config, one_step_config):
     """`uniform_backend_run(module)`: (config, registry) of one step of the tiny run with the
     rollout example of `module`."""
     def build(module):
         registry = registry_with(module)
-        return tiny_config(*ONE_STEP, *SELECT["grpo_rollouts"], registry=registry), registry
+        return tiny_config(*one_step_config, *SELECT["grpo_rollouts"], registry=registry), registry
 
     return build
 
 
-def test_the_rollout_example_is_planned_through_its_contract(uniform_backend_run, capsys):
+def test_the_rollout_example_is_planned_through_its_contract(uniform_backend_run, example_module, capsys):
     """`grpo-run --plan` compiles a third-party backend's own phases (PlannableRollout)."""
     from grpo_runner_gsm8k.plan import plan_command
 
@@ -111,7 +118,7 @@ def test_the_rollout_example_is_planned_through_its_contract(uniform_backend_run
     assert re.search(r"^rollout sample +[\d.]+ ", out, re.M) and re.search(r"^train step +[\d.]+ ", out, re.M)
 
 
-def test_a_backend_without_the_planning_members_is_refused_by_the_plan(uniform_backend_run):
+def test_a_backend_without_the_planning_members_is_refused_by_the_plan(uniform_backend_run, example_module):
     from grpo_core.errors import UserError
     from grpo_runner_gsm8k.plan import plan_command
 

@@ -12,15 +12,14 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
-from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import pytest
 from grpo_runner_gsm8k.checkpoint import checkpoint_dir, complete_steps
 from grpo_runner_gsm8k.tasks.arithmetic import ArithmeticOptions, ArithmeticTask
 
-REPO = Path(__file__).resolve().parents[2]
-TINY = str(REPO / "configs" / "tiny.yaml")
+# 8 prompts: 4 per process
 RUN = ["train.steps=2", "rollout.prompts_per_step=8", "rollout.n=4", "eval.every_steps=2", "eval.num_questions=8",
        "checkpoint.every_steps=0", "mesh.strategy=full_fsdp"]
 HARD_TIMEOUT_S = 300
@@ -56,9 +55,14 @@ def cpu_env(devices: int) -> dict[str, str]:
     return {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
 
 
-def start(devices: int, args: list[str]) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", DRIVER, TINY, *args], env=cpu_env(devices), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+@pytest.fixture(scope="session")
+def start(tiny_config_path) -> Callable[[int, list[str]], subprocess.Popen]:
+    """`start(devices, args)`: DRIVER on the tiny config with overrides `args`, on `devices` CPU devices."""
+    def popen(devices: int, args: list[str]) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-c", DRIVER, tiny_config_path, *args], env=cpu_env(devices),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    return popen
 
 
 def finish(procs: list[subprocess.Popen]) -> list[str]:
@@ -81,7 +85,7 @@ def printed(out: str, tag: str) -> str:
 
 
 @pytest.mark.slow
-def test_two_process_run_shares_one_global_batch(tmp_path):
+def test_two_process_run_shares_one_global_batch(tmp_path, start):
     port = free_port()
     procs = [start(4, [*RUN, f"logging.dir={tmp_path}", "mesh.distributed=on",
                        f"mesh.coordinator_address=127.0.0.1:{port}", "mesh.num_processes=2", f"mesh.process_id={i}",
@@ -108,7 +112,7 @@ def distributed(port: int, process_id: int) -> list[str]:
 
 
 @pytest.mark.slow
-def test_two_process_refill_and_corrections_keep_the_processes_in_step(tmp_path):
+def test_two_process_refill_and_corrections_keep_the_processes_in_step(tmp_path, start):
     """Refill rounds are decided from the gathered rewards, so both processes draw, roll out
     and select alike (a disagreement would hang a collective or split the parameters)."""
     port = free_port()
@@ -124,19 +128,23 @@ def test_two_process_refill_and_corrections_keep_the_processes_in_step(tmp_path)
         assert np.isfinite(r["train-other/loss"]) and np.isfinite(r["train-other/mismatch_kl"])
 
 
-def start_command(program: list[str], args: list[str]) -> subprocess.Popen:
-    """`python <program> --config tiny.yaml <args>` on 4 CPU devices; stderr kept for the checks."""
-    return subprocess.Popen([sys.executable, *program, "--config", TINY, *args], env=cpu_env(4),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=REPO)
+@pytest.fixture(scope="session")
+def start_command(grpo_cli) -> Callable[[list[str], list[str]], subprocess.Popen]:
+    """`start_command(program, args)`: `python <program> --config tiny.yaml <args>` on 4 CPU
+    devices; stderr kept for the checks."""
+    def popen(program: list[str], args: list[str]) -> subprocess.Popen:
+        return grpo_cli.start([sys.executable, *program, "--config", grpo_cli.config, *args], env=cpu_env(4),
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+    return popen
 
 
 @pytest.mark.slow
-def test_sigterm_to_one_process_stops_both_after_the_same_step_with_one_checkpoint(tmp_path):
+def test_sigterm_to_one_process_stops_both_after_the_same_step_with_one_checkpoint(tmp_path, start_command):
     """Schedulers signal the hosts of a job at slightly different times; here only process 1
     is signalled. Both must finish the same step, save it together and exit 143."""
     steps, port = 200, free_port()
-    overrides = [f"train.steps={steps}", "rollout.prompts_per_step=8", "rollout.n=4", "eval.every_steps=0",
-                 "checkpoint.every_steps=0", "mesh.strategy=full_fsdp", f"logging.dir={tmp_path}"]
+    overrides = [*RUN, f"train.steps={steps}", "eval.every_steps=0", f"logging.dir={tmp_path}"]
     procs = [start_command(["-m", "grpo_runner_gsm8k.cli"], [*overrides, *distributed(port, i)]) for i in range(2)]
     try:
         metrics, deadline = tmp_path / "metrics.jsonl", time.monotonic() + HARD_TIMEOUT_S
@@ -172,7 +180,7 @@ sys.exit(cli.main(sys.argv[1:]))
 
 
 @pytest.mark.slow
-def test_a_process_failing_alone_ends_the_run_on_every_process(tmp_path):
+def test_a_process_failing_alone_ends_the_run_on_every_process(tmp_path, start_command):
     """Neither the failed process (at JAX's shutdown barrier) nor its peer (in a collective)
     may wait for the other: both exit, the failed one with its own one-line error."""
     port = free_port()

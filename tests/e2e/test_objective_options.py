@@ -5,23 +5,18 @@ refilling run resumed from a checkpoint ends bitwise equal to an uninterrupted o
 
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
+from typing import Callable
 
 import jax
 import numpy as np
 import pytest
 from flax import nnx
 
-from grpo_core.config_io import load_config
 from grpo_core.registry import default_registry
 from grpo_runner_gsm8k.cli import main
 from grpo_runner_gsm8k.export import load_policy
 
-REPO = Path(__file__).resolve().parents[2]
-TINY = REPO / "configs" / "tiny.yaml"
-FAST = ["train.steps=3", "rollout.prompts_per_step=4", "rollout.n=4", "rollout.max_new_tokens=4", "eval.every_steps=0"]
 MISMATCH = ["train-other/mismatch_kl", "train-other/mismatch_ratio_mean", "train-other/mismatch_ratio_max",
             "train-other/mismatch_rejected_frac"]
 REFILL = ["train-other/refill_extra_rollouts", "train-other/refill_prompts_consumed",
@@ -43,49 +38,60 @@ OPTION_RUNS = {
 }
 
 
-def _run(run_dir: Path, *overrides: str) -> list[dict]:
-    from grpo_runner_gsm8k.loop import Trainer
+@pytest.fixture(scope="session")
+def fast(small_run) -> list[str]:
+    """Three small steps of up to 4 tokens (room for the overlong and entropy options)."""
+    return [*small_run(3), "rollout.max_new_tokens=4"]
 
-    registry = default_registry()
-    cfg = load_config(TINY, [*FAST, f"logging.dir={run_dir}", *overrides], registry=registry)
-    Trainer(cfg, registry).run()
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+@pytest.fixture
+def train(tiny_config, fast) -> Callable[..., list[dict]]:
+    """`train(*overrides)`: the metrics records of a fast tiny run with `overrides`, trained in process."""
+    def run(*overrides: str) -> list[dict]:
+        from grpo_runner_gsm8k.loop import Trainer
+
+        registry = default_registry()
+        cfg = tiny_config(*fast, *overrides, registry=registry)
+        Trainer(cfg, registry).run()
+        return [json.loads(line) for line in (Path(cfg.logging.dir) / "metrics.jsonl").read_text().splitlines()]
+
+    return run
 
 
 @pytest.mark.parametrize("name", list(OPTION_RUNS))
-def test_option_trains_and_logs_its_metrics(tmp_path, name):
+def test_option_trains_and_logs_its_metrics(train, name):
     overrides, keys = OPTION_RUNS[name]
-    records = _run(tmp_path, *overrides)
+    records = train(*overrides)
     for record in records:
         assert math.isfinite(record["train-other/loss"]) and record["train-other/skipped_steps"] == 0, record
         for key in keys:
             assert math.isfinite(record[key]), (key, record.get(key))
 
 
-def test_option_metrics_reach_wandb(tmp_path):
+def test_option_metrics_reach_wandb(train, tmp_path):
     every_option = [overrides for name, (overrides, _) in OPTION_RUNS.items()
                     if name in ("mis_sequence", "overlong", "entropy_fused", "refill")]
-    _run(tmp_path, *sum(every_option, []), "logging.wandb=offline", "train.steps=1")
-    logs = list(tmp_path.glob("wandb/offline-run-*/run-*.wandb"))
+    train(*sum(every_option, []), "logging.wandb=offline", "train.steps=1")
+    logs = list(tmp_path.glob("run/wandb/offline-run-*/run-*.wandb"))  # under tiny_config's logging.dir
     assert len(logs) == 1
     data = logs[0].read_bytes()
     for key in sum((keys for _, keys in OPTION_RUNS.values()), []):
         assert key.encode() in data, key
 
 
-def test_refill_fills_the_batch_with_informative_groups(tmp_path):
+def test_refill_fills_the_batch_with_informative_groups(train):
     """With enough extra rollouts the tiny task (most groups all wrong at first) still trains on
     prompts_per_step informative groups, and each extra rollout draws prompts_per_step prompts."""
-    records = _run(tmp_path, "loss.dynamic_sampling=true", "loss.dynamic_sampling_mode=refill",
-                   "loss.max_extra_rollouts=30", "train.steps=2")
+    records = train("loss.dynamic_sampling=true", "loss.dynamic_sampling_mode=refill", "loss.max_extra_rollouts=30",
+                    "train.steps=2")
     for r in records:
         assert r["train-other/refill_groups_missing"] == 0 and r["train-other/zero_std_frac"] == 0.0, r
         assert r["train-other/refill_prompts_consumed"] == 4 * (1 + r["train-other/refill_extra_rollouts"])
         assert r["train-other/refill_groups_dropped"] >= 1  # the tiny task at step 0 has uninformative groups
 
 
-def test_correction_with_sampler_logps_says_it_does_nothing(tmp_path, capsys):
-    _run(tmp_path, "loss.mismatch_correction=truncate", "rollout.use_sampler_logps=true", "train.steps=1")
+def test_correction_with_sampler_logps_says_it_does_nothing(train, capsys):
+    train("loss.mismatch_correction=truncate", "rollout.use_sampler_logps=true", "train.steps=1")
     notes = [line for line in capsys.readouterr().err.splitlines() if "has nothing to correct" in line]
     assert len(notes) == 1 and "rollout.use_sampler_logps" in notes[0]
 
@@ -101,14 +107,14 @@ def test_correction_with_sampler_logps_says_it_does_nothing(tmp_path, capsys):
     (["loss.mismatch_correction=clip"], "loss.mismatch_correction = 'clip' has the wrong type"),
 ], ids=["c_max_zero", "c_min_negative", "c_min_above_c_max", "quantile_zero", "quantile_above_one",
         "refill_without_dynamic_sampling", "no_extra_rollouts", "unknown_correction"])
-def test_bad_values_exit_2_with_one_line(tmp_path, capsys, args, problem):
-    assert main(["--config", str(TINY), *FAST, f"logging.dir={tmp_path / 'run'}", *args]) == 2
+def test_bad_values_exit_2_with_one_line(tmp_path, tiny_config_path, fast, capsys, args, problem):
+    assert main(["--config", tiny_config_path, *fast, f"logging.dir={tmp_path / 'run'}", *args]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("grpo-run: error: ") and problem in lines[0], lines
     assert not (tmp_path / "run").exists()
 
 
-def test_entropy_selection_with_a_loss_without_entropy_exits_2(tmp_path, capsys):
+def test_entropy_selection_with_a_loss_without_entropy_exits_2(tiny_config):
     from grpo_core import LossSpec, NoOptions, hookimpl
     from grpo_core.testing import registry_with
     from grpo_losses import ReferenceLogps
@@ -120,21 +126,24 @@ def test_entropy_selection_with_a_loss_without_entropy_exits_2(tmp_path, capsys)
                              provides_entropy=False)]
 
     with pytest.raises(Exception) as raised:
-        load_config(TINY, ["loss.impl=no_entropy", "loss.top_entropy_quantile=0.5"], registry=registry_with(NoEntropy()))
+        tiny_config("loss.impl=no_entropy", "loss.top_entropy_quantile=0.5", registry=registry_with(NoEntropy()))
     assert "cannot provide the entropy" in str(raised.value) and "loss.top_entropy_quantile=1.0" in str(raised.value)
     assert type(raised.value).__name__ == "ConfigError"
 
 
 # ---- resume -------------------------------------------------------------------------------------
-RESUME = [*FAST, "train.steps=4", "checkpoint.every_steps=1", "checkpoint.keep=5", "loss.dynamic_sampling=true",
+RESUME = ["train.steps=4", "checkpoint.every_steps=1", "checkpoint.keep=5", "loss.dynamic_sampling=true",
           "loss.dynamic_sampling_mode=refill", "loss.max_extra_rollouts=3"]
 
 
-def _cli(run_dir: Path, *overrides: str) -> None:
-    done = subprocess.run([sys.executable, "-m", "grpo_runner_gsm8k.cli", "--config", str(TINY), *RESUME,
-                           f"logging.dir={run_dir}", *overrides], capture_output=True, text=True, cwd=REPO,
-                          timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
+@pytest.fixture
+def refilling_run(grpo_cli, fast) -> Callable[..., None]:
+    """`refilling_run(run_dir, *overrides)`: a refilling run of 4 steps, each saved, in a subprocess."""
+    def run(run_dir: Path, *overrides: str) -> None:
+        done = grpo_cli.run(grpo_cli.train_argv(*fast, *RESUME, f"logging.dir={run_dir}", *overrides), timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+
+    return run
 
 
 def _final_params(run_dir: Path) -> list[np.ndarray]:
@@ -143,11 +152,11 @@ def _final_params(run_dir: Path) -> list[np.ndarray]:
 
 
 @pytest.mark.slow
-def test_refill_resumes_the_data_position_exactly(tmp_path):
+def test_refill_resumes_the_data_position_exactly(tmp_path, refilling_run):
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    _cli(straight)
-    _cli(resumed, "train.steps=2")
-    _cli(resumed)  # continues from step 2's checkpoint
+    refilling_run(straight)
+    refilling_run(resumed, "train.steps=2")
+    refilling_run(resumed)  # continues from step 2's checkpoint
     logs = [[json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()] for d in (straight, resumed)]
     assert [r["step"] for r in logs[1]] == [1, 2, 3, 4]
     assert sum(r["train-other/refill_extra_rollouts"] for r in logs[0][2:]) > 0  # the resumed steps refill

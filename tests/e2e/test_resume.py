@@ -10,9 +10,10 @@ import json
 import shutil
 import signal
 import subprocess
-import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import jax
 import numpy as np
@@ -20,43 +21,49 @@ import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
 
-from grpo_runner_gsm8k.checkpoint import checkpoint_dir, complete_steps, config_differences, saved_meta
+from grpo_runner_gsm8k.checkpoint import Resume, checkpoint_dir, complete_steps, config_differences
 from grpo_runner_gsm8k.metrics import truncate_metrics
 from grpo_runner_gsm8k.export import load_policy
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[2]
-TINY = REPO / "configs" / "tiny.yaml"
 STEPS = 6
 KILL_AFTER = 2  # the kill comes once this step's checkpoint is complete
-SHRUNK = [f"train.steps={STEPS}", "rollout.prompts_per_step=4", "rollout.n=4", "eval.every_steps=0",
-          "checkpoint.every_steps=1", f"checkpoint.keep={STEPS + 1}"]
 MIXED = ("model.dtype=bfloat16",)  # float32 masters are the default param_dtype
 RUN_TIMEOUT_S = 600
 ERROR_TIMEOUT_S = 120
 
 
-def command(run_dir: Path, *overrides: str, flags: tuple[str, ...] = ()) -> list[str]:
-    return [sys.executable, "-m", "grpo_runner_gsm8k.cli", "--config", str(TINY), *flags, *SHRUNK,
-            f"logging.dir={run_dir}", *overrides]
+@dataclass(frozen=True)
+class Runs:
+    """The small tiny run these tests interrupt and resume (STEPS steps, each one saved), as subprocesses."""
+
+    cli: Any  # tests/conftest.py's Cli
+    overrides: list[str]
+
+    def command(self, run_dir: Path, *overrides: str, flags: tuple[str, ...] = ()) -> list[str]:
+        return self.cli.train_argv(*flags, *self.overrides, f"logging.dir={run_dir}", *overrides)
+
+    def start(self, run_dir: Path, *overrides: str, stderr: Any) -> subprocess.Popen:
+        return self.cli.start(self.command(run_dir, *overrides), stdout=subprocess.DEVNULL, stderr=stderr)
+
+    def run_to_end(self, run_dir: Path, *overrides: str, flags: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+        done = self.cli.run(self.command(run_dir, *overrides, flags=flags), timeout=RUN_TIMEOUT_S)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return done
+
+    def refused(self, run_dir: Path, *overrides: str, flags: tuple[str, ...] = ()) -> str:
+        """The one-line error of a run that must exit 2."""
+        done = self.cli.run(self.command(run_dir, *overrides, flags=flags), timeout=ERROR_TIMEOUT_S)
+        assert done.returncode == 2, (done.returncode, done.stderr[-3000:])
+        lines = done.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("grpo-run: error: "), done.stderr
+        return lines[0]
 
 
-def run_to_end(run_dir: Path, *overrides: str, flags: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
-    done = subprocess.run(command(run_dir, *overrides, flags=flags), capture_output=True, text=True,
-                          cwd=REPO, timeout=RUN_TIMEOUT_S)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done
-
-
-def refused(run_dir: Path, *overrides: str, flags: tuple[str, ...] = ()) -> str:
-    """The one-line error of a run that must exit 2."""
-    done = subprocess.run(command(run_dir, *overrides, flags=flags), capture_output=True, text=True,
-                          cwd=REPO, timeout=ERROR_TIMEOUT_S)
-    assert done.returncode == 2, (done.returncode, done.stderr[-3000:])
-    lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("grpo-run: error: "), done.stderr
-    return lines[0]
+@pytest.fixture(scope="session")
+def runs(grpo_cli, small_run) -> Runs:
+    return Runs(grpo_cli, [*small_run(STEPS), "checkpoint.every_steps=1", f"checkpoint.keep={STEPS + 1}"])
 
 
 def logged_steps(run_dir: Path) -> list[dict]:
@@ -73,15 +80,19 @@ def max_abs_param_diff(run_a: Path, run_b: Path) -> float:
     return max(float(np.max(np.abs(a - b))) for a, b in pairs)
 
 
+def saved_meta(run_dir: Path) -> dict:
+    return Resume.read(run_dir, [STEPS]).meta
+
+
 def files_of(run_dir: Path) -> dict[str, int]:
     return {str(p.relative_to(run_dir)): p.stat().st_mtime_ns for p in run_dir.rglob("*")}
 
 
-def kill_after_checkpoint(run_dir: Path, step: int, log: Path, *overrides: str) -> int:
+def kill_after_checkpoint(runs: Runs, run_dir: Path, step: int, log: Path, *overrides: str) -> int:
     """Starts a run, SIGKILLs it as soon as checkpoint `step` is complete, returns the
     newest complete checkpoint left behind."""
     with open(log, "w") as stderr:
-        proc = subprocess.Popen(command(run_dir, *overrides), stdout=subprocess.DEVNULL, stderr=stderr, cwd=REPO)
+        proc = runs.start(run_dir, *overrides, stderr=stderr)
         try:
             deadline = time.monotonic() + RUN_TIMEOUT_S
             while step not in complete_steps(run_dir):
@@ -98,16 +109,16 @@ def kill_after_checkpoint(run_dir: Path, step: int, log: Path, *overrides: str) 
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory) -> Path:
+def uninterrupted(tmp_path_factory, runs) -> Path:
     run_dir = tmp_path_factory.mktemp("uninterrupted")
-    run_to_end(run_dir)
+    runs.run_to_end(run_dir)
     return run_dir
 
 
-def resume_equals_uninterrupted(uninterrupted: Path, run_dir: Path, from_step: int, what: str, capsys,
+def resume_equals_uninterrupted(runs: Runs, uninterrupted: Path, run_dir: Path, from_step: int, what: str, capsys,
                                 *overrides: str, flags: tuple[str, ...] = ()) -> None:
     """Resumes `run_dir` to the end; its final params equal the uninterrupted run's bitwise."""
-    resumed = run_to_end(run_dir, *overrides, flags=flags)
+    resumed = runs.run_to_end(run_dir, *overrides, flags=flags)
     assert f"resumed from step {from_step} of " in resumed.stderr
     diff = max_abs_param_diff(uninterrupted, run_dir)
     with capsys.disabled():
@@ -115,49 +126,49 @@ def resume_equals_uninterrupted(uninterrupted: Path, run_dir: Path, from_step: i
     assert diff == 0.0
 
 
-def test_sigkill_then_resume_ends_bitwise_equal(uninterrupted, tmp_path, capsys):
-    check_sigkill_resume(uninterrupted, tmp_path, capsys)
+def test_sigkill_then_resume_ends_bitwise_equal(uninterrupted, tmp_path, capsys, runs):
+    check_sigkill_resume(runs, uninterrupted, tmp_path, capsys)
 
 
-def test_sigkill_then_resume_with_mixed_precision_ends_bitwise_equal(tmp_path, capsys):
+def test_sigkill_then_resume_with_mixed_precision_ends_bitwise_equal(tmp_path, capsys, runs):
     """bfloat16 compute on float32 masters: masters and float32 moments are what is saved."""
     reference = tmp_path / "uninterrupted"
-    run_to_end(reference, *MIXED)
-    check_sigkill_resume(reference, tmp_path, capsys, *MIXED)
+    runs.run_to_end(reference, *MIXED)
+    check_sigkill_resume(runs, reference, tmp_path, capsys, *MIXED)
 
 
-def check_sigkill_resume(uninterrupted: Path, tmp_path: Path, capsys, *overrides: str) -> None:
+def check_sigkill_resume(runs: Runs, uninterrupted: Path, tmp_path: Path, capsys, *overrides: str) -> None:
     run_dir = tmp_path / "killed"
-    killed_at = kill_after_checkpoint(run_dir, KILL_AFTER, tmp_path / "killed.log", *overrides)
+    killed_at = kill_after_checkpoint(runs, run_dir, KILL_AFTER, tmp_path / "killed.log", *overrides)
     assert killed_at < STEPS, "the run ended before the kill; nothing was resumed"
 
-    resume_equals_uninterrupted(uninterrupted, run_dir, killed_at, f"SIGKILL after checkpoint {killed_at} {' '.join(overrides)}".rstrip(),
-                                capsys, *overrides, flags=("--resume",))
+    what = f"SIGKILL after checkpoint {killed_at} {' '.join(overrides)}".rstrip()
+    resume_equals_uninterrupted(runs, uninterrupted, run_dir, killed_at, what, capsys, *overrides, flags=("--resume",))
     reference, records = logged_steps(uninterrupted), logged_steps(run_dir)
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))  # no duplicates after the resume
     for key in ("train-other/loss", "train-other/grad_norm", "train-other/update_ratio", "train-reward/total/mean"):
         assert [r[key] for r in records] == [r[key] for r in reference], key
     for key in ("key", "data", "skipped_steps", "step"):
-        assert saved_meta(run_dir, STEPS)[key] == saved_meta(uninterrupted, STEPS)[key], key
+        assert saved_meta(run_dir)[key] == saved_meta(uninterrupted)[key], key
 
 
-def test_resume_flag_without_checkpoint_exits_2_and_writes_nothing(tmp_path):
+def test_resume_flag_without_checkpoint_exits_2_and_writes_nothing(tmp_path, runs):
     run_dir = tmp_path / "never-ran"
-    message = refused(run_dir, flags=("--resume",))
+    message = runs.refused(run_dir, flags=("--resume",))
     assert "--resume: no complete checkpoint in" in message and str(run_dir) in message
     assert not run_dir.exists()
 
 
-def test_resume_with_incompatible_config_exits_2_naming_the_keys(uninterrupted):
+def test_resume_with_incompatible_config_exits_2_naming_the_keys(uninterrupted, runs):
     before = files_of(uninterrupted)
-    message = refused(uninterrupted, "rollout.n=8", "model.architecture.hidden_size=32", "train.optimizer=sgd")
+    message = runs.refused(uninterrupted, "rollout.n=8", "model.architecture.hidden_size=32", "train.optimizer=sgd")
     assert "rollout.n (saved 4, now 8)" in message
     assert "model.architecture.hidden_size (saved 64, now 32)" in message
     assert 'train.optimizer (saved "adamw", now "sgd")' in message
     assert files_of(uninterrupted) == before
 
 
-def test_unfinished_save_is_ignored_and_cleaned_up(uninterrupted, tmp_path):
+def test_unfinished_save_is_ignored_and_cleaned_up(uninterrupted, tmp_path, runs):
     run_dir = tmp_path / "copy"
     shutil.copytree(uninterrupted, run_dir)
     # What a kill during the save of the next step leaves: a tmp directory, half written.
@@ -166,7 +177,7 @@ def test_unfinished_save_is_ignored_and_cleaned_up(uninterrupted, tmp_path):
     shutil.rmtree(unfinished / "params")
     assert complete_steps(run_dir)[-1] == STEPS
 
-    resumed = run_to_end(run_dir, f"train.steps={STEPS + 1}")  # checkpoint.resume=auto, no flag
+    resumed = runs.run_to_end(run_dir, f"train.steps={STEPS + 1}")  # checkpoint.resume=auto, no flag
     assert f"resumed from step {STEPS} of " in resumed.stderr
     assert complete_steps(run_dir)[-1] == STEPS + 1
     assert not unfinished.exists()
@@ -194,11 +205,10 @@ def test_truncated_metrics_keep_steps_up_to_the_checkpoint(tmp_path):
 
 
 # ---- preemption: SIGTERM / SIGINT finish the step, save it and exit 128 + signal
-def stop_with_signal(run_dir: Path, signum: int, log: Path) -> subprocess.CompletedProcess:
+def stop_with_signal(runs: Runs, run_dir: Path, signum: int, log: Path) -> subprocess.CompletedProcess:
     """Starts a run without periodic saves, sends `signum` once step 2 is logged, waits."""
     with open(log, "w") as stderr:
-        proc = subprocess.Popen(command(run_dir, "checkpoint.every_steps=0"), stdout=subprocess.DEVNULL,
-                                stderr=stderr, cwd=REPO)
+        proc = runs.start(run_dir, "checkpoint.every_steps=0", stderr=stderr)
         try:
             deadline = time.monotonic() + RUN_TIMEOUT_S
             metrics = run_dir / "metrics.jsonl"
@@ -215,9 +225,9 @@ def stop_with_signal(run_dir: Path, signum: int, log: Path) -> subprocess.Comple
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
-def test_signal_saves_the_step_then_resume_ends_bitwise_equal(signum, uninterrupted, tmp_path, capsys):
+def test_signal_saves_the_step_then_resume_ends_bitwise_equal(signum, uninterrupted, tmp_path, capsys, runs):
     run_dir = tmp_path / "stopped"
-    stopped = stop_with_signal(run_dir, signum, tmp_path / "stopped.log")
+    stopped = stop_with_signal(runs, run_dir, signum, tmp_path / "stopped.log")
     assert stopped.returncode == 128 + signum, stopped.stderr[-3000:]
     assert "Traceback" not in stopped.stderr
     last = stopped.stderr.strip().splitlines()[-1]
@@ -228,7 +238,7 @@ def test_signal_saves_the_step_then_resume_ends_bitwise_equal(signum, uninterrup
                     "to continue")
 
     # the same command again: checkpoint.resume=auto continues
-    resume_equals_uninterrupted(uninterrupted, run_dir, saved[0], f"{signal.Signals(signum).name} after step "
+    resume_equals_uninterrupted(runs, uninterrupted, run_dir, saved[0], f"{signal.Signals(signum).name} after step "
                                 f"{saved[0]}", capsys)
     assert [r["train-other/loss"] for r in logged_steps(run_dir)] == \
         [r["train-other/loss"] for r in logged_steps(uninterrupted)]
@@ -247,13 +257,13 @@ BREAKAGES = {"truncated": lambda step_dir: _truncate_files(step_dir / "params"),
 
 
 @pytest.mark.parametrize("breakage", sorted(BREAKAGES))
-def test_resume_falls_back_past_a_broken_newest_checkpoint(breakage, uninterrupted, tmp_path):
+def test_resume_falls_back_past_a_broken_newest_checkpoint(breakage, uninterrupted, tmp_path, runs):
     run_dir = tmp_path / "copy"
     shutil.copytree(uninterrupted, run_dir)
     broken = checkpoint_dir(run_dir) / str(STEPS)
     BREAKAGES[breakage](broken)
 
-    resumed = run_to_end(run_dir, flags=("--resume",))
+    resumed = runs.run_to_end(run_dir, flags=("--resume",))
     warnings = [line for line in resumed.stderr.splitlines() if line.startswith("grpo-run: warning: checkpoint")]
     assert len(warnings) == 1 and f"checkpoint {broken} is unreadable (" in warnings[0], resumed.stderr[-3000:]
     assert warnings[0].endswith(f"resuming from step {STEPS - 1}")
@@ -262,14 +272,14 @@ def test_resume_falls_back_past_a_broken_newest_checkpoint(breakage, uninterrupt
     assert max_abs_param_diff(uninterrupted, run_dir) == 0.0  # step STEPS trained again, identically
 
 
-def test_failing_save_stops_the_run_with_one_line_and_keeps_earlier_checkpoints(tmp_path, capsys):
+def test_failing_save_stops_the_run_with_one_line_and_keeps_earlier_checkpoints(tmp_path, capsys, runs):
     """Once checkpoint 2 is complete, the run's file-size limit drops to 64 KiB: later saves
     (the params alone are ~0.4 MB) fail with EFBIG, deterministically and without root."""
     run_dir, log = tmp_path / "run", tmp_path / "run.log"
     # Far more steps than it takes to notice checkpoint 2 on a loaded machine, all kept: a later save fails.
     longer = ("train.steps=400", "checkpoint.keep=1000")
     with open(log, "w") as stderr:
-        proc = subprocess.Popen(command(run_dir, *longer), stdout=subprocess.DEVNULL, stderr=stderr, cwd=REPO)
+        proc = runs.start(run_dir, *longer, stderr=stderr)
         try:
             deadline = time.monotonic() + RUN_TIMEOUT_S
             while KILL_AFTER not in complete_steps(run_dir):
@@ -298,16 +308,15 @@ def test_failing_save_stops_the_run_with_one_line_and_keeps_earlier_checkpoints(
 
 
 # ---- one run per logging.dir
-def test_second_run_on_a_live_run_dir_is_refused_naming_the_holder(tmp_path):
+def test_second_run_on_a_live_run_dir_is_refused_naming_the_holder(tmp_path, runs):
     run_dir = tmp_path / "live"
-    first = subprocess.Popen(command(run_dir, "train.steps=100000"), stdout=subprocess.DEVNULL,
-                             stderr=subprocess.DEVNULL, cwd=REPO)
+    first = runs.start(run_dir, "train.steps=100000", stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + RUN_TIMEOUT_S
         while not ((run_dir / "metrics.jsonl").is_file() and (run_dir / "metrics.jsonl").read_text()):
             assert first.poll() is None and time.monotonic() < deadline
             time.sleep(0.05)
-        message = refused(run_dir, "train.steps=100000")
+        message = runs.refused(run_dir, "train.steps=100000")
         assert f"logging.dir {str(run_dir)!r} is in use by pid {first.pid} on host " in message
         assert "wait for that run to end, or set logging.dir to another directory" in message
     finally:
@@ -315,29 +324,29 @@ def test_second_run_on_a_live_run_dir_is_refused_naming_the_holder(tmp_path):
         first.wait(timeout=60)
 
 
-def test_stale_lock_of_a_dead_run_is_taken_over(uninterrupted, tmp_path):
+def test_stale_lock_of_a_dead_run_is_taken_over(uninterrupted, tmp_path, runs):
     run_dir = tmp_path / "copy"
     shutil.copytree(uninterrupted, run_dir)
     (run_dir / ".lock").write_text(json.dumps({"pid": 2 ** 22 + 1, "host": "gone"}))
-    resumed = run_to_end(run_dir, f"train.steps={STEPS + 1}")
+    resumed = runs.run_to_end(run_dir, f"train.steps={STEPS + 1}")
     assert f"grpo-run: warning: took over the stale lock of pid {2 ** 22 + 1} on host gone on {run_dir}" \
         in resumed.stderr
     assert complete_steps(run_dir)[-1] == STEPS + 1
     assert (run_dir / ".lock").read_text() == ""  # released at the end
 
 
-def test_checkpoint_with_per_layer_params_is_refused_in_one_line(uninterrupted, tmp_path):
+def test_checkpoint_with_per_layer_params_is_refused_in_one_line(uninterrupted, tmp_path, runs):
     """A checkpoint from before stacked decoder layers has no `param_layout` in its meta."""
     run_dir = tmp_path / "old-layout"
     shutil.copytree(uninterrupted, run_dir)
     meta_dir = checkpoint_dir(run_dir) / str(STEPS) / "meta"
-    meta = saved_meta(run_dir, STEPS)
+    meta = saved_meta(run_dir)
     del meta["param_layout"]
     shutil.rmtree(meta_dir)
     with ocp.Checkpointer(ocp.JsonCheckpointHandler()) as writer:
         writer.save(meta_dir, args=ocp.args.JsonSave(meta))
     before = files_of(run_dir)
-    message = refused(run_dir, f"train.steps={STEPS + 1}", flags=("--resume",))
+    message = runs.refused(run_dir, f"train.steps={STEPS + 1}", flags=("--resume",))
     assert f"checkpoint {checkpoint_dir(run_dir) / str(STEPS)} was written by an older version" in message
     assert "start a new logging.dir" in message
     assert files_of(run_dir) == before

@@ -14,9 +14,6 @@ from grpo_core.registry import default_registry
 from grpo_core.testing import registry_with
 from grpo_losses import TokenLogps, ReferenceLogps
 
-FAST = ["train.steps=2", "rollout.prompts_per_step=4", "rollout.n=4", "rollout.max_new_tokens=4",
-        "eval.every_steps=2", "eval.num_questions=8"]
-
 EXPECTED_KEYS = [
     *(f"time/train/{k}" for k in ("rollout_s", "reward_s", "update_s", "step_s", "step_avg_last10_s")),
     "throughput/train/valid_tokens_per_s",
@@ -30,14 +27,16 @@ EXPECTED_KEYS = [
 
 
 @pytest.fixture
-def trainer_of(tiny_config):
-    """`trainer_of(*overrides, registry=None)`: a Trainer of the tiny config at FAST (run
-    directory: the test's tmp_path / "run")."""
+def trainer_of(tiny_config, small_run):
+    """`trainer_of(*overrides, registry=None)`: a Trainer of 2 small steps of the tiny config,
+    evaluated after the second (run directory: the test's tmp_path / "run")."""
     from grpo_runner_gsm8k.loop import Trainer
 
     def build(*overrides: str, registry=None):
         registry = registry or default_registry()
-        return Trainer(tiny_config(*FAST, *overrides, registry=registry), registry)
+        cfg = tiny_config(*small_run(2, eval_every=2), "rollout.max_new_tokens=4", "eval.num_questions=8", *overrides,
+                          registry=registry)
+        return Trainer(cfg, registry)
 
     return build
 

@@ -10,9 +10,6 @@ import pytest
 from grpo_runner_gsm8k import loop, memory_check
 from grpo_runner_gsm8k.cli import main
 
-REPO = Path(__file__).resolve().parents[2]
-TINY = str(REPO / "configs" / "tiny.yaml")
-FAST = ["train.steps=1", "rollout.prompts_per_step=4", "rollout.n=4", "eval.every_steps=0"]
 LOG = re.compile(r"traceback, config and versions in (\S+crash-\S+\.log);")
 
 
@@ -26,10 +23,11 @@ def crash_log_of(line: str) -> Path:
     return Path(found.group(1))
 
 
-def test_unexpected_error_is_one_line_exit_1_and_a_crash_log_in_the_run_dir(tmp_path, monkeypatch, capsys):
+def test_unexpected_error_is_one_line_exit_1_and_a_crash_log_in_the_run_dir(tmp_path, one_step, tiny_config_path,
+                                                                            monkeypatch, capsys):
     monkeypatch.setattr(loop.Trainer, "step", _fail_step)
     run_dir = tmp_path / "run"
-    assert main(["--config", TINY, *FAST, f"logging.dir={run_dir}"]) == 1
+    assert main(one_step(run_dir)) == 1
     err = capsys.readouterr().err
     lines = [line for line in err.strip().splitlines() if line.startswith("grpo-run:")]
     assert len(lines) == 1 and "Traceback" not in err, err
@@ -41,34 +39,34 @@ def test_unexpected_error_is_one_line_exit_1_and_a_crash_log_in_the_run_dir(tmp_
     assert "Traceback (most recent call last)" in text and "RuntimeError: injected fault" in text
     assert re.search(r"^jax \d", text, re.M) and re.search(r"^grpo-runner-gsm8k \d", text, re.M)
     assert "\nconfig:\nmodel:" in text and f"dir: {run_dir}" in text
-    assert f"command: grpo-run --config {TINY}" in text
+    assert f"command: grpo-run --config {tiny_config_path}" in text
 
 
-def test_debug_also_prints_the_traceback(tmp_path, monkeypatch, capsys):
+def test_debug_also_prints_the_traceback(tmp_path, one_step, monkeypatch, capsys):
     monkeypatch.setattr(loop.Trainer, "step", _fail_step)
-    assert main(["--config", TINY, *FAST, f"logging.dir={tmp_path / 'run'}", "--debug"]) == 1
+    assert main(one_step(tmp_path / "run", "--debug")) == 1
     err = capsys.readouterr().err
     assert "Traceback (most recent call last)" in err and err.strip().splitlines()[-1].startswith("grpo-run: error:")
 
 
-def test_crash_before_the_run_dir_exists_logs_to_the_temp_dir(tmp_path, monkeypatch, capsys):
+def test_crash_before_the_run_dir_exists_logs_to_the_temp_dir(tmp_path, one_step, monkeypatch, capsys):
     def fail(*args, **kwargs):
         raise KeyError("no such thing")
 
     monkeypatch.setattr(loop, "build_run", fail)
     monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
-    assert main(["--config", TINY, *FAST, f"logging.dir={tmp_path / 'never'}"]) == 1
+    assert main(one_step(tmp_path / "never")) == 1
     line = capsys.readouterr().err.strip().splitlines()[-1]
     assert crash_log_of(line).parent == tmp_path and not (tmp_path / "never").exists()
     assert "KeyError: 'no such thing'" in line
 
 
-def test_a_run_that_does_not_fit_exits_3_before_dispatch(tmp_path, monkeypatch, capsys):
+def test_a_run_that_does_not_fit_exits_3_before_dispatch(tmp_path, one_step, monkeypatch, capsys):
     """No memory beside what the run already holds: the first phase, compiled before it runs,
     cannot fit; the line is the plan's does-not-fit message and no step is logged."""
     monkeypatch.setattr(memory_check, "host_available_bytes", lambda: 0)
     run_dir = tmp_path / "run"
-    assert main(["--config", TINY, *FAST, f"logging.dir={run_dir}"]) == 3
+    assert main(one_step(run_dir)) == 3
     line = capsys.readouterr().err.strip().splitlines()[-1]
     assert re.fullmatch(r"grpo-run: error: rollout prefill needs \d+\.\d\d GiB per device, exceeds capacity by "
                         r"\d+\.\d\d GiB \(capacity \d+\.\d\d GiB\): lower rollout\.prompts_per_step, rollout\.n or "
@@ -80,10 +78,10 @@ def test_a_run_that_does_not_fit_exits_3_before_dispatch(tmp_path, monkeypatch, 
 @pytest.mark.slow
 @pytest.mark.skipif((memory_check.host_available_bytes() or 0) > 64 << 30,
                     reason="this host has the ~75 GiB the rollout needs: it would fit")
-def test_rollout_n_100000_on_cpu_exits_3_instead_of_running_out_of_memory(tmp_path, capsys):
+def test_rollout_n_100000_on_cpu_exits_3_instead_of_running_out_of_memory(tmp_path, tiny_config_path, capsys):
     """1.6 million rollout rows need tens of GiB per device: refused from the compiled prefill
     (without the check XLA fails allocating them, with a traceback)."""
     run_dir = tmp_path / "run"
-    assert main(["--config", TINY, "train.steps=1", "rollout.n=100000", f"logging.dir={run_dir}"]) == 3
+    assert main(["--config", tiny_config_path, "train.steps=1", "rollout.n=100000", f"logging.dir={run_dir}"]) == 3
     line = capsys.readouterr().err.strip().splitlines()[-1]
     assert line.startswith("grpo-run: error: rollout prefill needs ") and "lower rollout.prompts_per_step" in line

@@ -11,8 +11,6 @@ are bounded and derandomized so CI time is fixed and failures reproduce.
 import dataclasses
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -27,8 +25,6 @@ from grpo_core.registry import default_registry
 from grpo_runner_gsm8k.build import from_plugin
 from grpo_runner_gsm8k.cli import main
 
-REPO = Path(__file__).resolve().parents[2]
-TINY = REPO / "configs" / "tiny.yaml"
 CONFIG_EXAMPLES, OVERRIDE_EXAMPLES, JSONL_EXAMPLES = 120, 120, 80
 
 
@@ -57,22 +53,24 @@ sections = st.one_of(st.sampled_from(SECTIONS), st.text(min_size=1, max_size=10)
 paths = st.one_of(st.sampled_from(PATHS), st.sampled_from(PATHS), st.sampled_from(PATHS), st.tuples(sections, names))
 
 
-def tiny_tree() -> dict:
-    return yaml.safe_load(TINY.read_text())
-
-
 @st.composite
-def config_trees(draw) -> dict:
-    """tiny.yaml with a few keys set, sections replaced, or entries removed."""
-    tree = tiny_tree()
+def config_edits(draw) -> list[tuple]:
+    """A few (kind, section, key, value) edits of a config: keys set, sections replaced or dropped."""
+    edits = []
     for _ in range(draw(st.integers(1, 4))):
         (section, key), kind = draw(paths), draw(st.sampled_from(["set", "set", "section", "drop"]))
+        edits.append((kind, section, key, None if kind == "drop" else draw(values)))
+    return edits
+
+
+def edited(tree: dict, edits: list[tuple]) -> dict:
+    for kind, section, key, value in edits:
         if kind == "set":
             target = tree.setdefault(section, {})
             if isinstance(target, dict):
-                target[key] = draw(values)
+                target[key] = value
         elif kind == "section":
-            tree[section] = draw(values)
+            tree[section] = value
         else:
             tree.pop(section, None)
     return tree
@@ -95,8 +93,9 @@ def check_answer(code: int, err: str, run_dir: Path) -> None:
 
 
 @fuzz(CONFIG_EXAMPLES)
-@given(tree=config_trees(), text_instead=st.one_of(st.none(), st.text(max_size=60)))
-def test_fuzzed_config_files_exit_0_or_2_in_one_line(tree, text_instead, tmp_path_factory, capsys):
+@given(edits=config_edits(), text_instead=st.one_of(st.none(), st.text(max_size=60)))
+def test_fuzzed_config_files_exit_0_or_2_in_one_line(edits, text_instead, tiny_config_path, tmp_path_factory, capsys):
+    tree = edited(yaml.safe_load(Path(tiny_config_path).read_text()), edits)
     folder = tmp_path_factory.mktemp("cfg")
     config = folder / "run.yaml"
     try:
@@ -111,11 +110,11 @@ def test_fuzzed_config_files_exit_0_or_2_in_one_line(tree, text_instead, tmp_pat
 
 @fuzz(OVERRIDE_EXAMPLES)
 @given(items=st.lists(overrides, min_size=1, max_size=3))
-def test_fuzzed_override_lists_exit_0_or_2_in_one_line(items, tmp_path_factory, capsys):
+def test_fuzzed_override_lists_exit_0_or_2_in_one_line(items, tiny_config_path, tmp_path_factory, capsys):
     run_dir = tmp_path_factory.mktemp("ovr") / "run"
-    argv = ["--config", str(TINY), "--print-config", *items, f"logging.dir={run_dir}"]
+    argv = ["--config", tiny_config_path, "--print-config", *items, f"logging.dir={run_dir}"]
     if any(item.startswith("-") for item in items):  # flags: argparse answers those (usage error, exit 2)
-        argv = ["--config", str(TINY), "--print-config", "--", *items, f"logging.dir={run_dir}"]
+        argv = ["--config", tiny_config_path, "--print-config", "--", *items, f"logging.dir={run_dir}"]
     code = main(argv)
     check_answer(code, capsys.readouterr().err, run_dir)
 
@@ -124,10 +123,9 @@ def test_fuzzed_override_lists_exit_0_or_2_in_one_line(items, tmp_path_factory, 
     ["rollout.n=~"], ["rollout=null"], ["train.seed=18446744073709551616"], ["train.lr=1e400"],
     ["rollout={n: 4}", "train.steps=1", "rollout.prompts_per_step=4", "eval.every_steps=0"],
 ])
-def test_real_cli_subprocess_answers_in_one_line(args, tmp_path):
+def test_real_cli_subprocess_answers_in_one_line(args, tmp_path, grpo_cli):
     run_dir = tmp_path / "run"
-    done = subprocess.run([sys.executable, "-m", "grpo_runner_gsm8k.cli", "--config", str(TINY), *args,
-                           f"logging.dir={run_dir}"], capture_output=True, text=True, cwd=REPO, timeout=300)
+    done = grpo_cli.run(grpo_cli.train_argv(*args, f"logging.dir={run_dir}"), timeout=300)
     assert done.returncode in (0, 2), done.stderr[-3000:]
     assert "Traceback" not in done.stderr
     if done.returncode == 2:

@@ -2,7 +2,6 @@
 full-parameter one, and a beta > 0 LoRA run holds no reference copy of the weights."""
 
 import math
-from pathlib import Path
 
 import jax
 import pytest
@@ -15,15 +14,13 @@ from grpo_core.registry import default_registry
 from grpo_runner_gsm8k.adapters import abstract_lora_model
 from grpo_runner_gsm8k.plan import build_plan_inputs, per_device_bytes
 
-REPO = Path(__file__).resolve().parents[2]
-
 
 def _count(tree) -> int:
     return sum(math.prod(x.shape) for x in jax.tree.leaves(tree))
 
 
-def test_r16_adapters_and_their_adam_state_are_under_2_percent_of_full_on_3b():
-    cfg = load_config(REPO / "configs" / "gsm8k_qwen25_3b_v6e8.yaml", ["model.lora.rank=16"])
+def test_r16_adapters_and_their_adam_state_are_under_2_percent_of_full_on_3b(repo_root):
+    cfg = load_config(repo_root / "configs" / "gsm8k_qwen25_3b_v6e8.yaml", ["model.lora.rank=16"])
     qcfg = hub_architecture(cfg.model.path)
     adapters, base = lora.split_adapters(nnx.state(abstract_lora_model(cfg, qcfg)))
     # every projection of 36 layers: r * (fan_in + fan_out) each
@@ -35,8 +32,8 @@ def test_r16_adapters_and_their_adam_state_are_under_2_percent_of_full_on_3b():
 
 
 @pytest.mark.parametrize("lora_rank, reference", [("null", True), ("4", False)])
-def test_lora_plan_holds_no_reference_copy(lora_rank, reference):
-    cfg = load_config(REPO / "configs" / "tiny.yaml", ["loss.beta=0.1", f"model.lora.rank={lora_rank}"])
+def test_lora_plan_holds_no_reference_copy(lora_rank, reference, tiny_config):
+    cfg = tiny_config("loss.beta=0.1", f"model.lora.rank={lora_rank}")
     inputs = build_plan_inputs(cfg, default_registry())
     assert (inputs.reference_bytes > 0) == reference
     if not reference:  # the opt state is the adapters' (two moments each, float32)

@@ -2,29 +2,25 @@
 give the same hidden states, on 8 FSDP-sharded devices; the merged copy is taken when it
 fits in the devices' spare memory, the per-token path otherwise; the base is the reference."""
 
-from pathlib import Path
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
-from grpo_core.config_io import load_config
 from grpo_core.models import QwenConfig, init_from_config
 from grpo_core.sharding import shard_model
 from grpo_meshes import MeshStrategy
 from grpo_runner_gsm8k import adapters as lora_run
 
-REPO = Path(__file__).resolve().parents[2]
 QCFG = QwenConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=8, tie_word_embeddings=True)
 FSDP8 = MeshStrategy("fsdp8", (1, 8, 1))
 IDS = (jnp.arange(32).reshape(4, 8) * 5) % 64
 
 
-def lora_setup():
-    cfg = load_config(REPO / "configs" / "tiny.yaml", ["model.lora.rank=4", "model.lora.rslora=true"])
+def lora_setup(tiny_config):
+    cfg = tiny_config("model.lora.rank=4", "model.lora.rslora=true")
     mesh = FSDP8.build_mesh()
     model = shard_model(init_from_config(QCFG, seed=0), mesh, FSDP8.param_rules)
     run, adapters = lora_run.setup_lora(cfg, model, mesh, FSDP8.param_rules)
@@ -38,8 +34,8 @@ def hidden(graphdef, state):
     return np.asarray(nnx.merge(graphdef, state)(IDS))
 
 
-def test_merged_and_per_token_policies_agree_and_are_sharded_like_the_base():
-    run, adapters, mesh = lora_setup()
+def test_merged_and_per_token_policies_agree_and_are_sharded_like_the_base(tiny_config):
+    run, adapters, mesh = lora_setup(tiny_config)
     a = adapters["layers"]["mlp"]["up_proj"]["lora"]["a"].get_value()
     assert a.sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", None)  # embed -> fsdp, as the kernel
     run.decide_merge(mesh)
@@ -52,8 +48,8 @@ def test_merged_and_per_token_policies_agree_and_are_sharded_like_the_base():
     assert np.abs(merged - hidden(run.base_graphdef, run.base)).max() > 0.1  # the base is the adapters-off model
 
 
-def test_per_token_adapters_when_the_merged_copy_does_not_fit(monkeypatch, capsys):
-    run, _, mesh = lora_setup()
+def test_per_token_adapters_when_the_merged_copy_does_not_fit(tiny_config, monkeypatch, capsys):
+    run, _, mesh = lora_setup(tiny_config)
     monkeypatch.setattr(lora_run, "spare_device_bytes", lambda devices: 10)
     run.decide_merge(mesh)
     assert not run.merged_rollout and run.policy_graphdef is run.train_graphdef

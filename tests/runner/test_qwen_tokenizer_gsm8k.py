@@ -18,7 +18,7 @@ from grpo_core.config_io import load_config, plugin_options
 from grpo_core.registry import default_registry
 from grpo_runner_gsm8k.build import prompt_token_ids, sampling_params, stop_token_ids
 from grpo_runner_gsm8k.scoring import score
-from grpo_runner_gsm8k.tasks.gsm8k import Gsm8kOptions, Gsm8kTask, final_answer, _read_jsonl
+from grpo_runner_gsm8k.tasks.gsm8k import Gsm8kOptions, Gsm8kTask, final_answer, read_jsonl
 
 REPO = Path(__file__).resolve().parents[2]
 SHARED = REPO.parent / "shared" / "data"
@@ -79,7 +79,7 @@ def test_generation_stops_on_im_end(preset, tokenizer):
 def test_gold_solutions_encoded_and_decoded_score_1(tokenizer):
     """Each gold solution, as the model would emit it (tokens, then <|im_end|>), decoded the
     way the runner decodes completions, earns the full correctness reward."""
-    rows = _read_jsonl(GSM8K / "train.jsonl") + _read_jsonl(GSM8K / "test.jsonl")
+    rows = read_jsonl(GSM8K / "train.jsonl") + read_jsonl(GSM8K / "test.jsonl")
     completions = [row["answer"] + "<|im_end|>" for row in rows]
     ids = tokenizer(completions, add_special_tokens=False)["input_ids"]
     decoded = tokenizer.batch_decode(ids, skip_special_tokens=True)

@@ -198,18 +198,13 @@ def base_model(cfg: RunConfig, qcfg: Any) -> nnx.Module:
     return init_from_config(qcfg, seed=cfg.model.seed, dtype=cfg.model.dtype)
 
 
-def load_saved_adapters(cfg: RunConfig, qcfg: Any, meta: dict, where: Any,
-                        read: Callable[[Any], nnx.State]) -> SavedAdapters:
-    """The adapters of a LoRA checkpoint (`read(target)` restores its params onto `target`'s
-    ShapeDtypeStructs) and their base, whose fingerprint must be the checkpoint's."""
-    spec, model = lora_spec(cfg), base_model(cfg, qcfg)
-    base_graphdef, base = nnx.split(model)
-    check_same_base(meta.get("lora_base"), base_fingerprint(cfg, qcfg, base), where)
-    lora.add_adapters(model, spec, jax.random.key(cfg.model.seed))
-    template = lora.split_adapters(nnx.state(model))[0]
-    device = jax.tree.leaves(base)[0].sharding
-    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), template)
-    return SavedAdapters(spec, base_graphdef, base, read(target))
+def saved_base(cfg: RunConfig, qcfg: Any, fingerprint: Optional[dict],
+               where: Any) -> tuple[nnx.GraphDef, nnx.State]:
+    """A LoRA run's base rebuilt from its config, refused when it is not the base of the
+    checkpoint at `where` (whose saved base `fingerprint` is given)."""
+    graphdef, base = nnx.split(base_model(cfg, qcfg))
+    check_same_base(fingerprint, base_fingerprint(cfg, qcfg, base), where)
+    return graphdef, base
 
 
 def abstract_lora_model(cfg: RunConfig, qcfg: Any) -> nnx.Module:

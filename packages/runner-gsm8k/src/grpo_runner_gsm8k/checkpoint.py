@@ -43,6 +43,7 @@ from grpo_core.config import CheckpointConfig, RunConfig
 from grpo_core.config_io import build_dataclass, config_to_dict, resolve_defaults
 from grpo_core.contracts import Task
 from grpo_core.errors import RunFault, UserError
+from grpo_core.models import QwenConfig
 
 from grpo_runner_gsm8k import orbax_noise
 
@@ -81,14 +82,6 @@ def _read_item(run_dir: str | Path, step: int, item: str, handler: ocp.Checkpoin
                         "directory to fall back to the previous checkpoint") from None
 
 
-def saved_config(run_dir: str | Path, step: int) -> dict:
-    return _read_item(run_dir, step, "config", ocp.JsonCheckpointHandler(), ocp.args.JsonRestore())
-
-
-def saved_meta(run_dir: str | Path, step: int) -> dict:
-    return _read_item(run_dir, step, "meta", ocp.JsonCheckpointHandler(), ocp.args.JsonRestore())
-
-
 def check_param_layout(meta: dict, where: Path) -> None:
     """Refuses, in one line, a checkpoint (its `meta`, read from `where`) written before
     decoder layers were stacked."""
@@ -97,19 +90,6 @@ def check_param_layout(meta: dict, where: Path) -> None:
                         "one parameter subtree per decoder layer, which this version (layers stacked for one "
                         "scan) cannot restore; start a new logging.dir, or export it with the older version "
                         "and set model.path to the export")
-
-
-def saved_params(run_dir: str | Path, step: int, target: Any, meta: dict) -> Any:
-    """The params of checkpoint `step` (whose `meta` the caller read), placed where `target`
-    (ShapeDtypeStructs with shardings, in the params' tree structure) says."""
-    check_param_layout(meta, checkpoint_dir(run_dir) / str(step))
-    return _read_item(run_dir, step, "params", ocp.StandardCheckpointHandler(), ocp.args.StandardRestore(target))
-
-
-def saved_run_config(run_dir: str | Path, step: int) -> RunConfig:
-    """The RunConfig a checkpoint was written with (its "same as X" defaults filled in, as
-    a config written before they were filled in at load would lack them)."""
-    return resolve_defaults(build_dataclass(RunConfig, saved_config(run_dir, step)))
 
 
 # ---- resuming --------------------------------------------------------------------------
@@ -148,13 +128,61 @@ def check_compatible(saved: dict, current: dict, where: Path) -> None:
                         "or set logging.dir to a new directory to start a fresh run")
 
 
+def _read_json(run_dir: Path, step: int, item: str) -> dict:
+    return _read_item(run_dir, step, item, ocp.JsonCheckpointHandler(), ocp.args.JsonRestore())
+
+
 @dataclass(frozen=True)
 class Resume:
-    """Where a run continues: checkpoint steps newest first (the first that restores is
-    used), and the meta of the first, read once when its config was checked."""
+    """Checkpoint steps of a run, newest first (the first that restores is used), with the
+    config and meta of the first, read once: the one reader of a step's config and meta
+    (resuming and export both read a step through it)."""
 
+    run_dir: Path
     steps: list[int]
+    config: dict  # the resolved run config the step was written with, as saved
     meta: dict
+
+    @classmethod
+    def read(cls, run_dir: str | Path, newest_first: list[int]) -> "Resume":
+        """From the newest of `newest_first` whose config and meta read; an unreadable one is
+        skipped with a warning, the oldest's error is raised."""
+        run_dir = Path(run_dir)
+        for i, step in enumerate(newest_first):
+            try:
+                return cls(run_dir, newest_first[i:], _read_json(run_dir, step, "config"),
+                           _read_json(run_dir, step, "meta"))
+            except UserError as exc:
+                if i + 1 == len(newest_first):
+                    raise
+                warn_fallback(checkpoint_dir(run_dir) / str(step), exc, newest_first[i + 1])
+        raise UserError(f"no checkpoint to resume from in {checkpoint_dir(run_dir)}")
+
+    @property
+    def step(self) -> int:
+        return self.steps[0]
+
+    @property
+    def where(self) -> Path:
+        return checkpoint_dir(self.run_dir) / str(self.step)
+
+    @property
+    def run_config(self) -> RunConfig:
+        """The RunConfig the step was written with (its "same as X" defaults filled in, as
+        a config written before they were filled in at load would lack them)."""
+        return resolve_defaults(build_dataclass(RunConfig, self.config))
+
+    @property
+    def model_config(self) -> QwenConfig:
+        """The model's HF config, as the run built it."""
+        return QwenConfig.from_hf_dict(self.meta["model_config"])
+
+    def params(self, target: Any) -> Any:
+        """The step's params, placed where `target` (ShapeDtypeStructs with shardings, in the
+        params' tree structure) says."""
+        check_param_layout(self.meta, self.where)
+        return _read_item(self.run_dir, self.step, "params", ocp.StandardCheckpointHandler(),
+                          ocp.args.StandardRestore(target))
 
 
 def resume_point(cfg: RunConfig, required: bool = False) -> Optional[Resume]:
@@ -171,28 +199,13 @@ def resume_point(cfg: RunConfig, required: bool = False) -> Optional[Resume]:
     if cfg.checkpoint.resume == "never" and not required:
         raise UserError(f"logging.dir {str(run_dir)!r} already holds checkpoints (newest: step {steps[-1]}) and "
                         "checkpoint.resume is 'never'; set logging.dir to a new directory, or pass --resume")
-    candidates, config, meta = _newest_readable(run_dir, steps[::-1])
-    step, where = candidates[0], checkpoint_dir(run_dir) / str(candidates[0])
-    check_compatible(config, config_to_dict(cfg), where)
-    check_param_layout(meta, where)
-    if step > cfg.train.steps:
-        raise UserError(f"the checkpoint in {run_dir} is at step {step}, past train.steps={cfg.train.steps}; "
-                        f"set train.steps >= {step} to continue the run")
-    return Resume(candidates, meta)
-
-
-def _newest_readable(run_dir: Path, newest_first: list[int]) -> tuple[list[int], dict, dict]:
-    """(the steps from the newest whose config and meta read, that config, that meta)."""
-    for i, step in enumerate(newest_first):
-        try:
-            config, meta = saved_config(run_dir, step), saved_meta(run_dir, step)
-        except UserError as exc:
-            if i + 1 == len(newest_first):
-                raise
-            warn_fallback(checkpoint_dir(run_dir) / str(step), exc, newest_first[i + 1])
-            continue
-        return newest_first[i:], config, meta
-    raise UserError(f"no checkpoint to resume from in {checkpoint_dir(run_dir)}")
+    resume = Resume.read(run_dir, steps[::-1])
+    check_compatible(resume.config, config_to_dict(cfg), resume.where)
+    check_param_layout(resume.meta, resume.where)
+    if resume.step > cfg.train.steps:
+        raise UserError(f"the checkpoint in {run_dir} is at step {resume.step}, past train.steps={cfg.train.steps}; "
+                        f"set train.steps >= {resume.step} to continue the run")
+    return resume
 
 
 # Python's "[Errno 28] No space left on device" and TensorStore's "...: File too large [os_error_code='27']"
@@ -344,7 +357,7 @@ class Checkpointer:
     def restore(self, step: int, state: TrainState, task: Task, mesh: Mesh, meta: Optional[dict] = None) -> None:
         """Sets `state` and the task's data position from checkpoint `step` (its `meta` when
         already read); the arrays land on `mesh` with the shardings of `state`'s arrays."""
-        meta = saved_meta(self.directory.parent, step) if meta is None else meta
+        meta = Resume.read(self.directory.parent, [step]).meta if meta is None else meta
         check_param_layout(meta, self.directory / str(step))
         restored = self.manager.restore(step, args=ocp.args.Composite(
             params=ocp.args.StandardRestore(_on_mesh(state.params, mesh)),

@@ -2,8 +2,8 @@
 directory (config.json, safetensors, tokenizer) that `transformers` loads.
 
 The model is rebuilt from the checkpoint alone (its resolved config and the model's HF
-config are saved with it), abstractly, and filled with the checkpoint's params on one
-host device; nothing is compiled and no mesh is needed.
+config are saved with it): the run's abstract twin (plan.abstract.abstract_run) on one
+host device, filled with the checkpoint's params; nothing is compiled.
 
 `--out` must be new or empty; `--force` writes into a non-empty directory, replacing files
 of the same name, but never deletes or shadows weights it did not write: the files an
@@ -14,25 +14,28 @@ make even `--force` stop (a base model's directory is never overwritten by mista
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any, Optional
 
 import jax
 from flax import nnx
-from jax.sharding import SingleDeviceSharding
 
+from grpo_core.config import MeshConfig
 from grpo_core.errors import UserError
-from grpo_core.models import QwenConfig, QwenModel, export_pretrained
-from grpo_core.models.hf_io import INDEX_FILE, abstract_model
+from grpo_core.models import QwenModel, export_pretrained
+from grpo_core.models.hf_io import INDEX_FILE
 from grpo_core.models.config import SUPPORTED_DTYPES
 from grpo_core.models.peft_io import save_peft
+from grpo_core.registry import default_registry
 
-from grpo_runner_gsm8k.adapters import SavedAdapters, load_saved_adapters
+from grpo_runner_gsm8k.adapters import SavedAdapters, saved_base
 from grpo_runner_gsm8k.build import build_tokenizer
-from grpo_runner_gsm8k.checkpoint import (checkpoint_dir, complete_steps, saved_meta, saved_params,
-                                          saved_run_config)
+from grpo_runner_gsm8k.checkpoint import Resume, checkpoint_dir, complete_steps
 from grpo_runner_gsm8k.cli import ArgumentParser
+from grpo_runner_gsm8k.plan.abstract import abstract_run
+from grpo_runner_gsm8k.run import BuiltRun
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -71,36 +74,40 @@ def _host_device() -> jax.Device:
         return jax.local_devices()[0]
 
 
+def saved_run(run_dir: Path, step: int) -> tuple[Resume, BuiltRun]:
+    """Checkpoint `step` as read, and the abstract twin of its run on one host device, for the
+    model config saved with it (one device, whatever mesh it trained on: export compiles nothing)."""
+    saved = Resume.read(run_dir, [step])
+    cfg = dataclasses.replace(saved.run_config, mesh=MeshConfig())
+    return saved, abstract_run(cfg, default_registry(), [_host_device()], saved.model_config)
+
+
 def load_policy(run_dir: Path, step: int) -> tuple[QwenModel, Any]:
     """The policy model of checkpoint `step` (params on one device; a LoRA run's adapters
     merged into its base) and the run's tokenizer."""
-    cfg = saved_run_config(run_dir, step)
-    if cfg.model.lora.rank is not None:
-        return saved_lora(run_dir, step).merged_model(), build_tokenizer(cfg)
-    meta = saved_meta(run_dir, step)
-    qcfg = QwenConfig.from_hf_dict(meta["model_config"])
-    graphdef, shapes = nnx.split(abstract_model(qcfg, cfg.model.param_dtype))
-    on_host = SingleDeviceSharding(_host_device())
-    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=on_host), shapes)
-    return nnx.merge(graphdef, saved_params(run_dir, step, target, meta)), build_tokenizer(cfg)
+    saved, run = saved_run(run_dir, step)
+    if run.lora is not None:
+        return saved_adapters(saved, run).merged_model(), build_tokenizer(run.cfg)
+    return nnx.merge(run.graphdef, saved.params(run.state.params)), build_tokenizer(run.cfg)
+
+
+def saved_adapters(saved: Resume, run: BuiltRun) -> SavedAdapters:
+    """A LoRA checkpoint's adapters and base (refused when the base is not the one they were trained on)."""
+    with jax.default_device(_host_device()):
+        base_graphdef, base = saved_base(run.cfg, run.qcfg, saved.meta.get("lora_base"), saved.where)
+    return SavedAdapters(run.lora.spec, base_graphdef, base, saved.params(run.state.params))
 
 
 def saved_lora(run_dir: Path, step: int) -> SavedAdapters:
-    """A LoRA checkpoint's adapters and base (refused when the base is not the one they were trained on)."""
-    cfg, meta = saved_run_config(run_dir, step), saved_meta(run_dir, step)
-    qcfg = QwenConfig.from_hf_dict(meta["model_config"])
-    where = checkpoint_dir(run_dir) / str(step)
-    with jax.default_device(_host_device()):
-        return load_saved_adapters(cfg, qcfg, meta, where, lambda target: saved_params(run_dir, step, target, meta))
+    return saved_adapters(*saved_run(run_dir, step))
 
 
 def export_peft(run_dir: Path, step: int, out_dir: Path) -> None:
-    cfg = saved_run_config(run_dir, step)
-    if cfg.model.lora.rank is None:
+    saved, run = saved_run(run_dir, step)
+    if run.lora is None:
         raise UserError(f"--peft: the run in {str(run_dir)!r} trained every parameter (model.lora.rank is null), "
                         "so it has no adapters; export it without --peft")
-    saved = saved_lora(run_dir, step)
-    save_peft(out_dir, saved.arrays(), saved.spec, cfg.model.path)
+    save_peft(out_dir, saved_adapters(saved, run).arrays(), run.lora.spec, run.cfg.model.path)
 
 
 MANIFEST = ".grpo-export.json"

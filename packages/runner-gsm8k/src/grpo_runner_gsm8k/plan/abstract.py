@@ -182,12 +182,14 @@ def target_layout(devices: list) -> ProcessLayout:
     return ProcessLayout(0, processes, len(devices) // processes, len(devices), distributed=False)
 
 
-def abstract_run(cfg: RunConfig, registry: Registry, devices: Optional[list] = None) -> BuiltRun:
-    """The run's abstract twin on `devices` (default: this host's): the same plugins and jitted
-    functions, on a model and optimizer state of shapes only (no weights, tokenizer or data)."""
+def abstract_run(cfg: RunConfig, registry: Registry, devices: Optional[list] = None,
+                 qcfg: Optional[QwenConfig] = None) -> BuiltRun:
+    """The run's abstract twin on `devices` (default: this host's) for model config `qcfg`
+    (default: `plan_architecture(cfg)`): the same plugins and jitted functions, on a model and
+    optimizer state of shapes only (no weights, tokenizer or data)."""
     layout = setup_processes(cfg.mesh) if devices is None else target_layout(devices)
     resolved = build_mesh_from_config(cfg.mesh, registry.mesh, devices)
-    qcfg = plan_architecture(cfg)
+    qcfg = plan_architecture(cfg) if qcfg is None else qcfg
     check_lengths(cfg, qcfg)
     local_prompt_count(cfg.rollout.prompts_per_step, layout.process_count)  # the prompts split over the hosts
     preflight(cfg, resolved.mesh, qcfg, devices)

@@ -61,7 +61,7 @@ def final_answer(solution: str) -> str:
 # ---------------------------------------------------------------- loading rows
 
 
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
     """The rows of a JSON-lines file; a line that is not UTF-8 or not JSON is a UserError
     naming the file, the line and the byte offset in the file."""
     rows, offset = [], 0
@@ -125,7 +125,7 @@ def _read_local(path: str, split: str) -> list[dict[str, Any]]:
     if missing:
         raise ValueError(f"gsm8k {split} file {missing[0]} does not exist; check task.options.path")
     if all(f.suffix == ".jsonl" for f in files):
-        return [row for f in files for row in _read_jsonl(f)]
+        return [row for f in files for row in read_jsonl(f)]
     if all(f.suffix == ".parquet" for f in files):
         return _read_parquet(files)
     raise ValueError(f"gsm8k files must be .jsonl or .parquet, got {[f.name for f in files]}")
