@@ -4,6 +4,7 @@ slice has; bad names and configs too large for the chip's HBM are one-line error
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -46,9 +47,16 @@ def test_slice_shapes_follow_cloud_tpu():
 def test_tiny_model_planned_by_the_tpu_compiler(plan_config, tmp_path, capsys, gather):
     cfg = plan_config(f"rollout.options.gather_weights={gather}")
     environment = dict(os.environ)
-    assert plan.plan_command(cfg, default_registry(), target="v5e-4") == 0
+    assert plan.plan_command(cfg, default_registry(), target="v5e-4", expect_tokens=3) == 0
     assert dict(os.environ) == environment  # libtpu's variables and the CPU scheduler flag are scoped to the plan
     out = capsys.readouterr().out
+    assert "projected time per device: a lower bound from the TPU compiler's programs, not a measurement (v5e: " \
+           "197 TFLOP/s bf16, 819 GB/s HBM, 400 GB/s ICI per chip" in out
+    assert re.search(r"^projected step at 8 completion tokens per row: .*\(7 decode steps x .*completion tokens/s$",
+                     out, re.M)
+    assert re.search(r"^projected step at 3 completion tokens per row: .*\(2 decode steps x ", out, re.M)
+    [line] = [x for x in out.splitlines() if x.startswith('{"projection"')]
+    assert [s["completion_tokens"] for s in json.loads(line)["projection"]["steps"]] == [8, 3]
     assert "on 4 TPU v5 lite device(s)" in out
     assert "figures: the TPU compiler's (libtpu) for v5e-4 (TPU v5 lite, topology v5e:2x2): 4 devices on 1 host" in out
     decode_line = {  # auto: the gathered copy of a tiny model fits; false: FSDP weights gathered every token
@@ -162,3 +170,18 @@ def test_bad_chip_override_is_one_line_naming_the_fields(text):
     with pytest.raises(UserError, match=rf"^--chip '{re.escape(text)}': give name=value with a value > 0, names: "
                                         "peak_tflops, hbm_gbps, ici_gbps, usable_hbm_gib$"):
         tpu_target.with_chip(tpu_target.parse_target("v6e-8"), text)
+
+
+@pytest.mark.parametrize("flag, why", [(["--expect-completion-tokens", "9"], "must be between 1 and rollout.max_new_tokens (8)"),
+                                       (["--chip", "hbm=1"], "give name=value with a value > 0")])
+def test_bad_projection_flags_are_one_line(tiny_config_path, plan_overrides, tmp_path, capsys, flag, why):
+    args = ["--config", tiny_config_path, *plan_overrides, f"logging.dir={tmp_path / 'run'}", "--plan", "--target",
+            "v5e-4", *flag]
+    assert main(args) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("grpo-run: error: ") and why in line
+
+
+def test_projection_flags_without_target_are_refused(tiny_config_path, capsys):
+    assert main(["--config", tiny_config_path, "--plan", "--expect-completion-tokens", "4"]) == 2
+    assert "--expect-completion-tokens only applies to --plan --target SLICE" in capsys.readouterr().err
