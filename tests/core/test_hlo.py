@@ -74,7 +74,8 @@ def test_instruction_and_shape_parsing():
 
 # As the TPU compiler writes them: a scan with no known_trip_count annotation (its condition is only
 # `counter < 3`), dots as convolutions (the k projection [8,16,256] x [256, 2 heads, 64]: a window over
-# the heads, padded, so each output reads one tap), and one all-gather copied into two fusions.
+# the heads, padded, so each output reads one tap), and one all-gather copied into two fusions, one
+# of them the start of an asynchronous collective (so the transfer overlaps compute).
 TPU_STYLE = """HloModule tpu_style
 
 %cond (p: (s32[], bf16[8,16,256])) -> pred[] {
@@ -86,7 +87,13 @@ TPU_STYLE = """HloModule tpu_style
 
 %gathered (w: bf16[64,2,64,1]) -> bf16[256,2,64,1] {
   %w = bf16[64,2,64,1]{3,2,1,0} parameter(0)
-  ROOT %ag = bf16[256,2,64,1]{3,2,1,0} all-gather(%w), channel_id=7, dimensions={0}
+  %ag = bf16[256,2,64,1]{3,2,1,0} all-gather(%w), channel_id=7, dimensions={0}
+  ROOT %s = bf16[256,2,64,1]{3,2,1,0} custom-call(%w, %ag), custom_call_target="AsyncCollectiveStart"
+}
+
+%reduced (g: f32[256]) -> f32[256] {
+  %g = f32[256]{0} parameter(0)
+  ROOT %ar = f32[256]{0} all-reduce(%g), channel_id=9, to_apply=%cond
 }
 
 %gathered.copy (w: bf16[64,2,64,1]) -> bf16[256,2,64,1] {
@@ -101,6 +108,8 @@ TPU_STYLE = """HloModule tpu_style
   %start = bf16[256,2,64,1]{3,2,1,0} fusion(%w), kind=kCustom, calls=%gathered
   %done = bf16[256,2,64,1]{3,2,1,0} fusion(%w), kind=kCustom, calls=%gathered.copy
   %k = f32[8,16,2,64]{3,2,1,0} convolution(%x, %done), window={size=1x2 pad=0_0x1_1 rhs_reversal=0x1}, dim_labels=0bf1_i1o0->0b1f
+  %g = f32[256]{0} parameter(3)
+  %sum = f32[256]{0} fusion(%g), kind=kLoop, calls=%reduced
   ROOT %t = (s32[], bf16[8,16,256]{2,1,0}) tuple(%p)
 }
 
@@ -117,4 +126,7 @@ def test_tpu_style_scan_convolution_and_copied_collective():
     assert module.trip_count(loop) == 3
     assert module.matmul_flops() == 3 * 2 * 8 * 16 * 2 * 64 * 256
     assert module.unknown_trip_counts == []
-    assert module.collective_bytes() == {"all-gather": 3 * 256 * 2 * 64 * 2}
+    gathered, reduced = {"all-gather": 3 * 256 * 2 * 64 * 2}, {"all-reduce": 3 * 256 * 4}
+    assert module.collective_bytes() == {**gathered, **reduced}
+    assert module.collective_bytes(overlapped=True) == gathered
+    assert module.collective_bytes(overlapped=False) == reduced

@@ -125,6 +125,7 @@ class HloModule:
                 current.shapes[instruction.name] = instruction.shape
                 current.instructions.append(instruction)
         self.unknown_trip_counts: list[str] = []
+        self._async_channels: set[str] | None = None
 
     def while_loops(self, computation: str | None = None) -> list[Instruction]:
         """The while instructions directly in `computation` (default: the entry)."""
@@ -162,31 +163,56 @@ class HloModule:
         return total
 
     def collective_bytes(self, computation: str | None = None, ops: tuple[str, ...] = COLLECTIVES,
-                         seen: set[str] | None = None) -> dict[str, int]:
+                         seen: set[str] | None = None, overlapped: bool | None = None,
+                         in_async: bool = False) -> dict[str, int]:
         """Bytes produced per collective kind in one execution of `computation`
         (nested loops multiplied by their trip counts; async pairs counted once, and so is
-        a collective the TPU compiler copies into several fusions: one channel id, one transfer)."""
+        a collective the TPU compiler copies into several fusions: one channel id, one transfer).
+        `overlapped`: True counts only collectives issued asynchronously (they overlap compute),
+        False only the others, None all."""
         comp, seen = self.computations[computation or self.entry], set() if seen is None else seen
+        in_async = in_async or _async_context(comp)
         totals: dict[str, int] = {}
         for inst in comp.instructions:
             kind = inst.op.removesuffix("-done")
-            if kind in ops and not inst.op.endswith("-start") and _first_of_channel(inst, seen):
+            chosen = overlapped is None or overlapped == (in_async or self._asynchronous(inst))
+            if kind in ops and not inst.op.endswith("-start") and chosen and _first_of_channel(inst, seen):
                 totals[kind] = totals.get(kind, 0) + shape_bytes(inst.shape)
             if inst.op.startswith("async-") and inst.op != "async-start":
                 continue  # async-update/done wrap the same computation as their start
             repeat = (self.trip_count(inst) or 1) if inst.op == "while" else 1
-            for callee in inst.callees():
-                for kind, value in self.collective_bytes(callee, ops, seen).items() if callee in self.computations else ():
+            for callee in (c for c in inst.callees() if c in self.computations):
+                inner = self.collective_bytes(callee, ops, seen, overlapped, in_async or inst.op == "async-start")
+                for kind, value in inner.items():
                     totals[kind] = totals.get(kind, 0) + repeat * value
         return totals
 
+    def _asynchronous(self, inst: Instruction) -> bool:
+        """Issued asynchronously: a -done op, or a collective whose channel has a copy in an async context."""
+        if self._async_channels is None:
+            self._async_channels = {_channel(i) for c in self.computations.values() if _async_context(c)
+                                    for i in c.instructions} - {None}
+        return inst.op.endswith("-done") or _channel(inst) in self._async_channels
+
+
+def _async_context(comp: Computation) -> bool:
+    """A computation the TPU compiler runs as part of an asynchronous collective (its start, done,
+    or the compute fusions it is split across)."""
+    return comp.name.startswith("async_collective_fusion") or any(
+        i.op == "custom-call" and "AsyncCollective" in i.attrs for i in comp.instructions)
+
+
+def _channel(inst: Instruction) -> str | None:
+    found = re.search(r"channel_id=(\d+)", inst.attrs)
+    return found.group(1) if found else None
+
 
 def _first_of_channel(inst: Instruction, seen: set[str]) -> bool:
-    channel = re.search(r"channel_id=(\d+)", inst.attrs)
+    channel = _channel(inst)
     if channel is None:
         return True
-    first = channel.group(1) not in seen
-    seen.add(channel.group(1))
+    first = channel not in seen
+    seen.add(channel)
     return first
 
 

@@ -23,7 +23,8 @@ class PhaseCost:
 
     flops: float  # matmul FLOPs, every loop body times its trip count
     hbm_bytes: int
-    collective_bytes: int
+    collective_bytes: int  # issued synchronously: compute waits for them
+    overlapped_collective_bytes: int = 0  # issued asynchronously, overlapping compute
     per_iteration: bool = False
     setup_collective_bytes: int = 0
     custom_calls: int = 0  # kernels (Pallas, cuDNN) whose work the HLO does not show
@@ -35,16 +36,21 @@ def data_dependent_loop(module: HloModule) -> Optional[Instruction]:
     return max(loops, key=lambda w: shape_bytes(w.shape), default=None)
 
 
+def collective_split(module: HloModule, computation: str | None = None) -> tuple[int, int]:
+    """(synchronous, asynchronous) collective bytes of one execution of `computation`."""
+    return tuple(sum(module.collective_bytes(computation, overlapped=kind).values()) for kind in (False, True))
+
+
 def phase_cost(compiled: Any) -> PhaseCost:
     module = HloModule(compiled.as_text())
-    everything = sum(module.collective_bytes().values())
     kernels = sum(i.op == "custom-call" for c in module.computations.values() for i in c.instructions
                   if "tpu_custom_call" in i.attrs or "cudnn" in i.attrs)
+    everything = collective_split(module)
     loop = data_dependent_loop(module)
     if loop is None:
         stats = compiled.memory_analysis()
         return PhaseCost(module.matmul_flops(), stats.argument_size_in_bytes + stats.output_size_in_bytes,
-                         everything, custom_calls=kernels)
-    per_iteration = sum(module.collective_bytes(loop.body()).values())
-    return PhaseCost(module.matmul_flops(loop.body()), shape_bytes(loop.shape), per_iteration, per_iteration=True,
-                     setup_collective_bytes=everything - per_iteration, custom_calls=kernels)
+                         *everything, custom_calls=kernels)
+    per_iteration = collective_split(module, loop.body())
+    return PhaseCost(module.matmul_flops(loop.body()), shape_bytes(loop.shape), *per_iteration, per_iteration=True,
+                     setup_collective_bytes=sum(everything) - sum(per_iteration), custom_calls=kernels)

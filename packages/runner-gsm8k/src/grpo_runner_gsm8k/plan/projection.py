@@ -1,8 +1,8 @@
 """`grpo-run --plan --target SLICE`: projected time of a step, per phase, from the compiled programs.
 
-A roofline per phase and device: max(matmul FLOPs / peak bf16 FLOP/s, HBM bytes / HBM bandwidth)
-+ collective bytes / ICI bandwidth (collectives counted as exposed, none overlapped), with the
-chip figures of tpu_target's table. FLOPs count every loop body times its trip count; attention
+A roofline per phase and device: max(matmul FLOPs / peak bf16 FLOP/s, HBM bytes / HBM bandwidth,
+asynchronous collective bytes / ICI bandwidth) + synchronous collective bytes / ICI bandwidth (the
+compiled schedule says which overlap compute), with the chip figures of tpu_target's table. FLOPs count every loop body times its trip count; attention
 run as a kernel (splash, cudnn: a custom call the HLO counts as zero) is added analytically.
 HBM bytes are a lower bound (plan.cost). So the projection is a lower bound, not a measurement:
 
@@ -39,14 +39,17 @@ class PhaseTime:
     name: str
     flops: float  # per device, analytic attention included
     hbm_bytes: int
-    collective_bytes: int
+    collective_bytes: int  # synchronous
+    overlapped_collective_bytes: int
     seconds: float
     setup_seconds: float = 0.0  # once around a decode loop (the weight gather)
 
 
-def roofline(chip: Generation, flops: float, hbm_bytes: float, collective_bytes: float) -> float:
-    return max(flops / (chip.peak_tflops * 1e12), hbm_bytes / (chip.hbm_gbps * 1e9)) + collective_bytes / (
-        chip.ici_gbps * 1e9)
+def roofline(chip: Generation, flops: float, hbm_bytes: float, exposed_bytes: float,
+             overlapped_bytes: float = 0) -> float:
+    ici = chip.ici_gbps * 1e9
+    return max(flops / (chip.peak_tflops * 1e12), hbm_bytes / (chip.hbm_gbps * 1e9), overlapped_bytes / ici) + (
+        exposed_bytes / ici)
 
 
 def attention_flops(q: QwenConfig, rows: int, width: int) -> float:
@@ -68,8 +71,8 @@ def kernel_attention_flops(inputs: PlanInputs, phase: PhaseMemory) -> float:
 def phase_time(inputs: PlanInputs, chip: Generation, phase: PhaseMemory) -> PhaseTime:
     cost: PhaseCost = phase.cost
     flops = cost.flops + kernel_attention_flops(inputs, phase)
-    return PhaseTime(phase.name, flops, cost.hbm_bytes, cost.collective_bytes,
-                     roofline(chip, flops, cost.hbm_bytes, cost.collective_bytes),
+    return PhaseTime(phase.name, flops, cost.hbm_bytes, cost.collective_bytes, cost.overlapped_collective_bytes,
+                     roofline(chip, flops, cost.hbm_bytes, cost.collective_bytes, cost.overlapped_collective_bytes),
                      roofline(chip, 0, 0, cost.setup_collective_bytes))
 
 
@@ -114,12 +117,12 @@ def projection_lines(projection: Projection, lengths: list[int]) -> list[str]:
     chip = projection.chip
     lines = [f"projected time per device: a lower bound from the TPU compiler's programs, not a measurement "
              f"({chip.name}: {chip.peak_tflops:g} TFLOP/s bf16, {chip.hbm_gbps:g} GB/s HBM, {chip.ici_gbps:g} GB/s "
-             "ICI per chip; collectives counted as exposed)",
-             f"{'phase':<26}{'TFLOP':>10}{'HBM GB':>10}{'ICI MB':>10}{'time':>12}"]
+             "ICI per chip; collectives the schedule issues asynchronously overlap compute, the rest add to it)",
+             f"{'per device':<26}{'TFLOP':>10}{'HBM GB':>10}{'sync MB':>10}{'async MB':>10}{'time':>12}"]
     for p in projection.phases.values():
         label = "rollout decode (1 token)" if p.name == "rollout decode" else p.name
         lines.append(f"{label:<26}{p.flops / 1e12:>10.3f}{p.hbm_bytes / 1e9:>10.3f}{p.collective_bytes / 1e6:>10.1f}"
-                     f"{seconds_text(p.seconds):>12}")
+                     f"{p.overlapped_collective_bytes / 1e6:>10.1f}{seconds_text(p.seconds):>12}")
     update = projection.phases["train step"].seconds
     lines.append(f"train micro-batch: {seconds_text(update / projection.micro_batches)} "
                  f"({projection.micro_batches} per update); train MFU {projection.mfu:.1%}")
@@ -145,7 +148,8 @@ def projection_json(projection: Projection, lengths: list[int]) -> str:
         "chip": {k: v for k, v in asdict(projection.chip).items() if k in (
             "name", "peak_tflops", "hbm_gbps", "ici_gbps", "usable_hbm_gib")},
         "phases": {p.name: {"tflop_per_device": p.flops / 1e12, "hbm_gb_per_device": p.hbm_bytes / 1e9,
-                            "collective_mb_per_device": p.collective_bytes / 1e6, "seconds": p.seconds,
+                            "sync_collective_mb_per_device": p.collective_bytes / 1e6,
+                            "async_collective_mb_per_device": p.overlapped_collective_bytes / 1e6, "seconds": p.seconds,
                             "setup_seconds": p.setup_seconds} for p in projection.phases.values()},
         "train_micro_batch_seconds": projection.phases["train step"].seconds / projection.micro_batches,
         "train_mfu": projection.mfu,
