@@ -99,3 +99,18 @@ def test_step_is_prefill_decode_steps_and_update_and_mfu_is_model_flops_over_pea
     steps = json.loads(projection_json(projection, [NEW, 5]))["projection"]["steps"]
     assert [s["completion_tokens"] for s in steps] == [NEW, 5]
 
+
+
+def test_remat_sweep_picks_the_fastest_projected_update_that_fits(tmp_path, capsys):
+    from grpo_core.config_io import load_config
+
+    cfg = load_config(str(Path(__file__).parents[2] / "configs" / "tiny.yaml"),
+                      [f"logging.dir={tmp_path / 'run'}", *SMALL, "model.attention=auto"], registry=default_registry())
+    assert plan.plan_command(cfg, default_registry(), sweep="model.remat", target="v5e-4") == 0
+    found = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    tried = found["tried"]
+    assert set(tried) == {"none", "dots", "full"} and all(t["fits"] for t in tried.values())
+    # full remat recomputes the forward: never faster, never more memory than none
+    assert tried["full"]["update_seconds"] >= tried["none"]["update_seconds"]
+    assert tried["full"]["train_step_gib"] <= tried["none"]["train_step_gib"]
+    assert found["fastest_fitting"] == min(tried, key=lambda policy: tried[policy]["update_seconds"])

@@ -47,7 +47,8 @@ def train_parser() -> argparse.ArgumentParser:
     parser.add_argument("--plan", action="store_true",
                         help="AOT-compile rollout and train step with abstract inputs and print per-device memory")
     parser.add_argument("--sweep", metavar="FIELD",
-                        help="with --plan: find the largest value of FIELD that fits (micro_batch_size_per_device)")
+                        help="with --plan: find the largest micro_batch_size_per_device that fits, or (with --target) "
+                             "the model.remat policy with the fastest projected update that fits")
     parser.add_argument("--target", metavar="SLICE",
                         help="with --plan: compile for this TPU slice (v6e-8, v4-16, v5e-4, or v6e:4x4) with the "
                              "TPU compiler, on any host (needs the tpu extra)")

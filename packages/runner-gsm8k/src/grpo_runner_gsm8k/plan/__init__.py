@@ -9,6 +9,7 @@ they compile for a TPU slice with the TPU compiler (see tpu_target):
     grpo-run --config X.yaml --plan [--capacity-gib 31.25]
     grpo-run --config X.yaml --plan --target v6e-8 [--sweep micro_batch_size_per_device]
     grpo-run --config X.yaml --plan --target v6e-8 [--expect-completion-tokens 300] [--chip hbm_gbps=1500]
+    grpo-run --config X.yaml --plan --target v6e-8 --sweep model.remat
 
 With --target the plan also projects the time of a step per phase (plan.projection): a lower
 bound from the compiled programs and the chip's published figures, not a measurement.
@@ -33,6 +34,7 @@ from grpo_runner_gsm8k.plan.phases import (compile_rollout, compile_update, fixe
 from grpo_runner_gsm8k.plan.report import (EXIT_DOES_NOT_FIT, does_not_fit_message, footer_lines, header_lines, peak,
                                            peak_line, table_lines)
 from grpo_runner_gsm8k.plan.projection import project, projection_json, projection_lines
+from grpo_runner_gsm8k.plan.remat import sweep_remat
 from grpo_runner_gsm8k.plan.scheduler import memory_minimizing_cpu_scheduler
 from grpo_runner_gsm8k.plan.sweep import check_sweep_field, largest_fitting, micro_batch_candidates, sweep_micro_batch
 from grpo_runner_gsm8k.tpu_target import Generation, parse_target, with_chip
@@ -69,6 +71,8 @@ def plan_command(cfg: RunConfig, registry: Registry, sweep: Optional[str] = None
     lengths = completion_lengths(cfg, expect_tokens)
     with memory_minimizing_cpu_scheduler():
         capacity = device_capacity(capacity_gib, parsed)
+        if sweep == "model.remat":
+            return sweep_remat(cfg, registry, parsed, capacity)
         inputs = build_plan_inputs(cfg, registry, parsed)
         if sweep:
             return sweep_micro_batch(inputs, capacity)
