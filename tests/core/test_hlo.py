@@ -70,3 +70,63 @@ def test_instruction_and_shape_parsing():
     assert (inst.name, inst.op, inst.operands) == ("t", "tuple", ["a", "b"])
     assert shape_bytes(inst.shape) == 2 * 3 * 4 + 4 * 2
     assert parse_instruction("HloModule m") is None
+
+
+# As the TPU compiler writes them: a scan with no known_trip_count annotation (its condition is only
+# `counter < 3`), dots as convolutions (the k projection [8,16,256] x [256, 2 heads, 64]: a window over
+# the heads, padded, so each output reads one tap), and one all-gather copied into two fusions, one
+# of them the start of an asynchronous collective (so the transfer overlaps compute).
+TPU_STYLE = """HloModule tpu_style
+
+%cond (p: (s32[], bf16[8,16,256])) -> pred[] {
+  %p = (s32[], bf16[8,16,256]{2,1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %n = s32[] constant(3)
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+
+%gathered (w: bf16[64,2,64,1]) -> bf16[256,2,64,1] {
+  %w = bf16[64,2,64,1]{3,2,1,0} parameter(0)
+  %ag = bf16[256,2,64,1]{3,2,1,0} all-gather(%w), channel_id=7, dimensions={0}
+  ROOT %s = bf16[256,2,64,1]{3,2,1,0} custom-call(%w, %ag), custom_call_target="AsyncCollectiveStart"
+}
+
+%reduced (g: f32[256]) -> f32[256] {
+  %g = f32[256]{0} parameter(0)
+  ROOT %ar = f32[256]{0} all-reduce(%g), channel_id=9, to_apply=%cond
+}
+
+%gathered.copy (w: bf16[64,2,64,1]) -> bf16[256,2,64,1] {
+  %w = bf16[64,2,64,1]{3,2,1,0} parameter(0)
+  ROOT %ag = bf16[256,2,64,1]{3,2,1,0} all-gather(%w), channel_id=7, dimensions={0}
+}
+
+%body (p: (s32[], bf16[8,16,256])) -> (s32[], bf16[8,16,256]) {
+  %p = (s32[], bf16[8,16,256]{2,1,0}) parameter(0)
+  %x = bf16[8,16,256,1]{3,2,1,0} parameter(1)
+  %w = bf16[64,2,64,1]{3,2,1,0} parameter(2)
+  %start = bf16[256,2,64,1]{3,2,1,0} fusion(%w), kind=kCustom, calls=%gathered
+  %done = bf16[256,2,64,1]{3,2,1,0} fusion(%w), kind=kCustom, calls=%gathered.copy
+  %k = f32[8,16,2,64]{3,2,1,0} convolution(%x, %done), window={size=1x2 pad=0_0x1_1 rhs_reversal=0x1}, dim_labels=0bf1_i1o0->0b1f
+  %g = f32[256]{0} parameter(3)
+  %sum = f32[256]{0} fusion(%g), kind=kLoop, calls=%reduced
+  ROOT %t = (s32[], bf16[8,16,256]{2,1,0}) tuple(%p)
+}
+
+ENTRY %main (a: (s32[], bf16[8,16,256])) -> (s32[], bf16[8,16,256]) {
+  %a = (s32[], bf16[8,16,256]{2,1,0}) parameter(0)
+  ROOT %loop = (s32[], bf16[8,16,256]{2,1,0}) while(%a), condition=%cond, body=%body
+}
+"""
+
+
+def test_tpu_style_scan_convolution_and_copied_collective():
+    module = HloModule(TPU_STYLE)
+    (loop,) = module.while_loops()
+    assert module.trip_count(loop) == 3
+    assert module.matmul_flops() == 3 * 2 * 8 * 16 * 2 * 64 * 256
+    assert module.unknown_trip_counts == []
+    gathered, reduced = {"all-gather": 3 * 256 * 2 * 64 * 2}, {"all-reduce": 3 * 256 * 4}
+    assert module.collective_bytes() == {**gathered, **reduced}
+    assert module.collective_bytes(overlapped=True) == gathered
+    assert module.collective_bytes(overlapped=False) == reduced

@@ -4,6 +4,7 @@ slice has; bad names and configs too large for the chip's HBM are one-line error
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -46,9 +47,16 @@ def test_slice_shapes_follow_cloud_tpu():
 def test_tiny_model_planned_by_the_tpu_compiler(plan_config, tmp_path, capsys, gather):
     cfg = plan_config(f"rollout.options.gather_weights={gather}")
     environment = dict(os.environ)
-    assert plan.plan_command(cfg, default_registry(), target="v5e-4") == 0
+    assert plan.plan_command(cfg, default_registry(), target="v5e-4", expect_tokens=3) == 0
     assert dict(os.environ) == environment  # libtpu's variables and the CPU scheduler flag are scoped to the plan
     out = capsys.readouterr().out
+    assert "projected time per device: a lower bound from the TPU compiler's programs, not a measurement (v5e: " \
+           "197 TFLOP/s bf16, 819 GB/s HBM, 400 GB/s ICI per chip" in out
+    assert re.search(r"^projected step at 8 completion tokens per row: .*\(7 decode steps x .*completion tokens/s$",
+                     out, re.M)
+    assert re.search(r"^projected step at 3 completion tokens per row: .*\(2 decode steps x ", out, re.M)
+    [line] = [x for x in out.splitlines() if x.startswith('{"projection"')]
+    assert [s["completion_tokens"] for s in json.loads(line)["projection"]["steps"]] == [8, 3]
     assert "on 4 TPU v5 lite device(s)" in out
     assert "figures: the TPU compiler's (libtpu) for v5e-4 (TPU v5 lite, topology v5e:2x2): 4 devices on 1 host" in out
     decode_line = {  # auto: the gathered copy of a tiny model fits; false: FSDP weights gathered every token
@@ -56,8 +64,8 @@ def test_tiny_model_planned_by_the_tpu_compiler(plan_config, tmp_path, capsys, g
                 r"collectives per decoded token: none$",
         "false": r"^  rollout decode: collectives per decoded token: .*all-gather [\d.]+ MiB"}[gather]
     assert re.search(decode_line, out, re.M), out
-    assert re.search(r"^peak: [\d.]+ GiB per device \(\w[\w -]+\) of 16\.00 GiB \(v5e HBM, cloud\.google\.com", out,
-                     re.M)
+    assert re.search(r"^peak: [\d.]+ GiB per device \(\w[\w -]+\) of 15\.75 GiB \(v5e usable HBM of 16 GiB: the "
+                     r"bytes_limit a v5e chip reports; cloud\.google\.com", out, re.M)
     assert {"rollout prefill", "rollout decode", "train step"} <= {line[:18].strip() for line in out.splitlines()}
     assert not (tmp_path / "run").exists()
 
@@ -67,9 +75,9 @@ def test_too_large_for_the_chip_exits_3_naming_phase_and_margin(tiny_config_path
                  "--target", "v5e-4"]) == plan.EXIT_DOES_NOT_FIT
     [line] = [x for x in capsys.readouterr().err.splitlines() if x.startswith("grpo-run:")]
     match = re.match(r"grpo-run: does not fit: (rollout prefill|rollout decode|train step) needs ([\d.]+) GiB per "
-                     r"device, exceeds HBM by ([\d.]+) GiB \(capacity 16\.00 GiB\)", line)
+                     r"device, exceeds HBM by ([\d.]+) GiB \(capacity 15\.75 GiB\)", line)
     assert match, line
-    assert float(match.group(2)) - 16.0 == pytest.approx(float(match.group(3)), abs=0.011)
+    assert float(match.group(2)) - 15.75 == pytest.approx(float(match.group(3)), abs=0.011)
 
 
 @pytest.mark.parametrize("name", ["v7x-8", "v6e-12", "v6e:4x4x4", "tpu"])
@@ -137,3 +145,43 @@ def test_tpu_compiler_keeps_no_compute_dtype_copy_of_the_layer_stack(tiny_config
     stack_copies = [m.group(0) for m in re.finditer(rf"= bf16\[{layers},([\d,]+)\]", text)
                     if layers * math.prod(int(d) for d in m.group(1).split(",")) in kernel_sizes]
     assert len(kernel_sizes) == 3 and not stack_copies, stack_copies  # q/o, k/v and MLP shard sizes
+
+
+@pytest.mark.parametrize("name, peak, hbm, ici, usable", [
+    ("v4-8", 275, 1200, 600, 32.0), ("v5e-4", 197, 819, 400, 15.75), ("v5p-8", 459, 2765, 1200, 95.0),
+    ("v6e-8", 918, 1638, 800, 31.25)])
+def test_chip_table_is_cloud_tpus_published_figures(name, peak, hbm, ici, usable):
+    chip = tpu_target.parse_target(name).generation
+    assert (chip.peak_tflops, chip.hbm_gbps, chip.ici_gbps) == (peak, hbm, ici)
+    assert chip.usable_hbm_gib == pytest.approx(usable, abs=0.01) and chip.usable_hbm_gib <= chip.hbm_gib
+
+
+def test_plan_target_verdict_uses_usable_hbm_and_the_flags_override_it():
+    target = tpu_target.parse_target("v6e-8")
+    assert plan.device_capacity(None, target).gib == 31.25
+    assert plan.device_capacity(None, tpu_target.with_chip(target, "usable_hbm_gib=20")).source.startswith(
+        "v6e usable HBM of 32 GiB: --chip")
+    assert plan.device_capacity(12.0, target).gib == 12.0
+    assert tpu_target.with_chip(target, "peak_tflops=900, hbm_gbps=1500").generation.hbm_gbps == 1500
+
+
+@pytest.mark.parametrize("text", ["peak=900", "hbm_gbps=-1", "ici_gbps=fast"])
+def test_bad_chip_override_is_one_line_naming_the_fields(text):
+    with pytest.raises(UserError, match=rf"^--chip '{re.escape(text)}': give name=value with a value > 0, names: "
+                                        "peak_tflops, hbm_gbps, ici_gbps, usable_hbm_gib$"):
+        tpu_target.with_chip(tpu_target.parse_target("v6e-8"), text)
+
+
+@pytest.mark.parametrize("flag, why", [(["--expect-completion-tokens", "9"], "must be between 1 and rollout.max_new_tokens (8)"),
+                                       (["--chip", "hbm=1"], "give name=value with a value > 0")])
+def test_bad_projection_flags_are_one_line(tiny_config_path, plan_overrides, tmp_path, capsys, flag, why):
+    args = ["--config", tiny_config_path, *plan_overrides, f"logging.dir={tmp_path / 'run'}", "--plan", "--target",
+            "v5e-4", *flag]
+    assert main(args) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("grpo-run: error: ") and why in line
+
+
+def test_projection_flags_without_target_are_refused(tiny_config_path, capsys):
+    assert main(["--config", tiny_config_path, "--plan", "--expect-completion-tokens", "4"]) == 2
+    assert "--expect-completion-tokens only applies to --plan --target SLICE" in capsys.readouterr().err

@@ -4,9 +4,12 @@ XLA's own `cost_analysis()` counts a while loop's body once, whatever its trip
 count, so for blocked losses, micro-batch scans and decode loops it is off by the
 trip counts. `HloModule` walks the computations instead:
 
-- `matmul_flops()`: 2 * prod(output dims) * prod(contracted dims) of every `dot`,
+- `matmul_flops()`: 2 * prod(output dims) * prod(contracted dims) of every `dot`
+  (and of every `convolution`, which is how the TPU compiler writes a dot: output
+  batch x output features x input features x the window taps that land on input),
   each loop body multiplied by its trip count (XLA's `known_trip_count`
-  annotation; loops without one are counted once and listed in
+  annotation, or N of a condition that is only `counter < N`, as the TPU
+  compiler leaves scans; loops without either are counted once and listed in
   `unknown_trip_counts`). Elementwise work is not counted: with a vocabulary
   of 151,936 the matmuls are all but all of it.
 - `collective_bytes(computation)`: bytes produced by collectives (all-gather,
@@ -20,6 +23,8 @@ import math
 import re
 from dataclasses import dataclass, field
 
+import numpy as np
+
 _BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "s32": 4, "u32": 4, "f32": 4,
           "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
 _ARRAY = re.compile(r"(\w+)\[([\d,]*)\]")
@@ -27,6 +32,7 @@ _HEADER = re.compile(r"^(ENTRY )?%?([\w.\-]+) \((.*)\) -> .*\{$")
 _CALLEES = re.compile(r"(?:calls|body|to_apply|condition)=%([\w.\-]+)")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_COUNTER_OPS = {"parameter", "constant", "get-tuple-element", "compare"}
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
 
 
@@ -37,6 +43,7 @@ class Instruction:
     op: str
     operands: list[str]
     attrs: str
+    literal: str = ""  # a constant's value
 
     def callees(self) -> list[str]:
         names = _CALLEES.findall(self.attrs)
@@ -93,7 +100,8 @@ def parse_instruction(line: str) -> Instruction | None:
     op = rest[: rest.index("(")]
     args_end = _closing(rest, len(op))
     operands = re.findall(r"%([\w.\-]+)", rest[len(op):args_end])
-    return Instruction(name, shape, op, operands, rest[args_end:])
+    literal = rest[len(op) + 1:args_end - 1] if op == "constant" else ""
+    return Instruction(name, shape, op, operands, rest[args_end:], literal)
 
 
 class HloModule:
@@ -117,10 +125,25 @@ class HloModule:
                 current.shapes[instruction.name] = instruction.shape
                 current.instructions.append(instruction)
         self.unknown_trip_counts: list[str] = []
+        self._async_channels: set[str] | None = None
 
     def while_loops(self, computation: str | None = None) -> list[Instruction]:
         """The while instructions directly in `computation` (default: the entry)."""
         return [i for i in self.computations[computation or self.entry].instructions if i.op == "while"]
+
+    def trip_count(self, loop: Instruction) -> int | None:
+        """XLA's known_trip_count of a while loop, else N when its condition is only `counter < N`
+        (a scan's counter starts at 0); None for a loop that stops on its data."""
+        if loop.trip_count() is not None:
+            return loop.trip_count()
+        found = re.search(r"condition=%([\w.\-]+)", loop.attrs)
+        condition = self.computations.get(found.group(1)) if found else None
+        if condition is None or not {i.op for i in condition.instructions} <= _COUNTER_OPS:
+            return None
+        compares = [i for i in condition.instructions if i.op == "compare" and "direction=LT" in i.attrs]
+        constants = {i.name: i.literal for i in condition.instructions if i.op == "constant"}
+        bound = constants.get(compares[0].operands[1], "") if len(compares) == 1 else ""
+        return int(bound) if bound.isdigit() else None
 
     def matmul_flops(self, computation: str | None = None) -> float:
         """Matmul FLOPs of one execution of `computation` (default: the entry), loops included."""
@@ -129,30 +152,68 @@ class HloModule:
         for inst in comp.instructions:
             if inst.op == "dot":
                 total += _dot_flops(inst, comp)
+            if inst.op == "convolution":
+                total += _convolution_flops(inst, comp)
             repeat = 1
             if inst.op == "while":
-                repeat = inst.trip_count() or 1
-                if inst.trip_count() is None:
+                repeat = self.trip_count(inst) or 1
+                if self.trip_count(inst) is None:
                     self.unknown_trip_counts.append(inst.name)
             total += repeat * sum(self.matmul_flops(c) for c in inst.callees() if c in self.computations)
         return total
 
-    def collective_bytes(self, computation: str | None = None, ops: tuple[str, ...] = COLLECTIVES) -> dict[str, int]:
+    def collective_bytes(self, computation: str | None = None, ops: tuple[str, ...] = COLLECTIVES,
+                         seen: set[str] | None = None, overlapped: bool | None = None,
+                         in_async: bool = False) -> dict[str, int]:
         """Bytes produced per collective kind in one execution of `computation`
-        (nested loops multiplied by their trip counts; async pairs counted once)."""
-        comp = self.computations[computation or self.entry]
+        (nested loops multiplied by their trip counts; async pairs counted once, and so is
+        a collective the TPU compiler copies into several fusions: one channel id, one transfer).
+        `overlapped`: True counts only collectives issued asynchronously (they overlap compute),
+        False only the others, None all."""
+        comp, seen = self.computations[computation or self.entry], set() if seen is None else seen
+        in_async = in_async or _async_context(comp)
         totals: dict[str, int] = {}
         for inst in comp.instructions:
             kind = inst.op.removesuffix("-done")
-            if kind in ops and not inst.op.endswith("-start"):
+            chosen = overlapped is None or overlapped == (in_async or self._asynchronous(inst))
+            if kind in ops and not inst.op.endswith("-start") and chosen and _first_of_channel(inst, seen):
                 totals[kind] = totals.get(kind, 0) + shape_bytes(inst.shape)
             if inst.op.startswith("async-") and inst.op != "async-start":
                 continue  # async-update/done wrap the same computation as their start
-            repeat = (inst.trip_count() or 1) if inst.op == "while" else 1
-            for callee in inst.callees():
-                for kind, value in self.collective_bytes(callee, ops).items() if callee in self.computations else ():
+            repeat = (self.trip_count(inst) or 1) if inst.op == "while" else 1
+            for callee in (c for c in inst.callees() if c in self.computations):
+                inner = self.collective_bytes(callee, ops, seen, overlapped, in_async or inst.op == "async-start")
+                for kind, value in inner.items():
                     totals[kind] = totals.get(kind, 0) + repeat * value
         return totals
+
+    def _asynchronous(self, inst: Instruction) -> bool:
+        """Issued asynchronously: a -done op, or a collective whose channel has a copy in an async context."""
+        if self._async_channels is None:
+            self._async_channels = {_channel(i) for c in self.computations.values() if _async_context(c)
+                                    for i in c.instructions} - {None}
+        return inst.op.endswith("-done") or _channel(inst) in self._async_channels
+
+
+def _async_context(comp: Computation) -> bool:
+    """A computation the TPU compiler runs as part of an asynchronous collective (its start, done,
+    or the compute fusions it is split across)."""
+    return comp.name.startswith("async_collective_fusion") or any(
+        i.op == "custom-call" and "AsyncCollective" in i.attrs for i in comp.instructions)
+
+
+def _channel(inst: Instruction) -> str | None:
+    found = re.search(r"channel_id=(\d+)", inst.attrs)
+    return found.group(1) if found else None
+
+
+def _first_of_channel(inst: Instruction, seen: set[str]) -> bool:
+    channel = _channel(inst)
+    if channel is None:
+        return True
+    first = channel not in seen
+    seen.add(channel)
+    return first
 
 
 def _dot_flops(inst: Instruction, comp: Computation) -> float:
@@ -162,3 +223,32 @@ def _dot_flops(inst: Instruction, comp: Computation) -> float:
         return 0.0
     contracted = math.prod(lhs[0][int(d)] for d in contracting.group(1).split(",") if d)
     return 2.0 * math.prod(array_dims(inst.shape)[0]) * contracted
+
+
+def _window(attrs: str, key: str, dims: int, default: int) -> list[int]:
+    found = re.search(rf"\b{key}=([\dx]+)", attrs)
+    return [int(v) for v in found.group(1).split("x")] if found else [default] * dims
+
+
+def _valid_taps(out: int, taps: int, size: int, stride: int, low: int, lhs_dilate: int, rhs_dilate: int) -> int:
+    """(output position, window tap) pairs of one spatial dimension that read an input element
+    (not padding, not a hole of lhs dilation)."""
+    position = np.arange(out)[:, None] * stride + np.arange(taps)[None, :] * rhs_dilate - low
+    return int(np.count_nonzero((position >= 0) & (position <= (size - 1) * lhs_dilate) & (position % lhs_dilate == 0)))
+
+
+def _convolution_flops(inst: Instruction, comp: Computation) -> float:
+    labels = re.search(r"dim_labels=(\w+)_(\w+)->(\w+)", inst.attrs)
+    lhs, rhs = (array_dims(comp.shapes.get(name, "")) for name in inst.operands[:2])
+    out = array_dims(inst.shape)
+    if not labels or not lhs or not rhs or not out:
+        return 0.0
+    lhs_of, rhs_of, out_of = (dict(zip(labels.group(i), dims[0])) for i, dims in ((1, lhs), (2, rhs), (3, out)))
+    spatial = sorted((c for c in labels.group(3) if c.isdigit()), key=int)
+    pads = re.search(r"pad=([\d_x-]+)", inst.attrs)
+    lows = [int(p.split("_")[0]) for p in pads.group(1).split("x")] if pads else [0] * len(spatial)
+    stride, lhs_dilate, rhs_dilate = (_window(inst.attrs, key, len(spatial), 1)
+                                      for key in ("stride", "lhs_dilate", "rhs_dilate"))
+    taps = math.prod(_valid_taps(out_of[d], rhs_of[d], lhs_of[d], stride[i], lows[i], lhs_dilate[i], rhs_dilate[i])
+                     for i, d in enumerate(spatial))
+    return 2.0 * out_of["b"] * out_of["f"] * rhs_of["i"] * taps

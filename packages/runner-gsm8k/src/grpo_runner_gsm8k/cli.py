@@ -47,12 +47,18 @@ def train_parser() -> argparse.ArgumentParser:
     parser.add_argument("--plan", action="store_true",
                         help="AOT-compile rollout and train step with abstract inputs and print per-device memory")
     parser.add_argument("--sweep", metavar="FIELD",
-                        help="with --plan: find the largest value of FIELD that fits (micro_batch_size_per_device)")
+                        help="with --plan: find the largest micro_batch_size_per_device that fits, or (with --target) "
+                             "the model.remat policy with the fastest projected update that fits")
     parser.add_argument("--target", metavar="SLICE",
                         help="with --plan: compile for this TPU slice (v6e-8, v4-16, v5e-4, or v6e:4x4) with the "
                              "TPU compiler, on any host (needs the tpu extra)")
     parser.add_argument("--capacity-gib", type=float, metavar="GIB",
                         help="with --plan: device memory budget to plan against (default: what the device reports)")
+    parser.add_argument("--chip", metavar="NAME=VALUE,...",
+                        help="with --target: replace the chip's figures (peak_tflops, hbm_gbps, ici_gbps, "
+                             "usable_hbm_gib) the projection and the verdict use")
+    parser.add_argument("--expect-completion-tokens", type=int, metavar="N",
+                        help="with --target: also project a step whose rows sample N tokens (default: only the max)")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value",
                         help="config overrides, values parsed as YAML scalars (train.lr=1e-6)")
     return parser
@@ -81,11 +87,14 @@ def _train(cfg, args: argparse.Namespace) -> int:
 
     if not args.plan and (args.target or args.sweep):
         raise UserError(f"{'--target' if args.target else '--sweep'} only applies to --plan; add --plan")
+    if not args.target and (args.chip or args.expect_completion_tokens is not None):
+        flag = "--chip" if args.chip else "--expect-completion-tokens"
+        raise UserError(f"{flag} only applies to --plan --target SLICE; add --target (e.g. v6e-8)")
     if args.plan:
         from grpo_runner_gsm8k.plan import plan_command
 
         return plan_command(cfg, default_registry(), sweep=args.sweep, capacity_gib=args.capacity_gib,
-                            target=args.target)
+                            target=args.target, chip=args.chip, expect_tokens=args.expect_completion_tokens)
     from grpo_runner_gsm8k.loop import train
 
     train(cfg, default_registry(), resume=args.resume)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import dataclasses
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -23,26 +24,46 @@ from grpo_core.errors import UserError
 
 from grpo_runner_gsm8k.environ import environment, unset
 
-HBM_SOURCE = "cloud.google.com/tpu/docs/v4, /v5e, /v5p, /v6e (HBM per chip)"
 INSTALL_HINT = ("install the TPU compiler: `uv sync --group tpu` in the grpo-jax checkout, or "
                 "`pip install 'grpo-runner-gsm8k[tpu]'`")
+
+# Per chip, from the Cloud TPU documentation (cloud.google.com/tpu/docs/v4, /v5e, /v5p-training, /v6e):
+# | chip | bf16 peak    | HBM     | usable HBM | HBM bandwidth | ICI bandwidth (bidirectional) |
+# | v4   | 275 TFLOP/s  | 32 GiB  | 32 GiB *   | 1200 GB/s     | 600 GB/s **                   |
+# | v5e  | 197 TFLOP/s  | 16 GB   | 15.75 GiB  | 819 GB/s      | 400 GB/s                      |
+# | v5p  | 459 TFLOP/s  | 95 GiB  | 95 GiB *   | 2765 GB/s     | 1200 GB/s                     |
+# | v6e  | 918 TFLOP/s  | 32 GB   | 31.25 GiB  | 1638 GB/s     | 800 GB/s                      |
+# Usable: the `bytes_limit` a chip's runtime reports (the runtime keeps the rest): 31.25 GiB on the
+# v6e-8 runs of this project, 16,909,332,480 B on v5e; * no reported figure known, the nominal size.
+# ** not on the v4 page: 6 ICI links of 50 GB/s each way (TPU v4 paper, ISCA 2023).
+HBM_SOURCE = "cloud.google.com/tpu/docs/v4, /v5e, /v5p-training, /v6e (per chip)"
+CHIP_FIELDS = ("peak_tflops", "hbm_gbps", "ici_gbps", "usable_hbm_gib")
 
 
 @dataclass(frozen=True)
 class Generation:
     name: str
-    hbm_gib: float  # per chip, from HBM_SOURCE
+    hbm_gib: float  # nominal per chip
     dims: int  # topology rank: 2 (v5e, v6e) or 3 (v4, v5p)
     megacore: bool  # two TensorCores per chip act as one device; N in the name counts cores
     single_host_chips: int  # the largest slice that fits on one host
     sizes: tuple[int, ...]  # the N of the slice names offered
+    peak_tflops: float  # bf16 matmul peak per chip
+    hbm_gbps: float  # HBM bandwidth per chip, GB/s
+    ici_gbps: float  # inter-chip interconnect bandwidth per chip, both directions, GB/s
+    usable_hbm_gib: float  # what a program may allocate (see the table)
+    usable_source: str
 
 
 GENERATIONS = {
-    "v4": Generation("v4", 32.0, 3, True, 4, (8, 16, 32, 64, 128, 256, 512)),
-    "v5e": Generation("v5e", 16.0, 2, False, 8, (1, 4, 8, 16, 32, 64, 128, 256)),
-    "v5p": Generation("v5p", 95.0, 3, True, 4, (8, 16, 32, 64, 128, 256, 512)),
-    "v6e": Generation("v6e", 32.0, 2, False, 8, (1, 4, 8, 16, 32, 64, 128, 256)),
+    "v4": Generation("v4", 32.0, 3, True, 4, (8, 16, 32, 64, 128, 256, 512), 275.0, 1200.0, 600.0, 32.0,
+                     "nominal HBM, no reported bytes_limit known"),
+    "v5e": Generation("v5e", 16.0, 2, False, 8, (1, 4, 8, 16, 32, 64, 128, 256), 197.0, 819.0, 400.0,
+                      16909332480 / (1 << 30), "the bytes_limit a v5e chip reports"),
+    "v5p": Generation("v5p", 95.0, 3, True, 4, (8, 16, 32, 64, 128, 256, 512), 459.0, 2765.0, 1200.0, 95.0,
+                      "nominal HBM, no reported bytes_limit known"),
+    "v6e": Generation("v6e", 32.0, 2, False, 8, (1, 4, 8, 16, 32, 64, 128, 256), 918.0, 1638.0, 800.0, 31.25,
+                      "the bytes_limit v6e-8 chips report"),
 }
 MULTI_HOST_CHIPS = (2, 2, 1)  # chips per host of every multi-host slice
 
@@ -105,6 +126,26 @@ def parse_target(name: str) -> Target:
                                 f"{{{','.join(map(str, generation.sizes))}}}")
     chips = int(rest) // (2 if generation.megacore else 1)
     return Target(name, generation, slice_topology(generation, chips))
+
+
+def with_chip(target: Target, overrides: str) -> Target:
+    """`target` with chip figures replaced (`--chip peak_tflops=900,hbm_gbps=1600`)."""
+    changes = {}
+    for item in filter(None, (part.strip() for part in overrides.split(","))):
+        name, _, value = item.partition("=")
+        if name not in CHIP_FIELDS or not _positive(value):
+            raise UserError(f"--chip {item!r}: give name=value with a value > 0, names: {', '.join(CHIP_FIELDS)}")
+        changes[name] = float(value)
+    if "usable_hbm_gib" in changes:
+        changes["usable_source"] = "--chip"
+    return dataclasses.replace(target, generation=dataclasses.replace(target.generation, **changes))
+
+
+def _positive(text: str) -> bool:
+    try:
+        return float(text) > 0
+    except ValueError:
+        return False
 
 
 def _raw_topology(name: str, generation: Generation, text: str) -> tuple[int, ...]:

@@ -27,7 +27,7 @@ class Capacity:
 
 
 def device_capacity(capacity_gib: Optional[float], target: Optional[Target] = None) -> Capacity:
-    """Per-device memory budget: the flag, the target chip's HBM, the accelerator's limit,
+    """Per-device memory budget: the flag, what a target chip's programs may use, the accelerator's limit,
     or host memory shared by the local CPU devices."""
     if capacity_gib is not None:
         if capacity_gib <= 0:
@@ -35,7 +35,9 @@ def device_capacity(capacity_gib: Optional[float], target: Optional[Target] = No
                             "(31.25 for a TPU v6e chip)")
         return Capacity(int(capacity_gib * GIB), "--capacity-gib")
     if target is not None:
-        return Capacity(int(target.generation.hbm_gib * GIB), f"{target.generation.name} HBM, {HBM_SOURCE}")
+        chip = target.generation
+        return Capacity(int(chip.usable_hbm_gib * GIB), f"{chip.name} usable HBM of {chip.hbm_gib:g} GiB: "
+                                                         f"{chip.usable_source}; {HBM_SOURCE}")
     devices = jax.local_devices()
     stats = [d.memory_stats() for d in devices]
     if all(s and "bytes_limit" in s for s in stats):

@@ -15,6 +15,7 @@ from grpo_core.contracts import Policy, RolloutShapes
 from grpo_rollout.gather import spare_bytes
 
 from grpo_runner_gsm8k.plan.capacity import Capacity
+from grpo_runner_gsm8k.plan.cost import PhaseCost, phase_cost
 from grpo_runner_gsm8k.plan.abstract import (PlanInputs, abstract_key, abstract_update_batch, per_device_bytes,
                                              plannable)
 
@@ -37,6 +38,7 @@ class PhaseMemory:
     other: int = 0
     refused: bool = False  # the compiler refused it for HBM; temp is the size it reported
     note: str = ""  # printed under the table
+    cost: Optional[PhaseCost] = None  # what one call costs a device (None when refused)
 
     @property
     def total(self) -> int:
@@ -46,7 +48,7 @@ class PhaseMemory:
     def from_compiled(cls, name: str, compiled: Any, other: int = 0) -> "PhaseMemory":
         stats = compiled.memory_analysis()
         return cls(name, stats.argument_size_in_bytes, stats.output_size_in_bytes, stats.alias_size_in_bytes,
-                   stats.temp_size_in_bytes, other)
+                   stats.temp_size_in_bytes, other, cost=phase_cost(compiled))
 
 
 # The TPU compiler refuses a program whose buffers exceed the chip's HBM, giving the size.

@@ -18,7 +18,7 @@ from grpo_runner_gsm8k.plan.report import (EXIT_DOES_NOT_FIT, table_lines, heade
                                            does_not_fit_message)
 
 
-SWEEP_FIELDS = ("micro_batch_size_per_device",)
+SWEEP_FIELDS = ("micro_batch_size_per_device", "model.remat")
 
 
 def micro_batch_candidates(inputs: PlanInputs) -> list[int]:

@@ -1,0 +1,157 @@
+"""`grpo-run --plan --target SLICE`: projected time of a step, per phase, from the compiled programs.
+
+A roofline per phase and device: max(matmul FLOPs / peak bf16 FLOP/s, HBM bytes / HBM bandwidth,
+asynchronous collective bytes / ICI bandwidth) + synchronous collective bytes / ICI bandwidth (the
+compiled schedule says which overlap compute), with the chip figures of tpu_target's table. FLOPs count every loop body times its trip count; attention
+run as a kernel (splash, cudnn: a custom call the HLO counts as zero) is added analytically.
+HBM bytes are a lower bound (plan.cost). So the projection is a lower bound, not a measurement:
+
+    step = prefill + (completion tokens - 1) x decode step + update (all micro-batches)
+           + log-probs (when the run scores old or reference log-probs)
+
+The prefill samples each row's first token; the update is compiled at the widest training batch
+(the longest completion), at both lengths.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+from grpo_core.models import QwenConfig
+
+from grpo_runner_gsm8k.build import attention_impl, micro_batches, rows_per_step
+from grpo_runner_gsm8k.flops import forward_flops
+from grpo_runner_gsm8k.plan.abstract import PlanInputs, train_widths
+from grpo_runner_gsm8k.plan.cost import PhaseCost
+from grpo_runner_gsm8k.plan.phases import PhaseMemory
+from grpo_runner_gsm8k.tpu_target import Generation
+
+KERNEL_ATTENTION = ("splash", "cudnn")  # custom calls: their FLOPs are not in the HLO
+# The forward kernel's 2 matmuls per block, then the backward's dq and dkv kernels: 7 more, as both
+# recompute the scores; in units of a forward.
+SPLASH_TRAIN_PASSES = 1 + 7 / 2
+
+
+@dataclass(frozen=True)
+class PhaseTime:
+    name: str
+    flops: float  # per device, analytic attention included
+    hbm_bytes: int
+    collective_bytes: int  # synchronous
+    overlapped_collective_bytes: int
+    seconds: float
+    setup_seconds: float = 0.0  # once around a decode loop (the weight gather)
+
+
+def roofline(chip: Generation, flops: float, hbm_bytes: float, exposed_bytes: float,
+             overlapped_bytes: float = 0) -> float:
+    ici = chip.ici_gbps * 1e9
+    return max(flops / (chip.peak_tflops * 1e12), hbm_bytes / (chip.hbm_gbps * 1e9), overlapped_bytes / ici) + (
+        exposed_bytes / ici)
+
+
+def attention_flops(q: QwenConfig, rows: int, width: int) -> float:
+    """QK^T and PV over the causal pairs of one forward (grpo_runner_gsm8k.flops)."""
+    return 2.0 * q.num_hidden_layers * q.num_attention_heads * q.head_dim * rows * width * (width + 1)
+
+
+def kernel_attention_flops(inputs: PlanInputs, phase: PhaseMemory) -> float:
+    """Per device: the attention FLOPs the training batch runs inside kernels its HLO does not count
+    (the prompt pass with a cache and the decode attend in XLA, which the HLO counts)."""
+    run, cfg = inputs.run, inputs.run.cfg
+    passes = {"log-probs": 1.0, "train step": SPLASH_TRAIN_PASSES + (cfg.model.remat != "none")}.get(phase.name, 0.0)
+    if not passes or not phase.cost.custom_calls or attention_impl(cfg, run.mesh) not in KERNEL_ATTENTION:
+        return 0.0
+    padded = -(-sum(train_widths(inputs)) // 128) * 128  # splash pads the sequence to 128s
+    return passes * attention_flops(run.qcfg, rows_per_step(cfg), padded) / run.mesh.size
+
+
+def phase_time(inputs: PlanInputs, chip: Generation, phase: PhaseMemory) -> PhaseTime:
+    cost: PhaseCost = phase.cost
+    flops = cost.flops + kernel_attention_flops(inputs, phase)
+    return PhaseTime(phase.name, flops, cost.hbm_bytes, cost.collective_bytes, cost.overlapped_collective_bytes,
+                     roofline(chip, flops, cost.hbm_bytes, cost.collective_bytes, cost.overlapped_collective_bytes),
+                     roofline(chip, 0, 0, cost.setup_collective_bytes))
+
+
+@dataclass(frozen=True)
+class Projection:
+    chip: Generation
+    chips: int
+    rows: int
+    micro_batches: int
+    epochs: int  # train.ppo_epochs: updates per step
+    phases: dict[str, PhaseTime]
+    model_update_flops: float  # 3 x forward of the widest training batch, all devices
+
+    def step_seconds(self, tokens: int) -> float:
+        decode, update = self.phases["rollout decode"], self.phases["train step"]
+        others = sum(p.seconds for name, p in self.phases.items() if name not in ("rollout decode", "train step"))
+        return others + decode.setup_seconds + (tokens - 1) * decode.seconds + self.epochs * update.seconds
+
+    def tokens_per_second(self, tokens: int) -> float:
+        return self.rows * tokens / self.step_seconds(tokens)
+
+    @property
+    def mfu(self) -> float:
+        """Model FLOPs of the update over what the slice's peak does in its projected time."""
+        update = self.phases["train step"].seconds
+        return self.model_update_flops / (update * self.chip.peak_tflops * 1e12 * self.chips)
+
+
+def project(inputs: PlanInputs, chip: Generation, phases: list[PhaseMemory]) -> Optional[Projection]:
+    """None when a phase was refused (nothing to project) or the rollout has no decode loop."""
+    if any(p.cost is None for p in phases) or "rollout decode" not in {p.name for p in phases}:
+        return None
+    cfg, mesh = inputs.run.cfg, inputs.run.mesh
+    prompt_w, completion_w = train_widths(inputs)
+    rows = rows_per_step(cfg)
+    model = 3 * forward_flops(inputs.run.qcfg, rows, prompt_w + completion_w, completion_w)
+    return Projection(chip, mesh.size, rows, micro_batches(cfg, mesh), cfg.train.ppo_epochs,
+                      {p.name: phase_time(inputs, chip, p) for p in phases}, model)
+
+
+def projection_lines(projection: Projection, lengths: list[int]) -> list[str]:
+    chip = projection.chip
+    lines = [f"projected time per device: a lower bound from the TPU compiler's programs, not a measurement "
+             f"({chip.name}: {chip.peak_tflops:g} TFLOP/s bf16, {chip.hbm_gbps:g} GB/s HBM, {chip.ici_gbps:g} GB/s "
+             "ICI per chip; collectives the schedule issues asynchronously overlap compute, the rest add to it)",
+             f"{'per device':<26}{'TFLOP':>10}{'HBM GB':>10}{'sync MB':>10}{'async MB':>10}{'time':>12}"]
+    for p in projection.phases.values():
+        label = "rollout decode (1 token)" if p.name == "rollout decode" else p.name
+        lines.append(f"{label:<26}{p.flops / 1e12:>10.3f}{p.hbm_bytes / 1e9:>10.3f}{p.collective_bytes / 1e6:>10.1f}"
+                     f"{p.overlapped_collective_bytes / 1e6:>10.1f}{seconds_text(p.seconds):>12}")
+    update = projection.phases["train step"].seconds
+    lines.append(f"train micro-batch: {seconds_text(update / projection.micro_batches)} "
+                 f"({projection.micro_batches} per update); train MFU {projection.mfu:.1%}")
+    return lines + [step_line(projection, tokens) for tokens in lengths]
+
+
+def step_line(projection: Projection, tokens: int) -> str:
+    decode = projection.phases["rollout decode"]
+    return (f"projected step at {tokens} completion tokens per row: {projection.step_seconds(tokens):.2f} s "
+            f"({tokens - 1} decode steps x {seconds_text(decode.seconds)}), "
+            f"{projection.tokens_per_second(tokens):,.0f} completion tokens/s")
+
+
+def seconds_text(seconds: float) -> str:
+    if seconds < 1e-3:
+        return f"{seconds * 1e6:.2f} us"
+    return f"{seconds * 1e3:.2f} ms" if seconds < 1 else f"{seconds:.3f} s"
+
+
+def projection_json(projection: Projection, lengths: list[int]) -> str:
+    return json.dumps({"projection": {
+        "kind": "lower bound from the TPU compiler's programs, not a measurement",
+        "chip": {k: v for k, v in asdict(projection.chip).items() if k in (
+            "name", "peak_tflops", "hbm_gbps", "ici_gbps", "usable_hbm_gib")},
+        "phases": {p.name: {"tflop_per_device": p.flops / 1e12, "hbm_gb_per_device": p.hbm_bytes / 1e9,
+                            "sync_collective_mb_per_device": p.collective_bytes / 1e6,
+                            "async_collective_mb_per_device": p.overlapped_collective_bytes / 1e6, "seconds": p.seconds,
+                            "setup_seconds": p.setup_seconds} for p in projection.phases.values()},
+        "train_micro_batch_seconds": projection.phases["train step"].seconds / projection.micro_batches,
+        "train_mfu": projection.mfu,
+        "steps": [{"completion_tokens": t, "step_seconds": projection.step_seconds(t),
+                   "completion_tokens_per_second": projection.tokens_per_second(t)} for t in lengths]}})

@@ -1,0 +1,116 @@
+"""`grpo-run --plan --target`'s projected time: the FLOPs and HBM bytes it reads off the TPU
+compiler's programs equal a count by hand for prefill, one decode step and the train step."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+from grpo_core.registry import default_registry
+from grpo_runner_gsm8k import flops, plan
+from grpo_runner_gsm8k.plan.projection import project, projection_json
+
+pytest.importorskip("libtpu")
+
+# Wide enough that the matmul weights, the KV cache and the LM head dominate what a count by hand
+# leaves out (the sampler's and the batch's small arrays, TPU tile padding): within 5% bounds that
+# remainder (it is under 1% at these shapes). Dense XLA attention: every FLOP is in the HLO.
+SMALL = ["model.architecture.vocab_size=4096", "model.architecture.hidden_size=512",
+         "model.architecture.intermediate_size=1024", "model.architecture.num_attention_heads=4",
+         "model.architecture.num_key_value_heads=2", "model.architecture.max_position_embeddings=128",
+         "model.dtype=bfloat16", "model.param_dtype=float32", "model.remat=none", "loss.impl=jax",
+         "rollout.prompts_per_step=8", "rollout.n=4", "rollout.max_new_tokens=17", "model.attention=xla",
+         "train.micro_batch_size_per_device=4", "rollout.options.cache_dtype=bfloat16"]
+DEVICES = 4  # v5e-4, full-device FSDP
+
+
+@pytest.fixture(scope="module")
+def projected(tmp_path_factory):
+    from grpo_core.config_io import load_config
+
+    cfg = load_config(str(Path(__file__).parents[2] / "configs" / "tiny.yaml"), [f"logging.dir={tmp_path_factory.mktemp('run')}", *SMALL],
+                      registry=default_registry())
+    target = plan.parse_target("v5e-4")
+    inputs = plan.build_plan_inputs(cfg, default_registry(), target)
+    capacity = plan.device_capacity(None, target)
+    phases = plan.fixed_phases(inputs, capacity) + [plan.train_phase(inputs, 4)]
+    return inputs, project(inputs, target.generation, phases)
+
+ROWS, PROMPT, NEW = 32, 16, 17
+SLOTS = PROMPT + NEW - 1  # the cache holds the prompt and every sampled token but the last
+
+
+def weight_count(q) -> int:
+    """Parameters by hand: tied embedding, per layer the matmul kernels + q/k/v biases + 2 norms, final norm."""
+    biases = (q.num_attention_heads + 2 * q.num_key_value_heads) * q.head_dim
+    return q.vocab_size * q.hidden_size + q.num_hidden_layers * (flops.layer_params(q) + biases + 2 * q.hidden_size) \
+        + q.hidden_size
+
+
+def cache_bytes(q) -> int:
+    """bfloat16 K and V of every layer, slot and row, all devices."""
+    return 2 * q.num_hidden_layers * ROWS * SLOTS * q.num_key_value_heads * q.head_dim * 2
+
+
+def dense_forward_flops(q, rows: int, width: int, slots: int, head_columns: int) -> float:
+    """Matmuls of a forward whose attention scores every query against every one of `slots` keys."""
+    heads = q.num_attention_heads * q.head_dim
+    return rows * (2.0 * q.num_hidden_layers * flops.layer_params(q) * width
+                   + 4.0 * q.num_hidden_layers * heads * width * slots + 2.0 * q.hidden_size * q.vocab_size * head_columns)
+
+
+def test_prefill_is_the_count_by_hand(projected):
+    inputs, projection = projected
+    q, prefill = inputs.run.qcfg, projection.phases["rollout prefill"]
+    assert prefill.flops == pytest.approx(dense_forward_flops(q, ROWS, PROMPT, SLOTS, 1) / DEVICES, rel=0.05)
+    # reads its weight shards, writes the cache
+    assert prefill.hbm_bytes == pytest.approx((weight_count(q) * 2 + cache_bytes(q)) / DEVICES, rel=0.05)
+
+
+def test_one_decode_step_is_the_count_by_hand(projected):
+    inputs, projection = projected
+    q, decode = inputs.run.qcfg, projection.phases["rollout decode"]
+    assert decode.flops == pytest.approx(flops.decode_step_flops(q, ROWS, SLOTS) / DEVICES, rel=0.05)
+    # every token reads the whole gathered bfloat16 weights and its rows' cache
+    assert decode.hbm_bytes == pytest.approx(weight_count(q) * 2 + cache_bytes(q) / DEVICES, rel=0.05)
+    assert decode.setup_seconds > 0  # the weights gathered once per rollout
+
+
+def test_train_step_is_the_count_by_hand(projected):
+    inputs, projection = projected
+    q, train = inputs.run.qcfg, projection.phases["train step"]
+    width = PROMPT + NEW
+    assert train.flops == pytest.approx(3 * dense_forward_flops(q, ROWS, width, width, NEW) / DEVICES, rel=0.05)
+    # float32 params and two Adam moments, read and written once
+    assert train.hbm_bytes == pytest.approx(2 * 3 * 4 * weight_count(q) / DEVICES, rel=0.05)
+
+
+def test_step_is_prefill_decode_steps_and_update_and_mfu_is_model_flops_over_peak(projected):
+    _, projection = projected
+    p, chip = projection.phases, projection.chip
+    decode = p["rollout decode"]
+    expected = p["rollout prefill"].seconds + decode.setup_seconds + (NEW - 1) * decode.seconds + p["train step"].seconds
+    assert projection.step_seconds(NEW) == pytest.approx(expected)
+    assert projection.tokens_per_second(5) == pytest.approx(ROWS * 5 / projection.step_seconds(5))
+    assert p["train step"].seconds >= p["train step"].flops / (chip.peak_tflops * 1e12)  # a roofline, never faster
+    assert 0 < projection.mfu <= 1
+    steps = json.loads(projection_json(projection, [NEW, 5]))["projection"]["steps"]
+    assert [s["completion_tokens"] for s in steps] == [NEW, 5]
+
+
+
+def test_remat_sweep_picks_the_fastest_projected_update_that_fits(tmp_path, capsys):
+    from grpo_core.config_io import load_config
+
+    cfg = load_config(str(Path(__file__).parents[2] / "configs" / "tiny.yaml"),
+                      [f"logging.dir={tmp_path / 'run'}", *SMALL, "model.attention=auto"], registry=default_registry())
+    assert plan.plan_command(cfg, default_registry(), sweep="model.remat", target="v5e-4") == 0
+    found = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    tried = found["tried"]
+    assert set(tried) == {"none", "dots", "full"} and all(t["fits"] for t in tried.values())
+    # full remat recomputes the forward: never faster, never more memory than none
+    assert tried["full"]["update_seconds"] >= tried["none"]["update_seconds"]
+    assert tried["full"]["train_step_gib"] <= tried["none"]["train_step_gib"]
+    assert found["fastest_fitting"] == min(tried, key=lambda policy: tried[policy]["update_seconds"])
