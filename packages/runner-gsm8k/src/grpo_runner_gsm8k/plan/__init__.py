@@ -23,7 +23,7 @@ from grpo_core.registry import Registry
 from grpo_runner_gsm8k.plan.abstract import (PlanInputs, abstract_run_model, abstract_update_batch, build_plan_inputs,
                                              per_device_bytes, plan_architecture, prompt_bucket, train_widths)
 from grpo_runner_gsm8k.plan.capacity import GIB, Capacity, device_capacity
-from grpo_runner_gsm8k.plan.phases import (compile_rollout, compile_update, fixed_phases, rollout_phases, train_phase,
+from grpo_runner_gsm8k.plan.phases import (compile_rollout, decide_lora_rollout, compile_update, fixed_phases, rollout_phases, train_phase,
                                            update_lowering)
 from grpo_runner_gsm8k.plan.report import (EXIT_DOES_NOT_FIT, does_not_fit_message, footer_lines, header_lines, peak,
                                            peak_line, table_lines)
@@ -54,7 +54,7 @@ def plan_command(cfg: RunConfig, registry: Registry, sweep: Optional[str] = None
     parsed = parse_target(target) if target is not None else None
     with memory_minimizing_cpu_scheduler():
         capacity = device_capacity(capacity_gib, parsed)
-        inputs = build_plan_inputs(cfg, registry, parsed)
+        inputs = decide_lora_rollout(build_plan_inputs(cfg, registry, parsed), capacity)
         if sweep:
             return sweep_micro_batch(inputs, capacity)
         return plan_once(inputs, capacity)
