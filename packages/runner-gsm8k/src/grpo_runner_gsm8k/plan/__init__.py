@@ -23,8 +23,8 @@ from grpo_core.registry import Registry
 from grpo_runner_gsm8k.plan.abstract import (PlanInputs, abstract_run_model, abstract_update_batch, build_plan_inputs,
                                              per_device_bytes, plan_architecture, prompt_bucket, train_widths)
 from grpo_runner_gsm8k.plan.capacity import GIB, Capacity, device_capacity
-from grpo_runner_gsm8k.plan.phases import (compile_rollout, decide_lora_rollout, compile_update, fixed_phases, rollout_phases, train_phase,
-                                           update_lowering)
+from grpo_runner_gsm8k.plan.phases import (compile_rollout, compile_update, decide_lora_rollout, fixed_phases,
+                                           rollout_phases, train_phase, update_lowering)
 from grpo_runner_gsm8k.plan.report import (EXIT_DOES_NOT_FIT, does_not_fit_message, footer_lines, header_lines, peak,
                                            peak_line, table_lines)
 from grpo_runner_gsm8k.plan.scheduler import memory_minimizing_cpu_scheduler
