@@ -26,7 +26,7 @@ HARD_TIMEOUT_S = 300
 LEAVE_TIMEOUT_S = 120  # JAX's shutdown barrier alone waits 300 s
 TASK_OPTIONS = {"digits": 1, "operations": "+", "max_result": 9}  # as configs/tiny.yaml
 
-# Prints the sum of |param| of the final params after main() so processes can be compared.
+# Prints the sum of |param| of the params before and after the run so processes can be compared.
 DRIVER = """
 import json, sys, jax, numpy as np
 from grpo_runner_gsm8k import loop
@@ -38,10 +38,13 @@ trainer = loop.Trainer(cfg, default_registry())
 position = trainer.built.inputs.task.state()
 print("PROMPTS", json.dumps([ex.id for ex in gather_objects(trainer.built.inputs.task.train_batch(4))]), flush=True)
 trainer.built.inputs.task.restore(position)
+def params_sum():
+    leaves = [np.asarray(jax.experimental.multihost_utils.process_allgather(x, tiled=True))
+              for x in jax.tree.leaves(trainer.state.params)]
+    return float(sum(np.abs(leaf).sum() for leaf in leaves))
+print("INITIAL", params_sum(), flush=True)
 trainer.run()
-leaves = [np.asarray(jax.experimental.multihost_utils.process_allgather(x, tiled=True))
-          for x in jax.tree.leaves(trainer.state.params)]
-print("PARAMS", float(sum(np.abs(leaf).sum() for leaf in leaves)), flush=True)
+print("PARAMS", params_sum(), flush=True)
 """
 
 
@@ -104,6 +107,24 @@ def test_two_process_run_shares_one_global_batch(tmp_path, start):
     assert [r["step"] for r in train] == [1, 2]  # written once, by process 0
     assert all(np.isfinite(r["train-other/loss"]) for r in train)
     assert any("eval/accuracy" in r for r in records)
+
+
+@pytest.mark.slow
+def test_two_process_lora_run_ends_with_the_same_adapters_on_both(tmp_path):
+    """The train state of a LoRA run is the adapters alone (the base is frozen and held by
+    every process); both processes update them from the one global batch."""
+    port = free_port()
+    lora = ["model.lora.rank=4", "model.lora.alpha=8", "loss.beta=0.05", "train.micro_batch_size_per_device=2",
+            "rollout.n=16", "eval.every_steps=0"]
+    outs = finish([start(4, [*RUN, *lora, f"logging.dir={tmp_path}", *distributed(port, i)]) for i in range(2)])
+    assert all("lora: rollout" in out for out in outs)
+    initial = [float(printed(out, "INITIAL")) for out in outs]
+    final = [float(printed(out, "PARAMS")) for out in outs]
+    assert initial[0] == initial[1] and final[0] == final[1]
+    assert final[0] != initial[0]  # the adapters trained
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2]
+    assert all(np.isfinite(r["train-other/loss"]) for r in records)
 
 
 def distributed(port: int, process_id: int) -> list[str]:

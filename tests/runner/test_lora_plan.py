@@ -12,7 +12,8 @@ from grpo_core.models import lora
 from grpo_core.models.config import hub_architecture
 from grpo_core.registry import default_registry
 from grpo_runner_gsm8k.adapters import abstract_lora_model
-from grpo_runner_gsm8k.plan import build_plan_inputs, per_device_bytes
+from grpo_runner_gsm8k.plan import Capacity, build_plan_inputs, per_device_bytes, rollout_phases
+from grpo_runner_gsm8k.plan.phases import decide_lora_rollout
 
 
 def _count(tree) -> int:
@@ -39,3 +40,18 @@ def test_lora_plan_holds_no_reference_copy(lora_rank, reference, tiny_config):
     if not reference:  # the opt state is the adapters' (two moments each, float32)
         assert per_device_bytes(inputs.opt_state) < 3 * per_device_bytes(inputs.params) + 64
         assert per_device_bytes(inputs.frozen) > per_device_bytes(inputs.params)
+
+
+def test_plan_compiles_the_per_token_decode_when_the_merged_one_does_not_fit(tiny_config):
+    """The plan applies the run's merge rule (run.with_lora_rollout) to its capacity and then
+    compiles the decode that rule picks: the base with the adapters cast, scored alike."""
+    cfg = tiny_config("loss.beta=0.1", "model.lora.rank=4")
+    inputs = build_plan_inputs(cfg, default_registry())
+    roomy = decide_lora_rollout(inputs, Capacity(1 << 40, "test"))
+    assert roomy.run.lora.merged_rollout and roomy.forward_params is roomy.frozen
+    tight = decide_lora_rollout(build_plan_inputs(cfg, default_registry()), Capacity(1 << 10, "test"))
+    assert not tight.run.lora.merged_rollout
+    assert per_device_bytes(tight.forward_params) > per_device_bytes(tight.frozen)  # the adapters ride along
+    assert tight.masters_beside_rollout == per_device_bytes(tight.params)  # no merged copy beside the base
+    decode = [p for p in rollout_phases(tight, Capacity(1 << 40, "test")) if p.name == "rollout decode"]
+    assert decode and decode[0].arguments >= per_device_bytes(tight.forward_params)

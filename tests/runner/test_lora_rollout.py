@@ -2,6 +2,8 @@
 give the same hidden states, on 8 FSDP-sharded devices; the merged copy is taken when it
 fits in the devices' spare memory, the per-token path otherwise; the base is the reference."""
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -38,19 +40,53 @@ def test_merged_and_per_token_policies_agree_and_are_sharded_like_the_base(tiny_
     run, adapters, mesh = lora_setup(tiny_config)
     a = adapters["layers"]["mlp"]["up_proj"]["lora"]["a"].get_value()
     assert a.sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", None)  # embed -> fsdp, as the kernel
-    run.decide_merge(mesh)
+    run.decide_merge(None, None)
     assert run.merged_rollout  # CPU devices report no memory limit
     merged = hidden(*run.policy(adapters, jnp.float32))
+    base = hidden(run.base_graphdef, run.reference(adapters, jnp.float32))
     run.merged_rollout = False
     graphdef, state = run.policy(adapters, jnp.float32)
     assert graphdef is run.train_graphdef
     np.testing.assert_allclose(hidden(graphdef, state), merged, rtol=1e-5, atol=1e-5)
-    assert np.abs(merged - hidden(run.base_graphdef, run.base)).max() > 0.1  # the base is the adapters-off model
+    assert np.abs(merged - base).max() > 0.1  # the base is the adapters-off model
+    # the per-token reference (zero adapters on the adapters' model) is the base exactly
+    assert np.array_equal(hidden(graphdef, run.reference(adapters, jnp.float32)), base)
 
 
-def test_per_token_adapters_when_the_merged_copy_does_not_fit(tiny_config, monkeypatch, capsys):
-    run, _, mesh = lora_setup(tiny_config)
-    monkeypatch.setattr(lora_run, "spare_device_bytes", lambda devices: 10)
-    run.decide_merge(mesh)
-    assert not run.merged_rollout and run.policy_graphdef is run.train_graphdef
-    assert "applies the adapters per token" in capsys.readouterr().out
+@pytest.mark.parametrize("decode_needs, spare_over_copy, merged", [
+    (0, 0, True),  # the copy exactly fits
+    (0, -1, False),  # the copy alone does not
+    (1 << 20, (1 << 20) - 1, False),  # the copy fits, not with what its decode needs beside it
+    (None, 1 << 40, False),  # the compiler refused the merged decode
+])
+def test_merged_copy_only_when_it_and_its_decode_fit(decode_needs, spare_over_copy, merged, tiny_config, capsys):
+    run, _, _ = lora_setup(tiny_config)
+    run.decide_merge(decode_needs, run.merged_copy_bytes() + spare_over_copy)
+    assert run.merged_rollout == merged
+    assert (run.policy_graphdef is run.base_graphdef) == merged
+    said = "merges the adapters once per rollout" if merged else "applies the adapters per token"
+    assert said in capsys.readouterr().out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spare, merged", [(1 << 40, True), (1 << 10, False)])
+def test_the_run_decides_its_rollout_by_the_compiled_merged_decode_and_trains_either_way(
+        tiny_config, tmp_path, monkeypatch, spare, merged):
+    """The run compiles the merged copy's decode for its batch and weighs it (with the copy)
+    against the devices' spare memory; the per-token run also scores its reference (beta > 0)."""
+    from grpo_core.registry import default_registry
+    from grpo_runner_gsm8k import run as run_module
+    from grpo_runner_gsm8k.loop import Trainer
+
+    measured = []
+    needs = run_module.merged_decode_needs
+    monkeypatch.setattr(run_module, "merged_decode_needs", lambda built: measured.append(needs(built)) or measured[0])
+    monkeypatch.setattr(run_module, "spare_device_bytes", lambda devices: spare)
+    cfg = tiny_config("train.steps=1", "rollout.prompts_per_step=4", "rollout.n=4", "eval.every_steps=0",
+                      "model.lora.rank=4", "loss.beta=0.05")
+    trainer = Trainer(cfg, default_registry())
+    assert measured[0] > 0  # the KV cache and loop state at least
+    assert trainer.built.lora.merged_rollout == merged
+    trainer.run()
+    record = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert np.isfinite(record["train-other/loss"]) and np.isfinite(record["train-other/kl"])

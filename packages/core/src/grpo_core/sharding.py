@@ -42,6 +42,12 @@ DEFAULT_RULES: tuple[tuple[str, MeshAxes], ...] = (
 )
 
 
+def per_device_bytes(tree: Any) -> int:
+    """Bytes one device holds of a pytree of sharded arrays or ShapeDtypeStructs."""
+    return sum(math.prod(leaf.sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize
+               for leaf in jax.tree.leaves(tree) if getattr(leaf, "sharding", None) is not None)
+
+
 def rules_to_dict(rules: Rules) -> dict[str, MeshAxes]:
     """The first rule per logical name wins, as in flax's logical axis rules."""
     table: dict[str, MeshAxes] = {}

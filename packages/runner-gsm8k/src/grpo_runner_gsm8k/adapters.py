@@ -25,8 +25,8 @@ from grpo_core.config import RunConfig
 from grpo_core.errors import UserError
 from grpo_core.models import init_from_config, load_pretrained, lora, peft_io
 from grpo_core.models.precision import cast_floating
-from grpo_core.sharding import param_shardings
-from grpo_rollout.gather import GIB, spare_device_bytes
+from grpo_core.sharding import param_shardings, per_device_bytes
+from grpo_rollout.gather import GATHER_HEADROOM, GIB, bytes_beyond_arguments, every_process
 
 
 def lora_spec(cfg: RunConfig) -> Optional[lora.LoRASpec]:
@@ -136,21 +136,42 @@ class LoRARun:
             return self.base_graphdef, self.merge(self.base, adapters)
         return self.train_graphdef, nnx.merge_state(self.base, cast_floating(adapters, dtype))
 
-    def decide_merge(self, mesh: Mesh) -> None:
-        """Merged copy when it fits in every device's spare memory (like gather_weights: auto,
-        with the same headroom); printed once."""
+    def reference(self, adapters: nnx.State, dtype: Any) -> nnx.State:
+        """The reference model's weights for `policy_graphdef`: the base, or (per-token decode)
+        the base with zero adapters (B = 0 adds exactly nothing; adapter-sized, no base copy)."""
+        if self.merged_rollout:
+            return self.base
+        return nnx.merge_state(self.base, jax.tree.map(jnp.zeros_like, cast_floating(adapters, dtype)))
+
+    def merged_copy_bytes(self) -> int:
+        """Per-device bytes of the merged copy: the targeted kernels (the rest is the base's own)."""
         kernels = dict(nnx.to_flat_state(self.base))
-        needed = sum(_device_bytes(kernels[(*lora.kernel_path(t), "kernel")].get_value()) for t in self.spec.targets)
-        spare = spare_device_bytes(list(mesh.local_devices))
-        self.merged_rollout = spare is None or needed <= spare
-        room = "no device memory limit reported" if spare is None else f"{spare / GIB:.2f} GiB spare"
+        return per_device_bytes([kernels[(*lora.kernel_path(t), "kernel")].get_value() for t in self.spec.targets])
+
+    def decide_merge(self, decode_needs: Optional[int], spare: Optional[int]) -> None:
+        """Merged copy when it and what the merged decode needs beside its weights fit in every
+        device's spare memory (`decode_needs` None: the compiler refused that decode); the one
+        rule of the run and the plan, printed once."""
+        copy = self.merged_copy_bytes()
+        fits = spare is None or (decode_needs is not None and copy + decode_needs <= spare)
+        self.merged_rollout = every_process(fits)
         print(f"lora: rollout {'merges the adapters once per rollout' if self.merged_rollout else 'applies the adapters per token'}"
-              f" (merged copy {needed / GIB:.2f} GiB per device, {room})", flush=True)
+              f" ({merge_figures(copy, decode_needs, spare)})", flush=True)
 
 
-def _device_bytes(x: jax.Array) -> int:
-    shard = x.sharding.shard_shape(x.shape)
-    return int(np.prod(shard)) * x.dtype.itemsize
+def merge_figures(copy: int, decode_needs: Optional[int], spare: Optional[int]) -> str:
+    if spare is None:
+        return f"merged copy {copy / GIB:.2f} GiB per device, no device memory limit reported"
+    decode = "refused by the compiler" if decode_needs is None else f"{decode_needs / GIB:.2f} GiB"
+    return (f"merged copy {copy / GIB:.2f} GiB per device + its decode beside the weights {decode}, "
+            f"{spare / GIB:.2f} GiB spare with {GATHER_HEADROOM:.0%} of device memory kept free")
+
+
+def decode_needs(compiled: Any, weights_bytes: int) -> int:
+    """What a compiled decode needs per device besides the `weights_bytes` of weights it reads:
+    its other arguments (KV cache, loop state), temporaries and outputs."""
+    stats = compiled.memory_analysis()
+    return stats.argument_size_in_bytes - weights_bytes + bytes_beyond_arguments(compiled)
 
 
 def setup_lora(cfg: RunConfig, model: nnx.Module, mesh: Mesh, rules: Any) -> tuple[LoRARun, nnx.State]:

@@ -102,14 +102,18 @@ class Trainer:
         # the copy keeps the params' shardings exactly (as the plan assumes), size-1 mesh axes included
         self.cast = jax.jit(compute_params, static_argnums=1, out_shardings=jax.tree.map(lambda x: x.sharding, params))
         # The frozen reference is only ever run forward: stored in the compute dtype (LoRA: the base itself).
-        self.ref_params = (None if not self.built.scores_ref_logps else self.built.lora.base if self.built.lora
-                           else jax.tree.map(jnp.copy, self.forward_params(params)))
+        self.ref_params = self.reference_params(params) if self.built.scores_ref_logps else None
         self.step_times: deque = deque(maxlen=10)  # seconds of the last steps, for the average metric
         self.train_sharding = train_batch_sharding(self.built.mesh)
         self.row_sharding = train_batch_sharding(self.built.mesh, ndim=1)
         self.checkpoints = Checkpointer(self.run_dir, self.cfg.checkpoint)
         if resume_from is not None:
             self.restore(resume_from)
+
+    def reference_params(self, params):
+        if self.built.lora is not None:
+            return self.built.lora.reference(params, self.built.compute_dtype)
+        return jax.tree.map(jnp.copy, self.forward_params(params))
 
     def forward_params(self, params):
         """`params` in the compute dtype: one copy of the float32 masters per call (the

@@ -17,13 +17,16 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from grpo_core.config import RunConfig
-from grpo_core.contracts import MeshAwareLoss, RolloutBackend, SamplingParams
+from grpo_core.contracts import (MeshAwareLoss, PlannableRollout, Policy, RolloutBackend, RolloutShapes,
+                                 SamplingParams)
 from grpo_core.models import QwenConfig
 from grpo_core.models.qwen import resolve_dtype
 from grpo_core.registry import Registry
+from grpo_core.sharding import per_device_bytes
+from grpo_rollout.gather import spare_device_bytes
 from grpo_meshes import ProcessLayout, build_mesh_from_config, rollout_batch_sharding, setup_processes
 
-from grpo_runner_gsm8k.adapters import LoRARun, lora_spec, setup_lora
+from grpo_runner_gsm8k.adapters import LoRARun, decode_needs, lora_spec, setup_lora
 from grpo_runner_gsm8k.build import (Inputs, build_model, check_inputs, from_plugin, micro_batches, preflight,
                                      sampling_params, stop_token_ids, with_micro_batch_size)
 from grpo_runner_gsm8k.checkpoint import TrainState
@@ -192,7 +195,6 @@ def build_run(cfg: RunConfig, registry: Registry) -> BuiltRun:
     lora = None
     if lora_spec(cfg) is not None:  # params become the adapters; the base is held once, frozen
         lora, params = setup_lora(cfg, model, resolved.mesh, resolved.strategy.param_rules)
-        lora.decide_merge(resolved.mesh)
     shape = RunShape(cfg, layout, resolved.mesh, qcfg, graphdef, lora)
 
     def make_state(optimizer: optax.GradientTransformation) -> TrainState:
@@ -200,4 +202,55 @@ def build_run(cfg: RunConfig, registry: Registry) -> BuiltRun:
 
     stop = stop_token_ids(cfg, inputs.tokenizer)
     samplings = (sampling_params(cfg, stop), sampling_params(cfg, stop, for_eval=True))
-    return assemble(shape, registry, make_state, samplings, inputs)
+    built = assemble(shape, registry, make_state, samplings, inputs)
+    if lora is None:
+        return built
+    spare = spare_device_bytes(list(resolved.mesh.local_devices))  # the train state is resident now
+    return with_lora_rollout(built, None if spare is None else merged_decode_needs(built), spare)
+
+
+def with_lora_rollout(built: BuiltRun, decode_needs: Optional[int], spare: Optional[int]) -> BuiltRun:
+    """`built` once its LoRA rollout is decided (LoRARun.decide_merge, for the run and the plan):
+    a per-token decode also scores with the adapters' model."""
+    built.lora.decide_merge(decode_needs, spare)
+    if built.lora.merged_rollout:
+        return built
+    return dataclasses.replace(built, score=make_score(built.lora.policy_graphdef, built.plugins.loss_impl,
+                                                      built.cfg.rollout.temperature))
+
+
+class DecodeKeeper:
+    """A grpo_core.contracts.PhaseCompiler that keeps the compiled rollout decode (no capacity
+    given, so its weights stay as sharded); None where the compiler refused it for memory."""
+
+    def __init__(self):
+        self.decode = None
+
+    def compile(self, name: str, build: Callable[[], Any], arguments: Any, *, record: bool = True,
+                note: Any = "") -> Any:
+        try:
+            compiled = build()
+        except jax.errors.JaxRuntimeError as exc:
+            if "RESOURCE_EXHAUSTED" not in str(exc):
+                raise
+            return None
+        if record and name == "rollout decode":
+            self.decode = compiled
+        return compiled
+
+    def spare_bytes(self, compiled: Any) -> None:
+        return None
+
+
+def merged_decode_needs(built: BuiltRun) -> Optional[int]:
+    """What one rollout's decode on the merged copy needs beside its weights, compiled (not run)
+    for this batch; 0 for a backend that cannot compile its phases ahead (the copy alone decides)."""
+    if not isinstance(built.rollout, PlannableRollout):
+        return 0
+    weights, cfg = built.lora.base, built.cfg.rollout  # the merged copy has the base's shapes
+    shapes = RolloutShapes(policy=Policy(built.lora.base_graphdef, weights, built.qcfg), prompts=cfg.prompts_per_step,
+                           max_prompt_length=cfg.max_prompt_length, sampling=built.sampling,
+                           batch_sharding=built.rollout_sharding, key=jax.random.key(0))
+    keeper = DecodeKeeper()
+    built.rollout.compile_phases(shapes, keeper)
+    return None if keeper.decode is None else decode_needs(keeper.decode, per_device_bytes(weights))

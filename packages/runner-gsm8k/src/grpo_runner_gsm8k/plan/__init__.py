@@ -29,8 +29,8 @@ from grpo_core.registry import Registry
 from grpo_runner_gsm8k.plan.abstract import (PlanInputs, abstract_run_model, abstract_update_batch, build_plan_inputs,
                                              per_device_bytes, plan_architecture, prompt_bucket, train_widths)
 from grpo_runner_gsm8k.plan.capacity import GIB, Capacity, device_capacity
-from grpo_runner_gsm8k.plan.phases import (compile_rollout, compile_update, fixed_phases, rollout_phases, train_phase,
-                                           update_lowering)
+from grpo_runner_gsm8k.plan.phases import (compile_rollout, compile_update, decide_lora_rollout, fixed_phases,
+                                           rollout_phases, train_phase, update_lowering)
 from grpo_runner_gsm8k.plan.report import (EXIT_DOES_NOT_FIT, does_not_fit_message, footer_lines, header_lines, peak,
                                            peak_line, table_lines)
 from grpo_runner_gsm8k.plan.projection import project, projection_json, projection_lines
@@ -73,7 +73,7 @@ def plan_command(cfg: RunConfig, registry: Registry, sweep: Optional[str] = None
         capacity = device_capacity(capacity_gib, parsed)
         if sweep == "model.remat":
             return sweep_remat(cfg, registry, parsed, capacity)
-        inputs = build_plan_inputs(cfg, registry, parsed)
+        inputs = decide_lora_rollout(build_plan_inputs(cfg, registry, parsed), capacity)
         if sweep:
             return sweep_micro_batch(inputs, capacity)
         return plan_once(inputs, capacity, parsed.generation if parsed else None, lengths)

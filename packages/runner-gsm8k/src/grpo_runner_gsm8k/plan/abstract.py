@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -22,7 +21,7 @@ from grpo_core.models.hf_io import abstract_model
 from grpo_core.models.config import HUB_ARCHITECTURES, hub_architecture
 from grpo_core.models.precision import needs_cast
 from grpo_core.registry import Registry
-from grpo_core.sharding import param_shardings
+from grpo_core.sharding import param_shardings, per_device_bytes
 from grpo_meshes import ProcessLayout, build_mesh_from_config, setup_processes, train_batch_sharding
 
 from grpo_runner_gsm8k.adapters import LoRARun, abstract_lora_model, lora_spec, storage_dtype
@@ -63,18 +62,22 @@ class PlanInputs:
     @property
     def forward_params(self) -> Any:
         """The params as rollout and scoring take them: in the compute dtype (see loop.Trainer.forward_params);
-        a LoRA run's merged copy has its base's shapes."""
+        a LoRA run's merged copy has its base's shapes; its per-token decode takes the base with
+        the adapters cast (LoRARun.policy)."""
         if self.frozen is not None:
-            return self.frozen
+            if self.run.lora.merged_rollout:
+                return self.frozen
+            return nnx.merge_state(self.frozen, abstract_cast(self.params, self.run.compute_dtype))
         return abstract_cast(self.params, self.run.compute_dtype)
 
     @property
     def masters_beside_rollout(self) -> int:
         """The stored params stay alive beside their compute-dtype copy when the dtypes differ; a LoRA
         run's base and adapters beside the merged copy (counted whole: an upper bound, since only
-        the targeted kernels are copied)."""
+        the targeted kernels are copied), or its float32 adapters beside the per-token decode's."""
         if self.frozen is not None:
-            return per_device_bytes(self.frozen) + self.params_bytes
+            base = per_device_bytes(self.frozen) if self.run.lora.merged_rollout else 0
+            return base + self.params_bytes
         return self.params_bytes if needs_cast(self.params, self.run.compute_dtype) else 0
 
     @property
@@ -87,12 +90,6 @@ class PlanInputs:
         """A frozen copy of the params (in the compute dtype) lives on the devices when the KL term is on;
         none for LoRA, whose reference is the base itself."""
         return per_device_bytes(self.forward_params) if self.run.scores_ref_logps and self.frozen is None else 0
-
-
-def per_device_bytes(tree: Any) -> int:
-    """Bytes one device holds of a pytree of sharded ShapeDtypeStructs."""
-    return sum(math.prod(leaf.sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize
-               for leaf in jax.tree.leaves(tree) if hasattr(leaf, "sharding"))
 
 
 def abstract_array(shape: tuple[int, ...], dtype: Any, sharding: NamedSharding) -> jax.ShapeDtypeStruct:

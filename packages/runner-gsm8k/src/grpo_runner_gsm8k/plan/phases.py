@@ -14,10 +14,12 @@ from grpo_core.errors import UserError
 from grpo_core.contracts import Policy, RolloutShapes
 from grpo_rollout.gather import spare_bytes
 
+from grpo_runner_gsm8k.adapters import decode_needs
 from grpo_runner_gsm8k.plan.capacity import Capacity
 from grpo_runner_gsm8k.plan.cost import PhaseCost, phase_cost
 from grpo_runner_gsm8k.plan.abstract import (PlanInputs, abstract_key, abstract_update_batch, per_device_bytes,
                                              plannable)
+from grpo_runner_gsm8k.run import with_lora_rollout
 
 
 @dataclass(frozen=True)
@@ -135,6 +137,18 @@ def rollout_phases(inputs: PlanInputs, capacity: Capacity) -> list[PhaseMemory]:
 def compile_rollout(inputs: PlanInputs) -> dict[str, Any]:
     """{phase name: compiled} of one rollout batch, with no capacity to check a gathered decode against."""
     return rollout_recorder(inputs, None).compiled
+
+
+def decide_lora_rollout(inputs: PlanInputs, capacity: Capacity) -> PlanInputs:
+    """A LoRA run's rollout as the run decides it (run.with_lora_rollout), against the planned
+    capacity: the merged copy's decode compiled with its weights as sharded, as the run compiles it."""
+    if inputs.frozen is None:
+        return inputs
+    decode = compile_rollout(inputs).get("rollout decode")
+    base = per_device_bytes(inputs.frozen)
+    needs = None if decode is None else decode_needs(decode, base)
+    spare = spare_bytes(capacity.bytes, base + inputs.params_bytes + per_device_bytes(inputs.opt_state))
+    return dataclasses.replace(inputs, run=with_lora_rollout(inputs.run, needs, spare))
 
 
 def logps_phase(inputs: PlanInputs) -> Optional[PhaseMemory]:

@@ -13,7 +13,7 @@ from grpo_core.registry import Registry
 
 from grpo_runner_gsm8k.plan.abstract import build_plan_inputs
 from grpo_runner_gsm8k.plan.capacity import GIB, Capacity
-from grpo_runner_gsm8k.plan.phases import PhaseMemory, fixed_phases, train_phase
+from grpo_runner_gsm8k.plan.phases import PhaseMemory, decide_lora_rollout, fixed_phases, train_phase
 from grpo_runner_gsm8k.plan.projection import phase_time
 from grpo_runner_gsm8k.plan.report import EXIT_DOES_NOT_FIT, peak
 from grpo_runner_gsm8k.tpu_target import Target
@@ -37,7 +37,7 @@ def sweep_remat(cfg: RunConfig, registry: Registry, target: Optional[Target], ca
     if target is None:
         raise UserError("--sweep model.remat ranks policies by projected time, which needs --target SLICE "
                         "(e.g. --target v6e-8)")
-    rollout = peak(fixed_phases(build_plan_inputs(cfg, registry, target), capacity))
+    rollout = peak(fixed_phases(decide_lora_rollout(build_plan_inputs(cfg, registry, target), capacity), capacity))
     print(f"sweep model.remat over {', '.join(REMAT_POLICIES)} against {capacity.gib:.2f} GiB ({capacity.source}); "
           f"rollout peak {rollout.total / GIB:.3f} GiB; update time projected (lower bound, not a measurement)")
     tried = {}
