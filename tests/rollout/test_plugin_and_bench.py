@@ -34,3 +34,6 @@ def test_bench_prints_one_json_line(capsys):
     assert record["generated_tokens"] == 6 and record["tokens_per_s"] > 0
     assert set(record["compiled_temp_bytes"]) == {"prefill", "decode"}
     assert {"prefill_ms", "decode_ms_per_token", "vocab", "batch"} <= set(record)
+    # EOS suppressed: both rows decode 3 tokens, every slot used
+    assert record["decode_steps"] == 3 and record["tokens_kept"] == 6 and record["slot_utilisation"] == 1.0
+    assert record["length_p50"] == record["length_p90"] == record["length_max"] == 3

@@ -87,6 +87,7 @@ def bench_jax(args: argparse.Namespace) -> dict[str, Any]:
     from grpo_rollout.backend import JaxRollout, JaxRolloutOptions, finish
     from grpo_rollout.decode import decode, prefill
     from grpo_core.contracts import SamplingParams
+    from grpo_core.rollout_records import DecodeTally, waste_metrics
 
     model = init_from_config(qwen_config(args), seed=args.seed, dtype=args.dtype)
     sampling = SamplingParams(
@@ -106,12 +107,15 @@ def bench_jax(args: argparse.Namespace) -> dict[str, Any]:
         middle = time.perf_counter()
         _, state = jax.block_until_ready(decode(weights, cache, state, key, **static))
         end = time.perf_counter()
-        return middle - start, end - middle, int(finish(ids, mask, state, sampling).lengths.sum()), int(state.step)
+        lengths = np.asarray(finish(ids, mask, state, sampling).lengths)
+        return middle - start, end - middle, int(lengths.sum()), int(state.step), lengths
 
     run_once()  # compile + warm-up
     best = min((run_once() for _ in range(args.repeats)), key=lambda r: r[0] + r[1])
-    prefill_s, decode_s, tokens, steps = best
-    return {
+    prefill_s, decode_s, tokens, steps, lengths = best
+    tally = DecodeTally()
+    tally.add_synchronous(lengths)
+    return {**waste_metrics(tally, lengths, prefix=""),
         "engine": "jax", "tokens_per_s": tokens / (prefill_s + decode_s), "prefill_ms": prefill_s * 1e3,
         "decode_ms_per_token": decode_s * 1e3 / max(steps - 1, 1), "decode_steps": steps,
         "generated_tokens": tokens, "compiled_temp_bytes": temp_bytes, "backend": jax.default_backend(),

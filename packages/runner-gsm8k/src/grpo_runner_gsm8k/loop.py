@@ -23,7 +23,7 @@ from grpo_core.models.precision import compute_params, needs_cast
 from grpo_core.registry import Registry
 from grpo_losses import compute_advantages
 from grpo_meshes import train_batch_sharding
-from grpo_core.rollout_records import RolloutResult
+from grpo_core.rollout_records import DecodeTally, RolloutResult, waste_metrics
 
 from grpo_runner_gsm8k.adapters import check_same_base
 from grpo_runner_gsm8k.build import check_run_dir, prepare_run_dir, prompt_token_ids, warn_if_updates_round_away
@@ -126,7 +126,8 @@ class Trainer:
         self.state.key, key = jax.random.split(self.state.key)
         weights = self.forward_params(self.state.params)
         times = {"rollout_s": 0.0, "reward_s": 0.0}
-        (_, result, scores), refill = self.sample_batch(weights, key, times)
+        tally = DecodeTally()
+        (_, result, scores), refill = self.sample_batch(weights, key, times, tally)
 
         reward_start = time.monotonic()
         advantages = compute_advantages(jnp.asarray(scores.total), self.cfg.rollout.n, self.cfg.loss)
@@ -143,15 +144,17 @@ class Trainer:
         self.step_times.append(step_s)
         metrics = self.step_metrics(result, scores, advantages, train_metrics,
                                     dict(**times, update_s=update_s, step_s=step_s))
-        return {**metrics, **refill}
+        return {**metrics, **refill, **waste_metrics(tally, host_array(result.lengths))}
 
-    def scored_rollout(self, weights, key, times: dict) -> Sampled:
-        """Fresh prompts from the task, rolled out with `weights` and scored; adds its seconds to `times`."""
+    def scored_rollout(self, weights, key, times: dict, tally: DecodeTally) -> Sampled:
+        """Fresh prompts from the task, rolled out with `weights` and scored; adds its seconds to
+        `times` and its decode work to `tally`."""
         start = time.monotonic()
         inputs = self.built.inputs
         examples = gather_objects(inputs.task.train_batch(inputs.prompts_per_process))
         result = rollout(self.built, weights, examples, key, self.built.sampling)
         jax.block_until_ready(result.completion_ids)
+        tally.add_synchronous(host_array(result.lengths))
         reward_start = time.monotonic()
         answers = [ex.answer for ex in examples for _ in range(self.cfg.rollout.n)]
         scores = score(inputs.rewards, decode_completions(inputs.tokenizer, result), answers)
@@ -159,16 +162,16 @@ class Trainer:
         times["reward_s"] += time.monotonic() - reward_start
         return Sampled(examples, result, scores)
 
-    def sample_batch(self, weights, key, times: dict) -> tuple[Sampled, dict]:
+    def sample_batch(self, weights, key, times: dict, tally: DecodeTally) -> tuple[Sampled, dict]:
         """The step's rollout batch and the refill metrics ({} unless dynamic sampling refills,
         see refill.py)."""
-        rounds = [self.scored_rollout(weights, key, times)]
+        rounds = [self.scored_rollout(weights, key, times, tally)]
         loss, n, want = self.cfg.loss, self.cfg.rollout.n, self.cfg.rollout.prompts_per_step
         if not (loss.dynamic_sampling and loss.dynamic_sampling_mode == "refill"):
             return rounds[0], {}
         while needs_more(rounds, n, want, loss.max_extra_rollouts):
             self.state.key, key = jax.random.split(self.state.key)
-            rounds.append(self.scored_rollout(weights, key, times))
+            rounds.append(self.scored_rollout(weights, key, times, tally))
         picks = pick_groups(rounds, n, want)
         result = self.on_train_devices(merge_results([r.result for r in rounds], picks, n))
         examples = [rounds[i].examples[g] for i, g in picks]
