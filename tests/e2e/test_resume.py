@@ -33,6 +33,9 @@ KILL_AFTER = 2  # the kill comes once this step's checkpoint is complete
 SHRUNK = [f"train.steps={STEPS}", "rollout.prompts_per_step=4", "rollout.n=4", "eval.every_steps=0",
           "checkpoint.every_steps=1", f"checkpoint.keep={STEPS + 1}"]
 MIXED = ("model.dtype=bfloat16",)  # float32 masters are the default param_dtype
+# rows of up to 8 tokens decoded 1 per round: steps carry rows into the next
+PARTIAL = ("rollout.max_new_tokens=8", "rollout.partial.enabled=true", "rollout.partial.budget=1",
+           "loss.mismatch_correction=truncate")
 RUN_TIMEOUT_S = 600
 ERROR_TIMEOUT_S = 120
 
@@ -124,6 +127,15 @@ def test_sigkill_then_resume_with_mixed_precision_ends_bitwise_equal(tmp_path, c
     reference = tmp_path / "uninterrupted"
     run_to_end(reference, *MIXED)
     check_sigkill_resume(reference, tmp_path, capsys, *MIXED)
+
+
+def test_sigkill_then_resume_with_partial_rollouts_ends_bitwise_equal(tmp_path, capsys):
+    """The carried rows are in the checkpoint: the resumed run continues them exactly."""
+    reference = tmp_path / "uninterrupted"
+    run_to_end(reference, *PARTIAL)
+    check_sigkill_resume(reference, tmp_path, capsys, *PARTIAL)
+    assert saved_meta(tmp_path / "killed", KILL_AFTER)["carried"]["groups"], "nothing was carried at the kill"
+    assert saved_meta(tmp_path / "killed", STEPS)["carried"] == saved_meta(reference, STEPS)["carried"]
 
 
 def check_sigkill_resume(uninterrupted: Path, tmp_path: Path, capsys, *overrides: str) -> None:

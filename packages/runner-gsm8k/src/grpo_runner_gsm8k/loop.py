@@ -20,6 +20,7 @@ from grpo_core.config import RunConfig
 from grpo_core.config_io import config_to_dict, config_to_yaml
 from grpo_core.contracts import CompletionText, Policy
 from grpo_core.models.precision import compute_params, needs_cast
+from grpo_core.errors import UserError
 from grpo_core.registry import Registry
 from grpo_losses import compute_advantages
 from grpo_meshes import train_batch_sharding
@@ -32,6 +33,7 @@ from grpo_runner_gsm8k.lock import RunDirLock
 from grpo_runner_gsm8k.memory_check import MemoryGuard
 from grpo_runner_gsm8k.metrics import MetricsLogger, truncate_metrics
 from grpo_runner_gsm8k.multihost import gather_objects, host_array
+from grpo_runner_gsm8k.partial_step import PartialSampler, padded_to_groups
 from grpo_runner_gsm8k.preemption import StopRequest
 from grpo_runner_gsm8k.refill import Sampled, merge_results, merge_scores, needs_more, pick_groups, refill_metrics
 from grpo_runner_gsm8k.run import BuiltRun, build_run
@@ -108,6 +110,8 @@ class Trainer:
         self.train_sharding = train_batch_sharding(self.built.mesh)
         self.row_sharding = train_batch_sharding(self.built.mesh, ndim=1)
         self.checkpoints = Checkpointer(self.run_dir, self.cfg.checkpoint)
+        self.partial = (PartialSampler(self.built, tokenize_prompts, decode_completions)
+                        if self.cfg.rollout.partial.enabled else None)
         if resume_from is not None:
             self.restore(resume_from)
 
@@ -127,14 +131,14 @@ class Trainer:
         weights = self.forward_params(self.state.params)
         times = {"rollout_s": 0.0, "reward_s": 0.0}
         tally = DecodeTally()
-        (_, result, scores), refill = self.sample_batch(weights, key, times, tally)
+        (_, result, scores), sampling_metrics = self.sample_step(weights, key, times, tally)
 
         reward_start = time.monotonic()
         advantages = compute_advantages(jnp.asarray(scores.total), self.cfg.rollout.n, self.cfg.loss)
         times["reward_s"] += time.monotonic() - reward_start
 
         update_start = time.monotonic()
-        batch = self.update_batch(result, advantages, weights)
+        batch = self.update_batch(*self.full_batch(result, advantages), weights)
         del weights  # freed before the update, which casts the masters inside its own jit
         train_metrics = self.run_updates(batch)
         update_s = time.monotonic() - update_start
@@ -144,7 +148,20 @@ class Trainer:
         self.step_times.append(step_s)
         metrics = self.step_metrics(result, scores, advantages, train_metrics,
                                     dict(**times, update_s=update_s, step_s=step_s))
-        return {**metrics, **refill, **waste_metrics(tally, host_array(result.lengths))}
+        return {**metrics, **sampling_metrics, **waste_metrics(tally, host_array(result.lengths))}
+
+    def sample_step(self, weights, key, times: dict, tally: DecodeTally) -> tuple[Sampled, dict]:
+        """The groups this step trains on, and the metrics of how they were sampled."""
+        if self.partial is None:
+            return self.sample_batch(weights, key, times, tally)
+        sampled, _, metrics = self.partial.sample(weights, key, self.state.step, times, tally)
+        return sampled, metrics
+
+    def full_batch(self, result: RolloutResult, advantages):
+        """Partial rollouts train on fewer groups than prompts_per_step: padded to it, out of the loss."""
+        if self.partial is None:
+            return result, advantages
+        return padded_to_groups(result, advantages, self.cfg.rollout.prompts_per_step)
 
     def scored_rollout(self, weights, key, times: dict, tally: DecodeTally) -> Sampled:
         """Fresh prompts from the task, rolled out with `weights` and scored; adds its seconds to
@@ -277,6 +294,8 @@ class Trainer:
 
     # ---- checkpoints ---------------------------------------------------------------
     def save(self) -> None:
+        if self.partial is not None:  # the carried rows are run state, saved with the step's params
+            self.state.carried = self.partial.pool.state()
         self.checkpoints.save(self.state, self.built.inputs.task.state(), self.built.qcfg.to_hf_dict(),
                               config_to_dict(self.cfg), lora_base=self.built.lora and self.built.lora.fingerprint)
 
@@ -287,6 +306,11 @@ class Trainer:
             where = self.checkpoints.directory / str(resume_from.steps[0])
             check_same_base(resume_from.meta.get("lora_base"), self.built.lora.fingerprint, where)
         step = self.checkpoints.restore_newest(resume_from, self.state, self.built.inputs.task, self.built.mesh)
+        if self.partial is not None and self.state.carried is not None:
+            try:
+                self.partial.pool.restore(self.state.carried)
+            except ValueError as exc:
+                raise UserError(f"checkpoint {self.checkpoints.directory / str(step)}: {exc}") from None
         print(f"resumed from step {step} of {self.checkpoints.directory}", file=sys.stderr)
 
     # ---- the job -----------------------------------------------------------------

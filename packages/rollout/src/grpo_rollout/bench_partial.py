@@ -1,0 +1,118 @@
+"""`grpo-bench rollout --partial-budget B`: partial against synchronous rollouts, same run.
+
+Both sides decode the same rows (`--batch` = prompts x `--n`) of a model whose stop token
+has probability `--stop-p` per step (grpo_rollout.length_model: geometric lengths, mean
+~1/p, cut at `--new-tokens`). Synchronous: each step rolls out `--batch / --n` fresh
+prompts and waits for its longest row. Partial: each step runs rounds of at most B decode
+steps until a group is complete (grpo_rollout.partial). Reported per side, over `--steps`
+steps after `--warmup` untimed ones (and after every prompt width is compiled): completion
+tokens kept per second of rollout and slot utilisation; `speedup` is the ratio of the two
+tokens-per-second figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+import numpy as np
+
+
+def build_rollout(args: argparse.Namespace):
+    import jax
+    from flax import nnx
+
+    from grpo_core.contracts import Policy
+    from grpo_core.models import init_from_config
+    from grpo_rollout.backend import JaxRollout
+    from grpo_rollout.bench import qwen_config
+    from grpo_rollout.length_model import geometric_stop_model
+
+    args.tied = False  # the length model sets the stop token's column of an untied head
+    model = geometric_stop_model(init_from_config(qwen_config(args), seed=args.seed, dtype=args.dtype),
+                                 args.eos, args.stop_p, args.temperature)
+    rollout = JaxRollout()
+    rollout.load_weights(Policy.of(model))
+    return rollout, jax
+
+
+def prompt_source(args: argparse.Namespace):
+    """draw() for the pool and `batch(count)` for synchronous steps: random prompts of
+    --prompt-len tokens (never the stop token)."""
+    rng = np.random.default_rng(args.seed)
+
+    def prompt() -> list[int]:
+        tokens = rng.integers(0, args.vocab - 1, size=args.prompt_len)
+        return np.where(tokens >= args.eos, tokens + 1, tokens).tolist()
+
+    return lambda: ({"id": "random"}, prompt()), prompt
+
+
+def run_bench(args: argparse.Namespace) -> dict[str, Any]:
+    from grpo_core.contracts import SamplingParams
+
+    if args.eos is None or args.stop_p is None:
+        raise SystemExit("grpo-bench rollout: --partial-budget needs --eos ID and --stop-p P (the length model)")
+    rollout, jax = build_rollout(args)
+    sampling = SamplingParams(max_new_tokens=args.new_tokens, temperature=args.temperature, n=args.n,
+                              stop_token_ids=(args.eos,))
+    round_sampling = SamplingParams(max_new_tokens=args.partial_budget, temperature=args.temperature, n=1,
+                                    stop_token_ids=(args.eos,))
+    sync = synchronous_side(args, rollout, sampling, jax)
+    partial = partial_side(args, rollout, round_sampling, jax)
+    return {"mode": "partial_vs_synchronous", "speedup": partial["tokens_per_s"] / sync["tokens_per_s"],
+            "synchronous": sync, "partial": partial, "steps": args.steps, "budget": args.partial_budget,
+            "stop_p": args.stop_p, "n": args.n, "backend": jax.default_backend()}
+
+
+def synchronous_side(args, rollout, sampling, jax) -> dict[str, Any]:
+    from grpo_core.rollout_records import DecodeTally
+
+    _, prompt = prompt_source(args)
+    prompts = args.batch // args.n
+    tally, kept, seconds = DecodeTally(), 0, 0.0
+    for step in range(args.warmup + args.steps):
+        start = time.perf_counter()
+        result = rollout.generate([prompt() for _ in range(prompts)], jax.random.key(step), sampling)
+        lengths = np.asarray(result.lengths)
+        if step >= args.warmup:
+            seconds += time.perf_counter() - start
+            tally.add_synchronous(lengths)
+            kept += int(lengths.sum())
+    return side_record(tally, kept, seconds, args.steps)
+
+
+def partial_side(args, rollout, round_sampling, jax) -> dict[str, Any]:
+    from grpo_core.rollout_records import DecodeTally
+    from grpo_rollout.partial import PartialPool
+
+    draw, _ = prompt_source(args)
+    generate = lambda prefixes, key: rollout.generate(prefixes, key, round_sampling)  # noqa: E731
+    compile_prefix_widths(args, generate, jax)
+    pool = PartialPool(args.batch, args.n, args.partial_budget, args.new_tokens)
+    tally, kept, seconds = DecodeTally(), 0, 0.0
+    for step in range(args.warmup + args.steps):
+        start = time.perf_counter()
+        step_tally = DecodeTally() if step < args.warmup else tally
+        groups, _ = pool.step(generate, draw, jax.random.key(step), step, step_tally, args.batch // args.n)
+        if step >= args.warmup:
+            seconds += time.perf_counter() - start
+            kept += sum(len(row.tokens) for group in groups for row in group.rows)
+    return side_record(tally, kept, seconds, args.steps)
+
+
+def compile_prefix_widths(args, generate, jax) -> None:
+    """One round at every prompt bucket a carried prefix can reach, so no timed step compiles."""
+    from grpo_rollout.prompts import DEFAULT_PROMPT_BUCKETS, bucket_length
+
+    longest = bucket_length(args.prompt_len + args.new_tokens - 1, DEFAULT_PROMPT_BUCKETS)
+    shortest = bucket_length(args.prompt_len, DEFAULT_PROMPT_BUCKETS)
+    for width in [b for b in DEFAULT_PROMPT_BUCKETS if shortest <= b <= longest]:
+        generate([[1] * min(width, args.prompt_len + args.new_tokens - 1)] * args.batch, jax.random.key(0))
+
+
+def side_record(tally, kept: int, seconds: float, steps: int) -> dict[str, Any]:
+    return {"tokens_per_s": kept / seconds, "tokens_kept": kept, "rollout_s": seconds,
+            "slot_utilisation": tally.sampled_tokens / tally.slot_steps,
+            "decode_steps_per_step": tally.decode_steps / steps}
