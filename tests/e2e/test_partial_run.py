@@ -60,3 +60,14 @@ def test_padding_rows_are_out_of_the_loss():
     np.testing.assert_array_equal(np.asarray(padded_adv.advantages)[6:], 0)
     np.testing.assert_array_equal(np.asarray(padded_adv.zero_std), [False, False, True, True])
     assert padded_to_groups(result, advantages, 2) == (result, advantages)
+
+
+def test_partial_rollouts_refuse_several_processes():
+    from types import SimpleNamespace
+
+    from grpo_core.errors import UserError
+    from grpo_runner_gsm8k.partial_step import PartialSampler
+
+    run = SimpleNamespace(cfg=None, layout=SimpleNamespace(process_count=2))
+    with pytest.raises(UserError, match="runs on one process, this run has 2"):
+        PartialSampler(run, None, None)

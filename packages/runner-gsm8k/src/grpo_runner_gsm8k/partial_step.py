@@ -29,10 +29,10 @@ class PartialSampler:
     """Owns the run's pool of carried rows; `sample` gives one step's complete groups."""
 
     def __init__(self, run, tokenize, decode):
-        cfg = run.cfg.rollout
         if run.layout.process_count > 1:
             raise UserError(f"rollout.partial.enabled runs on one process, this run has {run.layout.process_count}; "
                             "set rollout.partial.enabled=false for multi-host runs")
+        cfg = run.cfg.rollout
         self.run, self.tokenize, self.decode = run, tokenize, decode
         self.pool = PartialPool(cfg.prompts_per_step * cfg.n, cfg.n, cfg.partial.budget, cfg.max_new_tokens,
                                 cfg.partial.max_staleness)
