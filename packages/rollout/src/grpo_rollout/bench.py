@@ -64,6 +64,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     partial.add_argument("--n", type=int, default=8, help="rows per prompt (group size)")
     partial.add_argument("--steps", type=int, default=10, help="timed steps per side")
     partial.add_argument("--warmup", type=int, default=5, help="untimed steps per side before them")
+    partial.add_argument("--bucket-step", type=int, default=32, help="prompt bucket spacing of carried prefixes")
     run.add_argument("--engine", choices=("jax", "hf"), default="jax")
     run.add_argument("--compare-hf", action="store_true", help="also time transformers generate")
     run.add_argument("--threads", type=int, default=0, help="torch threads for --engine hf (0: all cores)")

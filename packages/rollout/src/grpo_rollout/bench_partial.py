@@ -25,16 +25,23 @@ def build_rollout(args: argparse.Namespace):
 
     from grpo_core.contracts import Policy
     from grpo_core.models import init_from_config
-    from grpo_rollout.backend import JaxRollout
+    from grpo_rollout.backend import JaxRollout, JaxRolloutOptions
     from grpo_rollout.bench import qwen_config
     from grpo_rollout.length_model import geometric_stop_model
 
     args.tied = False  # the length model sets the stop token's column of an untied head
     model = geometric_stop_model(init_from_config(qwen_config(args), seed=args.seed, dtype=args.dtype),
                                  args.eos, args.stop_p, args.temperature)
-    rollout = JaxRollout()
+    rollout = JaxRollout(JaxRolloutOptions(prompt_buckets=prefix_buckets(args)))
     rollout.load_weights(Policy.of(model))
     return rollout, jax
+
+
+def prefix_buckets(args: argparse.Namespace) -> tuple[int, ...]:
+    """Prompt widths every --bucket-step tokens up to the longest carried prefix: a prefix
+    grows by the budget each round, and power-of-two buckets would pad 257 tokens to 512."""
+    longest = args.prompt_len + args.new_tokens - 1
+    return tuple(range(args.bucket_step, longest + args.bucket_step, args.bucket_step))
 
 
 def prompt_source(args: argparse.Namespace):
@@ -104,12 +111,9 @@ def partial_side(args, rollout, round_sampling, jax) -> dict[str, Any]:
 
 def compile_prefix_widths(args, generate, jax) -> None:
     """One round at every prompt bucket a carried prefix can reach, so no timed step compiles."""
-    from grpo_rollout.prompts import DEFAULT_PROMPT_BUCKETS, bucket_length
-
-    longest = bucket_length(args.prompt_len + args.new_tokens - 1, DEFAULT_PROMPT_BUCKETS)
-    shortest = bucket_length(args.prompt_len, DEFAULT_PROMPT_BUCKETS)
-    for width in [b for b in DEFAULT_PROMPT_BUCKETS if shortest <= b <= longest]:
-        generate([[1] * min(width, args.prompt_len + args.new_tokens - 1)] * args.batch, jax.random.key(0))
+    for width in prefix_buckets(args):
+        if width >= args.prompt_len:
+            generate([[1] * min(width, args.prompt_len + args.new_tokens - 1)] * args.batch, jax.random.key(0))
 
 
 def side_record(tally, kept: int, seconds: float, steps: int) -> dict[str, Any]:
