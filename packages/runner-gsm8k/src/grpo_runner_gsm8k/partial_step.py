@@ -44,13 +44,16 @@ class PartialSampler:
         return dataclasses.asdict(example), self.tokenize(self.run, [example])[0]
 
     def generate(self, weights):
+        """One round's decode with `weights`, loaded into the backend only for its duration."""
+        run = self.run
+
         def one_round(prefixes, key) -> RolloutResult:
-            self.run.rollout.load_weights(Policy(self.run.policy_graphdef, weights, self.run.qcfg))
+            run.rollout.load_weights(Policy(run.policy_graphdef, weights, run.qcfg))
             try:
-                return self.run.rollout.generate(prefixes, key, self.round_sampling, batch_sharding=self.run.rollout_sharding,
-                                                 pad_token_id=self.run.inputs.tokenizer.pad_token_id)
+                return run.rollout.generate(prefixes, key, self.round_sampling, batch_sharding=run.rollout_sharding,
+                                            pad_token_id=run.inputs.tokenizer.pad_token_id)
             finally:
-                self.run.rollout.release_weights()
+                run.rollout.release_weights()
         return one_round
 
     def sample(self, weights, key, version: int, times: dict, tally: DecodeTally) -> tuple[Sampled, np.ndarray, dict]:
@@ -85,6 +88,9 @@ def padded_to_groups(result: RolloutResult, advantages: Advantages, groups: int)
     padded = jax.tree.map(lambda x: np.asarray(x)[rows], result)
     padded = dataclasses.replace(padded, num_prompts=groups)
     extra = missing * result.n
-    pad = lambda x, value: jnp.concatenate([jnp.asarray(x), jnp.full((extra,), value, jnp.asarray(x).dtype)])  # noqa: E731
+
+    def pad(x, value):
+        return jnp.concatenate([jnp.asarray(x), jnp.full((extra,), value, jnp.asarray(x).dtype)])
+
     zero_std = jnp.concatenate([jnp.asarray(advantages.zero_std), jnp.ones((missing,), bool)])
     return padded, Advantages(pad(advantages.advantages, 0.0), pad(advantages.keep, 0.0), zero_std)
