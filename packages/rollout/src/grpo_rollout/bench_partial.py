@@ -4,10 +4,10 @@ Both sides decode the same rows (`--batch` = prompts x `--n`) of a model whose s
 has probability `--stop-p` per step (grpo_rollout.length_model: geometric lengths, mean
 ~1/p, cut at `--new-tokens`). Synchronous: each step rolls out `--batch / --n` fresh
 prompts and waits for its longest row. Partial: each step runs rounds of at most B decode
-steps until a group is complete (grpo_rollout.partial). Reported per side, over `--steps`
-steps after `--warmup` untimed ones (and after every prompt width is compiled): completion
-tokens kept per second of rollout and slot utilisation; `speedup` is the ratio of the two
-tokens-per-second figures.
+steps until a group is complete (grpo_rollout.partial). The two sides' steps alternate.
+Reported per side, over `--steps` steps after `--warmup` untimed ones (and after every
+prompt width is compiled): completion tokens kept per second of rollout and slot
+utilisation; `speedup` is the ratio of the two tokens-per-second figures.
 """
 
 from __future__ import annotations
@@ -66,47 +66,57 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
                               stop_token_ids=(args.eos,))
     round_sampling = SamplingParams(max_new_tokens=args.partial_budget, temperature=args.temperature, n=1,
                                     stop_token_ids=(args.eos,))
-    sync = synchronous_side(args, rollout, sampling, jax)
-    partial = partial_side(args, rollout, round_sampling, jax)
+    sides = {"synchronous": synchronous_stepper(args, rollout, sampling, jax),
+             "partial": partial_stepper(args, rollout, round_sampling, jax)}
+    records = interleaved(args, sides)
+    sync, partial = records["synchronous"], records["partial"]
     return {"mode": "partial_vs_synchronous", "speedup": partial["tokens_per_s"] / sync["tokens_per_s"],
             "synchronous": sync, "partial": partial, "steps": args.steps, "budget": args.partial_budget,
             "stop_p": args.stop_p, "n": args.n, "backend": jax.default_backend()}
 
 
-def synchronous_side(args, rollout, sampling, jax) -> dict[str, Any]:
+def interleaved(args, sides: dict) -> dict[str, dict[str, Any]]:
+    """The sides' steps alternate, so a machine shared with other work slows both alike."""
     from grpo_core.rollout_records import DecodeTally
 
-    _, prompt = prompt_source(args)
-    prompts = args.batch // args.n
-    tally, kept, seconds = DecodeTally(), 0, 0.0
+    tallies = {name: DecodeTally() for name in sides}
+    kept, seconds = dict.fromkeys(sides, 0), dict.fromkeys(sides, 0.0)
     for step in range(args.warmup + args.steps):
-        start = time.perf_counter()
-        result = rollout.generate([prompt() for _ in range(prompts)], jax.random.key(step), sampling)
+        for name, one_step in sides.items():
+            timed = step >= args.warmup
+            start = time.perf_counter()
+            tokens = one_step(step, tallies[name] if timed else DecodeTally())
+            if timed:
+                seconds[name] += time.perf_counter() - start
+                kept[name] += tokens
+    return {name: side_record(tallies[name], kept[name], seconds[name], args.steps) for name in sides}
+
+
+def synchronous_stepper(args, rollout, sampling, jax):
+    """step(index, tally) -> completion tokens kept: fresh prompts, every row to its end."""
+    _, prompt = prompt_source(args)
+
+    def one_step(step: int, tally) -> int:
+        result = rollout.generate([prompt() for _ in range(args.batch // args.n)], jax.random.key(step), sampling)
         lengths = np.asarray(result.lengths)
-        if step >= args.warmup:
-            seconds += time.perf_counter() - start
-            tally.add_synchronous(lengths)
-            kept += int(lengths.sum())
-    return side_record(tally, kept, seconds, args.steps)
+        tally.add_synchronous(lengths)
+        return int(lengths.sum())
+    return one_step
 
 
-def partial_side(args, rollout, round_sampling, jax) -> dict[str, Any]:
-    from grpo_core.rollout_records import DecodeTally
+def partial_stepper(args, rollout, round_sampling, jax):
+    """step(index, tally) -> completion tokens kept: the complete groups of one partial step."""
     from grpo_rollout.partial import PartialPool
 
     draw, _ = prompt_source(args)
     generate = lambda prefixes, key: rollout.generate(prefixes, key, round_sampling)  # noqa: E731
     compile_prefix_widths(args, generate, jax)
     pool = PartialPool(args.batch, args.n, args.partial_budget, args.new_tokens)
-    tally, kept, seconds = DecodeTally(), 0, 0.0
-    for step in range(args.warmup + args.steps):
-        start = time.perf_counter()
-        step_tally = DecodeTally() if step < args.warmup else tally
-        groups, _ = pool.step(generate, draw, jax.random.key(step), step, step_tally, args.batch // args.n)
-        if step >= args.warmup:
-            seconds += time.perf_counter() - start
-            kept += sum(len(row.tokens) for group in groups for row in group.rows)
-    return side_record(tally, kept, seconds, args.steps)
+
+    def one_step(step: int, tally) -> int:
+        groups, _ = pool.step(generate, draw, jax.random.key(step), step, tally, args.batch // args.n)
+        return sum(len(row.tokens) for group in groups for row in group.rows)
+    return one_step
 
 
 def compile_prefix_widths(args, generate, jax) -> None:
