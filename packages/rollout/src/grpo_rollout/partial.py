@@ -78,14 +78,15 @@ class PartialPool:
     # ---- one training step ------------------------------------------------------------
     def step(self, generate: Generate, draw: Draw, key: Any, version: int, tally: DecodeTally,
              max_groups: int) -> tuple[list[CarriedGroup], RoundStats]:
-        """Rounds of at most `budget` decode steps until a group is complete; returns up to
-        `max_groups` complete groups (oldest first), which leave the pool."""
+        """Rounds of at most `budget` decode steps until `max_groups` groups are complete; returns
+        those groups (oldest first), which leave the pool. Every step trains as many groups as a
+        synchronous step would; rows still running when they are complete are carried."""
         restarted = 0
         for round_index in itertools.count():
             self.fill(draw)
             restarted += self.restart_stale(version)
             self.decode_round(generate, jax.random.fold_in(key, round_index), version, tally)
-            if any(group.complete for group in self.groups.values()):
+            if sum(group.complete for group in self.groups.values()) >= max_groups:
                 return self.take_complete(max_groups), RoundStats(restarted, round_index + 1)
         raise AssertionError("unreachable")
 

@@ -1,8 +1,8 @@
 """The step's rollout batch from partial rollouts (rollout.partial, see grpo_rollout.partial).
 
 The pool has prompts_per_step x n decode slots, the rows of a synchronous rollout. Each
-step runs rounds until a group is complete and trains on up to prompts_per_step complete
-groups; the update batch is padded to prompts_per_step groups with rows outside the loss,
+step runs rounds until prompts_per_step groups are complete and trains on them; the update
+batch is padded to prompts_per_step groups with rows outside the loss should it hold fewer,
 so the update compiles once.
 """
 
