@@ -4,7 +4,7 @@ Both sides decode the same rows (`--batch` = prompts x `--n`) of a model whose s
 has probability `--stop-p` per step (grpo_rollout.length_model: geometric lengths, mean
 ~1/p, cut at `--new-tokens`). Synchronous: each step rolls out `--batch / --n` fresh
 prompts and waits for its longest row. Partial: each step runs rounds of at most B decode
-steps until a group is complete (grpo_rollout.partial). The two sides' steps alternate.
+steps until `--batch / --n` groups are complete (grpo_rollout.partial). The two sides' steps alternate.
 Reported per side, over `--steps` steps after `--warmup` untimed ones (and after every
 prompt width is compiled): completion tokens kept per second of rollout and slot
 utilisation; `speedup` is the ratio of the two tokens-per-second figures.
