@@ -30,6 +30,9 @@ pytestmark = pytest.mark.slow
 STEPS = 6
 KILL_AFTER = 2  # the kill comes once this step's checkpoint is complete
 MIXED = ("model.dtype=bfloat16",)  # float32 masters are the default param_dtype
+# rows of up to 8 tokens decoded 1 per round: steps carry rows into the next
+PARTIAL = ("rollout.max_new_tokens=8", "rollout.partial.enabled=true", "rollout.partial.budget=1",
+           "loss.mismatch_correction=truncate")
 RUN_TIMEOUT_S = 600
 ERROR_TIMEOUT_S = 120
 
@@ -80,8 +83,8 @@ def max_abs_param_diff(run_a: Path, run_b: Path) -> float:
     return max(float(np.max(np.abs(a - b))) for a, b in pairs)
 
 
-def saved_meta(run_dir: Path) -> dict:
-    return Resume.read(run_dir, [STEPS]).meta
+def saved_meta(run_dir: Path, step: int = STEPS) -> dict:
+    return Resume.read(run_dir, [step]).meta
 
 
 def files_of(run_dir: Path) -> dict[str, int]:
@@ -135,6 +138,15 @@ def test_sigkill_then_resume_with_mixed_precision_ends_bitwise_equal(tmp_path, c
     reference = tmp_path / "uninterrupted"
     runs.run_to_end(reference, *MIXED)
     check_sigkill_resume(runs, reference, tmp_path, capsys, *MIXED)
+
+
+def test_sigkill_then_resume_with_partial_rollouts_ends_bitwise_equal(tmp_path, capsys, runs):
+    """The carried rows are in the checkpoint: the resumed run continues them exactly."""
+    reference = tmp_path / "uninterrupted"
+    runs.run_to_end(reference, *PARTIAL)
+    check_sigkill_resume(runs, reference, tmp_path, capsys, *PARTIAL)
+    assert saved_meta(tmp_path / "killed", KILL_AFTER)["carried"]["groups"], "nothing was carried at the kill"
+    assert saved_meta(tmp_path / "killed", STEPS)["carried"] == saved_meta(reference, STEPS)["carried"]
 
 
 def check_sigkill_resume(runs: Runs, uninterrupted: Path, tmp_path: Path, capsys, *overrides: str) -> None:

@@ -22,6 +22,8 @@ EXPECTED_KEYS = [
     *(f"train-other/{k}" for k in ("loss", "entropy", "kl", "clip_frac_low", "clip_frac_high", "grad_norm",
                                    "lr", "skipped_steps")),
     *(f"train-seq_len/{part}/{k}" for part in ("prompt", "completion") for k in ("mean", "max")),
+    *(f"train-rollout/{k}" for k in ("decode_steps", "tokens_kept", "slot_utilisation", "length_p50",
+                                     "length_p90", "length_max")),
     "eval/accuracy",
 ]
 
@@ -58,7 +60,10 @@ def test_tiny_run_writes_every_metric(trainer_of, tmp_path):
     logs = list(run_dir.glob("wandb/offline-run-*/run-*.wandb"))
     assert len(logs) == 1, list(run_dir.rglob("*"))
     data = logs[0].read_bytes()
-    for key in ("train-reward/total/mean", "eval/accuracy", "train-other/loss"):
+    last = records[-1]
+    assert last["train-rollout/tokens_kept"] == round(last["train-seq_len/completion/mean"] * 16)
+    assert last["train-rollout/length_max"] == last["train-seq_len/completion/max"] == last["train-rollout/decode_steps"]
+    for key in ("train-reward/total/mean", "eval/accuracy", "train-other/loss", "train-rollout/slot_utilisation"):
         assert key.encode() in data, key
 
 

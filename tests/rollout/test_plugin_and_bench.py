@@ -34,3 +34,24 @@ def test_bench_prints_one_json_line(capsys):
     assert record["generated_tokens"] == 6 and record["tokens_per_s"] > 0
     assert set(record["compiled_temp_bytes"]) == {"prefill", "decode"}
     assert {"prefill_ms", "decode_ms_per_token", "vocab", "batch"} <= set(record)
+    # EOS suppressed: both rows decode 3 tokens, every slot used
+    assert record["decode_steps"] == 3 and record["tokens_kept"] == 6 and record["slot_utilisation"] == 1.0
+    assert record["length_p50"] == record["length_p90"] == record["length_max"] == 3
+
+
+def test_partial_bench_compares_both_sides_on_the_same_rows(capsys):
+    flags = ["--vocab", "96", "--hidden", "32", "--intermediate", "64", "--layers", "1", "--batch", "8", "--n", "4",
+             "--prompt-len", "4", "--new-tokens", "16", "--eos", "0", "--stop-p", "0.25", "--partial-budget", "4",
+             "--steps", "2", "--warmup", "1"]
+    assert bench.main(flags) == 0
+    record = json.loads(capsys.readouterr().out.strip())
+    sync, partial = record["synchronous"], record["partial"]
+    assert record["speedup"] == partial["tokens_per_s"] / sync["tokens_per_s"]
+    for side in (sync, partial):
+        assert side["tokens_kept"] > 0 and 0 < side["slot_utilisation"] <= 1
+    assert sync["decode_steps_per_step"] <= 16  # a synchronous step waits at most max_new_tokens
+
+
+def test_partial_bench_needs_the_length_model():
+    with pytest.raises(SystemExit, match="--eos ID and --stop-p P"):
+        bench.main(["--partial-budget", "4", "--vocab", "96", "--hidden", "32", "--layers", "1"])

@@ -165,3 +165,15 @@ def test_cli_plan_exit_code(tiny_config_path, plan_overrides, tmp_path, capsys):
     argv = ["--config", tiny_config_path, *plan_overrides, f"logging.dir={tmp_path / 'run'}"]
     assert main([*argv, "--plan", "--capacity-gib", "1e-4"]) == 3
     assert "does not fit" in capsys.readouterr().err
+
+
+def test_partial_rollouts_plan_the_widest_re_prefill_round(plan_config, capsys):
+    """Every row re-prefilling a prompt plus max_new_tokens - 1 carried tokens, then `budget` steps."""
+    cfg = plan_config("rollout.partial.enabled=true", "loss.mismatch_correction=truncate", "rollout.partial.budget=3")
+    shapes = rollout_shapes(plan.build_plan_inputs(cfg, default_registry()))
+    rollout = cfg.rollout
+    assert shapes.prompts == rollout.prompts_per_step * rollout.n and shapes.sampling.n == 1
+    assert shapes.max_prompt_length == rollout.max_prompt_length + rollout.max_new_tokens - 1
+    assert shapes.sampling.max_new_tokens == 3
+    assert plan.plan_command(cfg, default_registry(), capacity_gib=16.0) == 0
+    assert {"rollout prefill", "rollout decode", "train step"} <= set(table_rows(capsys.readouterr().out))

@@ -18,3 +18,9 @@ def test_tiny_run_prints_at_most_30_lines_with_the_default():
     assert lines[-2].startswith("step 600/600 ")
     assert lines[-1].startswith("done: final eval accuracy 0.891, wall time ")
     assert lines[-1].endswith("run dir /runs/tiny, last checkpoint /runs/tiny/checkpoints/600")
+
+
+def test_the_progress_line_shows_slot_utilisation_when_reported():
+    stream = io.StringIO()
+    Progress(2, 1, stream=stream).update(1, {"train-rollout/slot_utilisation": 0.183})
+    assert " slots 0.18 " in stream.getvalue()

@@ -100,6 +100,22 @@ class TaskConfig:
 
 
 @dataclass(frozen=True)
+class PartialConfig:
+    """Partial rollouts: decode slots never wait for the longest row (see grpo_rollout.partial)."""
+
+    enabled: bool = setting(
+        False, "Decode at most `budget` steps per round; rows still running are carried into the next step "
+        "(re-prefilled under the new weights), and a group enters the update once all its rows are done. Needs "
+        "loss.mismatch_correction (carried tokens come from older policies). Eval never uses it.")
+    # A quarter of the longest completion: a row of max_new_tokens spans at most four rounds.
+    budget: Optional[int] = setting(
+        None, "Decode steps per round; null = ceil(rollout.max_new_tokens / 4) (filled in at load).", ge=1)
+    max_staleness: Optional[int] = setting(
+        None, "Restart a running row whose first token is more than this many policy versions (steps) old; "
+        "null = never. At least ceil(max_new_tokens / budget) - 1, or the longest rows could never finish.", ge=0)
+
+
+@dataclass(frozen=True)
 class RolloutConfig:
     """Sampling of completions."""
 
@@ -120,6 +136,8 @@ class RolloutConfig:
         "legacy", "Rollout batch sharding: legacy = over dp*fsdp*tp, maxtext = over dp only.")
     use_sampler_logps: bool = setting(
         False, "Use the sampler's log-probs as old log-probs instead of one extra forward pass.")
+    partial: PartialConfig = field(default_factory=PartialConfig,
+                                   metadata={"doc": "Partial rollouts carried across steps (see PartialConfig)."})
 
 
 @dataclass(frozen=True)

@@ -306,6 +306,7 @@ def validate_cross_fields(cfg: RunConfig) -> None:
                           "weights gains nothing; set model.param_dtype=float32 (or model.dtype=bfloat16)")
     _check_loss_options(cfg.loss)
     _check_lora(cfg.model.lora)
+    _check_partial(cfg)
     if not cfg.task.rewards:
         raise ConfigError("task.rewards is empty: name at least one reward function, e.g. {correctness: 1.0}")
     for name in cfg.task.reward_options:
@@ -321,6 +322,31 @@ def _check_loss_options(loss: Any) -> None:
     if loss.dynamic_sampling_mode == "refill" and not loss.dynamic_sampling:
         raise ConfigError("loss.dynamic_sampling_mode = 'refill' with loss.dynamic_sampling = false: refilling "
                           "replaces groups that dynamic sampling drops; set loss.dynamic_sampling=true")
+
+
+def _check_partial(cfg: RunConfig) -> None:
+    """Partial rollouts carry tokens drawn by older policies: the loss must correct them."""
+    partial, max_new = cfg.rollout.partial, cfg.rollout.max_new_tokens
+    if not partial.enabled:
+        return
+    if cfg.loss.mismatch_correction == "none":
+        raise ConfigError("rollout.partial.enabled with loss.mismatch_correction = 'none': carried tokens were "
+                          "sampled by older policies; set loss.mismatch_correction=truncate (or mask)")
+    if cfg.rollout.use_sampler_logps:
+        raise ConfigError("rollout.partial.enabled with rollout.use_sampler_logps = true: the old log-probs must "
+                          "be the current policy's to correct carried tokens; set rollout.use_sampler_logps=false")
+    if cfg.loss.dynamic_sampling and cfg.loss.dynamic_sampling_mode == "refill":
+        raise ConfigError("rollout.partial.enabled with loss.dynamic_sampling_mode = 'refill': partial rollouts "
+                          "already keep the slots full; set loss.dynamic_sampling_mode=mask")
+    budget = partial.budget or -(-max_new // 4)
+    if budget > max_new:
+        raise ConfigError(f"rollout.partial.budget = {budget} is above rollout.max_new_tokens = {max_new}; "
+                          f"set rollout.partial.budget <= {max_new}")
+    rounds = -(-max_new // budget)
+    if partial.max_staleness is not None and partial.max_staleness < rounds - 1:
+        raise ConfigError(f"rollout.partial.max_staleness = {partial.max_staleness} is below {rounds - 1}: a row "
+                          f"of {max_new} tokens spans {rounds} rounds of {budget} and could never finish; set "
+                          f"rollout.partial.max_staleness >= {rounds - 1} (or null)")
 
 
 def _check_lora(lora: Any) -> None:
@@ -364,7 +390,9 @@ def resolve_defaults(cfg: RunConfig) -> RunConfig:
         model=replace(cfg.model, tokenizer=cfg.model.tokenizer or cfg.model.path),
         train=replace(cfg.train, moment_dtype=cfg.train.moment_dtype or trained_param_dtype(cfg.model)),
         loss=replace(cfg.loss, max_completion_length=cfg.loss.max_completion_length or cfg.rollout.max_new_tokens),
-        eval=replace(cfg.eval, max_new_tokens=cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens))
+        eval=replace(cfg.eval, max_new_tokens=cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens),
+        rollout=replace(cfg.rollout, partial=replace(
+            cfg.rollout.partial, budget=cfg.rollout.partial.budget or -(-cfg.rollout.max_new_tokens // 4))))
 
 
 def trained_param_dtype(model: Any) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -100,3 +101,41 @@ def trim_batch(result: RolloutResult, bucket: int = DEFAULT_TRIM_BUCKET) -> Trai
         sampler_logps=join(jnp.zeros(result.prompt_ids.shape, jnp.float32), result.sampler_logps),
         prompt_width=prompt_w,
     )
+
+
+# ---- waste of a rollout: what the decode loop ran against what it kept ----------------
+@dataclass
+class DecodeTally:
+    """Decode work of one training step, summed over its rollouts.
+
+    decode_steps:   decode-loop iterations run (a synchronous rollout runs as many as its
+                    longest row is long: every row waits for it).
+    slot_steps:     rows x decode_steps: the token slots the loop paid for.
+    sampled_tokens: completion tokens sampled into those slots.
+    """
+
+    decode_steps: int = 0
+    slot_steps: int = 0
+    sampled_tokens: int = 0
+
+    def add(self, rows: int, steps: int, tokens: int) -> None:
+        self.decode_steps += int(steps)
+        self.slot_steps += int(rows) * int(steps)
+        self.sampled_tokens += int(tokens)
+
+    def add_synchronous(self, lengths: np.ndarray) -> None:
+        """A rollout that decodes until its last row stops: max(lengths) decode steps."""
+        lengths = np.asarray(lengths)
+        self.add(lengths.shape[0], int(lengths.max(initial=0)), int(lengths.sum()))
+
+
+def waste_metrics(tally: DecodeTally, kept_lengths: np.ndarray, prefix: str = "train-rollout/") -> dict:
+    """Decode steps, completion tokens kept (the rows that reach the update), slot
+    utilisation (= sampled tokens / (rows x decode steps)) and the kept length distribution."""
+    kept = np.asarray(kept_lengths, np.int64)
+    utilisation = tally.sampled_tokens / tally.slot_steps if tally.slot_steps else 0.0
+    return {f"{prefix}decode_steps": tally.decode_steps, f"{prefix}tokens_kept": int(kept.sum()),
+            f"{prefix}slot_utilisation": float(utilisation),
+            f"{prefix}length_p50": float(np.percentile(kept, 50)) if kept.size else 0.0,
+            f"{prefix}length_p90": float(np.percentile(kept, 90)) if kept.size else 0.0,
+            f"{prefix}length_max": int(kept.max(initial=0))}

@@ -8,6 +8,7 @@ prompt 32, 128 new tokens, EOS suppressed, multinomial sampling at T=1.
 
     grpo-bench rollout                       # or: python -m grpo_rollout.bench
     grpo-bench rollout --compare-hf --repeats 3
+    grpo-bench rollout --eos 0 --stop-p 0.03125 --new-tokens 256 --partial-budget 24   # partial vs synchronous
 """
 
 from __future__ import annotations
@@ -55,6 +56,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     run.add_argument("--seed", type=int, default=0)
     run.add_argument("--decode-attention", choices=("rollout", "model"), default="rollout",
                      help="single-query decode attention of grpo_rollout, or the model's cached forward")
+    run.add_argument("--stop-p", type=float, default=None,
+                     help="stop-token probability per step (length model, needs --eos): geometric lengths")
+    partial = p.add_argument_group("partial rollouts (grpo_rollout.bench_partial)")
+    partial.add_argument("--partial-budget", type=int, default=None,
+                         help="compare partial rollouts (rounds of this many decode steps) with synchronous ones")
+    partial.add_argument("--n", type=int, default=8, help="rows per prompt (group size)")
+    partial.add_argument("--steps", type=int, default=10, help="timed steps per side")
+    partial.add_argument("--warmup", type=int, default=5, help="untimed steps per side before them")
+    partial.add_argument("--bucket-step", type=int, default=32, help="prompt bucket spacing of carried prefixes")
     run.add_argument("--engine", choices=("jax", "hf"), default="jax")
     run.add_argument("--compare-hf", action="store_true", help="also time transformers generate")
     run.add_argument("--threads", type=int, default=0, help="torch threads for --engine hf (0: all cores)")
@@ -87,8 +97,13 @@ def bench_jax(args: argparse.Namespace) -> dict[str, Any]:
     from grpo_rollout.backend import JaxRollout, JaxRolloutOptions, finish
     from grpo_rollout.decode import decode, prefill
     from grpo_core.contracts import SamplingParams
+    from grpo_core.rollout_records import DecodeTally, waste_metrics
 
     model = init_from_config(qwen_config(args), seed=args.seed, dtype=args.dtype)
+    if args.stop_p is not None:  # the length model: geometric lengths instead of a random model's
+        from grpo_rollout.length_model import geometric_stop_model
+
+        geometric_stop_model(model, args.eos, args.stop_p, args.temperature)
     sampling = SamplingParams(
         max_new_tokens=args.new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         greedy=args.greedy, stop_token_ids=() if args.eos is None else (args.eos,))
@@ -106,12 +121,15 @@ def bench_jax(args: argparse.Namespace) -> dict[str, Any]:
         middle = time.perf_counter()
         _, state = jax.block_until_ready(decode(weights, cache, state, key, **static))
         end = time.perf_counter()
-        return middle - start, end - middle, int(finish(ids, mask, state, sampling).lengths.sum()), int(state.step)
+        lengths = np.asarray(finish(ids, mask, state, sampling).lengths)
+        return middle - start, end - middle, int(lengths.sum()), int(state.step), lengths
 
     run_once()  # compile + warm-up
     best = min((run_once() for _ in range(args.repeats)), key=lambda r: r[0] + r[1])
-    prefill_s, decode_s, tokens, steps = best
-    return {
+    prefill_s, decode_s, tokens, steps, lengths = best
+    tally = DecodeTally()
+    tally.add_synchronous(lengths)
+    return {**waste_metrics(tally, lengths, prefix=""),
         "engine": "jax", "tokens_per_s": tokens / (prefill_s + decode_s), "prefill_ms": prefill_s * 1e3,
         "decode_ms_per_token": decode_s * 1e3 / max(steps - 1, 1), "decode_steps": steps,
         "generated_tokens": tokens, "compiled_temp_bytes": temp_bytes, "backend": jax.default_backend(),
@@ -186,6 +204,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.engine == "hf":
         print(json.dumps(bench_hf(args)))
+        return 0
+    if args.partial_budget is not None:
+        from grpo_rollout.bench_partial import run_bench
+
+        print(json.dumps({**run_bench(args), **shape_fields(args)}))
         return 0
     result = bench_jax(args)
     result.update(shape_fields(args))

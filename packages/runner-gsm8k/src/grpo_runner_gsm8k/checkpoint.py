@@ -263,6 +263,7 @@ class TrainState:
     key: jax.Array
     step: int = 0
     skipped_steps: int = 0
+    carried: Optional[dict] = None  # partial rollouts: the pool of carried rows (grpo_rollout.partial)
 
 
 class Checkpointer:
@@ -296,6 +297,8 @@ class Checkpointer:
                 "key": _key_record(state.key), "model_config": model_config, "param_layout": PARAM_LAYOUT}
         if lora_base:
             meta["lora_base"] = lora_base
+        if state.carried is not None:
+            meta["carried"] = state.carried
         self.pending_step = state.step
         try:
             self.manager.save(state.step, args=ocp.args.Composite(
@@ -364,6 +367,7 @@ class Checkpointer:
             opt_state=ocp.args.StandardRestore(_on_mesh(state.opt_state, mesh))))
         state.params, state.opt_state = restored.params, restored.opt_state
         state.key, state.step, state.skipped_steps = _key_from_record(meta["key"]), meta["step"], meta["skipped_steps"]
+        state.carried = meta.get("carried")
         try:
             task.restore(meta["data"])
         except ValueError as exc:

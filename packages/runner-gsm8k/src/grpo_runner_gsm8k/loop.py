@@ -20,10 +20,11 @@ from grpo_core.config import RunConfig
 from grpo_core.config_io import config_to_dict, config_to_yaml
 from grpo_core.contracts import CompletionText, Policy
 from grpo_core.models.precision import compute_params, needs_cast
+from grpo_core.errors import UserError
 from grpo_core.registry import Registry
 from grpo_losses import compute_advantages
 from grpo_meshes import train_batch_sharding
-from grpo_core.rollout_records import RolloutResult
+from grpo_core.rollout_records import DecodeTally, RolloutResult, waste_metrics
 
 from grpo_runner_gsm8k.adapters import check_same_base
 from grpo_runner_gsm8k.build import check_run_dir, prepare_run_dir, prompt_token_ids, warn_if_updates_round_away
@@ -32,6 +33,7 @@ from grpo_runner_gsm8k.lock import RunDirLock
 from grpo_runner_gsm8k.memory_check import MemoryGuard
 from grpo_runner_gsm8k.metrics import MetricsLogger, truncate_metrics
 from grpo_runner_gsm8k.multihost import gather_objects, host_array
+from grpo_runner_gsm8k.partial_step import PartialSampler, padded_to_groups
 from grpo_runner_gsm8k.preemption import StopRequest
 from grpo_runner_gsm8k.refill import Sampled, merge_results, merge_scores, needs_more, pick_groups, refill_metrics
 from grpo_runner_gsm8k.run import BuiltRun, build_run
@@ -107,6 +109,8 @@ class Trainer:
         self.train_sharding = train_batch_sharding(self.built.mesh)
         self.row_sharding = train_batch_sharding(self.built.mesh, ndim=1)
         self.checkpoints = Checkpointer(self.run_dir, self.cfg.checkpoint)
+        self.partial = (PartialSampler(self.built, tokenize_prompts, decode_completions)
+                        if self.cfg.rollout.partial.enabled else None)
         if resume_from is not None:
             self.restore(resume_from)
 
@@ -130,14 +134,15 @@ class Trainer:
         self.state.key, key = jax.random.split(self.state.key)
         weights = self.forward_params(self.state.params)
         times = {"rollout_s": 0.0, "reward_s": 0.0}
-        (_, result, scores), refill = self.sample_batch(weights, key, times)
+        tally = DecodeTally()
+        (_, result, scores), sampling_metrics = self.sample_step(weights, key, times, tally)
 
         reward_start = time.monotonic()
         advantages = compute_advantages(jnp.asarray(scores.total), self.cfg.rollout.n, self.cfg.loss)
         times["reward_s"] += time.monotonic() - reward_start
 
         update_start = time.monotonic()
-        batch = self.update_batch(result, advantages, weights)
+        batch = self.update_batch(*self.full_batch(result, advantages), weights)
         del weights  # freed before the update, which casts the masters inside its own jit
         train_metrics = self.run_updates(batch)
         update_s = time.monotonic() - update_start
@@ -147,15 +152,30 @@ class Trainer:
         self.step_times.append(step_s)
         metrics = self.step_metrics(result, scores, advantages, train_metrics,
                                     dict(**times, update_s=update_s, step_s=step_s))
-        return {**metrics, **refill}
+        return {**metrics, **sampling_metrics, **waste_metrics(tally, host_array(result.lengths))}
 
-    def scored_rollout(self, weights, key, times: dict) -> Sampled:
-        """Fresh prompts from the task, rolled out with `weights` and scored; adds its seconds to `times`."""
+    def sample_step(self, weights, key, times: dict, tally: DecodeTally) -> tuple[Sampled, dict]:
+        """The groups this step trains on, and the metrics of how they were sampled."""
+        if self.partial is None:
+            return self.sample_batch(weights, key, times, tally)
+        sampled, _, metrics = self.partial.sample(weights, key, self.state.step, times, tally)
+        return sampled, metrics
+
+    def full_batch(self, result: RolloutResult, advantages):
+        """Partial rollouts train on fewer groups than prompts_per_step: padded to it, out of the loss."""
+        if self.partial is None:
+            return result, advantages
+        return padded_to_groups(result, advantages, self.cfg.rollout.prompts_per_step)
+
+    def scored_rollout(self, weights, key, times: dict, tally: DecodeTally) -> Sampled:
+        """Fresh prompts from the task, rolled out with `weights` and scored; adds its seconds to
+        `times` and its decode work to `tally`."""
         start = time.monotonic()
         inputs = self.built.inputs
         examples = gather_objects(inputs.task.train_batch(inputs.prompts_per_process))
         result = rollout(self.built, weights, examples, key, self.built.sampling)
         jax.block_until_ready(result.completion_ids)
+        tally.add_synchronous(host_array(result.lengths))
         reward_start = time.monotonic()
         answers = [ex.answer for ex in examples for _ in range(self.cfg.rollout.n)]
         scores = score(inputs.rewards, decode_completions(inputs.tokenizer, result), answers)
@@ -163,16 +183,16 @@ class Trainer:
         times["reward_s"] += time.monotonic() - reward_start
         return Sampled(examples, result, scores)
 
-    def sample_batch(self, weights, key, times: dict) -> tuple[Sampled, dict]:
+    def sample_batch(self, weights, key, times: dict, tally: DecodeTally) -> tuple[Sampled, dict]:
         """The step's rollout batch and the refill metrics ({} unless dynamic sampling refills,
         see refill.py)."""
-        rounds = [self.scored_rollout(weights, key, times)]
+        rounds = [self.scored_rollout(weights, key, times, tally)]
         loss, n, want = self.cfg.loss, self.cfg.rollout.n, self.cfg.rollout.prompts_per_step
         if not (loss.dynamic_sampling and loss.dynamic_sampling_mode == "refill"):
             return rounds[0], {}
         while needs_more(rounds, n, want, loss.max_extra_rollouts):
             self.state.key, key = jax.random.split(self.state.key)
-            rounds.append(self.scored_rollout(weights, key, times))
+            rounds.append(self.scored_rollout(weights, key, times, tally))
         picks = pick_groups(rounds, n, want)
         result = self.on_train_devices(merge_results([r.result for r in rounds], picks, n))
         examples = [rounds[i].examples[g] for i, g in picks]
@@ -278,6 +298,8 @@ class Trainer:
 
     # ---- checkpoints ---------------------------------------------------------------
     def save(self) -> None:
+        if self.partial is not None:  # the carried rows are run state, saved with the step's params
+            self.state.carried = self.partial.pool.state()
         self.checkpoints.save(self.state, self.built.inputs.task.state(), self.built.qcfg.to_hf_dict(),
                               config_to_dict(self.cfg), lora_base=self.built.lora and self.built.lora.fingerprint)
 
@@ -288,6 +310,11 @@ class Trainer:
             where = self.checkpoints.directory / str(resume_from.steps[0])
             check_same_base(resume_from.meta.get("lora_base"), self.built.lora.fingerprint, where)
         step = self.checkpoints.restore_newest(resume_from, self.state, self.built.inputs.task, self.built.mesh)
+        if self.partial is not None and self.state.carried is not None:
+            try:
+                self.partial.pool.restore(self.state.carried)
+            except ValueError as exc:
+                raise UserError(f"checkpoint {self.checkpoints.directory / str(step)}: {exc}") from None
         print(f"resumed from step {step} of {self.checkpoints.directory}", file=sys.stderr)
 
     # ---- the job -----------------------------------------------------------------

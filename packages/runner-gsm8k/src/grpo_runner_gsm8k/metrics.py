@@ -43,7 +43,9 @@ class Progress:
         tok_s = _number(metrics.get("throughput/train/valid_tokens_per_s"))
         acc = metrics.get("eval/accuracy")
         acc_text = f" eval_acc {acc:.3f}" if acc is not None else ""
-        return (f"step {step}/{self.total} reward {reward:.3f} tok/s {tok_s:.0f}{acc_text} "
+        util = metrics.get("train-rollout/slot_utilisation")
+        util_text = f" slots {util:.2f}" if util is not None else ""
+        return (f"step {step}/{self.total} reward {reward:.3f} tok/s {tok_s:.0f}{util_text}{acc_text} "
                 f"elapsed {elapsed:.0f}s eta {eta:.0f}s")
 
     def summary(self, metrics: dict, run_dir: Path, last_checkpoint: str) -> None:

@@ -117,9 +117,13 @@ class PhaseRecorder:
 def rollout_shapes(inputs: PlanInputs) -> RolloutShapes:
     """One rollout batch of the run, abstract: what the backend compiles its phases for."""
     run, rollout = inputs.run, inputs.run.cfg.rollout
-    return RolloutShapes(policy=Policy(run.policy_graphdef, inputs.forward_params, run.qcfg),
-                         prompts=rollout.prompts_per_step, max_prompt_length=rollout.max_prompt_length,
-                         sampling=run.sampling, batch_sharding=run.rollout_sharding, key=abstract_key(run.mesh))
+    prompts, prompt_length, sampling = rollout.prompts_per_step, rollout.max_prompt_length, run.sampling
+    if rollout.partial.enabled:  # the widest round: every row re-prefills a prompt plus max_new_tokens - 1 tokens
+        prompts, prompt_length = prompts * rollout.n, prompt_length + rollout.max_new_tokens - 1
+        sampling = dataclasses.replace(sampling, n=1, max_new_tokens=rollout.partial.budget)
+    return RolloutShapes(policy=Policy(run.policy_graphdef, inputs.forward_params, run.qcfg), prompts=prompts,
+                         max_prompt_length=prompt_length, sampling=sampling, batch_sharding=run.rollout_sharding,
+                         key=abstract_key(run.mesh))
 
 
 def rollout_recorder(inputs: PlanInputs, capacity: Optional[Capacity]) -> PhaseRecorder:

@@ -1,0 +1,132 @@
+"""`grpo-bench rollout --partial-budget B`: partial against synchronous rollouts, same run.
+
+Both sides decode the same rows (`--batch` = prompts x `--n`) of a model whose stop token
+has probability `--stop-p` per step (grpo_rollout.length_model: geometric lengths, mean
+~1/p, cut at `--new-tokens`). Synchronous: each step rolls out `--batch / --n` fresh
+prompts and waits for its longest row. Partial: each step runs rounds of at most B decode
+steps until `--batch / --n` groups are complete (grpo_rollout.partial). The two sides' steps alternate.
+Reported per side, over `--steps` steps after `--warmup` untimed ones (and after every
+prompt width is compiled): completion tokens kept per second of rollout and slot
+utilisation; `speedup` is the ratio of the two tokens-per-second figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+import numpy as np
+
+
+def build_rollout(args: argparse.Namespace):
+    import jax
+    from flax import nnx
+
+    from grpo_core.contracts import Policy
+    from grpo_core.models import init_from_config
+    from grpo_rollout.backend import JaxRollout, JaxRolloutOptions
+    from grpo_rollout.bench import qwen_config
+    from grpo_rollout.length_model import geometric_stop_model
+
+    args.tied = False  # the length model sets the stop token's column of an untied head
+    model = geometric_stop_model(init_from_config(qwen_config(args), seed=args.seed, dtype=args.dtype),
+                                 args.eos, args.stop_p, args.temperature)
+    rollout = JaxRollout(JaxRolloutOptions(prompt_buckets=prefix_buckets(args)))
+    rollout.load_weights(Policy.of(model))
+    return rollout, jax
+
+
+def prefix_buckets(args: argparse.Namespace) -> tuple[int, ...]:
+    """Prompt widths every --bucket-step tokens up to the longest carried prefix: a prefix
+    grows by the budget each round, and power-of-two buckets would pad 257 tokens to 512."""
+    longest = args.prompt_len + args.new_tokens - 1
+    return tuple(range(args.bucket_step, longest + args.bucket_step, args.bucket_step))
+
+
+def prompt_source(args: argparse.Namespace):
+    """draw() for the pool and `batch(count)` for synchronous steps: random prompts of
+    --prompt-len tokens (never the stop token)."""
+    rng = np.random.default_rng(args.seed)
+
+    def prompt() -> list[int]:
+        tokens = rng.integers(0, args.vocab - 1, size=args.prompt_len)
+        return np.where(tokens >= args.eos, tokens + 1, tokens).tolist()
+
+    return lambda: ({"id": "random"}, prompt()), prompt
+
+
+def run_bench(args: argparse.Namespace) -> dict[str, Any]:
+    from grpo_core.contracts import SamplingParams
+
+    if args.eos is None or args.stop_p is None:
+        raise SystemExit("grpo-bench rollout: --partial-budget needs --eos ID and --stop-p P (the length model)")
+    rollout, jax = build_rollout(args)
+    sampling = SamplingParams(max_new_tokens=args.new_tokens, temperature=args.temperature, n=args.n,
+                              stop_token_ids=(args.eos,))
+    round_sampling = SamplingParams(max_new_tokens=args.partial_budget, temperature=args.temperature, n=1,
+                                    stop_token_ids=(args.eos,))
+    sides = {"synchronous": synchronous_stepper(args, rollout, sampling, jax),
+             "partial": partial_stepper(args, rollout, round_sampling, jax)}
+    records = interleaved(args, sides)
+    sync, partial = records["synchronous"], records["partial"]
+    return {"mode": "partial_vs_synchronous", "speedup": partial["tokens_per_s"] / sync["tokens_per_s"],
+            "synchronous": sync, "partial": partial, "steps": args.steps, "budget": args.partial_budget,
+            "stop_p": args.stop_p, "n": args.n, "backend": jax.default_backend()}
+
+
+def interleaved(args, sides: dict) -> dict[str, dict[str, Any]]:
+    """The sides' steps alternate, so a machine shared with other work slows both alike."""
+    from grpo_core.rollout_records import DecodeTally
+
+    tallies = {name: DecodeTally() for name in sides}
+    kept, seconds = dict.fromkeys(sides, 0), dict.fromkeys(sides, 0.0)
+    for step in range(args.warmup + args.steps):
+        for name, one_step in sides.items():
+            timed = step >= args.warmup
+            start = time.perf_counter()
+            tokens = one_step(step, tallies[name] if timed else DecodeTally())
+            if timed:
+                seconds[name] += time.perf_counter() - start
+                kept[name] += tokens
+    return {name: side_record(tallies[name], kept[name], seconds[name], args.steps) for name in sides}
+
+
+def synchronous_stepper(args, rollout, sampling, jax):
+    """step(index, tally) -> completion tokens kept: fresh prompts, every row to its end."""
+    _, prompt = prompt_source(args)
+
+    def one_step(step: int, tally) -> int:
+        result = rollout.generate([prompt() for _ in range(args.batch // args.n)], jax.random.key(step), sampling)
+        lengths = np.asarray(result.lengths)
+        tally.add_synchronous(lengths)
+        return int(lengths.sum())
+    return one_step
+
+
+def partial_stepper(args, rollout, round_sampling, jax):
+    """step(index, tally) -> completion tokens kept: the complete groups of one partial step."""
+    from grpo_rollout.partial import PartialPool
+
+    draw, _ = prompt_source(args)
+    generate = lambda prefixes, key: rollout.generate(prefixes, key, round_sampling)  # noqa: E731
+    compile_prefix_widths(args, generate, jax)
+    pool = PartialPool(args.batch, args.n, args.partial_budget, args.new_tokens)
+
+    def one_step(step: int, tally) -> int:
+        groups, _ = pool.step(generate, draw, jax.random.key(step), step, tally, args.batch // args.n)
+        return sum(len(row.tokens) for group in groups for row in group.rows)
+    return one_step
+
+
+def compile_prefix_widths(args, generate, jax) -> None:
+    """One round at every prompt bucket a carried prefix can reach, so no timed step compiles."""
+    for width in prefix_buckets(args):
+        if width >= args.prompt_len:
+            generate([[1] * min(width, args.prompt_len + args.new_tokens - 1)] * args.batch, jax.random.key(0))
+
+
+def side_record(tally, kept: int, seconds: float, steps: int) -> dict[str, Any]:
+    return {"tokens_per_s": kept / seconds, "tokens_kept": kept, "rollout_s": seconds,
+            "slot_utilisation": tally.sampled_tokens / tally.slot_steps,
+            "decode_steps_per_step": tally.decode_steps / steps}

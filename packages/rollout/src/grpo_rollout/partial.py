@@ -1,0 +1,191 @@
+"""Partial rollouts: a fixed number of decode slots that never wait for the longest row.
+
+Each round decodes every slot for at most `budget` steps. A row that stops (or reaches
+max_new_tokens) frees its slot, which the next round gives to a pending row of a new
+prompt; a row still running keeps its slot and continues next round from its prompt plus
+the tokens it has so far, re-prefilled under the weights of that round (no KV cache is
+carried: the pool is plain token lists, so it keeps any batch sharding, the newest weights
+apply at once, and it checkpoints as JSON). A group (the K rows of one prompt) is complete
+when all its rows are done; only complete groups leave the pool, oldest first.
+
+Every token keeps the sampler's log-prob and the policy version that drew it, so the loss
+can correct the carried tokens (truncated or masked importance sampling). A running row
+whose first token is more than `max_staleness` versions old is restarted from its prompt.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence
+
+import jax
+import numpy as np
+
+from grpo_core.rollout_records import DecodeTally, RolloutResult
+from grpo_rollout.prompts import left_pad
+
+PENDING, RUNNING, DONE = "pending", "running", "done"
+
+# generate(prefixes, key) -> RolloutResult of one row per prefix, at most `budget` new tokens.
+Generate = Callable[[Sequence[Sequence[int]], Any], RolloutResult]
+# draw() -> (a JSON-able record of the next prompt's example, its token ids).
+Draw = Callable[[], tuple[dict, list[int]]]
+
+
+@dataclass
+class CarriedRow:
+    """One completion in the pool: its tokens so far with their log-probs and versions."""
+
+    tokens: list = field(default_factory=list)
+    logps: list = field(default_factory=list)
+    versions: list = field(default_factory=list)
+    state: str = PENDING
+    finished: bool = False  # ended on a stop token (False when cut at max_new_tokens)
+    restarts: int = 0
+
+
+@dataclass
+class CarriedGroup:
+    """The K rows of one prompt; `example` is the task's record of it."""
+
+    example: dict
+    prompt: list
+    rows: list
+
+    @property
+    def complete(self) -> bool:
+        return all(row.state == DONE for row in self.rows)
+
+
+@dataclass(frozen=True)
+class RoundStats:
+    restarted: int = 0
+    rounds: int = 0
+
+
+class PartialPool:
+    """The carried rows of a run: `slots` decode slots, groups of `n` rows."""
+
+    def __init__(self, slots: int, n: int, budget: int, max_new_tokens: int, max_staleness: Optional[int] = None):
+        self.n, self.budget, self.max_new_tokens, self.max_staleness = n, budget, max_new_tokens, max_staleness
+        self.groups: dict[int, CarriedGroup] = {}
+        self.slots: list[Optional[tuple[int, int]]] = [None] * slots
+        self.pending: list[tuple[int, int]] = []
+        self.next_group = 0
+
+    # ---- one training step ------------------------------------------------------------
+    def step(self, generate: Generate, draw: Draw, key: Any, version: int, tally: DecodeTally,
+             max_groups: int) -> tuple[list[CarriedGroup], RoundStats]:
+        """Rounds of at most `budget` decode steps until `max_groups` groups are complete; returns
+        those groups (oldest first), which leave the pool. Every step trains as many groups as a
+        synchronous step would; rows still running when they are complete are carried."""
+        restarted = 0
+        for round_index in itertools.count():
+            self.fill(draw)
+            restarted += self.restart_stale(version)
+            self.decode_round(generate, jax.random.fold_in(key, round_index), version, tally)
+            if sum(group.complete for group in self.groups.values()) >= max_groups:
+                return self.take_complete(max_groups), RoundStats(restarted, round_index + 1)
+        raise AssertionError("unreachable")
+
+    def fill(self, draw: Draw) -> None:
+        """Every free slot gets a pending row; a new prompt is drawn when none is pending."""
+        for slot, owner in enumerate(self.slots):
+            if owner is not None and self.row(owner).state != DONE:
+                continue
+            if not self.pending:
+                self.add_group(*draw())
+            owner = self.pending.pop(0)
+            self.row(owner).state = RUNNING
+            self.slots[slot] = owner
+
+    def add_group(self, example: dict, prompt: list[int]) -> None:
+        gid, self.next_group = self.next_group, self.next_group + 1
+        self.groups[gid] = CarriedGroup(example, list(prompt), [CarriedRow() for _ in range(self.n)])
+        self.pending.extend((gid, k) for k in range(self.n))
+
+    def restart_stale(self, version: int) -> int:
+        """Running rows whose first token is older than max_staleness versions start over."""
+        if self.max_staleness is None:
+            return 0
+        stale = [self.row(o) for o in self.slots if o and self.row(o).versions
+                 and version - self.row(o).versions[0] > self.max_staleness]
+        for row in stale:
+            row.tokens, row.logps, row.versions, row.restarts = [], [], [], row.restarts + 1
+        return len(stale)
+
+    def decode_round(self, generate: Generate, key: Any, version: int, tally: DecodeTally) -> None:
+        """Every slot decodes up to `budget` tokens from its prompt + tokens so far."""
+        owners = list(self.slots)
+        prefixes = [self.groups[g].prompt + self.row((g, k)).tokens for g, k in owners]
+        result = generate(prefixes, key)
+        lengths, finished = np.asarray(result.lengths), np.asarray(result.finished)
+        tokens, logps = np.asarray(result.completion_ids), np.asarray(result.sampler_logps)
+        kept = [self.extend(self.row(o), tokens[i, :lengths[i]], logps[i, :lengths[i]], bool(finished[i]), version)
+                for i, o in enumerate(owners)]
+        tally.add(len(owners), int(lengths.max(initial=0)), sum(kept))
+
+    def extend(self, row: CarriedRow, tokens: np.ndarray, logps: np.ndarray, stopped: bool, version: int) -> int:
+        """Appends a round's tokens (no more than max_new_tokens in all); returns how many."""
+        take = min(len(tokens), self.max_new_tokens - len(row.tokens))
+        row.tokens += tokens[:take].tolist()
+        row.logps += logps[:take].tolist()
+        row.versions += [version] * take
+        row.finished = stopped and take == len(tokens)
+        if row.finished or len(row.tokens) >= self.max_new_tokens:
+            row.state = DONE
+        return take
+
+    def take_complete(self, max_groups: int) -> list[CarriedGroup]:
+        ids = sorted(g for g, group in self.groups.items() if group.complete)[:max_groups]
+        for slot, owner in enumerate(self.slots):
+            if owner is not None and owner[0] in ids:
+                self.slots[slot] = None
+        return [self.groups.pop(g) for g in ids]
+
+    def row(self, owner: tuple[int, int]) -> CarriedRow:
+        return self.groups[owner[0]].rows[owner[1]]
+
+    @property
+    def carried_rows(self) -> int:
+        """Rows with tokens that wait in the pool (running or done in an incomplete group)."""
+        return sum(1 for g in self.groups.values() for r in g.rows if r.tokens)
+
+    # ---- checkpoint -------------------------------------------------------------------
+    def state(self) -> dict:
+        """A JSON-able copy (Python floats hold float32 log-probs exactly)."""
+        return {"groups": {str(g): dataclasses.asdict(group) for g, group in self.groups.items()},
+                "slots": [list(o) if o else None for o in self.slots],
+                "pending": [list(o) for o in self.pending], "next_group": self.next_group}
+
+    def restore(self, state: dict) -> None:
+        if len(state["slots"]) != len(self.slots):
+            raise ValueError(f"the carried rollout pool has {len(state['slots'])} slots, this run {len(self.slots)}; "
+                             "resume with the original rollout.prompts_per_step and rollout.n")
+        self.groups = {int(g): CarriedGroup(d["example"], d["prompt"], [CarriedRow(**r) for r in d["rows"]])
+                       for g, d in state["groups"].items()}
+        self.slots = [tuple(o) if o else None for o in state["slots"]]
+        self.pending = [tuple(o) for o in state["pending"]]
+        self.next_group = int(state["next_group"])
+
+
+def groups_result(groups: Sequence[CarriedGroup], max_new_tokens: int, pad_id: int) -> tuple[RolloutResult, np.ndarray]:
+    """Complete groups -> (a host RolloutResult, rows p*K .. p*K+K-1 from group p;
+    policy versions [N, Tn], -1 where no token)."""
+    rows = [row for group in groups for row in group.rows]
+    n = len(groups[0].rows)
+    prompt_ids, prompt_mask = left_pad([group.prompt for group in groups for _ in range(n)], pad_id)
+    ids = np.full((len(rows), max_new_tokens), pad_id, np.int32)
+    logps = np.zeros((len(rows), max_new_tokens), np.float32)
+    versions = np.full((len(rows), max_new_tokens), -1, np.int64)
+    for i, row in enumerate(rows):
+        ids[i, :len(row.tokens)], logps[i, :len(row.tokens)], versions[i, :len(row.tokens)] = (
+            row.tokens, row.logps, row.versions)
+    lengths = np.array([len(row.tokens) for row in rows], np.int32)
+    mask = (np.arange(max_new_tokens)[None, :] < lengths[:, None]).astype(np.int32)
+    result = RolloutResult(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=ids, completion_mask=mask,
+                           lengths=lengths, sampler_logps=logps, finished=np.array([r.finished for r in rows]),
+                           num_prompts=len(groups), n=n)
+    return result, versions

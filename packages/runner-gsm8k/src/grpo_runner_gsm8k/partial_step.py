@@ -1,0 +1,96 @@
+"""The step's rollout batch from partial rollouts (rollout.partial, see grpo_rollout.partial).
+
+The pool has prompts_per_step x n decode slots, the rows of a synchronous rollout. Each
+step runs rounds until prompts_per_step groups are complete and trains on them; the update
+batch is padded to prompts_per_step groups with rows outside the loss should it hold fewer,
+so the update compiles once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from grpo_core.contracts import Example, Policy
+from grpo_core.errors import UserError
+from grpo_core.rollout_records import DecodeTally, RolloutResult
+from grpo_losses.advantages import Advantages
+from grpo_rollout.partial import PartialPool, groups_result
+
+from grpo_runner_gsm8k.refill import Sampled
+from grpo_runner_gsm8k.scoring import score
+
+
+class PartialSampler:
+    """Owns the run's pool of carried rows; `sample` gives one step's complete groups."""
+
+    def __init__(self, run, tokenize, decode):
+        if run.layout.process_count > 1:
+            raise UserError(f"rollout.partial.enabled runs on one process, this run has {run.layout.process_count}; "
+                            "set rollout.partial.enabled=false for multi-host runs")
+        cfg = run.cfg.rollout
+        self.run, self.tokenize, self.decode = run, tokenize, decode
+        self.pool = PartialPool(cfg.prompts_per_step * cfg.n, cfg.n, cfg.partial.budget, cfg.max_new_tokens,
+                                cfg.partial.max_staleness)
+        self.round_sampling = dataclasses.replace(run.sampling, n=1, max_new_tokens=cfg.partial.budget)
+
+    def draw(self) -> tuple[dict, list[int]]:
+        """The task's next prompt (one at a time: the data position counts exactly the prompts used)."""
+        example = self.run.inputs.task.train_batch(1)[0]
+        return dataclasses.asdict(example), self.tokenize(self.run, [example])[0]
+
+    def generate(self, weights):
+        """One round's decode with `weights`, loaded into the backend only for its duration."""
+        run = self.run
+
+        def one_round(prefixes, key) -> RolloutResult:
+            run.rollout.load_weights(Policy(run.policy_graphdef, weights, run.qcfg))
+            try:
+                return run.rollout.generate(prefixes, key, self.round_sampling, batch_sharding=run.rollout_sharding,
+                                            pad_token_id=run.inputs.tokenizer.pad_token_id)
+            finally:
+                run.rollout.release_weights()
+        return one_round
+
+    def sample(self, weights, key, version: int, times: dict, tally: DecodeTally) -> tuple[Sampled, np.ndarray, dict]:
+        """(complete groups scored, their tokens' policy versions [N, Tn], pool metrics)."""
+        start = time.monotonic()
+        cfg = self.run.cfg.rollout
+        groups, stats = self.pool.step(self.generate(weights), self.draw, key, version, tally, cfg.prompts_per_step)
+        reward_start = time.monotonic()
+        result, versions = groups_result(groups, cfg.max_new_tokens, self.run.inputs.tokenizer.pad_token_id)
+        examples = [Example(**group.example) for group in groups]
+        answers = [ex.answer for ex in examples for _ in range(cfg.n)]
+        scores = score(self.run.inputs.rewards, self.decode(self.run.inputs.tokenizer, result), answers)
+        times["rollout_s"] += reward_start - start
+        times["reward_s"] += time.monotonic() - reward_start
+        return Sampled(examples, result, scores), versions, self.metrics(version, versions, stats, len(groups))
+
+    def metrics(self, version: int, versions: np.ndarray, stats, groups: int) -> dict:
+        age = version - versions[versions >= 0]
+        return {"train-rollout/rounds": stats.rounds, "train-rollout/groups": groups,
+                "train-rollout/restarted_rows": stats.restarted, "train-rollout/carried_rows": self.pool.carried_rows,
+                "train-rollout/staleness_mean": float(age.mean()) if age.size else 0.0,
+                "train-rollout/staleness_max": int(age.max(initial=0))}
+
+
+def padded_to_groups(result: RolloutResult, advantages: Advantages, groups: int) -> tuple[RolloutResult, Advantages]:
+    """The batch with copies of its first group appended up to `groups` groups, their rows
+    out of the loss (keep 0, advantage 0): every step's update has one shape."""
+    missing = groups - result.num_prompts
+    if missing <= 0:
+        return result, advantages
+    rows = np.concatenate([np.arange(result.num_prompts * result.n), np.tile(np.arange(result.n), missing)])
+    padded = jax.tree.map(lambda x: np.asarray(x)[rows], result)
+    padded = dataclasses.replace(padded, num_prompts=groups)
+    extra = missing * result.n
+
+    def pad(x, value):
+        return jnp.concatenate([jnp.asarray(x), jnp.full((extra,), value, jnp.asarray(x).dtype)])
+
+    zero_std = jnp.concatenate([jnp.asarray(advantages.zero_std), jnp.ones((missing,), bool)])
+    return padded, Advantages(pad(advantages.advantages, 0.0), pad(advantages.keep, 0.0), zero_std)

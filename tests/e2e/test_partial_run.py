@@ -1,0 +1,73 @@
+"""Partial rollouts in the real loop: metrics, exact data position, padded update, eval
+without partial rollouts."""
+
+import json
+
+import numpy as np
+import pytest
+
+from grpo_core.registry import default_registry
+from grpo_losses.advantages import Advantages
+from grpo_rollout.partial import PartialPool
+from grpo_runner_gsm8k.partial_step import padded_to_groups
+
+PARTIAL = ["train.steps=4", "rollout.prompts_per_step=4", "rollout.n=4", "rollout.max_new_tokens=8",
+           "rollout.partial.enabled=true", "rollout.partial.budget=2", "loss.mismatch_correction=truncate",
+           "eval.every_steps=0", "checkpoint.every_steps=0"]
+
+
+@pytest.fixture
+def trainer(tiny_config):
+    from grpo_runner_gsm8k.loop import Trainer
+
+    registry = default_registry()
+    return Trainer(tiny_config(*PARTIAL, registry=registry), registry)
+
+
+def test_partial_steps_train_complete_groups_and_count_every_prompt_once(trainer, tmp_path):
+    trainer.run()
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    trained = sum(r["train-rollout/groups"] for r in records)
+    waiting = len(trainer.partial.pool.groups)
+    assert trainer.built.inputs.task.state()["position"] == trained + waiting
+    for r in records:
+        assert r["train-rollout/groups"] == 4 and r["train-rollout/rounds"] >= 1
+        assert r["train-rollout/decode_steps"] <= 2 * r["train-rollout/rounds"]
+        assert 0 < r["train-rollout/slot_utilisation"] <= 1 and r["train-rollout/length_max"] <= 8
+        assert r["train-other/mismatch_ratio_mean"] is not None
+    assert max(r["train-rollout/staleness_max"] for r in records) >= 1  # some tokens were carried
+    saved = json.loads((tmp_path / "run" / "checkpoints" / "4" / "meta" / "metadata").read_text())
+    assert saved["carried"] == trainer.partial.pool.state()
+
+
+def test_eval_leaves_the_carried_rows_and_the_data_position_alone(trainer):
+    trainer.step()
+    before, position = trainer.partial.pool.state(), trainer.built.inputs.task.state()
+    assert "eval/accuracy" in trainer.evaluate()
+    assert trainer.partial.pool.state() == before and trainer.built.inputs.task.state() == position
+
+
+def test_padding_rows_are_out_of_the_loss():
+    from grpo_core.rollout_records import RolloutResult
+
+    rows, width = 2 * 3, 5
+    ones = np.ones((rows, width), np.int32)
+    result = RolloutResult(ones, ones, ones * 7, ones, np.full(rows, width), ones * -0.5, np.ones(rows, bool), 2, 3)
+    advantages = Advantages(np.arange(rows, dtype=np.float32) + 1, np.ones(rows, np.float32), np.zeros(2, bool))
+    padded, padded_adv = padded_to_groups(result, advantages, 4)
+    assert padded.num_prompts == 4 and padded.completion_ids.shape == (12, width)
+    np.testing.assert_array_equal(np.asarray(padded_adv.keep), [1] * 6 + [0] * 6)
+    np.testing.assert_array_equal(np.asarray(padded_adv.advantages)[6:], 0)
+    np.testing.assert_array_equal(np.asarray(padded_adv.zero_std), [False, False, True, True])
+    assert padded_to_groups(result, advantages, 2) == (result, advantages)
+
+
+def test_partial_rollouts_refuse_several_processes():
+    from types import SimpleNamespace
+
+    from grpo_core.errors import UserError
+    from grpo_runner_gsm8k.partial_step import PartialSampler
+
+    run = SimpleNamespace(cfg=None, layout=SimpleNamespace(process_count=2))
+    with pytest.raises(UserError, match="runs on one process, this run has 2"):
+        PartialSampler(run, None, None)

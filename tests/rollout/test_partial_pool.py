@@ -1,0 +1,143 @@
+"""The pool of partial rollouts: slots stay full, groups leave complete, every prompt is
+trained exactly once, stale rows restart, and the pool survives a JSON round trip."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from grpo_core.rollout_records import DecodeTally, RolloutResult
+from grpo_rollout.partial import DONE, PartialPool, groups_result
+
+N, SLOTS, BUDGET, MAX_NEW, STOP = 4, 8, 3, 10, 99
+
+
+def fake_generate(budget=BUDGET, stop_p=0.15):
+    """Row i draws up to `budget` tokens (i, step) with a stop token of probability stop_p
+    per step, seeded by the key; log-probs encode the token's position."""
+    calls = []
+
+    def generate(prefixes, key):
+        calls.append([list(p) for p in prefixes])
+        rng = np.random.default_rng(np.asarray(jax.random.key_data(key)).tolist())
+        rows = len(prefixes)
+        ids = np.zeros((rows, budget), np.int32)
+        lengths = np.full(rows, budget, np.int32)
+        finished = np.zeros(rows, bool)
+        for i in range(rows):
+            for t in range(budget):
+                ids[i, t] = STOP if rng.random() < stop_p else 1 + (len(prefixes[i]) + t) % 50
+                if ids[i, t] == STOP:
+                    lengths[i], finished[i] = t + 1, True
+                    break
+        logps = -np.arange(1, budget + 1, dtype=np.float32)[None].repeat(rows, 0) / 7
+        mask = (np.arange(budget)[None] < lengths[:, None]).astype(np.int32)
+        return RolloutResult(ids, mask, ids, mask, lengths, logps * mask, finished, rows, 1)
+
+    return generate, calls
+
+
+def drawer():
+    drawn = []
+
+    def draw():
+        drawn.append(len(drawn))
+        return {"question": f"q{drawn[-1]}", "answer": "0", "id": str(drawn[-1])}, [200 + drawn[-1]] * (1 + drawn[-1] % 3)
+
+    return draw, drawn
+
+
+def run_steps(pool, steps, generate, draw, first_version=0):
+    taken = []
+    for version in range(first_version, first_version + steps):
+        groups, _ = pool.step(generate, draw, jax.random.key(version), version, DecodeTally(), max_groups=2)
+        taken.append(groups)
+    return taken
+
+
+def test_slots_stay_full_and_only_complete_groups_leave():
+    generate, calls = fake_generate()
+    draw, drawn = drawer()
+    pool = PartialPool(SLOTS, N, BUDGET, MAX_NEW)
+    taken = run_steps(pool, 12, generate, draw)
+    assert all(len(prefixes) == SLOTS for prefixes in calls)
+    for groups in taken:
+        assert len(groups) == 2  # as many groups as a synchronous step
+        for group in groups:
+            assert len(group.rows) == N and all(row.state == DONE for row in group.rows)
+            for row in group.rows:
+                assert 1 <= len(row.tokens) <= MAX_NEW and len(row.logps) == len(row.versions) == len(row.tokens)
+                assert row.finished == (row.tokens[-1] == STOP)
+                assert row.finished or len(row.tokens) == MAX_NEW
+
+
+def test_every_drawn_prompt_is_trained_once_or_still_in_the_pool():
+    generate, _ = fake_generate()
+    draw, drawn = drawer()
+    pool = PartialPool(SLOTS, N, BUDGET, MAX_NEW)
+    trained = [g.example["id"] for groups in run_steps(pool, 15, generate, draw) for g in groups]
+    waiting = [g.example["id"] for g in pool.groups.values()]
+    assert len(set(trained)) == len(trained)
+    assert sorted(trained + waiting, key=int) == [str(i) for i in drawn]
+
+
+def test_carried_rows_continue_from_their_tokens_and_record_the_version_of_each():
+    generate, calls = fake_generate(stop_p=0.0)  # nothing stops: rows run to MAX_NEW over 4 rounds
+    draw, _ = drawer()
+    pool = PartialPool(N, N, BUDGET, MAX_NEW)
+    (group,), stats = pool.step(generate, draw, jax.random.key(0), 7, DecodeTally(), max_groups=1)
+    assert stats.rounds == 4 and [len(c[0]) for c in calls] == [1, 4, 7, 10]  # prompt + tokens so far
+    row = group.rows[0]
+    assert len(row.tokens) == MAX_NEW and not row.finished and set(row.versions) == {7}
+    assert calls[-1][0] == group.prompt + row.tokens[:9]
+
+
+def test_rows_older_than_max_staleness_restart_from_their_prompt():
+    generate, calls = fake_generate(budget=1, stop_p=0.0)
+    draw, _ = drawer()
+    pool = PartialPool(N, N, 1, 3, max_staleness=1)
+    tally = DecodeTally()
+    pool.fill(draw)
+    for version in range(3):  # one token per version: the rows' first token is 2 versions old at version 2
+        restarted = pool.restart_stale(version)
+        pool.decode_round(generate, jax.random.key(version), version, tally)
+    assert restarted == N
+    assert all(row.versions == [2] and row.restarts == 1 for row in pool.groups[0].rows)
+
+
+def test_the_pool_continues_identically_after_a_json_round_trip():
+    generate, _ = fake_generate()
+    draw_a, drawn_a = drawer()
+    original = PartialPool(SLOTS, N, BUDGET, MAX_NEW)
+    run_steps(original, 5, generate, draw_a)
+    copy = PartialPool(SLOTS, N, BUDGET, MAX_NEW)
+    copy.restore(json.loads(json.dumps(original.state())))
+    assert copy.state() == original.state()
+    draw_b, drawn_b = drawer()
+    for _ in range(len(drawn_a)):  # the copy's task is at the same data position
+        draw_b()
+    after_a = run_steps(original, 4, generate, draw_a, first_version=5)
+    after_b = run_steps(copy, 4, generate, draw_b, first_version=5)
+    as_records = lambda taken: [[(g.example, [r.tokens for r in g.rows], [r.logps for r in g.rows]) for g in gs]
+                                for gs in taken]
+    assert as_records(after_a) == as_records(after_b)
+
+
+def test_a_pool_of_another_size_is_refused():
+    with pytest.raises(ValueError, match="8 slots, this run 4"):
+        PartialPool(4, N, BUDGET, MAX_NEW).restore(PartialPool(8, N, BUDGET, MAX_NEW).state())
+
+
+def test_groups_result_lays_out_groups_for_the_update():
+    generate, _ = fake_generate()
+    draw, _ = drawer()
+    pool = PartialPool(SLOTS, N, BUDGET, MAX_NEW)
+    groups = [g for gs in run_steps(pool, 4, generate, draw) for g in gs]
+    result, versions = groups_result(groups, MAX_NEW, pad_id=0)
+    assert result.num_prompts == len(groups) and result.completion_ids.shape == (len(groups) * N, MAX_NEW)
+    row = groups[-1].rows[-1]
+    np.testing.assert_array_equal(result.completion_ids[-1, :len(row.tokens)], row.tokens)
+    np.testing.assert_array_equal(result.sampler_logps[-1, :len(row.tokens)], np.float32(row.logps))
+    assert result.lengths[-1] == len(row.tokens) == result.completion_mask[-1].sum() == (versions[-1] >= 0).sum()
+    assert result.prompt_mask[-1].sum() == len(groups[-1].prompt)
