@@ -1,15 +1,11 @@
-"""Partial rollouts in the real loop: metrics, exact data position, padded update, eval
+"""Partial rollouts in the real loop: metrics, exact data position, full groups per step, eval
 without partial rollouts."""
 
 import json
 
-import numpy as np
 import pytest
 
 from grpo_core.registry import default_registry
-from grpo_losses.advantages import Advantages
-from grpo_rollout.partial import PartialPool
-from grpo_runner_gsm8k.partial_step import padded_to_groups
 
 PARTIAL = ["train.steps=4", "rollout.prompts_per_step=4", "rollout.n=4", "rollout.max_new_tokens=8",
            "rollout.partial.enabled=true", "rollout.partial.budget=2", "loss.mismatch_correction=truncate",
@@ -45,21 +41,6 @@ def test_eval_leaves_the_carried_rows_and_the_data_position_alone(trainer):
     before, position = trainer.partial.pool.state(), trainer.built.inputs.task.state()
     assert "eval/accuracy" in trainer.evaluate()
     assert trainer.partial.pool.state() == before and trainer.built.inputs.task.state() == position
-
-
-def test_padding_rows_are_out_of_the_loss():
-    from grpo_core.rollout_records import RolloutResult
-
-    rows, width = 2 * 3, 5
-    ones = np.ones((rows, width), np.int32)
-    result = RolloutResult(ones, ones, ones * 7, ones, np.full(rows, width), ones * -0.5, np.ones(rows, bool), 2, 3)
-    advantages = Advantages(np.arange(rows, dtype=np.float32) + 1, np.ones(rows, np.float32), np.zeros(2, bool))
-    padded, padded_adv = padded_to_groups(result, advantages, 4)
-    assert padded.num_prompts == 4 and padded.completion_ids.shape == (12, width)
-    np.testing.assert_array_equal(np.asarray(padded_adv.keep), [1] * 6 + [0] * 6)
-    np.testing.assert_array_equal(np.asarray(padded_adv.advantages)[6:], 0)
-    np.testing.assert_array_equal(np.asarray(padded_adv.zero_std), [False, False, True, True])
-    assert padded_to_groups(result, advantages, 2) == (result, advantages)
 
 
 def test_partial_rollouts_refuse_several_processes():

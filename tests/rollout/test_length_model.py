@@ -1,10 +1,8 @@
 """The geometric length model: the stop token has probability p at every step."""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 from grpo_core.contracts import Policy, SamplingParams
 from grpo_core.models import QwenConfig, init_from_config

@@ -4,7 +4,6 @@ compiler's programs equal a count by hand for prefill, one decode step and the t
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import pytest

@@ -93,17 +93,11 @@ def bench_jax(args: argparse.Namespace) -> dict[str, Any]:
     import jax
     from flax import nnx
 
-    from grpo_core.models import init_from_config
     from grpo_rollout.backend import JaxRollout, JaxRolloutOptions, finish
     from grpo_rollout.decode import decode, prefill
     from grpo_core.contracts import SamplingParams
-    from grpo_core.rollout_records import DecodeTally, waste_metrics
 
-    model = init_from_config(qwen_config(args), seed=args.seed, dtype=args.dtype)
-    if args.stop_p is not None:  # the length model: geometric lengths instead of a random model's
-        from grpo_rollout.length_model import geometric_stop_model
-
-        geometric_stop_model(model, args.eos, args.stop_p, args.temperature)
+    model = bench_model(args)
     sampling = SamplingParams(
         max_new_tokens=args.new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         greedy=args.greedy, stop_token_ids=() if args.eos is None else (args.eos,))
@@ -126,7 +120,28 @@ def bench_jax(args: argparse.Namespace) -> dict[str, Any]:
 
     run_once()  # compile + warm-up
     best = min((run_once() for _ in range(args.repeats)), key=lambda r: r[0] + r[1])
-    prefill_s, decode_s, tokens, steps, lengths = best
+    return jax_record(*best, temp_bytes)
+
+
+def bench_model(args: argparse.Namespace):
+    """The bench's random model; with --stop-p, the length model (geometric lengths)."""
+    from grpo_core.models import init_from_config
+
+    model = init_from_config(qwen_config(args), seed=args.seed, dtype=args.dtype)
+    if args.stop_p is None:
+        return model
+    from grpo_rollout.length_model import geometric_stop_model
+
+    return geometric_stop_model(model, args.eos, args.stop_p, args.temperature)
+
+
+def jax_record(prefill_s: float, decode_s: float, tokens: int, steps: int, lengths: np.ndarray,
+               temp_bytes: dict[str, int]) -> dict[str, Any]:
+    """The JSON fields of the best timed rollout, with its waste metrics."""
+    import jax
+
+    from grpo_core.rollout_records import DecodeTally, waste_metrics
+
     tally = DecodeTally()
     tally.add_synchronous(lengths)
     return {**waste_metrics(tally, lengths, prefix=""),

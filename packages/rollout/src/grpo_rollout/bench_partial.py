@@ -21,17 +21,13 @@ import numpy as np
 
 def build_rollout(args: argparse.Namespace):
     import jax
-    from flax import nnx
 
     from grpo_core.contracts import Policy
-    from grpo_core.models import init_from_config
     from grpo_rollout.backend import JaxRollout, JaxRolloutOptions
-    from grpo_rollout.bench import qwen_config
-    from grpo_rollout.length_model import geometric_stop_model
+    from grpo_rollout.bench import bench_model
 
     args.tied = False  # the length model sets the stop token's column of an untied head
-    model = geometric_stop_model(init_from_config(qwen_config(args), seed=args.seed, dtype=args.dtype),
-                                 args.eos, args.stop_p, args.temperature)
+    model = bench_model(args)
     rollout = JaxRollout(JaxRolloutOptions(prompt_buckets=prefix_buckets(args)))
     rollout.load_weights(Policy.of(model))
     return rollout, jax

@@ -26,7 +26,6 @@ background; the next save and `close()` wait for them.
 from __future__ import annotations
 
 import json
-import logging
 import re
 import shutil
 import sys

@@ -33,7 +33,7 @@ from grpo_runner_gsm8k.lock import RunDirLock
 from grpo_runner_gsm8k.memory_check import MemoryGuard
 from grpo_runner_gsm8k.metrics import MetricsLogger, truncate_metrics
 from grpo_runner_gsm8k.multihost import gather_objects, host_array
-from grpo_runner_gsm8k.partial_step import PartialSampler, padded_to_groups
+from grpo_runner_gsm8k.partial_step import PartialSampler
 from grpo_runner_gsm8k.preemption import StopRequest
 from grpo_runner_gsm8k.refill import Sampled, merge_results, merge_scores, needs_more, pick_groups, refill_metrics
 from grpo_runner_gsm8k.run import BuiltRun, build_run
@@ -142,7 +142,7 @@ class Trainer:
         times["reward_s"] += time.monotonic() - reward_start
 
         update_start = time.monotonic()
-        batch = self.update_batch(*self.full_batch(result, advantages), weights)
+        batch = self.update_batch(result, advantages, weights)
         del weights  # freed before the update, which casts the masters inside its own jit
         train_metrics = self.run_updates(batch)
         update_s = time.monotonic() - update_start
@@ -160,12 +160,6 @@ class Trainer:
             return self.sample_batch(weights, key, times, tally)
         sampled, _, metrics = self.partial.sample(weights, key, self.state.step, times, tally)
         return sampled, metrics
-
-    def full_batch(self, result: RolloutResult, advantages):
-        """Partial rollouts train on fewer groups than prompts_per_step: padded to it, out of the loss."""
-        if self.partial is None:
-            return result, advantages
-        return padded_to_groups(result, advantages, self.cfg.rollout.prompts_per_step)
 
     def scored_rollout(self, weights, key, times: dict, tally: DecodeTally) -> Sampled:
         """Fresh prompts from the task, rolled out with `weights` and scored; adds its seconds to

@@ -11,7 +11,6 @@ finds the program in JAX's compilation cache, so nothing is compiled twice.
 from __future__ import annotations
 
 import dataclasses
-import os
 from pathlib import Path
 from typing import Any, Callable, Optional
 

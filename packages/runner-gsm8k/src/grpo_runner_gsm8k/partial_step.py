@@ -1,9 +1,8 @@
 """The step's rollout batch from partial rollouts (rollout.partial, see grpo_rollout.partial).
 
 The pool has prompts_per_step x n decode slots, the rows of a synchronous rollout. Each
-step runs rounds until prompts_per_step groups are complete and trains on them; the update
-batch is padded to prompts_per_step groups with rows outside the loss should it hold fewer,
-so the update compiles once.
+step runs rounds until prompts_per_step groups are complete and trains on them, so the
+update has the shape of a synchronous step's.
 """
 
 from __future__ import annotations
@@ -11,14 +10,11 @@ from __future__ import annotations
 import dataclasses
 import time
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 from grpo_core.contracts import Example, Policy
 from grpo_core.errors import UserError
 from grpo_core.rollout_records import DecodeTally, RolloutResult
-from grpo_losses.advantages import Advantages
 from grpo_rollout.partial import PartialPool, groups_result
 
 from grpo_runner_gsm8k.refill import Sampled
@@ -76,21 +72,3 @@ class PartialSampler:
                 "train-rollout/restarted_rows": stats.restarted, "train-rollout/carried_rows": self.pool.carried_rows,
                 "train-rollout/staleness_mean": float(age.mean()) if age.size else 0.0,
                 "train-rollout/staleness_max": int(age.max(initial=0))}
-
-
-def padded_to_groups(result: RolloutResult, advantages: Advantages, groups: int) -> tuple[RolloutResult, Advantages]:
-    """The batch with copies of its first group appended up to `groups` groups, their rows
-    out of the loss (keep 0, advantage 0): every step's update has one shape."""
-    missing = groups - result.num_prompts
-    if missing <= 0:
-        return result, advantages
-    rows = np.concatenate([np.arange(result.num_prompts * result.n), np.tile(np.arange(result.n), missing)])
-    padded = jax.tree.map(lambda x: np.asarray(x)[rows], result)
-    padded = dataclasses.replace(padded, num_prompts=groups)
-    extra = missing * result.n
-
-    def pad(x, value):
-        return jnp.concatenate([jnp.asarray(x), jnp.full((extra,), value, jnp.asarray(x).dtype)])
-
-    zero_std = jnp.concatenate([jnp.asarray(advantages.zero_std), jnp.ones((missing,), bool)])
-    return padded, Advantages(pad(advantages.advantages, 0.0), pad(advantages.keep, 0.0), zero_std)
