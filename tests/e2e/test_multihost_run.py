@@ -110,7 +110,7 @@ def test_two_process_run_shares_one_global_batch(tmp_path, start):
 
 
 @pytest.mark.slow
-def test_two_process_lora_run_ends_with_the_same_adapters_on_both(tmp_path):
+def test_two_process_lora_run_ends_with_the_same_adapters_on_both(tmp_path, start):
     """The train state of a LoRA run is the adapters alone (the base is frozen and held by
     every process); both processes update them from the one global batch."""
     port = free_port()
