@@ -149,6 +149,23 @@ def test_two_process_refill_and_corrections_keep_the_processes_in_step(tmp_path,
         assert np.isfinite(r["train-other/loss"]) and np.isfinite(r["train-other/mismatch_kl"])
 
 
+@pytest.mark.slow
+def test_two_process_partial_run_holds_one_pool_and_counts_every_prompt_once(tmp_path, start):
+    """Each process draws one prompt per new group from its own shard and the draws are
+    gathered, so both hold the same carried rows and end with the same parameters."""
+    port = free_port()
+    partial = ["rollout.max_new_tokens=4", "rollout.partial.enabled=true", "rollout.partial.budget=1",
+               "loss.mismatch_correction=truncate", "eval.every_steps=0"]
+    outs = finish([start(4, [*RUN, *partial, f"logging.dir={tmp_path}", *distributed(port, i)]) for i in range(2)])
+    sums = [float(printed(out, "PARAMS")) for out in outs]
+    assert sums[0] == sums[1]
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2] and all(r["train-rollout/groups"] == 8 for r in records)
+    saved = json.loads((checkpoint_dir(tmp_path) / "2" / "meta" / "metadata").read_text())
+    waiting = len(saved["carried"]["groups"])
+    assert saved["data"]["position"] * 2 == 2 * 8 + waiting  # each process drew its half of every group
+
+
 @pytest.fixture(scope="session")
 def start_command(grpo_cli) -> Callable[[list[str], list[str]], subprocess.Popen]:
     """`start_command(program, args)`: `python <program> --config tiny.yaml <args>` on 4 CPU

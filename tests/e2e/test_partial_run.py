@@ -41,14 +41,3 @@ def test_eval_leaves_the_carried_rows_and_the_data_position_alone(trainer):
     before, position = trainer.partial.pool.state(), trainer.built.inputs.task.state()
     assert "eval/accuracy" in trainer.evaluate()
     assert trainer.partial.pool.state() == before and trainer.built.inputs.task.state() == position
-
-
-def test_partial_rollouts_refuse_several_processes():
-    from types import SimpleNamespace
-
-    from grpo_core.errors import UserError
-    from grpo_runner_gsm8k.partial_step import PartialSampler
-
-    run = SimpleNamespace(cfg=None, layout=SimpleNamespace(process_count=2))
-    with pytest.raises(UserError, match="runs on one process, this run has 2"):
-        PartialSampler(run, None, None)

@@ -43,7 +43,7 @@ def drawer():
 
     def draw():
         drawn.append(len(drawn))
-        return {"question": f"q{drawn[-1]}", "answer": "0", "id": str(drawn[-1])}, [200 + drawn[-1]] * (1 + drawn[-1] % 3)
+        return [({"question": f"q{drawn[-1]}", "answer": "0", "id": str(drawn[-1])}, [200 + drawn[-1]] * (1 + drawn[-1] % 3))]
 
     return draw, drawn
 

@@ -49,7 +49,7 @@ def prompt_source(args: argparse.Namespace):
         tokens = rng.integers(0, args.vocab - 1, size=args.prompt_len)
         return np.where(tokens >= args.eos, tokens + 1, tokens).tolist()
 
-    return lambda: ({"id": "random"}, prompt()), prompt
+    return lambda: [({"id": "random"}, prompt())], prompt
 
 
 def run_bench(args: argparse.Namespace) -> dict[str, Any]:

@@ -5,7 +5,8 @@ max_new_tokens) frees its slot, which the next round gives to a pending row of a
 prompt; a row still running keeps its slot and continues next round from its prompt plus
 the tokens it has so far, re-prefilled under the weights of that round (no KV cache is
 carried: the pool is plain token lists, so it keeps any batch sharding, the newest weights
-apply at once, and it checkpoints as JSON). A group (the K rows of one prompt) is complete
+apply at once, and it checkpoints as JSON). In a multi-host run every process holds the
+same pool: the draws are gathered and the round results read whole on every process. A group (the K rows of one prompt) is complete
 when all its rows are done; only complete groups leave the pool, oldest first.
 
 Every token keeps the sampler's log-prob and the policy version that drew it, so the loss
@@ -30,8 +31,9 @@ PENDING, RUNNING, DONE = "pending", "running", "done"
 
 # generate(prefixes, key) -> RolloutResult of one row per prefix, at most `budget` new tokens.
 Generate = Callable[[Sequence[Sequence[int]], Any], RolloutResult]
-# draw() -> (a JSON-able record of the next prompt's example, its token ids).
-Draw = Callable[[], tuple[dict, list[int]]]
+# draw() -> the next prompts: (a JSON-able record of its example, its token ids) each; one per
+# process in a multi-host run, so every process's pool adds the same groups.
+Draw = Callable[[], list[tuple[dict, list[int]]]]
 
 
 @dataclass
@@ -96,7 +98,8 @@ class PartialPool:
             if owner is not None and self.row(owner).state != DONE:
                 continue
             if not self.pending:
-                self.add_group(*draw())
+                for example, prompt in draw():
+                    self.add_group(example, prompt)
             owner = self.pending.pop(0)
             self.row(owner).state = RUNNING
             self.slots[slot] = owner

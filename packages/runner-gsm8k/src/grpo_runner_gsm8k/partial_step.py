@@ -2,7 +2,8 @@
 
 The pool has prompts_per_step x n decode slots, the rows of a synchronous rollout. Each
 step runs rounds until prompts_per_step groups are complete and trains on them, so the
-update has the shape of a synchronous step's.
+update has the shape of a synchronous step's. With several processes each draws from its
+own data shard and the draws are gathered, so every process holds the same pool.
 """
 
 from __future__ import annotations
@@ -13,31 +14,33 @@ import time
 import numpy as np
 
 from grpo_core.contracts import Example, Policy
-from grpo_core.errors import UserError
 from grpo_core.rollout_records import DecodeTally, RolloutResult
 from grpo_rollout.partial import PartialPool, groups_result
 
+from grpo_runner_gsm8k.multihost import gather_objects, host_array
 from grpo_runner_gsm8k.refill import Sampled
 from grpo_runner_gsm8k.scoring import score
+
+
+# What the pool reads of a round's result: whole on every process, also when sharded across hosts.
+HOST_FIELDS = ("completion_ids", "lengths", "sampler_logps", "finished")
 
 
 class PartialSampler:
     """Owns the run's pool of carried rows; `sample` gives one step's complete groups."""
 
     def __init__(self, run, tokenize, decode):
-        if run.layout.process_count > 1:
-            raise UserError(f"rollout.partial.enabled runs on one process, this run has {run.layout.process_count}; "
-                            "set rollout.partial.enabled=false for multi-host runs")
         cfg = run.cfg.rollout
         self.run, self.tokenize, self.decode = run, tokenize, decode
         self.pool = PartialPool(cfg.prompts_per_step * cfg.n, cfg.n, cfg.partial.budget, cfg.max_new_tokens,
                                 cfg.partial.max_staleness)
         self.round_sampling = dataclasses.replace(run.sampling, n=1, max_new_tokens=cfg.partial.budget)
 
-    def draw(self) -> tuple[dict, list[int]]:
-        """The task's next prompt (one at a time: the data position counts exactly the prompts used)."""
-        example = self.run.inputs.task.train_batch(1)[0]
-        return dataclasses.asdict(example), self.tokenize(self.run, [example])[0]
+    def draw(self) -> list[tuple[dict, list[int]]]:
+        """The task's next prompt of every process (one each: the data position counts exactly
+        the prompts used), in process order."""
+        examples = gather_objects(self.run.inputs.task.train_batch(1))
+        return [(dataclasses.asdict(ex), ids) for ex, ids in zip(examples, self.tokenize(self.run, examples))]
 
     def generate(self, weights):
         """One round's decode with `weights`, loaded into the backend only for its duration."""
@@ -46,8 +49,9 @@ class PartialSampler:
         def one_round(prefixes, key) -> RolloutResult:
             run.rollout.load_weights(Policy(run.policy_graphdef, weights, run.qcfg))
             try:
-                return run.rollout.generate(prefixes, key, self.round_sampling, batch_sharding=run.rollout_sharding,
-                                            pad_token_id=run.inputs.tokenizer.pad_token_id)
+                result = run.rollout.generate(prefixes, key, self.round_sampling, batch_sharding=run.rollout_sharding,
+                                              pad_token_id=run.inputs.tokenizer.pad_token_id)
+                return dataclasses.replace(result, **{name: host_array(getattr(result, name)) for name in HOST_FIELDS})
             finally:
                 run.rollout.release_weights()
         return one_round
