@@ -84,6 +84,18 @@ class NanLoss:
         return [LossSpec("nan_loss", build, NoOptions, "always NaN")]
 
 
+def test_eval_leaves_the_training_stream_alone(trainer_of, tmp_path):
+    """Eval samples from its own key, so evaluating after every step trains exactly as never
+    evaluating (a run extended past an end-of-run eval equals one configured longer)."""
+    evaluated = trainer_of("eval.every_steps=1")
+    evaluated.run()
+    plain = trainer_of("eval.every_steps=0", f"logging.dir={tmp_path / 'plain'}")
+    plain.run()
+    for a, b in zip(jax.tree.leaves(evaluated.state.params), jax.tree.leaves(plain.state.params)):
+        assert np.array_equal(np.asarray(a), np.asarray(b))
+    assert np.array_equal(jax.random.key_data(evaluated.state.key), jax.random.key_data(plain.state.key))
+
+
 def test_non_finite_loss_skips_the_update(trainer_of):
     trainer = trainer_of("loss.impl=nan_loss", "eval.every_steps=0", registry=registry_with(NanLoss()))
     initial = jax.tree.map(np.array, trainer.state.params)

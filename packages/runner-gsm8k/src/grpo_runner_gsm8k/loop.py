@@ -41,6 +41,9 @@ from grpo_runner_gsm8k.scoring import score
 from grpo_runner_gsm8k.step import UpdateBatch
 
 
+EVAL_STREAM = 0x45564C  # folded into train.seed's key for eval sampling, apart from the training stream
+
+
 def tokenize_prompts(run: BuiltRun, examples: list) -> list[list[int]]:
     """Token ids of the prompts: from the ids checked at start where there are, else tokenized now."""
     inputs = run.inputs
@@ -271,11 +274,16 @@ class Trainer:
         return out
 
     # ---- eval ------------------------------------------------------------------
+    def eval_key(self) -> jax.Array:
+        """A function of train.seed and the step, apart from the training stream: when and how
+        often a run evaluates never changes what it trains on."""
+        return jax.random.fold_in(jax.random.fold_in(jax.random.key(self.cfg.train.seed), EVAL_STREAM), self.state.step)
+
     def evaluate(self) -> dict:
         examples = gather_objects(self.built.inputs.task.test_examples(self.cfg.eval.num_questions))
         n = self.built.eval_sampling.n
-        self.state.key, key = jax.random.split(self.state.key)
-        result = rollout(self.built, self.forward_params(self.state.params), examples, key, self.built.eval_sampling)
+        result = rollout(self.built, self.forward_params(self.state.params), examples, self.eval_key(),
+                         self.built.eval_sampling)
         judge = self.cfg.eval.reward  # checked to be one of task.rewards when the config loaded
         answers = [ex.answer for ex in examples for _ in range(n)]
         inputs = self.built.inputs
