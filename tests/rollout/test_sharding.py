@@ -80,8 +80,77 @@ def test_auto_gathers_sharded_weights_only_when_the_gathered_decode_fits(models,
     assert capsys.readouterr().out == ""  # decided once per batch shape
 
 
-def test_gather_weights_accepts_auto_true_false_only():
-    for value in ("auto", True, False):
+def test_gather_weights_accepts_auto_true_false_model_parallel_only():
+    for value in ("auto", True, False, "model_parallel"):
         assert JaxRolloutOptions(gather_weights=value).gather_weights == value
-    with pytest.raises(ValueError, match="gather_weights='yes' must be true, false or auto"):
+    with pytest.raises(ValueError, match="gather_weights='yes' must be true, false, auto or model_parallel"):
         JaxRolloutOptions(gather_weights="yes")
+    with pytest.raises(ValueError, match="set decode_attention=rollout"):
+        JaxRolloutOptions(gather_weights="model_parallel", decode_attention="model")
+
+
+@pytest.mark.parametrize("style", sorted(STYLES))
+def test_model_parallel_decode_samples_the_gathered_decodes_tokens(mesh, style):
+    """8 query heads, 2 KV heads, MLP and vocabulary split over the batch devices (the KV
+    projections stay replicated: 2 heads do not split 8 ways); greedy and sampled."""
+    from grpo_rollout import model_parallel
+
+    cfg = QwenConfig.tiny("qwen2", tie_word_embeddings=False, num_attention_heads=8, hidden_size=64)
+    sharded = shard_model(init_from_config(cfg, seed=3), mesh, DEFAULT_RULES)
+    batch_sharding = NamedSharding(mesh, PartitionSpec(STYLES[style]))
+    split = JaxRollout(JaxRolloutOptions(prompt_buckets=(8,), gather_weights="model_parallel"))
+    gathered = JaxRollout(JaxRolloutOptions(prompt_buckets=(8,), gather_weights=True))
+    weights = nnx.state(sharded)
+    specs = model_parallel.weight_shardings(weights, mesh, STYLES[style])
+    assert specs["layers"]["self_attn"]["q_proj"]["kernel"].get_value().spec[2] == STYLES[style]
+    assert specs["layers"]["mlp"]["down_proj"]["kernel"].get_value().spec[1] == STYLES[style]
+    for params in (PARAMS, SamplingParams(max_new_tokens=8, n=2, greedy=True)):
+        results = []
+        for rollout in (split, gathered):
+            rollout.load_weights(Policy.of(sharded))
+            results.append(rollout.generate(PROMPTS, jax.random.key(5), params, batch_sharding=batch_sharding))
+        np.testing.assert_array_equal(results[0].completion_ids, results[1].completion_ids)
+        np.testing.assert_allclose(results[0].sampler_logps, results[1].sampler_logps, atol=1e-5)
+
+
+def test_auto_with_a_projector_takes_the_fastest_layout_that_fits(mesh, monkeypatch, capsys):
+    """On TPU the run projects each decode layout (grpo_runner_gsm8k.plan.cost); here a fake
+    projection ranks them, and a layout over the spare memory is never taken however fast."""
+    from grpo_rollout import gather
+
+    cfg = QwenConfig.tiny("qwen2", tie_word_embeddings=False, num_attention_heads=8, hidden_size=64)
+    sharded = shard_model(init_from_config(cfg, seed=3), mesh, DEFAULT_RULES)
+    batch_sharding = NamedSharding(mesh, PartitionSpec(STYLES["legacy"]))
+    calls = []
+
+    def projector(compiled, steps):  # called for the layouts that fit, in gather.LAYOUTS order
+        calls.append(compiled)
+        return {1: 3.0, 2: 2.0, 3: 1.0}[len(calls)] * steps  # gathered slowest, model-parallel fastest
+
+    expected = None
+    for free, chosen in ((1 << 40, "model_parallel"), (1, "sharded")):
+        calls.clear()
+        monkeypatch.setattr(gather, "spare_device_bytes", lambda devices: free)
+        rollout = JaxRollout(JaxRolloutOptions(prompt_buckets=(8,), gather_weights="auto"))
+        rollout.project_decodes_with(projector)
+        rollout.load_weights(Policy.of(sharded))
+        result = rollout.generate(PROMPTS, jax.random.key(5), PARAMS, batch_sharding=batch_sharding)
+        line = capsys.readouterr().out.strip()
+        assert line.startswith(f"rollout: gather_weights=auto: {chosen} weights, the fastest projected decode of 7 steps")
+        assert len(calls) == (3 if chosen == "model_parallel" else 1)
+        if expected is None:
+            expected = result
+        np.testing.assert_array_equal(result.completion_ids, expected.completion_ids)
+
+
+def test_fastest_layout_skips_refused_and_oversized_layouts():
+    from grpo_rollout.gather import fastest_layout
+
+    programs = {"gathered": "g", "sharded": "s", "model_parallel": None}  # None: refused by the compiler
+    seconds = {"g": 1.0, "s": 5.0}
+    layout, compiled, note = fastest_layout(programs.get, lambda p: p != "g", seconds.get,
+                                            ("gathered", "sharded", "model_parallel"), 9)
+    assert (layout, compiled) == ("sharded", "s")
+    assert note.endswith("(sharded 5.00 s; gathered, model_parallel refused or over the spare memory)")
+    layout, _, _ = fastest_layout(programs.get, lambda p: True, seconds.get, ("gathered", "sharded"), 9)
+    assert layout == "gathered"

@@ -4,6 +4,7 @@ compiler's programs equal a count by hand for prefill, one decode step and the t
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -21,21 +22,28 @@ SMALL = ["model.architecture.vocab_size=4096", "model.architecture.hidden_size=5
          "model.architecture.num_key_value_heads=2", "model.architecture.max_position_embeddings=128",
          "model.dtype=bfloat16", "model.param_dtype=float32", "model.remat=none", "loss.impl=jax",
          "rollout.prompts_per_step=8", "rollout.n=4", "rollout.max_new_tokens=17", "model.attention=xla",
-         "train.micro_batch_size_per_device=4", "rollout.options.cache_dtype=bfloat16"]
+         "train.micro_batch_size_per_device=4", "rollout.options.cache_dtype=bfloat16",
+         "rollout.options.gather_weights=true"]
 DEVICES = 4  # v5e-4, full-device FSDP
 
 
-@pytest.fixture(scope="module")
-def projected(tmp_path_factory):
+def planned(tmp_path_factory, *overrides: str):
+    """(inputs, phases, projection) of SMALL with `overrides` on a v5e-4."""
     from grpo_core.config_io import load_config
 
-    cfg = load_config(str(Path(__file__).parents[2] / "configs" / "tiny.yaml"), [f"logging.dir={tmp_path_factory.mktemp('run')}", *SMALL],
-                      registry=default_registry())
+    cfg = load_config(str(Path(__file__).parents[2] / "configs" / "tiny.yaml"),
+                      [f"logging.dir={tmp_path_factory.mktemp('run')}", *SMALL, *overrides], registry=default_registry())
     target = plan.parse_target("v5e-4")
     inputs = plan.build_plan_inputs(cfg, default_registry(), target)
     capacity = plan.device_capacity(None, target)
     phases = plan.fixed_phases(inputs, capacity) + [plan.train_phase(inputs, 4)]
-    return inputs, project(inputs, target.generation, phases)
+    return inputs, phases, project(inputs, target.generation, phases)
+
+
+@pytest.fixture(scope="module")
+def projected(tmp_path_factory):
+    inputs, _, projection = planned(tmp_path_factory)
+    return inputs, projection
 
 ROWS, PROMPT, NEW = 32, 16, 17
 SLOTS = PROMPT + NEW - 1  # the cache holds the prompt and every sampled token but the last
@@ -75,6 +83,30 @@ def test_one_decode_step_is_the_count_by_hand(projected):
     # every token reads the whole gathered bfloat16 weights and its rows' cache
     assert decode.hbm_bytes == pytest.approx(weight_count(q) * 2 + cache_bytes(q) / DEVICES, rel=0.05)
     assert decode.setup_seconds > 0  # the weights gathered once per rollout
+
+
+def test_model_parallel_decode_step_reads_a_quarter_of_the_split_weights(tmp_path_factory):
+    """Heads, MLP columns and the vocabulary split over the 4 chips; the 2 KV heads, biases of
+    k/v and the norms replicated; each chip holds its rows' cache."""
+    inputs, _, projection = planned(tmp_path_factory, "rollout.options.gather_weights=model_parallel")
+    q, decode = inputs.run.qcfg, projection.phases["rollout decode"]
+    kv = 2 * q.hidden_size * q.num_key_value_heads * q.head_dim
+    split = q.vocab_size * q.hidden_size + q.num_hidden_layers * (
+        flops.layer_params(q) - kv + q.num_attention_heads * q.head_dim)
+    replicated = q.num_hidden_layers * (kv + 2 * q.num_key_value_heads * q.head_dim + 2 * q.hidden_size) + q.hidden_size
+    assert decode.hbm_bytes == pytest.approx(2 * (split / DEVICES + replicated) + cache_bytes(q) / DEVICES, rel=0.05)
+    assert decode.flops == pytest.approx(flops.decode_step_flops(q, ROWS, SLOTS) / DEVICES, rel=0.05)
+
+
+def test_auto_decode_is_the_fastest_projected_layout(tmp_path_factory):
+    _, phases, projection = planned(tmp_path_factory, "rollout.options.gather_weights=auto")
+    note = next(p.note for p in phases if p.name == "rollout decode")
+    times = {name: float(seconds) for name, seconds in re.findall(r"(gathered|sharded|model_parallel) ([\d.]+) s", note)}
+    assert set(times) == {"gathered", "sharded", "model_parallel"}, note
+    chosen = re.match(r"gather_weights=auto: (\w+) weights, the fastest projected decode of 16 steps", note).group(1)
+    assert times[chosen] == min(times.values())
+    decode = projection.phases["rollout decode"]
+    assert decode.setup_seconds + 16 * decode.seconds == pytest.approx(times[chosen], abs=0.006)
 
 
 def test_train_step_is_the_count_by_hand(projected):

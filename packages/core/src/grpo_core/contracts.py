@@ -245,6 +245,10 @@ class PhaseCompiler(Protocol):
         the state held beside the rollout resident and `grpo_rollout.gather`'s headroom kept
         free; None when the capacity is unknown."""
 
+    def decode_seconds(self, compiled: Any, steps: int) -> float | None:
+        """Projected seconds of `steps` tokens of a compiled decode loop (plus what runs once
+        around it) on the planned chip; None when the plan has no chip to project for."""
+
 
 @runtime_checkable
 class PlannableRollout(Protocol):

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from grpo_core.models.layers import rope_tables
+from grpo_rollout.model_parallel import ActivationLayout
 
 # Finite "minus infinity", as in the model: a row with no visible slot stays NaN-free.
 _MASKED = float(jnp.finfo(jnp.float32).min)
@@ -30,25 +31,28 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Arra
     return jnp.einsum("bskg,bskd->bkgd", probs, v).reshape(batch, heads, dim)
 
 
-def decode_forward(model, tokens: jax.Array, live: jax.Array, cache):
+def decode_forward(model, tokens: jax.Array, live: jax.Array, cache, layout: ActivationLayout = ActivationLayout()):
     """Feed one token per row: tokens [B], live [B] bool (False: the slot stays invisible).
 
     Same math and op order as `model(tokens[:, None], attention_mask=live[:, None],
-    cache=cache)` except for the attention product. Returns (hidden [B, 1, H], cache).
+    cache=cache)` except for the attention product. `layout` pins the activations of a
+    model-parallel decode (grpo_rollout.model_parallel). Returns (hidden [B, 1, H], cache).
     """
     positions = cache.lengths()[:, None]  # [B, 1]: real tokens so far = this token's position
     cache = cache.with_new_tokens(live[:, None])
     visible = cache.visibility(1)[:, 0]  # [B, S]
     cos, sin = rope_tables(positions, model.config.head_dim, model.config.rope_theta)
-    x = model.embed_tokens(tokens[:, None])  # [B, 1, H]
+    x = layout.embed(model.embed_tokens.embedding[...], tokens[:, None])  # [B, 1, H]
 
     def step(layer, i, carry):
         x, cache = carry
         q, k, v = layer.self_attn.project_qkv(layer.input_layernorm(x), cos, sin)
+        q, k, v = layout.rows(layout.split(q, 2)), layout.rows(k), layout.rows(v)
         cache = cache.write_layer(i, k, v)
-        attended = decode_attention(q[:, 0], cache.k[i].astype(q.dtype), cache.v[i].astype(q.dtype), visible)
-        x = x + layer.self_attn.o_proj(attended[:, None])
-        return x + layer.mlp(layer.post_attention_layernorm(x)), cache
+        attended = layout.rows(decode_attention(q[:, 0], cache.k[i].astype(q.dtype), cache.v[i].astype(q.dtype),
+                                                visible))  # computed where the rows' cache is
+        x = x + layout.replicated(layer.self_attn.o_proj(layout.split(attended[:, None], 2)))
+        return x + layout.replicated(layer.mlp(layer.post_attention_layernorm(x))), cache
 
     x, cache = model.over_layers(step, (x, cache))
     return model.norm(x), cache.advance(1)

@@ -14,7 +14,8 @@ from jax.sharding import NamedSharding
 
 from grpo_rollout.decode import batch_spec_axes, decode, prefill, rollout_graphdef
 from grpo_rollout.collectives import decode_traffic_note
-from grpo_rollout.gather import GatheredDecoders, bytes_beyond_arguments, gather_refused_note, has_sharded_weights
+from grpo_rollout.gather import (GatheredDecoders, bytes_beyond_arguments, candidate_layouts, fastest_layout,
+                                 gather_refused_note, has_sharded_weights, layout_static)
 from grpo_rollout.prompts import DEFAULT_PROMPT_BUCKETS, bucket_length, fit_to_bucket, left_pad, repeat_samples
 from grpo_core.rollout_records import DEFAULT_TRIM_BUCKET, RolloutResult, TrainBatch, trim_batch, trimmed_widths
 from grpo_core.contracts import PhaseCompiler, Policy, RolloutShapes, RolloutWidths, SamplingParams
@@ -43,6 +44,10 @@ class JaxRolloutOptions:
                       they are FSDP-sharded; needs a full weight copy per device).
                       "auto": gather when the gathered decode, compiled for the batch,
                       fits in the free memory of every device (see grpo_rollout.gather).
+                      "model_parallel": reshard them once per rollout by heads, MLP
+                      columns and vocabulary over the batch devices, so each device
+                      reads ~1/D of them per token and only activations move
+                      (grpo_rollout.model_parallel).
     """
 
     prompt_buckets: list | tuple = DEFAULT_PROMPT_BUCKETS  # YAML gives a list; stored as a tuple
@@ -65,8 +70,11 @@ class JaxRolloutOptions:
         if self.decode_attention not in DECODE_ATTENTION:
             raise ValueError(f"decode_attention={self.decode_attention!r} is not supported; use one of "
                              f"{', '.join(DECODE_ATTENTION)}.")
-        if not (isinstance(self.gather_weights, bool) or self.gather_weights == "auto"):
-            raise ValueError(f"gather_weights={self.gather_weights!r} must be true, false or auto.")
+        if not (isinstance(self.gather_weights, bool) or self.gather_weights in ("auto", "model_parallel")):
+            raise ValueError(f"gather_weights={self.gather_weights!r} must be true, false, auto or model_parallel.")
+        if self.gather_weights == "model_parallel" and self.decode_attention != "rollout":
+            raise ValueError("gather_weights=model_parallel runs the rollout's own decode step; set "
+                             "decode_attention=rollout")
         if self.cdf_block < 0 or self.top_p_candidates < 1:
             raise ValueError(f"cdf_block={self.cdf_block} must be >= 0 and "
                              f"top_p_candidates={self.top_p_candidates} >= 1.")
@@ -96,6 +104,11 @@ class JaxRollout:
         # (the run sets it to refuse what does not fit; the jit calls then reuse those compiles).
         self.memory_check: Callable[[str, Any], None] | None = None
         self._checked: set[Any] = set()
+
+    def project_decodes_with(self, projector: Any) -> None:
+        """`projector(compiled decode, steps)` -> projected seconds: `gather_weights: auto` then
+        takes the fastest projected decode layout that fits (grpo_rollout.gather)."""
+        self._gathered_decoders.projector = projector
 
     def load_weights(self, policy: Policy) -> None:
         """Sample from the policy's weights until the next call (no copy: the arrays are shared)."""
@@ -164,7 +177,8 @@ class JaxRollout:
         return dict(graphdef=rollout_graphdef(graphdef, weights, batch_sharding), params=sampling, pad_id=int(pad_token_id),
                     cache_dtype=self.options.cache_dtype, batch_sharding=batch_sharding,
                     block=self.options.cdf_block or None, top_p_candidates=self.options.top_p_candidates,
-                    attention=self.options.decode_attention, gather_weights=self.options.gather_weights is True)
+                    attention=self.options.decode_attention, gather_weights=self.options.gather_weights is True,
+                    model_parallel=self.options.gather_weights == "model_parallel")
 
     def trim(self, result: RolloutResult) -> TrainBatch:
         return trim_batch(result, self.options.trim_bucket)
@@ -196,6 +210,8 @@ class JaxRollout:
 
         auto_note = ""
         if self.options.gather_weights == "auto" and has_sharded_weights(args[0]):
+            if self._compile_fastest_decode(compiler, args, static):
+                return
             gathered = compiler.compile("rollout decode", build(True), args, record=False)
             spare = None if gathered is None else compiler.spare_bytes(gathered)
             if spare is not None and bytes_beyond_arguments(gathered) <= spare:
@@ -204,9 +220,36 @@ class JaxRollout:
                     + decode_traffic_note(compiled, True)))
                 return
             auto_note = gather_refused_note(gathered, spare)
-        gather = static["gather_weights"]
+        gather, split = static["gather_weights"], static["model_parallel"]
+        layout = "model-parallel weights (resharded once per rollout); " if split else ""
         compiler.compile("rollout decode", build(gather), args,
-                         note=lambda compiled: auto_note + decode_traffic_note(compiled, gather))
+                         note=lambda compiled: auto_note + layout + decode_traffic_note(compiled, gather or split))
+
+
+    @staticmethod
+    def _compile_fastest_decode(compiler: PhaseCompiler, args: tuple, static: dict[str, Any]) -> bool:
+        """With a chip to project for: records the fastest decode layout that fits (see
+        grpo_rollout.gather.fastest_layout) and returns True; False without a chip."""
+        steps = static["params"].max_new_tokens - 1
+
+        def compile_layout(name: str) -> Any:
+            return compiler.compile("rollout decode", lambda: decode.lower(*args, **layout_static(static, name)).compile(),
+                                    args, record=False)
+
+        probe = compile_layout("sharded")
+        if probe is None or compiler.decode_seconds(probe, steps) is None:
+            return False
+
+        def fits(program: Any) -> bool:
+            spare = compiler.spare_bytes(program)
+            return spare is not None and bytes_beyond_arguments(program) <= spare
+
+        layout, chosen, note = fastest_layout(lambda name: probe if name == "sharded" else compile_layout(name), fits,
+                                              lambda program: compiler.decode_seconds(program, steps),
+                                              candidate_layouts(static), steps)
+        compiler.compile("rollout decode", lambda: chosen, args,
+                         note=lambda compiled: f"{note}; " + decode_traffic_note(compiled, layout != "sharded"))
+        return True
 
 
 def abstract_outputs(compiled: Any) -> Any:

@@ -21,6 +21,7 @@ from flax import nnx, struct
 from jax.sharding import NamedSharding, PartitionSpec
 
 from grpo_rollout.attention import decode_forward
+from grpo_rollout.model_parallel import ActivationLayout, model_parallel_weights
 from grpo_core.contracts import SamplingParams
 from grpo_rollout.sampling import DEFAULT_TOP_P_CANDIDATES, sample_next
 
@@ -110,16 +111,16 @@ def rollout_weights(weights, batch_sharding: NamedSharding | None, gather: bool)
 
 # ---- jitted phases -------------------------------------------------------------------
 _STATIC = ("graphdef", "params", "pad_id", "cache_dtype", "batch_sharding", "block", "top_p_candidates",
-           "attention", "gather_weights")
+           "attention", "gather_weights", "model_parallel")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def prefill(weights, prompt_ids, prompt_mask, key, *, graphdef, params: SamplingParams, pad_id: int,
             cache_dtype=None, batch_sharding=None, block=None, top_p_candidates=DEFAULT_TOP_P_CANDIDATES,
-            attention="rollout", gather_weights=False):
+            attention="rollout", gather_weights=False, model_parallel=False):
     """Run the prompts [N, Tp] through the model into a fresh cache of Tp + Tn - 1 slots and
     sample the first completion token. Returns (cache, LoopState at step 1)."""
-    del attention  # the prompt pass is the model's own (many queries per row)
+    del attention, model_parallel  # the prompt pass is the model's own (many queries per row, compute-bound)
     model = nnx.merge(graphdef, rollout_weights(weights, batch_sharding, gather_weights))
     rows, width = prompt_ids.shape
     cache = constrain_cache(model.init_cache(rows, width + params.max_new_tokens - 1, cache_dtype), batch_sharding)
@@ -141,15 +142,22 @@ def prefill(weights, prompt_ids, prompt_mask, key, *, graphdef, params: Sampling
 @functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("cache", "state"))
 def decode(weights, cache, state: LoopState, key, *, graphdef, params: SamplingParams, pad_id: int,
            cache_dtype=None, batch_sharding=None, block=None, top_p_candidates=DEFAULT_TOP_P_CANDIDATES,
-           attention="rollout", gather_weights=False):
+           attention="rollout", gather_weights=False, model_parallel=False):
     """Sample columns state.step .. Tn-1 in one while loop; the cache and loop state are
     donated and updated in place. Returns (cache, final LoopState).
 
     attention: "rollout" runs `attention.decode_forward` (single-query attention),
-    "model" the model's own cached forward with T = 1. gather_weights: see `rollout_weights`."""
+    "model" the model's own cached forward with T = 1. gather_weights: see `rollout_weights`;
+    model_parallel: weights split by heads / MLP columns / vocabulary over the batch devices
+    (grpo_rollout.model_parallel; needs attention="rollout")."""
     del cache_dtype  # part of the shared static signature only
     rows = state.last.shape[0]
-    weights = rollout_weights(weights, batch_sharding, gather_weights)  # outside the loop: once per rollout
+    layout = ActivationLayout()
+    if model_parallel and batch_sharding is not None:
+        layout = ActivationLayout(batch_sharding.mesh, batch_spec_axes(batch_sharding))
+        weights = model_parallel_weights(weights, layout)  # outside the loop: once per rollout
+    else:
+        weights = rollout_weights(weights, batch_sharding, gather_weights)
 
     def unfinished(carry):
         _, s = carry
@@ -159,10 +167,10 @@ def decode(weights, cache, state: LoopState, key, *, graphdef, params: SamplingP
         cache, s = carry
         model = nnx.merge(graphdef, weights)
         if attention == "rollout":
-            hidden, cache = decode_forward(model, s.last, ~s.done, cache)  # [N, 1, H]
+            hidden, cache = decode_forward(model, s.last, ~s.done, cache, layout)  # [N, 1, H]
         else:
             hidden, cache = model(s.last[:, None], attention_mask=~s.done[:, None], cache=cache)
-        logits = model.logits(hidden)[:, 0]  # [N, V]
+        logits = layout.logits(model.logits(hidden)[:, 0])  # [N, V]
         sampled, logps = sample_next(logits, step_uniforms(key, s.step, rows), params, block=block,
                                      top_p_candidates=top_p_candidates)
         return constrain_cache(cache, batch_sharding), s.record(sampled, logps, params, pad_id)

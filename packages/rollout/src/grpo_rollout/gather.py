@@ -76,20 +76,72 @@ def gather_refused_note(gathered: Any, spare: Optional[int]) -> str:
             "kept free); ")
 
 
+# How the decode loop holds FSDP-sharded weights: the static arguments of `decode` for each.
+LAYOUTS = {"gathered": {"gather_weights": True, "model_parallel": False},
+           "sharded": {"gather_weights": False, "model_parallel": False},
+           "model_parallel": {"gather_weights": False, "model_parallel": True}}
+
+# projector(compiled decode, decode steps) -> projected seconds on the devices, or None.
+Projector = Callable[[Any, int], Optional[float]]
+
+
+def layout_static(static: dict[str, Any], layout: str) -> dict[str, Any]:
+    return {**static, **LAYOUTS[layout]}
+
+
+def candidate_layouts(static: dict[str, Any]) -> tuple[str, ...]:
+    """The layouts `auto` compares: model-parallel runs the rollout's own decode step only."""
+    return tuple(name for name in LAYOUTS if name != "model_parallel" or static.get("attention") == "rollout")
+
+
+def fastest_layout(compile_layout: Callable[[str], Any], fits: Callable[[Any], bool], seconds: Callable[[Any], float],
+                   layouts: tuple[str, ...], steps: int) -> tuple[str, Any, str]:
+    """(layout, compiled, note): the fastest projected decode among those the compiler took
+    and that fit (the sharded one always fits: it is how the weights are stored)."""
+    projected, compiled = {}, {}
+    for layout in layouts:
+        program = compile_layout(layout)
+        if program is not None and (layout == "sharded" or fits(program)):
+            compiled[layout], projected[layout] = program, seconds(program)
+    if not projected:
+        return "sharded", None, "gather_weights=auto: every decode layout was refused for memory"
+    best = min(projected, key=projected.get)
+    listed = ", ".join(f"{name} {projected[name]:.2f} s" for name in projected)
+    left = [name for name in layouts if name not in projected]
+    skipped = f"; {', '.join(left)} refused or over the spare memory" if left else ""
+    return best, compiled[best], (f"gather_weights=auto: {best} weights, the fastest projected decode of {steps} "
+                                  f"steps ({listed}{skipped})")
+
+
 class GatheredDecoders:
-    """The compiled gathered decode per batch signature, or None where it does not fit."""
+    """The compiled decode `auto` picks per batch signature, or None for the jitted sharded one.
+
+    Without a projector (CPU, GPU): the gathered decode when it fits. With one (set by the
+    run for TPU chips of a known generation): the fastest projected of the gathered,
+    sharded and model-parallel decodes that fit, the rule `grpo-run --plan --target` uses."""
 
     def __init__(self) -> None:
         self._by_signature: dict[Any, Optional[Callable[..., Any]]] = {}
+        self.projector: Optional[Projector] = None
 
     def get(self, weights, cache, state, key, static: dict[str, Any]) -> Optional[Callable[..., Any]]:
         signature = (cache.k.shape, state.tokens.shape, tuple(sorted(static.items(), key=lambda kv: kv[0])))
         if signature not in self._by_signature:  # decided once: no tree walk per rollout
             sharding = static.get("batch_sharding")
             sharded = sharding is not None and has_sharded_weights(weights)  # else nothing to gather
-            self._by_signature[signature] = (self._compile_if_fits(weights, cache, state, key, static, sharding)
-                                             if sharded else None)
+            choose = self._fastest if self.projector is not None else self._compile_if_fits
+            self._by_signature[signature] = choose(weights, cache, state, key, static, sharding) if sharded else None
         return self._by_signature[signature]
+
+    def _fastest(self, weights, cache, state, key, static, sharding: NamedSharding) -> Optional[Callable[..., Any]]:
+        spare = spare_device_bytes(list(sharding.mesh.local_devices))
+        steps = static["params"].max_new_tokens - 1
+        layout, compiled, note = fastest_layout(
+            lambda name: decode.lower(weights, cache, state, key, **layout_static(static, name)).compile(),
+            lambda program: every_process(spare is not None and bytes_beyond_arguments(program) <= spare),
+            lambda program: self.projector(program, steps), candidate_layouts(static), steps)
+        print(f"rollout: {note}", flush=True)
+        return compiled
 
     @staticmethod
     def _compile_if_fits(weights, cache, state, key, static, sharding: NamedSharding) -> Optional[Callable[..., Any]]:

@@ -7,6 +7,7 @@ each accumulating exact gradients over micro-batches (see step.py).
 
 from __future__ import annotations
 
+import functools
 import sys
 import time
 from collections import deque
@@ -34,14 +35,24 @@ from grpo_runner_gsm8k.memory_check import MemoryGuard
 from grpo_runner_gsm8k.metrics import MetricsLogger, truncate_metrics
 from grpo_runner_gsm8k.multihost import gather_objects, host_array
 from grpo_runner_gsm8k.partial_step import PartialSampler
+from grpo_runner_gsm8k.plan.cost import decode_seconds
 from grpo_runner_gsm8k.preemption import StopRequest
 from grpo_runner_gsm8k.refill import Sampled, merge_results, merge_scores, needs_more, pick_groups, refill_metrics
 from grpo_runner_gsm8k.run import BuiltRun, build_run
 from grpo_runner_gsm8k.scoring import score
 from grpo_runner_gsm8k.step import UpdateBatch
+from grpo_runner_gsm8k.tpu_target import generation_of
 
 
 EVAL_STREAM = 0x45564C  # folded into train.seed's key for eval sampling, apart from the training stream
+
+
+def project_decodes(rollout) -> None:
+    """On TPU chips of a known generation the rollout picks its decode layout by projected
+    time, as `grpo-run --plan --target` does."""
+    chip = generation_of(jax.devices()[0])
+    if chip is not None and hasattr(rollout, "project_decodes_with"):
+        rollout.project_decodes_with(functools.partial(decode_seconds, chip))
 
 
 def tokenize_prompts(run: BuiltRun, examples: list) -> list[list[int]]:
@@ -84,6 +95,7 @@ class Trainer:
         self.memory = MemoryGuard(cfg)
         if hasattr(self.built.rollout, "memory_check"):  # the jax backend checks its own compiles
             self.built.rollout.memory_check = self.memory.check_compiled
+        project_decodes(self.built.rollout)
         self.run_dir = prepare_run_dir(cfg)
         self.lock = RunDirLock(self.run_dir)
         if self.built.layout.process_index == 0:  # the processes of one multi-host run share the directory

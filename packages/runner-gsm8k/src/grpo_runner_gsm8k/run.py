@@ -241,6 +241,9 @@ class DecodeKeeper:
     def spare_bytes(self, compiled: Any) -> None:
         return None
 
+    def decode_seconds(self, compiled: Any, steps: int) -> None:
+        return None
+
 
 def merged_decode_needs(built: BuiltRun) -> Optional[int]:
     """What one rollout's decode on the merged copy needs beside its weights, compiled (not run)

@@ -18,7 +18,7 @@ import math
 import dataclasses
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 from grpo_core.errors import UserError
 
@@ -66,6 +66,15 @@ GENERATIONS = {
                       "the bytes_limit v6e-8 chips report"),
 }
 MULTI_HOST_CHIPS = (2, 2, 1)  # chips per host of every multi-host slice
+# jax's device_kind of each generation's chips
+DEVICE_KINDS = {"TPU v4": "v4", "TPU v5 lite": "v5e", "TPU v5e": "v5e", "TPU v5": "v5p", "TPU v5p": "v5p",
+                "TPU v6 lite": "v6e", "TPU v6e": "v6e"}
+
+
+def generation_of(device: Any) -> Optional[Generation]:
+    """The table's generation of a TPU device (None for other devices or an unknown kind)."""
+    name = DEVICE_KINDS.get(getattr(device, "device_kind", ""))
+    return GENERATIONS[name] if device.platform == "tpu" and name else None
 
 
 @dataclass(frozen=True)

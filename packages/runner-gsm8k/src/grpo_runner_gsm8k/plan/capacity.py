@@ -10,7 +10,7 @@ import jax
 
 from grpo_core.errors import UserError
 
-from grpo_runner_gsm8k.tpu_target import HBM_SOURCE, Target
+from grpo_runner_gsm8k.tpu_target import HBM_SOURCE, Generation, Target
 
 
 GIB = float(1 << 30)
@@ -20,6 +20,7 @@ GIB = float(1 << 30)
 class Capacity:
     bytes: int
     source: str  # where the number comes from, printed next to it
+    chip: Optional[Generation] = None  # the target's chip, whose figures project times
 
     @property
     def gib(self) -> float:
@@ -29,15 +30,15 @@ class Capacity:
 def device_capacity(capacity_gib: Optional[float], target: Optional[Target] = None) -> Capacity:
     """Per-device memory budget: the flag, what a target chip's programs may use, the accelerator's limit,
     or host memory shared by the local CPU devices."""
+    chip = target.generation if target is not None else None
     if capacity_gib is not None:
         if capacity_gib <= 0:
             raise UserError(f"--capacity-gib {capacity_gib} must be > 0; give the per-device memory in GiB "
                             "(31.25 for a TPU v6e chip)")
-        return Capacity(int(capacity_gib * GIB), "--capacity-gib")
-    if target is not None:
-        chip = target.generation
+        return Capacity(int(capacity_gib * GIB), "--capacity-gib", chip)
+    if chip is not None:
         return Capacity(int(chip.usable_hbm_gib * GIB), f"{chip.name} usable HBM of {chip.hbm_gib:g} GiB: "
-                                                         f"{chip.usable_source}; {HBM_SOURCE}")
+                                                         f"{chip.usable_source}; {HBM_SOURCE}", chip)
     devices = jax.local_devices()
     stats = [d.memory_stats() for d in devices]
     if all(s and "bytes_limit" in s for s in stats):

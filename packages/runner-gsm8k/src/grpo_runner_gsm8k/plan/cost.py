@@ -14,6 +14,8 @@ from typing import Any, Optional
 
 from grpo_core.hlo import HloModule, Instruction, shape_bytes
 
+from grpo_runner_gsm8k.tpu_target import Generation
+
 
 @dataclass(frozen=True)
 class PhaseCost:
@@ -54,3 +56,19 @@ def phase_cost(compiled: Any) -> PhaseCost:
     per_iteration = collective_split(module, loop.body())
     return PhaseCost(module.matmul_flops(loop.body()), shape_bytes(loop.shape), *per_iteration, per_iteration=True,
                      setup_collective_bytes=sum(everything) - sum(per_iteration), custom_calls=kernels)
+
+
+def roofline(chip: Generation, flops: float, hbm_bytes: float, exposed_bytes: float,
+             overlapped_bytes: float = 0) -> float:
+    """Seconds on `chip`: the slowest of compute, HBM and overlapped collectives, plus the exposed ones."""
+    ici = chip.ici_gbps * 1e9
+    return max(flops / (chip.peak_tflops * 1e12), hbm_bytes / (chip.hbm_gbps * 1e9), overlapped_bytes / ici) + (
+        exposed_bytes / ici)
+
+
+def decode_seconds(chip: Generation, compiled: Any, steps: int) -> float:
+    """A compiled decode's projected seconds for `steps` tokens: what runs once around the loop
+    (a weight gather or reshard) plus `steps` iterations of its body."""
+    cost = phase_cost(compiled)
+    step = roofline(chip, cost.flops, cost.hbm_bytes, cost.collective_bytes, cost.overlapped_collective_bytes)
+    return roofline(chip, 0, 0, cost.setup_collective_bytes) + steps * step

@@ -16,7 +16,7 @@ from grpo_rollout.gather import spare_bytes
 
 from grpo_runner_gsm8k.adapters import decode_needs
 from grpo_runner_gsm8k.plan.capacity import Capacity
-from grpo_runner_gsm8k.plan.cost import PhaseCost, phase_cost
+from grpo_runner_gsm8k.plan.cost import PhaseCost, decode_seconds, phase_cost
 from grpo_runner_gsm8k.plan.abstract import (PlanInputs, abstract_key, abstract_update_batch, per_device_bytes,
                                              plannable)
 from grpo_runner_gsm8k.run import with_lora_rollout
@@ -105,6 +105,11 @@ class PhaseRecorder:
             self.phases.append(dataclasses.replace(PhaseMemory.from_compiled(name, compiled, self.other), note=text))
             self.compiled[name] = compiled
         return compiled
+
+    def decode_seconds(self, compiled: Any, steps: int) -> Optional[float]:
+        """Projected seconds of `steps` tokens of a compiled decode on the target chip; None without one."""
+        chip = self.capacity and self.capacity.chip
+        return None if chip is None else decode_seconds(chip, compiled, steps)
 
     def spare_bytes(self, compiled: Any) -> Optional[int]:
         """grpo_rollout.gather's rule against the planned capacity, with this phase's

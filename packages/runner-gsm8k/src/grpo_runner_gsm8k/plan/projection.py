@@ -24,7 +24,7 @@ from grpo_core.models import QwenConfig
 from grpo_runner_gsm8k.build import attention_impl, micro_batches, rows_per_step
 from grpo_runner_gsm8k.flops import forward_flops
 from grpo_runner_gsm8k.plan.abstract import PlanInputs, train_widths
-from grpo_runner_gsm8k.plan.cost import PhaseCost
+from grpo_runner_gsm8k.plan.cost import PhaseCost, roofline
 from grpo_runner_gsm8k.plan.phases import PhaseMemory
 from grpo_runner_gsm8k.tpu_target import Generation
 
@@ -43,13 +43,6 @@ class PhaseTime:
     overlapped_collective_bytes: int
     seconds: float
     setup_seconds: float = 0.0  # once around a decode loop (the weight gather)
-
-
-def roofline(chip: Generation, flops: float, hbm_bytes: float, exposed_bytes: float,
-             overlapped_bytes: float = 0) -> float:
-    ici = chip.ici_gbps * 1e9
-    return max(flops / (chip.peak_tflops * 1e12), hbm_bytes / (chip.hbm_gbps * 1e9), overlapped_bytes / ici) + (
-        exposed_bytes / ici)
 
 
 def attention_flops(q: QwenConfig, rows: int, width: int) -> float:

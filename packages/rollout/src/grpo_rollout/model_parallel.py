@@ -1,0 +1,114 @@
+"""Model-parallel decode: each weight read by one device per token, activations exchanged.
+
+A decode step is memory-bound: with the weights gathered (replicated), every device reads
+all of them for every token; FSDP-sharded, XLA all-gathers them per token. Here the
+weights are resharded once per rollout over the devices that split the rollout batch,
+by attention heads, MLP columns and vocabulary (`heads`, `mlp`, `vocab`; a dimension
+those devices do not divide, e.g. 2 KV heads over 8 devices, stays replicated), so each
+device reads about 1/D of them per token. The step's activations are pinned so that only
+they move (a few MB per token, not the weights):
+
+- the residual stream is replicated ([rows, hidden] is small);
+- q, k and v go to the rows' devices (all-to-all), where the KV cache of those rows lives
+  (the cache stays split by rows, as in the other layouts) and attention runs locally;
+- the attention output goes back to head-split for o_proj, whose partial sums and the
+  MLP's (down_proj is split by its input columns) are all-reduced into the residual;
+- the logits, split by vocabulary, go to the rows' devices for sampling.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax import shard_map
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from grpo_core.sharding import variable_names
+
+SPLIT_DIMENSIONS = ("heads", "mlp", "vocab")  # logical names split over the batch devices
+
+
+def _ways(mesh: Mesh, axes: Any) -> int:
+    return math.prod(mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes))
+
+
+def weight_spec(names: tuple, shape: tuple, mesh: Mesh, axes: Any) -> PartitionSpec:
+    """Split the first dimension named in SPLIT_DIMENSIONS that `axes` divides; the rest replicated."""
+    spec: list = [None] * len(shape)
+    ways = _ways(mesh, axes)
+    for dim, (name, size) in enumerate(zip(names, shape)):
+        if name in SPLIT_DIMENSIONS and size % ways == 0:
+            spec[dim] = axes
+            break
+    return PartitionSpec(*spec)
+
+
+def weight_shardings(weights: nnx.State, mesh: Mesh, axes: Any) -> nnx.State:
+    """`weights` with each Variable's value replaced by its model-parallel NamedSharding."""
+    def to_sharding(_, variable):
+        return variable.replace(NamedSharding(mesh, weight_spec(variable_names(variable), variable.shape, mesh, axes)))
+
+    return nnx.map_state(to_sharding, weights)
+
+
+@dataclass(frozen=True)
+class ActivationLayout:
+    """Where a decode step pins its activations; without a mesh nothing is pinned (XLA
+    places them, the layout of the gathered and sharded decodes)."""
+
+    mesh: Mesh | None = None
+    axes: Any = None  # mesh axes of the rollout batch, which also split the weights
+
+    def _pin(self, x: jax.Array, dim: int | None) -> jax.Array:
+        if self.mesh is None:
+            return x
+        spec: list = [None] * x.ndim
+        if dim is not None:
+            spec[dim] = self.axes
+        return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, PartitionSpec(*spec)))
+
+    def replicated(self, x: jax.Array) -> jax.Array:
+        return self._pin(x, None)
+
+    def rows(self, x: jax.Array) -> jax.Array:
+        return self._pin(x, 0)
+
+    def embed(self, embedding: jax.Array, ids: jax.Array) -> jax.Array:
+        """Rows of a vocabulary-split table, replicated: each device looks up the ids in its
+        slice and the slices are summed (XLA would otherwise all-gather the whole table per
+        token to index it)."""
+        ways = 1 if self.mesh is None else _ways(self.mesh, self.axes)
+        if ways == 1 or embedding.shape[0] % ways:
+            return self.replicated(jnp.take(embedding, ids, axis=0))
+        names = (self.axes,) if isinstance(self.axes, str) else tuple(self.axes)
+
+        def local(table, ids):
+            start = jax.lax.axis_index(names) * table.shape[0]
+            inside = (ids >= start) & (ids < start + table.shape[0])
+            rows = jnp.take(table, jnp.clip(ids - start, 0, table.shape[0] - 1), axis=0)
+            return jax.lax.psum(jnp.where(inside[..., None], rows, 0), names)
+
+        return shard_map(local, mesh=self.mesh, in_specs=(PartitionSpec(self.axes, None), PartitionSpec()),
+                         out_specs=PartitionSpec(), check_vma=False)(embedding, ids)
+
+    def split(self, x: jax.Array, dim: int) -> jax.Array:
+        """x split along `dim` (heads for o_proj's input, vocabulary for the logits) where
+        the devices divide it: the layout of the weight that made or reads it, so XLA moves
+        x and not the weight."""
+        if self.mesh is None or x.shape[dim] % _ways(self.mesh, self.axes):
+            return x
+        return self._pin(x, dim)
+
+    def logits(self, logits: jax.Array) -> jax.Array:
+        """[rows, V] made vocabulary-split, then moved to the rows' devices for sampling."""
+        return self.rows(self.split(logits, 1))
+
+
+def model_parallel_weights(weights: nnx.State, layout: ActivationLayout) -> nnx.State:
+    """The weights resharded for the decode loop (inside jit: one reshard per rollout)."""
+    return jax.lax.with_sharding_constraint(weights, weight_shardings(weights, layout.mesh, layout.axes))
