@@ -69,7 +69,7 @@ def with_batch_axes(rules: Rules, batch_axes: tuple[str, ...]) -> Rules:
     return tuple(updated)
 
 
-def _as_tuple(axes: MeshAxes) -> tuple[str, ...]:
+def as_tuple(axes: MeshAxes) -> tuple[str, ...]:
     if axes is None:
         return ()
     return (axes,) if isinstance(axes, str) else tuple(axes)
@@ -82,7 +82,7 @@ def _pick_axes(name: str | None, rules: Rules, used: dict[str, str]) -> MeshAxes
     for logical, axes in rules:
         if logical != name:
             continue
-        taken = [axis for axis in _as_tuple(axes) if axis in used]
+        taken = [axis for axis in as_tuple(axes) if axis in used]
         if not taken:
             return axes
         clashes += [(axis, used[axis]) for axis in taken]
@@ -100,22 +100,22 @@ def logical_to_spec(names: Sequence[str | None], rules: Rules) -> PartitionSpec:
     spec = []
     for name in names:
         axes = _pick_axes(name, rules, used)
-        used.update({axis: name for axis in _as_tuple(axes)})
+        used.update({axis: name for axis in as_tuple(axes)})
         spec.append(tuple(axes) if isinstance(axes, list) else axes)
     return PartitionSpec(*spec)
 
 
-def _ways(mesh: Mesh, axes: MeshAxes) -> int:
+def mesh_ways(mesh: Mesh, axes: MeshAxes) -> int:
     """Devices a dimension sharded over `axes` is split across."""
-    unknown = [a for a in _as_tuple(axes) if a not in mesh.shape]
+    unknown = [a for a in as_tuple(axes) if a not in mesh.shape]
     if unknown:
         raise ValueError(f"sharding rules use mesh axes {unknown} that the mesh {dict(mesh.shape)} does not have.")
-    return math.prod(mesh.shape[a] for a in _as_tuple(axes))
+    return math.prod(mesh.shape[a] for a in as_tuple(axes))
 
 
 def divides(shape: Sequence[int], spec: PartitionSpec, mesh: Mesh) -> bool:
     """Whether every dimension is a multiple of the devices it is split over."""
-    return all(size % _ways(mesh, axes) == 0 for size, axes in zip(shape, spec))
+    return all(size % mesh_ways(mesh, axes) == 0 for size, axes in zip(shape, spec))
 
 
 def freeze_rules(rules: Rules) -> tuple[tuple[str, MeshAxes], ...]:
@@ -126,7 +126,7 @@ def freeze_rules(rules: Rules) -> tuple[tuple[str, MeshAxes], ...]:
 def check_divisible(shape: Sequence[int], spec: PartitionSpec, mesh: Mesh, what: str) -> None:
     """Raise if a dimension is not a multiple of the mesh axes it is sharded over."""
     for dim, (size, axes) in enumerate(zip(shape, spec)):
-        ways = _ways(mesh, axes)
+        ways = mesh_ways(mesh, axes)
         if size % ways:
             raise ValueError(
                 f"{what}: dimension {dim} of size {size} cannot be split over mesh axes {axes} "

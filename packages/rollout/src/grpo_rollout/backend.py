@@ -14,7 +14,7 @@ from jax.sharding import NamedSharding
 
 from grpo_rollout.decode import batch_spec_axes, decode, prefill, rollout_graphdef
 from grpo_rollout.collectives import decode_traffic_note
-from grpo_rollout.gather import (GatheredDecoders, bytes_beyond_arguments, candidate_layouts, fastest_layout,
+from grpo_rollout.gather import (AutoDecoders, bytes_beyond_arguments, candidate_layouts, fastest_layout,
                                  gather_refused_note, has_sharded_weights, layout_static)
 from grpo_rollout.prompts import DEFAULT_PROMPT_BUCKETS, bucket_length, fit_to_bucket, left_pad, repeat_samples
 from grpo_core.rollout_records import DEFAULT_TRIM_BUCKET, RolloutResult, TrainBatch, trim_batch, trimmed_widths
@@ -99,7 +99,7 @@ class JaxRollout:
         self.options = options or JaxRolloutOptions()
         self._graphdef: Any = None
         self._weights: Any = None
-        self._gathered_decoders = GatheredDecoders()
+        self._auto_decoders = AutoDecoders()
         # memory_check(phase name, compiled) runs before a batch shape's first prefill and decode
         # (the run sets it to refuse what does not fit; the jit calls then reuse those compiles).
         self.memory_check: Callable[[str, Any], None] | None = None
@@ -108,7 +108,7 @@ class JaxRollout:
     def project_decodes_with(self, projector: Any) -> None:
         """`projector(compiled decode, steps)` -> projected seconds: `gather_weights: auto` then
         takes the fastest projected decode layout that fits (grpo_rollout.gather)."""
-        self._gathered_decoders.projector = projector
+        self._auto_decoders.projector = projector
 
     def load_weights(self, policy: Policy) -> None:
         """Sample from the policy's weights until the next call (no copy: the arrays are shared)."""
@@ -165,7 +165,7 @@ class JaxRollout:
         """`decode` for these arguments; with gather_weights=auto, the gathered decode when it
         fits in device memory (decided once per batch shape, see grpo_rollout.gather)."""
         if self.options.gather_weights == "auto":
-            gathered = self._gathered_decoders.get(weights, cache, state, key, static)
+            gathered = self._auto_decoders.get(weights, cache, state, key, static)
             if gathered is not None:
                 return gathered
         return functools.partial(decode, **static)

@@ -113,7 +113,7 @@ def fastest_layout(compile_layout: Callable[[str], Any], fits: Callable[[Any], b
                                   f"steps ({listed}{skipped})")
 
 
-class GatheredDecoders:
+class AutoDecoders:
     """The compiled decode `auto` picks per batch signature, or None for the jitted sharded one.
 
     Without a projector (CPU, GPU): the gathered decode when it fits. With one (set by the

@@ -18,7 +18,6 @@ they move (a few MB per token, not the weights):
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,19 +27,15 @@ from flax import nnx
 from jax import shard_map
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from grpo_core.sharding import variable_names
+from grpo_core.sharding import as_tuple, mesh_ways, variable_names
 
 SPLIT_DIMENSIONS = ("heads", "mlp", "vocab")  # logical names split over the batch devices
-
-
-def _ways(mesh: Mesh, axes: Any) -> int:
-    return math.prod(mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes))
 
 
 def weight_spec(names: tuple, shape: tuple, mesh: Mesh, axes: Any) -> PartitionSpec:
     """Split the first dimension named in SPLIT_DIMENSIONS that `axes` divides; the rest replicated."""
     spec: list = [None] * len(shape)
-    ways = _ways(mesh, axes)
+    ways = mesh_ways(mesh, axes)
     for dim, (name, size) in enumerate(zip(names, shape)):
         if name in SPLIT_DIMENSIONS and size % ways == 0:
             spec[dim] = axes
@@ -82,10 +77,10 @@ class ActivationLayout:
         """Rows of a vocabulary-split table, replicated: each device looks up the ids in its
         slice and the slices are summed (XLA would otherwise all-gather the whole table per
         token to index it)."""
-        ways = 1 if self.mesh is None else _ways(self.mesh, self.axes)
+        ways = 1 if self.mesh is None else mesh_ways(self.mesh, self.axes)
         if ways == 1 or embedding.shape[0] % ways:
             return self.replicated(jnp.take(embedding, ids, axis=0))
-        names = (self.axes,) if isinstance(self.axes, str) else tuple(self.axes)
+        names = as_tuple(self.axes)
 
         def local(table, ids):
             start = jax.lax.axis_index(names) * table.shape[0]
@@ -100,7 +95,7 @@ class ActivationLayout:
         """x split along `dim` (heads for o_proj's input, vocabulary for the logits) where
         the devices divide it: the layout of the weight that made or reads it, so XLA moves
         x and not the weight."""
-        if self.mesh is None or x.shape[dim] % _ways(self.mesh, self.axes):
+        if self.mesh is None or x.shape[dim] % mesh_ways(self.mesh, self.axes):
             return x
         return self._pin(x, dim)
 

@@ -6,8 +6,9 @@ prompt; a row still running keeps its slot and continues next round from its pro
 the tokens it has so far, re-prefilled under the weights of that round (no KV cache is
 carried: the pool is plain token lists, so it keeps any batch sharding, the newest weights
 apply at once, and it checkpoints as JSON). In a multi-host run every process holds the
-same pool: the draws are gathered and the round results read whole on every process. A group (the K rows of one prompt) is complete
-when all its rows are done; only complete groups leave the pool, oldest first.
+same pool: the draws are gathered and the round results read whole on every process.
+A group (the K rows of one prompt) is complete when all its rows are done; only complete
+groups leave the pool, oldest first.
 
 Every token keeps the sampler's log-prob and the policy version that drew it, so the loss
 can correct the carried tokens (truncated or masked importance sampling). A running row
