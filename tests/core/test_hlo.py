@@ -73,7 +73,7 @@ def test_instruction_and_shape_parsing():
 
 
 # As the TPU compiler writes them: a scan with no known_trip_count annotation (its condition is only
-# `counter < 3`), dots as convolutions (the k projection [8,16,256] x [256, 2 heads, 64]: a window over
+# `counter < 3`, its body adds STEP to the counter), dots as convolutions (the k projection [8,16,256] x [256, 2 heads, 64]: a window over
 # the heads, padded, so each output reads one tap), and one all-gather copied into two fusions, one
 # of them the start of an asynchronous collective (so the transfer overlaps compute).
 TPU_STYLE = """HloModule tpu_style
@@ -110,7 +110,12 @@ TPU_STYLE = """HloModule tpu_style
   %k = f32[8,16,2,64]{3,2,1,0} convolution(%x, %done), window={size=1x2 pad=0_0x1_1 rhs_reversal=0x1}, dim_labels=0bf1_i1o0->0b1f
   %g = f32[256]{0} parameter(3)
   %sum = f32[256]{0} fusion(%g), kind=kLoop, calls=%reduced
-  ROOT %t = (s32[], bf16[8,16,256]{2,1,0}) tuple(%p)
+  %i = s32[] get-tuple-element(%p), index=0
+  %i.copy = s32[] copy(%i)
+  %step = s32[] constant(STEP)
+  %next = s32[] add(%i.copy, %step)
+  %h = bf16[8,16,256]{2,1,0} get-tuple-element(%p), index=1
+  ROOT %t = (s32[], bf16[8,16,256]{2,1,0}) tuple(%next, %h)
 }
 
 ENTRY %main (a: (s32[], bf16[8,16,256])) -> (s32[], bf16[8,16,256]) {
@@ -121,7 +126,7 @@ ENTRY %main (a: (s32[], bf16[8,16,256])) -> (s32[], bf16[8,16,256]) {
 
 
 def test_tpu_style_scan_convolution_and_copied_collective():
-    module = HloModule(TPU_STYLE)
+    module = HloModule(TPU_STYLE.replace("STEP", "1"))
     (loop,) = module.while_loops()
     assert module.trip_count(loop) == 3
     assert module.matmul_flops() == 3 * 2 * 8 * 16 * 2 * 64 * 256
@@ -130,3 +135,20 @@ def test_tpu_style_scan_convolution_and_copied_collective():
     assert module.collective_bytes() == {**gathered, **reduced}
     assert module.collective_bytes(overlapped=True) == gathered
     assert module.collective_bytes(overlapped=False) == reduced
+
+
+def test_a_loop_of_two_steps_per_iteration_runs_half_as_often():
+    """The TPU compiler's collective matmul loops (windowed einsum) do two steps per iteration:
+    counting `counter < 3` as 3 iterations there doubled the FSDP matmuls of a train step."""
+    module = HloModule(TPU_STYLE.replace("STEP", "2"))
+    (loop,) = module.while_loops()
+    assert module.trip_count(loop) == 2
+    assert module.matmul_flops() == 2 * 2 * 8 * 16 * 2 * 64 * 256
+
+
+def test_a_counter_not_stepped_by_a_constant_has_no_trip_count():
+    module = HloModule(TPU_STYLE.replace("%step = s32[] constant(STEP)", "%step = s32[] parameter(4)"))
+    (loop,) = module.while_loops()
+    assert module.trip_count(loop) is None
+    assert module.matmul_flops() == 2 * 8 * 16 * 2 * 64 * 256
+    assert module.unknown_trip_counts == [loop.name]

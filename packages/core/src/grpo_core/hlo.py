@@ -66,6 +66,10 @@ class Computation:
     name: str
     shapes: dict[str, str] = field(default_factory=dict)  # parameter and instruction name -> shape
     instructions: list[Instruction] = field(default_factory=list)
+    root: str = ""  # the ROOT instruction's name
+
+    def instruction(self, name: str) -> Instruction | None:
+        return next((i for i in self.instructions if i.name == name), None)
 
 
 def array_dims(shape: str) -> list[list[int]]:
@@ -124,6 +128,7 @@ class HloModule:
             if instruction:
                 current.shapes[instruction.name] = instruction.shape
                 current.instructions.append(instruction)
+                current.root = instruction.name if line.lstrip().startswith("ROOT ") else current.root
         self.unknown_trip_counts: list[str] = []
         self._async_channels: set[str] | None = None
 
@@ -132,8 +137,10 @@ class HloModule:
         return [i for i in self.computations[computation or self.entry].instructions if i.op == "while"]
 
     def trip_count(self, loop: Instruction) -> int | None:
-        """XLA's known_trip_count of a while loop, else N when its condition is only `counter < N`
-        (a scan's counter starts at 0); None for a loop that stops on its data."""
+        """XLA's known_trip_count of a while loop, else ceil(N / k) when its condition is only
+        `counter < N` and its body adds a constant k to the counter (a scan's counter starts at 0;
+        the TPU compiler's collective matmul loops do two steps per iteration, k = 2); None for a
+        loop that stops on its data."""
         if loop.trip_count() is not None:
             return loop.trip_count()
         found = re.search(r"condition=%([\w.\-]+)", loop.attrs)
@@ -143,7 +150,23 @@ class HloModule:
         compares = [i for i in condition.instructions if i.op == "compare" and "direction=LT" in i.attrs]
         constants = {i.name: i.literal for i in condition.instructions if i.op == "constant"}
         bound = constants.get(compares[0].operands[1], "") if len(compares) == 1 else ""
-        return int(bound) if bound.isdigit() else None
+        counter = condition.instruction(compares[0].operands[0]) if bound.isdigit() else None
+        step = self._counter_step(loop, _tuple_index(counter)) if counter else None
+        return -(-int(bound) // step) if step else None
+
+    def _counter_step(self, loop: Instruction, index: int | None) -> int | None:
+        """k when the loop body's result sets tuple element `index` to that element plus constant k."""
+        body = self.computations.get(loop.body() or "")
+        root = body.instruction(body.root) if body else None
+        if index is None or root is None or root.op != "tuple" or index >= len(root.operands):
+            return None
+        update = body.instruction(root.operands[index])
+        if update is None or update.op != "add":
+            return None
+        operands = [_through_copies(body, name) for name in update.operands]
+        reads = [i for i in operands if i and i.op == "get-tuple-element" and _tuple_index(i) == index]
+        steps = [i.literal for i in operands if i and i.op == "constant"]
+        return int(steps[0]) if reads and steps and steps[0].isdigit() and int(steps[0]) > 0 else None
 
     def matmul_flops(self, computation: str | None = None) -> float:
         """Matmul FLOPs of one execution of `computation` (default: the entry), loops included."""
@@ -193,6 +216,20 @@ class HloModule:
             self._async_channels = {_channel(i) for c in self.computations.values() if _async_context(c)
                                     for i in c.instructions} - {None}
         return inst.op.endswith("-done") or _channel(inst) in self._async_channels
+
+
+def _through_copies(comp: Computation, name: str) -> Instruction | None:
+    """The instruction `name` copies (through copy and bitcast chains), or itself."""
+    inst = comp.instruction(name)
+    while inst is not None and inst.op in ("copy", "bitcast") and len(inst.operands) == 1:
+        inst = comp.instruction(inst.operands[0])
+    return inst
+
+
+def _tuple_index(inst: Instruction) -> int | None:
+    """The element a get-tuple-element reads."""
+    found = re.search(r"\bindex=(\d+)", inst.attrs) if inst.op == "get-tuple-element" else None
+    return int(found.group(1)) if found else None
 
 
 def _async_context(comp: Computation) -> bool:
