@@ -24,7 +24,9 @@ cotangent. Memory: one [rows, V] logits block and its dz instead of
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -192,14 +194,22 @@ def _add_columns(dw: Array, update: Array, start) -> Array:
 
 @dataclass(frozen=True)
 class FusedLogps:
-    """The `fused` TokenLogpsImpl; `mesh` overrides the context mesh (tests, scripts)."""
+    """The `fused` TokenLogpsImpl. On a multi-device mesh it runs per device inside shard_map,
+    on the mesh bound with `on_mesh` (the run binds its own), else the call's `mesh`, else the
+    context mesh. Left to the compiler's partitioner instead, the blockwise loop over a
+    batch-sharded hidden and an FSDP-sharded head contracts the sharded hidden dim and
+    all-reduces float32 logits blocks: 80 GB per update on the 3B v6e-8 preset."""
 
     options: FusedOptions = FusedOptions()
+    mesh: Any = None
+
+    def on_mesh(self, mesh: Any) -> "FusedLogps":
+        return dataclasses.replace(self, mesh=mesh)
 
     def __call__(self, hidden: Array, lm_head: Array, targets: Array, temperature: float | Array = 1.0,
                  *, entropy: bool = False, mesh=None) -> TokenLogps:
         return blockwise_token_logps(self._kernels(), hidden, lm_head, targets, temperature, entropy=entropy,
-                                     vocab_axis=self.options.vocab_axis, mesh=mesh)
+                                     vocab_axis=self.options.vocab_axis, mesh=self._mesh(mesh))
 
     @property
     def one_pass(self) -> bool:
@@ -211,7 +221,10 @@ class FusedLogps:
         """(numerator, TokenLogps without gradient); see `blockwise_loss_numerator`."""
         return blockwise_loss_numerator(self._kernels(), hidden, lm_head, targets, temperature, terms, token_loss,
                                         entropy=entropy, entropy_grad=entropy_grad,
-                                        vocab_axis=self.options.vocab_axis, mesh=mesh)
+                                        vocab_axis=self.options.vocab_axis, mesh=self._mesh(mesh))
+
+    def _mesh(self, mesh: Any) -> Any:
+        return self.mesh if mesh is None else mesh
 
     def _kernels(self) -> FusedKernels:
         return FusedKernels(self.options.block_size, self.options.time_block, self.options.one_pass_time_block)
