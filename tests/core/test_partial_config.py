@@ -18,6 +18,7 @@ def test_off_by_default_and_the_budget_is_a_quarter_of_max_new_tokens():
 def test_a_valid_partial_config_loads():
     cfg = load_config(None, [*ON, "rollout.partial.budget=16", "rollout.partial.max_staleness=3"])
     assert (cfg.rollout.partial.budget, cfg.rollout.partial.max_staleness) == (16, 3)
+    assert load_config(None, [*ON, "rollout.partial.budget_quantile=0.75"]).rollout.partial.budget_quantile == 0.75
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -29,6 +30,9 @@ def test_a_valid_partial_config_loads():
     (["rollout.partial.budget=16", "rollout.partial.max_staleness=2"],
      r"max_staleness = 2 is below 3: a row of 64 tokens spans 4 rounds of 16.*max_staleness >= 3"),
     (["rollout.partial.budget=0"], r"rollout.partial.budget"),
+    (["rollout.partial.budget_quantile=0.5", "rollout.partial.max_staleness=5"],
+     r"max_staleness with rollout.partial.budget_quantile.*set one of them to null"),
+    (["rollout.partial.budget_quantile=1.5"], r"rollout.partial.budget_quantile"),
 ])
 def test_inconsistent_settings_are_one_line_errors(overrides, message):
     with pytest.raises(ConfigError, match=message) as error:

@@ -13,12 +13,12 @@ from grpo_rollout.partial import DONE, PartialPool, groups_result
 N, SLOTS, BUDGET, MAX_NEW, STOP = 4, 8, 3, 10, 99
 
 
-def fake_generate(budget=BUDGET, stop_p=0.15):
-    """Row i draws up to `budget` tokens (i, step) with a stop token of probability stop_p
-    per step, seeded by the key; log-probs encode the token's position."""
+def fake_generate(stop_p=0.15):
+    """Row i draws up to the pool's `budget` tokens (i, step) with a stop token of probability
+    stop_p per step, seeded by the key; log-probs encode the token's position."""
     calls = []
 
-    def generate(prefixes, key):
+    def generate(prefixes, key, budget):
         calls.append([list(p) for p in prefixes])
         rng = np.random.default_rng(np.asarray(jax.random.key_data(key)).tolist())
         rows = len(prefixes)
@@ -94,7 +94,7 @@ def test_carried_rows_continue_from_their_tokens_and_record_the_version_of_each(
 
 
 def test_rows_older_than_max_staleness_restart_from_their_prompt():
-    generate, calls = fake_generate(budget=1, stop_p=0.0)
+    generate, calls = fake_generate(stop_p=0.0)
     draw, _ = drawer()
     pool = PartialPool(N, N, 1, 3, max_staleness=1)
     tally = DecodeTally()
@@ -122,6 +122,25 @@ def test_the_pool_continues_identically_after_a_json_round_trip():
     as_records = lambda taken: [[(g.example, [r.tokens for r in g.rows], [r.logps for r in g.rows]) for g in gs]
                                 for gs in taken]
     assert as_records(after_a) == as_records(after_b)
+
+
+def test_a_quantile_budget_follows_the_trained_lengths_in_powers_of_two():
+    generate, calls = fake_generate(stop_p=0.3)
+    draw, _ = drawer()
+    pool = PartialPool(SLOTS, N, 8, 64, budget_quantile=0.5)
+    assert pool.round_budget() == 8  # nothing trained yet: the cap
+    widths = []
+    for version in range(12):
+        pool.step(generate, draw, jax.random.key(version), version, DecodeTally(), max_groups=2)
+        lengths = np.asarray(pool.recent_lengths)
+        assert len(lengths) == min(SLOTS, 2 * N * (version + 1))  # the last `slots` trained rows
+        median = float(np.quantile(lengths, 0.5))
+        assert pool.round_budget() == min(8, 1 << max(0, int(np.ceil(np.log2(max(median, 1))))))
+        widths.append(pool.round_budget())
+    assert min(widths) < 8 and set(widths) <= {1, 2, 4, 8}
+    copy = PartialPool(SLOTS, N, 8, 64, budget_quantile=0.5)
+    copy.restore(json.loads(json.dumps(pool.state())))
+    assert list(copy.recent_lengths) == list(pool.recent_lengths) and copy.round_budget() == pool.round_budget()
 
 
 def test_a_pool_of_another_size_is_refused():

@@ -39,12 +39,14 @@ def test_bench_prints_one_json_line(capsys):
     assert record["length_p50"] == record["length_p90"] == record["length_max"] == 3
 
 
-def test_partial_bench_compares_both_sides_on_the_same_rows(capsys):
+@pytest.mark.parametrize("quantile", [[], ["--partial-quantile", "0.5"]], ids=["fixed", "quantile"])
+def test_partial_bench_compares_both_sides_on_the_same_rows(capsys, quantile):
     flags = ["--vocab", "96", "--hidden", "32", "--intermediate", "64", "--layers", "1", "--batch", "8", "--n", "4",
              "--prompt-len", "4", "--new-tokens", "16", "--eos", "0", "--stop-p", "0.25", "--partial-budget", "4",
-             "--steps", "2", "--warmup", "1"]
+             "--steps", "2", "--warmup", "1", *quantile]
     assert bench.main(flags) == 0
     record = json.loads(capsys.readouterr().out.strip())
+    assert record["budget_quantile"] == (float(quantile[1]) if quantile else None)
     sync, partial = record["synchronous"], record["partial"]
     assert record["speedup"] == partial["tokens_per_s"] / sync["tokens_per_s"]
     for side in (sync, partial):

@@ -113,6 +113,10 @@ class PartialConfig:
     max_staleness: Optional[int] = setting(
         None, "Restart a running row whose first token is more than this many policy versions (steps) old; "
         "null = never. At least ceil(max_new_tokens / budget) - 1, or the longest rows could never finish.", ge=0)
+    budget_quantile: Optional[float] = setting(
+        None, "Decode steps per round from the lengths of the last prompts_per_step x n trained rows: their "
+        "quantile q, rounded up to a power of two (few compiled lengths), at most `budget`; null = always `budget`.",
+        gt=0.0, le=1.0)
 
 
 @dataclass(frozen=True)

@@ -343,6 +343,10 @@ def _check_partial(cfg: RunConfig) -> None:
         raise ConfigError(f"rollout.partial.budget = {budget} is above rollout.max_new_tokens = {max_new}; "
                           f"set rollout.partial.budget <= {max_new}")
     rounds = -(-max_new // budget)
+    if partial.max_staleness is not None and partial.budget_quantile is not None:
+        raise ConfigError("rollout.partial.max_staleness with rollout.partial.budget_quantile: rounds shrink with "
+                          "the recent lengths, so no staleness cap is sure to let the longest rows finish; set "
+                          "one of them to null")
     if partial.max_staleness is not None and partial.max_staleness < rounds - 1:
         raise ConfigError(f"rollout.partial.max_staleness = {partial.max_staleness} is below {rounds - 1}: a row "
                           f"of {max_new} tokens spans {rounds} rounds of {budget} and could never finish; set "

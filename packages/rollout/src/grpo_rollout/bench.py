@@ -61,6 +61,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     partial = p.add_argument_group("partial rollouts (grpo_rollout.bench_partial)")
     partial.add_argument("--partial-budget", type=int, default=None,
                          help="compare partial rollouts (rounds of this many decode steps) with synchronous ones")
+    partial.add_argument("--partial-quantile", type=float, default=None, metavar="Q",
+                         help="rounds of the Q-quantile of recent lengths (power of two, at most --partial-budget)")
     partial.add_argument("--n", type=int, default=8, help="rows per prompt (group size)")
     partial.add_argument("--steps", type=int, default=10, help="timed steps per side")
     partial.add_argument("--warmup", type=int, default=5, help="untimed steps per side before them")

@@ -13,6 +13,7 @@ utilisation; `speedup` is the ratio of the two tokens-per-second figures.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 from typing import Any
 
@@ -61,14 +62,14 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     sampling = SamplingParams(max_new_tokens=args.new_tokens, temperature=args.temperature, n=args.n,
                               stop_token_ids=(args.eos,))
     round_sampling = SamplingParams(max_new_tokens=args.partial_budget, temperature=args.temperature, n=1,
-                                    stop_token_ids=(args.eos,))
+                                    stop_token_ids=(args.eos,))  # max_new_tokens: each round's budget
     sides = {"synchronous": synchronous_stepper(args, rollout, sampling, jax),
              "partial": partial_stepper(args, rollout, round_sampling, jax)}
     records = interleaved(args, sides)
     sync, partial = records["synchronous"], records["partial"]
     return {"mode": "partial_vs_synchronous", "speedup": partial["tokens_per_s"] / sync["tokens_per_s"],
             "synchronous": sync, "partial": partial, "steps": args.steps, "budget": args.partial_budget,
-            "stop_p": args.stop_p, "n": args.n, "backend": jax.default_backend()}
+            "budget_quantile": args.partial_quantile, "stop_p": args.stop_p, "n": args.n, "backend": jax.default_backend()}
 
 
 def interleaved(args, sides: dict) -> dict[str, dict[str, Any]]:
@@ -105,9 +106,12 @@ def partial_stepper(args, rollout, round_sampling, jax):
     from grpo_rollout.partial import PartialPool
 
     draw, _ = prompt_source(args)
-    generate = lambda prefixes, key: rollout.generate(prefixes, key, round_sampling)  # noqa: E731
+    def generate(prefixes, key, budget: int):
+        return rollout.generate(prefixes, key, dataclasses.replace(round_sampling, max_new_tokens=budget))
+
     compile_prefix_widths(args, generate, jax)
-    pool = PartialPool(args.batch, args.n, args.partial_budget, args.new_tokens)
+    pool = PartialPool(args.batch, args.n, args.partial_budget, args.new_tokens,
+                       budget_quantile=args.partial_quantile)
 
     def one_step(step: int, tally) -> int:
         groups, _ = pool.step(generate, draw, jax.random.key(step), step, tally, args.batch // args.n)
@@ -116,10 +120,17 @@ def partial_stepper(args, rollout, round_sampling, jax):
 
 
 def compile_prefix_widths(args, generate, jax) -> None:
-    """One round at every prompt bucket a carried prefix can reach, so no timed step compiles."""
+    """One round at every prompt bucket a carried prefix can reach and every budget a round can
+    take, so no timed step compiles."""
     for width in prefix_buckets(args):
-        if width >= args.prompt_len:
-            generate([[1] * min(width, args.prompt_len + args.new_tokens - 1)] * args.batch, jax.random.key(0))
+        for budget in round_budgets(args) if width >= args.prompt_len else []:
+            generate([[1] * min(width, args.prompt_len + args.new_tokens - 1)] * args.batch, jax.random.key(0), budget)
+
+
+def round_budgets(args) -> list[int]:
+    """Every budget a round can take: the cap, and with a quantile the powers of two below it."""
+    cap = args.partial_budget
+    return [cap] if args.partial_quantile is None else sorted({min(1 << i, cap) for i in range(cap.bit_length() + 1)})
 
 
 def side_record(tally, kept: int, seconds: float, steps: int) -> dict[str, Any]:

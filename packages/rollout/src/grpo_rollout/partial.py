@@ -1,6 +1,8 @@
 """Partial rollouts: a fixed number of decode slots that never wait for the longest row.
 
-Each round decodes every slot for at most `budget` steps. A row that stops (or reaches
+Each round decodes every slot for at most `budget` steps (or, with `budget_quantile` q, the
+q-quantile of the lengths of the last `slots` trained rows rounded up to a power of two, at most
+`budget`: a handful of compiled decode lengths). A row that stops (or reaches
 max_new_tokens) frees its slot, which the next round gives to a pending row of a new
 prompt; a row still running keeps its slot and continues next round from its prompt plus
 the tokens it has so far, re-prefilled under the weights of that round (no KV cache is
@@ -17,8 +19,10 @@ whose first token is more than `max_staleness` versions old is restarted from it
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
@@ -30,8 +34,8 @@ from grpo_rollout.prompts import left_pad
 
 PENDING, RUNNING, DONE = "pending", "running", "done"
 
-# generate(prefixes, key) -> RolloutResult of one row per prefix, at most `budget` new tokens.
-Generate = Callable[[Sequence[Sequence[int]], Any], RolloutResult]
+# generate(prefixes, key, budget) -> RolloutResult of one row per prefix, at most `budget` new tokens.
+Generate = Callable[[Sequence[Sequence[int]], Any, int], RolloutResult]
 # draw() -> the next prompts: (a JSON-able record of its example, its token ids) each; one per
 # process in a multi-host run, so every process's pool adds the same groups.
 Draw = Callable[[], list[tuple[dict, list[int]]]]
@@ -71,8 +75,11 @@ class RoundStats:
 class PartialPool:
     """The carried rows of a run: `slots` decode slots, groups of `n` rows."""
 
-    def __init__(self, slots: int, n: int, budget: int, max_new_tokens: int, max_staleness: Optional[int] = None):
+    def __init__(self, slots: int, n: int, budget: int, max_new_tokens: int, max_staleness: Optional[int] = None,
+                 budget_quantile: Optional[float] = None):
         self.n, self.budget, self.max_new_tokens, self.max_staleness = n, budget, max_new_tokens, max_staleness
+        self.budget_quantile = budget_quantile
+        self.recent_lengths: collections.deque[int] = collections.deque(maxlen=slots)
         self.groups: dict[int, CarriedGroup] = {}
         self.slots: list[Optional[tuple[int, int]]] = [None] * slots
         self.pending: list[tuple[int, int]] = []
@@ -120,11 +127,19 @@ class PartialPool:
             row.tokens, row.logps, row.versions, row.restarts = [], [], [], row.restarts + 1
         return len(stale)
 
+    def round_budget(self) -> int:
+        """`budget`, or the budget_quantile of the recent trained rows' lengths rounded up to a
+        power of two (at most `budget`; `budget` until a group has been trained)."""
+        if self.budget_quantile is None or not self.recent_lengths:
+            return self.budget
+        length = float(np.quantile(np.asarray(self.recent_lengths), self.budget_quantile))
+        return min(self.budget, 1 << max(0, math.ceil(math.log2(max(length, 1.0)))))
+
     def decode_round(self, generate: Generate, key: Any, version: int, tally: DecodeTally) -> None:
-        """Every slot decodes up to `budget` tokens from its prompt + tokens so far."""
+        """Every slot decodes up to `round_budget()` tokens from its prompt + tokens so far."""
         owners = list(self.slots)
         prefixes = [self.groups[g].prompt + self.row((g, k)).tokens for g, k in owners]
-        result = generate(prefixes, key)
+        result = generate(prefixes, key, self.round_budget())
         lengths, finished = np.asarray(result.lengths), np.asarray(result.finished)
         tokens, logps = np.asarray(result.completion_ids), np.asarray(result.sampler_logps)
         kept = [self.extend(self.row(o), tokens[i, :lengths[i]], logps[i, :lengths[i]], bool(finished[i]), version)
@@ -147,7 +162,9 @@ class PartialPool:
         for slot, owner in enumerate(self.slots):
             if owner is not None and owner[0] in ids:
                 self.slots[slot] = None
-        return [self.groups.pop(g) for g in ids]
+        taken = [self.groups.pop(g) for g in ids]
+        self.recent_lengths.extend(len(row.tokens) for group in taken for row in group.rows)
+        return taken
 
     def row(self, owner: tuple[int, int]) -> CarriedRow:
         return self.groups[owner[0]].rows[owner[1]]
@@ -162,7 +179,8 @@ class PartialPool:
         """A JSON-able copy (Python floats hold float32 log-probs exactly)."""
         return {"groups": {str(g): dataclasses.asdict(group) for g, group in self.groups.items()},
                 "slots": [list(o) if o else None for o in self.slots],
-                "pending": [list(o) for o in self.pending], "next_group": self.next_group}
+                "pending": [list(o) for o in self.pending], "next_group": self.next_group,
+                "recent_lengths": list(self.recent_lengths)}
 
     def restore(self, state: dict) -> None:
         if len(state["slots"]) != len(self.slots):
@@ -173,6 +191,8 @@ class PartialPool:
         self.slots = [tuple(o) if o else None for o in state["slots"]]
         self.pending = [tuple(o) for o in state["pending"]]
         self.next_group = int(state["next_group"])
+        self.recent_lengths.clear()
+        self.recent_lengths.extend(state.get("recent_lengths", []))  # absent in pools saved before budget_quantile
 
 
 def groups_result(groups: Sequence[CarriedGroup], max_new_tokens: int, pad_id: int) -> tuple[RolloutResult, np.ndarray]:

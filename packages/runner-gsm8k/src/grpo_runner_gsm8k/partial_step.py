@@ -33,8 +33,7 @@ class PartialSampler:
         cfg = run.cfg.rollout
         self.run, self.tokenize, self.decode = run, tokenize, decode
         self.pool = PartialPool(cfg.prompts_per_step * cfg.n, cfg.n, cfg.partial.budget, cfg.max_new_tokens,
-                                cfg.partial.max_staleness)
-        self.round_sampling = dataclasses.replace(run.sampling, n=1, max_new_tokens=cfg.partial.budget)
+                                cfg.partial.max_staleness, cfg.partial.budget_quantile)
 
     def draw(self) -> list[tuple[dict, list[int]]]:
         """The task's next prompt of every process (one each: the data position counts exactly
@@ -46,10 +45,11 @@ class PartialSampler:
         """One round's decode with `weights`, loaded into the backend only for its duration."""
         run = self.run
 
-        def one_round(prefixes, key) -> RolloutResult:
+        def one_round(prefixes, key, budget: int) -> RolloutResult:
             run.rollout.load_weights(Policy(run.policy_graphdef, weights, run.qcfg))
+            sampling = dataclasses.replace(run.sampling, n=1, max_new_tokens=budget)
             try:
-                result = run.rollout.generate(prefixes, key, self.round_sampling, batch_sharding=run.rollout_sharding,
+                result = run.rollout.generate(prefixes, key, sampling, batch_sharding=run.rollout_sharding,
                                               pad_token_id=run.inputs.tokenizer.pad_token_id)
                 return dataclasses.replace(result, **{name: host_array(getattr(result, name)) for name in HOST_FIELDS})
             finally:
@@ -73,6 +73,6 @@ class PartialSampler:
     def metrics(self, version: int, versions: np.ndarray, stats, groups: int) -> dict:
         age = version - versions[versions >= 0]
         return {"train-rollout/rounds": stats.rounds, "train-rollout/groups": groups,
-                "train-rollout/restarted_rows": stats.restarted, "train-rollout/carried_rows": self.pool.carried_rows,
+                "train-rollout/restarted_rows": stats.restarted, "train-rollout/round_budget": self.pool.round_budget(), "train-rollout/carried_rows": self.pool.carried_rows,
                 "train-rollout/staleness_mean": float(age.mean()) if age.size else 0.0,
                 "train-rollout/staleness_max": int(age.max(initial=0))}
