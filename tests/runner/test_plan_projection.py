@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from grpo_core.registry import default_registry
 from grpo_runner_gsm8k import flops, plan
+from grpo_runner_gsm8k.plan.cost import phase_cost
 from grpo_runner_gsm8k.plan.projection import project, projection_json
 
 pytest.importorskip("libtpu")
@@ -116,6 +117,29 @@ def test_train_step_is_the_count_by_hand(projected):
     assert train.flops == pytest.approx(3 * dense_forward_flops(q, ROWS, width, width, NEW) / DEVICES, rel=0.05)
     # float32 params and two Adam moments, read and written once
     assert train.hbm_bytes == pytest.approx(2 * 3 * 4 * weight_count(q) / DEVICES, rel=0.05)
+
+
+# Wide and long enough that the TPU compiler fuses the FSDP all-gathers and reduce-scatters into
+# the matmuls: collective matmul loops that do two steps per iteration. Read as `counter < N`
+# iterations, they counted every FSDP matmul twice (1.93x this hand count).
+WIDE = ["model.architecture.hidden_size=2048", "model.architecture.intermediate_size=8192",
+        "model.architecture.num_attention_heads=16", "model.architecture.num_key_value_heads=2",
+        "model.architecture.max_position_embeddings=512", "rollout.max_new_tokens=495", "rollout.prompts_per_step=16",
+        "train.micro_batch_size_per_device=8"]
+
+
+def test_train_step_with_collective_matmul_loops_is_the_count_by_hand(tmp_path_factory):
+    from grpo_core.config_io import load_config
+
+    cfg = load_config(str(Path(__file__).parents[2] / "configs" / "tiny.yaml"),
+                      [f"logging.dir={tmp_path_factory.mktemp('run')}", *SMALL, *WIDE], registry=default_registry())
+    inputs = plan.build_plan_inputs(cfg, default_registry(), plan.parse_target("v6e-8"))
+    lower, args = plan.update_lowering(inputs, cfg.train.micro_batch_size_per_device)
+    compiled = lower(*args).compile()
+    assert "windowed_dot_general" in compiled.as_text()  # the loops this test is about
+    new, rows = cfg.rollout.max_new_tokens, cfg.rollout.prompts_per_step * cfg.rollout.n
+    hand = 3 * dense_forward_flops(inputs.run.qcfg, rows, PROMPT + new, PROMPT + new, new) / 8
+    assert phase_cost(compiled).flops == pytest.approx(hand, rel=0.05)
 
 
 def test_step_is_prefill_decode_steps_and_update_and_mfu_is_model_flops_over_peak(projected):
