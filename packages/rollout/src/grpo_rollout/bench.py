@@ -29,6 +29,17 @@ HF_MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "4294967296", "MALLOC_TRIM_THRESHOLD_
                  "MALLOC_TOP_PAD_": "1073741824"}
 
 
+def add_partial_args(partial) -> None:
+    partial.add_argument("--partial-budget", type=int, default=None,
+                         help="compare partial rollouts (rounds of this many decode steps) with synchronous ones")
+    partial.add_argument("--partial-quantile", type=float, default=None, metavar="Q",
+                         help="rounds of the Q-quantile of recent lengths (power of two, at most --partial-budget)")
+    partial.add_argument("--n", type=int, default=8, help="rows per prompt (group size)")
+    partial.add_argument("--steps", type=int, default=10, help="timed steps per side")
+    partial.add_argument("--warmup", type=int, default=5, help="untimed steps per side before them")
+    partial.add_argument("--bucket-step", type=int, default=32, help="prompt bucket spacing of carried prefixes")
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="grpo-bench rollout", description=__doc__.splitlines()[0])
     shape = p.add_argument_group("model shape")
@@ -58,15 +69,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                      help="single-query decode attention of grpo_rollout, or the model's cached forward")
     run.add_argument("--stop-p", type=float, default=None,
                      help="stop-token probability per step (length model, needs --eos): geometric lengths")
-    partial = p.add_argument_group("partial rollouts (grpo_rollout.bench_partial)")
-    partial.add_argument("--partial-budget", type=int, default=None,
-                         help="compare partial rollouts (rounds of this many decode steps) with synchronous ones")
-    partial.add_argument("--partial-quantile", type=float, default=None, metavar="Q",
-                         help="rounds of the Q-quantile of recent lengths (power of two, at most --partial-budget)")
-    partial.add_argument("--n", type=int, default=8, help="rows per prompt (group size)")
-    partial.add_argument("--steps", type=int, default=10, help="timed steps per side")
-    partial.add_argument("--warmup", type=int, default=5, help="untimed steps per side before them")
-    partial.add_argument("--bucket-step", type=int, default=32, help="prompt bucket spacing of carried prefixes")
+    add_partial_args(p.add_argument_group("partial rollouts (grpo_rollout.bench_partial)"))
     run.add_argument("--engine", choices=("jax", "hf"), default="jax")
     run.add_argument("--compare-hf", action="store_true", help="also time transformers generate")
     run.add_argument("--threads", type=int, default=0, help="torch threads for --engine hf (0: all cores)")
