@@ -55,3 +55,12 @@ def test_plan_compiles_the_per_token_decode_when_the_merged_one_does_not_fit(tin
     assert tight.masters_beside_rollout == per_device_bytes(tight.params)  # no merged copy beside the base
     decode = [p for p in rollout_phases(tight, Capacity(1 << 40, "test")) if p.name == "rollout decode"]
     assert decode and decode[0].arguments >= per_device_bytes(tight.forward_params)
+
+
+def test_mfu_counts_a_frozen_base_backward_as_one_forward(tiny_config):
+    """Without weight gradients a LoRA update does about 2 forwards of model work, not 3: counting
+    3 put the 7B LoRA preset's projected MFU at 103%."""
+    from grpo_runner_gsm8k.plan.projection import model_update_passes
+
+    assert model_update_passes(tiny_config()) == 3
+    assert model_update_passes(tiny_config("model.lora.rank=4", "model.lora.alpha=8")) == 2

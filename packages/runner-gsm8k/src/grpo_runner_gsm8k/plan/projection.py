@@ -77,7 +77,7 @@ class Projection:
     micro_batches: int
     epochs: int  # train.ppo_epochs: updates per step
     phases: dict[str, PhaseTime]
-    model_update_flops: float  # 3 x forward of the widest training batch, all devices
+    model_update_flops: float  # model_update_passes x forward of the widest training batch, all devices
 
     def step_seconds(self, tokens: int) -> float:
         decode, update = self.phases["rollout decode"], self.phases["train step"]
@@ -94,6 +94,12 @@ class Projection:
         return self.model_update_flops / (update * self.chip.peak_tflops * 1e12 * self.chips)
 
 
+def model_update_passes(cfg) -> int:
+    """Forward passes worth of model FLOPs in an update: forward + a backward of twice that, or,
+    for a frozen (LoRA) base, a backward of activation gradients only (adapters left out)."""
+    return 2 if cfg.model.lora.rank else 3
+
+
 def project(inputs: PlanInputs, chip: Generation, phases: list[PhaseMemory]) -> Optional[Projection]:
     """None when a phase was refused (nothing to project) or the rollout has no decode loop."""
     if any(p.cost is None for p in phases) or "rollout decode" not in {p.name for p in phases}:
@@ -101,7 +107,7 @@ def project(inputs: PlanInputs, chip: Generation, phases: list[PhaseMemory]) -> 
     cfg, mesh = inputs.run.cfg, inputs.run.mesh
     prompt_w, completion_w = train_widths(inputs)
     rows = rows_per_step(cfg)
-    model = 3 * forward_flops(inputs.run.qcfg, rows, prompt_w + completion_w, completion_w)
+    model = model_update_passes(cfg) * forward_flops(inputs.run.qcfg, rows, prompt_w + completion_w, completion_w)
     return Projection(chip, mesh.size, rows, micro_batches(cfg, mesh), cfg.train.ppo_epochs,
                       {p.name: phase_time(inputs, chip, p) for p in phases}, model)
 
