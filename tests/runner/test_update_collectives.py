@@ -6,7 +6,6 @@ v6e-8 preset)."""
 
 from __future__ import annotations
 
-
 import pytest
 from grpo_core.hlo import HloModule, array_dims, COLLECTIVES
 from grpo_core.registry import default_registry

@@ -69,7 +69,8 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     sync, partial = records["synchronous"], records["partial"]
     return {"mode": "partial_vs_synchronous", "speedup": partial["tokens_per_s"] / sync["tokens_per_s"],
             "synchronous": sync, "partial": partial, "steps": args.steps, "budget": args.partial_budget,
-            "budget_quantile": args.partial_quantile, "stop_p": args.stop_p, "n": args.n, "backend": jax.default_backend()}
+            "budget_quantile": args.partial_quantile, "stop_p": args.stop_p, "n": args.n,
+            "backend": jax.default_backend()}
 
 
 def interleaved(args, sides: dict) -> dict[str, dict[str, Any]]:

@@ -73,6 +73,7 @@ class PartialSampler:
     def metrics(self, version: int, versions: np.ndarray, stats, groups: int) -> dict:
         age = version - versions[versions >= 0]
         return {"train-rollout/rounds": stats.rounds, "train-rollout/groups": groups,
-                "train-rollout/restarted_rows": stats.restarted, "train-rollout/round_budget": self.pool.round_budget(), "train-rollout/carried_rows": self.pool.carried_rows,
+                "train-rollout/restarted_rows": stats.restarted, "train-rollout/round_budget": self.pool.round_budget(),
+                "train-rollout/carried_rows": self.pool.carried_rows,
                 "train-rollout/staleness_mean": float(age.mean()) if age.size else 0.0,
                 "train-rollout/staleness_max": int(age.max(initial=0))}
