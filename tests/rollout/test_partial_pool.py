@@ -18,7 +18,8 @@ def fake_generate(stop_p=0.15):
     stop_p per step, seeded by the key; log-probs encode the token's position."""
     calls = []
 
-    def generate(prefixes, key, budget):
+    def generate(prefixes, key, budget, cached):
+        assert not any(cached)  # a pool that re-prefills never marks a slot cached
         calls.append([list(p) for p in prefixes])
         rng = np.random.default_rng(np.asarray(jax.random.key_data(key)).tolist())
         rows = len(prefixes)

@@ -14,7 +14,7 @@ import pytest
 from grpo_core.registry import default_registry
 from grpo_rollout.decode import prefill
 from grpo_runner_gsm8k import plan
-from grpo_runner_gsm8k.plan.phases import PhaseRecorder, rollout_shapes
+from grpo_runner_gsm8k.plan.phases import PhaseRecorder, kept_cache_bytes, rollout_shapes, train_phase
 from grpo_runner_gsm8k.cli import main
 from grpo_runner_gsm8k.loop import Trainer
 
@@ -23,7 +23,7 @@ from grpo_runner_gsm8k.loop import Trainer
 def table_rows(out: str) -> dict[str, list[float]]:
     rows = {}
     for line in out.splitlines():
-        match = re.match(r"^(rollout prefill|rollout decode|log-probs|train step)\s+([\d.\s]+)$", line)
+        match = re.match(r"^(rollout [a-z ]+?|log-probs|train step)\s+([\d.\s]+)$", line)
         if match:
             rows[match.group(1)] = [float(v) for v in match.group(2).split()]
     return rows
@@ -167,9 +167,12 @@ def test_cli_plan_exit_code(tiny_config_path, plan_overrides, tmp_path, capsys):
     assert "does not fit" in capsys.readouterr().err
 
 
+PARTIAL_PLAN = ("rollout.partial.enabled=true", "loss.mismatch_correction=truncate", "rollout.partial.budget=3")
+
+
 def test_partial_rollouts_plan_the_widest_re_prefill_round(plan_config, capsys):
     """Every row re-prefilling a prompt plus max_new_tokens - 1 carried tokens, then `budget` steps."""
-    cfg = plan_config("rollout.partial.enabled=true", "loss.mismatch_correction=truncate", "rollout.partial.budget=3")
+    cfg = plan_config(*PARTIAL_PLAN, "rollout.partial.kv_cache=reprefill")
     shapes = rollout_shapes(plan.build_plan_inputs(cfg, default_registry()))
     rollout = cfg.rollout
     assert shapes.prompts == rollout.prompts_per_step * rollout.n and shapes.sampling.n == 1
@@ -177,3 +180,23 @@ def test_partial_rollouts_plan_the_widest_re_prefill_round(plan_config, capsys):
     assert shapes.sampling.max_new_tokens == 3
     assert plan.plan_command(cfg, default_registry(), capacity_gib=16.0) == 0
     assert {"rollout prefill", "rollout decode", "train step"} <= set(table_rows(capsys.readouterr().out))
+
+
+@pytest.mark.parametrize("kv_cache", ["within_step", "across_steps"])
+def test_partial_rollouts_on_a_kept_cache_plan_its_widest_rounds(plan_config, capsys, kv_cache):
+    """Every slot admitting the longest carried prefix, then slots kept at it with new prompts
+    admitted beside; a cache kept across steps is held through the update as well."""
+    cfg = plan_config(*PARTIAL_PLAN, f"rollout.partial.kv_cache={kv_cache}")
+    inputs = plan.build_plan_inputs(cfg, default_registry())
+    shapes, rollout = rollout_shapes(inputs), cfg.rollout
+    assert shapes.kept_prefix == rollout.max_prompt_length + rollout.max_new_tokens - 1
+    assert shapes.max_prompt_length == rollout.max_prompt_length and shapes.sampling.max_new_tokens == 3
+    assert plan.plan_command(cfg, default_registry(), capacity_gib=16.0) == 0
+    phases = {"rollout admission of carried rows", "rollout compaction", "rollout admission", "rollout decode"}
+    assert phases | {"train step"} <= set(table_rows(capsys.readouterr().out))
+    q, rows = inputs.run.qcfg, shapes.batch_sharding.shard_shape((rollout.prompts_per_step * rollout.n, 1))[0]
+    width = 32 + 16 + 3  # buckets of the longest carried prefix (23) but one and of the prompt (16) but one, the budget
+    cache = q.num_hidden_layers * rows * width * q.num_key_value_heads * q.head_dim * 2 * 4 + rows * width + 4
+    held = kept_cache_bytes(inputs)
+    assert held == (cache if kv_cache == "across_steps" else 0)
+    assert train_phase(inputs, cfg.train.micro_batch_size_per_device).other == inputs.reference_bytes + held

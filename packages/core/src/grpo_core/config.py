@@ -105,7 +105,7 @@ class PartialConfig:
 
     enabled: bool = setting(
         False, "Decode at most `budget` steps per round; rows still running are carried into the next step "
-        "(re-prefilled under the new weights), and a group enters the update once all its rows are done. Needs "
+        "(see kv_cache), and a group enters the update once all its rows are done. Needs "
         "loss.mismatch_correction (carried tokens come from older policies). Eval never uses it.")
     # A quarter of the longest completion: a row of max_new_tokens spans at most four rounds.
     budget: Optional[int] = setting(
@@ -117,6 +117,13 @@ class PartialConfig:
         None, "Decode steps per round from the lengths of the last prompts_per_step x n trained rows: their "
         "quantile q, rounded up to a power of two (few compiled lengths), at most `budget`; null = always `budget`.",
         gt=0.0, le=1.0)
+    kv_cache: Literal["auto", "reprefill", "within_step", "across_steps"] = setting(
+        "auto", "How a running row continues in the next round: auto = within_step when the rollout backend keeps "
+        "caches (the built-in one does), else reprefill; reprefill = its prompt and tokens so far "
+        "prefilled again; within_step = its KV cache kept between the rounds of a step (same weights) and "
+        "re-prefilled under the new weights at the next step; across_steps = kept also across updates (keys and "
+        "values of older weights; held through the update; not saved, so a resumed run re-prefills once and "
+        "continues, not bitwise).")
 
 
 @dataclass(frozen=True)

@@ -209,6 +209,9 @@ class RolloutShapes:
     batch_sharding:    NamedSharding of the [prompts * n, ...] batch.
     key:               an abstract PRNG key, replicated on the mesh.
     pad_token_id:      the padding id (the plan, without a tokenizer, pads with 0).
+    kept_prefix:       partial rollouts on a kept KV cache: the longest prefix a slot carries
+                       (prompt plus tokens so far); each of the `prompts` rows is a slot, the
+                       sampling's max_new_tokens a round's budget. 0: no kept cache.
     """
 
     policy: Policy
@@ -218,6 +221,7 @@ class RolloutShapes:
     batch_sharding: NamedSharding
     key: Any
     pad_token_id: int = 0
+    kept_prefix: int = 0
 
 
 @dataclass(frozen=True)
@@ -248,6 +252,26 @@ class PhaseCompiler(Protocol):
     def decode_seconds(self, compiled: Any, steps: int) -> float | None:
         """Projected seconds of `steps` tokens of a compiled decode loop (plus what runs once
         around it) on the planned chip; None when the plan has no chip to project for."""
+
+
+@runtime_checkable
+class KeptCacheRollout(Protocol):
+    """Optional member of a rollout backend: partial-rollout rounds whose slots keep their KV cache
+    between rounds (rollout.partial.kv_cache within_step / across_steps); a backend without it
+    can only re-prefill, and a run asking for more says so."""
+
+    def generate_round(self, prefixes: Sequence[Sequence[int]], cached: Sequence[bool], key: jax.Array,
+                       sampling: SamplingParams, *, pad_token_id: int = 0, batch_sharding: Any = None) -> RolloutResult:
+        """One round of at most sampling.max_new_tokens tokens per slot: slot i continues its row of the
+        previous round from the kept cache when cached[i] (only its last token, not yet fed, goes in),
+        else its prefix (prompt plus tokens so far) is admitted."""
+
+    def release_kept_cache(self) -> None:
+        """Frees the kept cache; the next round admits every slot."""
+
+    def kept_cache(self, shapes: RolloutShapes) -> Any:
+        """For `grpo-run --plan`: the abstract cache (sharded ShapeDtypeStructs) kept at its widest
+        for the partial-rollout rounds `shapes` describes (shapes.kept_prefix > 0)."""
 
 
 @runtime_checkable

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -10,10 +11,13 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from jax.sharding import NamedSharding
 
-from grpo_rollout.decode import batch_spec_axes, decode, prefill, rollout_graphdef
+from grpo_rollout.decode import (batch_sharding_of_rank, batch_spec_axes, cache_shardings, decode, prefill,
+                                 rollout_graphdef)
 from grpo_rollout.collectives import decode_traffic_note
+from grpo_rollout.kept_cache import admission_batch, admit, compact, kept_width, round_start
 from grpo_rollout.gather import (AutoDecoders, bytes_beyond_arguments, candidate_layouts, fastest_layout,
                                  gather_refused_note, has_sharded_weights, layout_static)
 from grpo_rollout.prompts import DEFAULT_PROMPT_BUCKETS, bucket_length, fit_to_bucket, left_pad, repeat_samples
@@ -104,6 +108,7 @@ class JaxRollout:
         # (the run sets it to refuse what does not fit; the jit calls then reuse those compiles).
         self.memory_check: Callable[[str, Any], None] | None = None
         self._checked: set[Any] = set()
+        self._kept: Any = None  # the KV cache of `generate_round`'s slots, kept between rounds
 
     def project_decodes_with(self, projector: Any) -> None:
         """`projector(compiled decode, steps)` -> projected seconds: `gather_weights: auto` then
@@ -145,6 +150,57 @@ class JaxRollout:
         cache, state = prefill(self._weights, ids, mask, key, **static)
         _, state = self.decoder(self._weights, cache, state, key, static)(self._weights, cache, state, key)
         return finish(ids, mask, state, sampling)
+
+    def generate_round(self, prefixes: Sequence[Sequence[int]], cached: Sequence[bool], key: jax.Array,
+                       sampling: SamplingParams, *, pad_token_id: int = 0,
+                       batch_sharding: NamedSharding | None = None) -> RolloutResult:
+        """One partial-rollout round of at most `sampling.max_new_tokens` tokens per slot on the KV
+        cache kept from the previous round (grpo_rollout.kept_cache). prefixes: each slot's prompt
+        plus tokens so far; cached[i]: slot i continues its row of the previous round (only its
+        last token is fed), otherwise the prefix is admitted. The slots' cache is kept for the next
+        round."""
+        if self._weights is None:
+            raise RuntimeError("JaxRollout.generate_round without weights: call load_weights(policy) first.")
+        if any(cached) and (self._kept is None or self._kept.mask.shape[0] != len(prefixes)):
+            raise ValueError(f"generate_round: {sum(cached)} slots continue from a kept cache, but none is kept "
+                             f"for {len(prefixes)} slots; mark them uncached (their prefixes are then admitted).")
+        check_batch_divisible(len(prefixes), 1, batch_sharding)
+        static = self.static_args(self._graphdef, self._weights, dataclasses.replace(sampling, n=1), pad_token_id,
+                                  batch_sharding)
+        cache = self._round_cache(prefixes, cached, sampling.max_new_tokens, pad_token_id, batch_sharding, static)
+        last = np.array([[p[-1]] for p in prefixes], np.int32)  # [N, 1]: each slot's next token to feed
+        state = round_start(place(last[:, 0], batch_sharding), sampling.max_new_tokens, pad_token_id, batch_sharding)
+        self._check_round_memory(cache, state, key, static)
+        cache, state = self.decoder(self._weights, cache, state, key, static)(self._weights, cache, state, key)
+        self._kept = cache
+        return finish(last, np.ones_like(last), state, static["params"])
+
+    def _round_cache(self, prefixes, cached, budget: int, pad_token_id: int, batch_sharding, static) -> Any:
+        """The slots' cache compacted and with the admitted prefixes written, room for `budget` tokens."""
+        buckets = self.options.prompt_buckets
+        ids, mask = admission_batch(prefixes, cached, pad_token_id, buckets)
+        base = kept_width(prefixes, cached, buckets)
+        cache = self._kept
+        if cache is None:
+            model = nnx.merge(self._graphdef, self._weights)
+            cache = model.init_cache(len(prefixes), 0, self.options.cache_dtype)
+        cache = compact(cache, place(np.asarray(cached, bool), batch_sharding), base=base,
+                        width=base + ids.shape[1] + budget, batch_sharding=batch_sharding)
+        if ids.shape[1]:
+            cache = admit(self._weights, cache, place(ids, batch_sharding), place(mask, batch_sharding), **static)
+        return cache
+
+    def release_kept_cache(self) -> None:
+        """Frees the slots' kept cache (the next `generate_round` then admits every slot)."""
+        self._kept = None
+
+    def _check_round_memory(self, cache, state, key: jax.Array, static: dict[str, Any]) -> None:
+        """Hands a round's decode, compiled for a new cache width, to `memory_check` before it runs."""
+        signature = ("round", cache.k.shape, state.tokens.shape, tuple(sorted(static.items(), key=lambda kv: kv[0])))
+        if self.memory_check is None or signature in self._checked:
+            return
+        self.memory_check("rollout decode", decode.lower(self._weights, cache, state, key, **static).compile())
+        self._checked.add(signature)
 
     def _check_memory(self, ids: jax.Array, mask: jax.Array, key: jax.Array, static: dict[str, Any]) -> None:
         """Compiles prefill and decode for this batch and hands them to `memory_check` before either runs."""
@@ -191,10 +247,14 @@ class JaxRollout:
         return RolloutWidths(prompt, *train)
 
     def compile_phases(self, shapes: RolloutShapes, compiler: PhaseCompiler) -> None:
-        """Prefill, then the decode loop as `generate` runs it (gathered or not: see `decoder`)."""
+        """Prefill, then the decode loop as `generate` runs it (gathered or not: see `decoder`);
+        with `shapes.kept_prefix`, the widest round of `generate_round` instead."""
         weights, key = shapes.policy.weights, shapes.key
         static = self.static_args(shapes.policy.graphdef, weights, shapes.sampling, shapes.pad_token_id,
                                   shapes.batch_sharding)
+        if shapes.kept_prefix:
+            self._compile_kept_round(shapes, compiler, static)
+            return
         width = self.widths(shapes.max_prompt_length, shapes.sampling.max_new_tokens).prompt
         prompts = jax.ShapeDtypeStruct((shapes.prompts * shapes.sampling.n, width), jnp.int32,
                                        sharding=shapes.batch_sharding)
@@ -203,6 +263,51 @@ class JaxRollout:
         if first is not None:  # decode's inputs are prefill's outputs
             cache, state = abstract_outputs(first)
             self._compile_decode(compiler, (weights, cache, state, key), static)
+
+    def kept_cache(self, shapes: RolloutShapes, kept: bool = True) -> Any:
+        """The abstract KV cache of `generate_round`'s widest round: every slot kept with the longest
+        carried prefix but its last token and new prompts admitted beside (kept=False: every slot
+        admitting that prefix), a round's budget of room."""
+        buckets, rows = self.options.prompt_buckets, shapes.prompts * shapes.sampling.n
+        carried = bucket_length(shapes.kept_prefix - 1, buckets)
+        width = carried + shapes.sampling.max_new_tokens
+        if kept:
+            width += bucket_length(shapes.max_prompt_length - 1, buckets)
+        model = nnx.merge(shapes.policy.graphdef, shapes.policy.weights)
+        cache = jax.eval_shape(lambda: model.init_cache(rows, width, self.options.cache_dtype))
+        if shapes.batch_sharding is None:
+            return cache
+        return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                            cache, cache_shardings(cache, shapes.batch_sharding))
+
+    def _compile_kept_round(self, shapes: RolloutShapes, compiler: PhaseCompiler, static: dict[str, Any]) -> None:
+        """The widest rounds of `generate_round`: every slot admitting the longest carried prefix (a
+        step's first round, or one after a resume), then compaction, new prompts admitted beside
+        slots kept at that prefix, and the decode over that cache."""
+        weights, key, rows = shapes.policy.weights, shapes.key, shapes.prompts * shapes.sampling.n
+        buckets, batch = self.options.prompt_buckets, shapes.batch_sharding
+
+        def admission(name: str, cache: Any, width: int) -> Any:
+            ids = jax.ShapeDtypeStruct((rows, width), jnp.int32, sharding=batch)
+            args = (weights, cache, ids, ids)
+            return compiler.compile(name, lambda: admit.lower(*args, **static).compile(), args)
+
+        carried = self.kept_cache(shapes, kept=False)
+        carried_width = carried.max_len - shapes.sampling.max_new_tokens
+        if admission("rollout admission of carried rows", carried, carried_width) is None:
+            return
+        cache = self.kept_cache(shapes)
+        args = (cache, jax.ShapeDtypeStruct((rows,), jnp.bool_, sharding=batch and batch_sharding_of_rank(batch, 1)))
+        base = bucket_length(shapes.kept_prefix - 1, buckets)
+        if compiler.compile("rollout compaction", lambda: compact.lower(
+                *args, base=base, width=cache.max_len, batch_sharding=batch).compile(), args) is None:
+            return
+        if admission("rollout admission", cache, bucket_length(shapes.max_prompt_length - 1, buckets)) is None:
+            return
+        last = jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=batch and batch_sharding_of_rank(batch, 1))
+        state = jax.eval_shape(lambda t: round_start(t, shapes.sampling.max_new_tokens, shapes.pad_token_id, batch),
+                               last)
+        self._compile_decode(compiler, (weights, cache, state, key), static)
 
     def _compile_decode(self, compiler: PhaseCompiler, args: tuple, static: dict[str, Any]) -> None:
         def build(gather: bool) -> Callable[[], Any]:
@@ -272,7 +377,10 @@ def check_batch_divisible(rows: int, n: int, batch_sharding: NamedSharding | Non
 
 
 def place(array: np.ndarray, batch_sharding: NamedSharding | None) -> jax.Array:
-    return jnp.asarray(array) if batch_sharding is None else jax.device_put(array, batch_sharding)
+    """A host array of rows onto the devices, split like the batch."""
+    if batch_sharding is None:
+        return jnp.asarray(array)
+    return jax.device_put(array, batch_sharding_of_rank(batch_sharding, np.ndim(array)))
 
 
 def finish(ids: jax.Array, mask: jax.Array, state, sampling: SamplingParams) -> RolloutResult:

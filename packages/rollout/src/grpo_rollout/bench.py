@@ -34,6 +34,9 @@ def add_partial_args(partial) -> None:
                          help="compare partial rollouts (rounds of this many decode steps) with synchronous ones")
     partial.add_argument("--partial-quantile", type=float, default=None, metavar="Q",
                          help="rounds of the Q-quantile of recent lengths (power of two, at most --partial-budget)")
+    partial.add_argument("--kv-cache", nargs="+", default=["within_step"], metavar="MODE",
+                         choices=("reprefill", "within_step", "across_steps"),
+                         help="partial sides to time, by how a carried row continues (rollout.partial.kv_cache)")
     partial.add_argument("--n", type=int, default=8, help="rows per prompt (group size)")
     partial.add_argument("--steps", type=int, default=10, help="timed steps per side")
     partial.add_argument("--warmup", type=int, default=5, help="untimed steps per side before them")

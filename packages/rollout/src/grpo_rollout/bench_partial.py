@@ -4,10 +4,12 @@ Both sides decode the same rows (`--batch` = prompts x `--n`) of a model whose s
 has probability `--stop-p` per step (grpo_rollout.length_model: geometric lengths, mean
 ~1/p, cut at `--new-tokens`). Synchronous: each step rolls out `--batch / --n` fresh
 prompts and waits for its longest row. Partial: each step runs rounds of at most B decode
-steps until `--batch / --n` groups are complete (grpo_rollout.partial). The two sides' steps alternate.
-Reported per side, over `--steps` steps after `--warmup` untimed ones (and after every
-prompt width is compiled): completion tokens kept per second of rollout and slot
-utilisation; `speedup` is the ratio of the two tokens-per-second figures.
+steps until `--batch / --n` groups are complete (grpo_rollout.partial), one side per
+`--kv-cache` mode (how a carried row continues: rollout.partial.kv_cache). The sides' steps
+alternate. Reported per side, over `--steps` steps after `--warmup` untimed ones (and after
+every prompt width is compiled): completion tokens kept per second of rollout and slot
+utilisation; `speedup_<mode>` is a partial side's tokens per second over the synchronous
+one's (`speedup` and `partial`: the first mode's).
 """
 
 from __future__ import annotations
@@ -63,12 +65,16 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
                               stop_token_ids=(args.eos,))
     round_sampling = SamplingParams(max_new_tokens=args.partial_budget, temperature=args.temperature, n=1,
                                     stop_token_ids=(args.eos,))  # max_new_tokens: each round's budget
-    sides = {"synchronous": synchronous_stepper(args, rollout, sampling, jax),
-             "partial": partial_stepper(args, rollout, round_sampling, jax)}
+    sides = {"synchronous": synchronous_stepper(args, rollout, sampling, jax)}
+    modes = list(dict.fromkeys(args.kv_cache))
+    for mode in modes:  # each its own backend: a kept cache is one pool's slots
+        sides[f"partial_{mode}"] = partial_stepper(args, build_rollout(args)[0], round_sampling, jax, mode)
     records = interleaved(args, sides)
-    sync, partial = records["synchronous"], records["partial"]
-    return {"mode": "partial_vs_synchronous", "speedup": partial["tokens_per_s"] / sync["tokens_per_s"],
-            "synchronous": sync, "partial": partial, "steps": args.steps, "budget": args.partial_budget,
+    sync = records["synchronous"]
+    speedups = {f"speedup_{mode}": records[f"partial_{mode}"]["tokens_per_s"] / sync["tokens_per_s"] for mode in modes}
+    return {"mode": "partial_vs_synchronous", "speedup": speedups[f"speedup_{modes[0]}"], **speedups,
+            "partial": records[f"partial_{modes[0]}"], **records, "kv_cache": modes, "steps": args.steps,
+            "budget": args.partial_budget,
             "budget_quantile": args.partial_quantile, "stop_p": args.stop_p, "n": args.n,
             "backend": jax.default_backend()}
 
@@ -102,17 +108,21 @@ def synchronous_stepper(args, rollout, sampling, jax):
     return one_step
 
 
-def partial_stepper(args, rollout, round_sampling, jax):
-    """step(index, tally) -> completion tokens kept: the complete groups of one partial step."""
+def partial_stepper(args, rollout, round_sampling, jax, kv_cache: str):
+    """step(index, tally) -> completion tokens kept: the complete groups of one partial step
+    (carried rows re-prefilled, or continued from their kept KV cache: rollout.partial.kv_cache)."""
     from grpo_rollout.partial import PartialPool
 
     draw, _ = prompt_source(args)
-    def generate(prefixes, key, budget: int):
-        return rollout.generate(prefixes, key, dataclasses.replace(round_sampling, max_new_tokens=budget))
+    def generate(prefixes, key, budget: int, cached):
+        sampling = dataclasses.replace(round_sampling, max_new_tokens=budget)
+        if kv_cache != "reprefill":
+            return rollout.generate_round(prefixes, cached, key, sampling)
+        return rollout.generate(prefixes, key, sampling)
 
-    compile_prefix_widths(args, generate, jax)
+    compile_prefix_widths(args, generate, jax, kv_cache != "reprefill")
     pool = PartialPool(args.batch, args.n, args.partial_budget, args.new_tokens,
-                       budget_quantile=args.partial_quantile)
+                       budget_quantile=args.partial_quantile, kv_cache=kv_cache)
 
     def one_step(step: int, tally) -> int:
         groups, _ = pool.step(generate, draw, jax.random.key(step), step, tally, args.batch // args.n)
@@ -120,12 +130,20 @@ def partial_stepper(args, rollout, round_sampling, jax):
     return one_step
 
 
-def compile_prefix_widths(args, generate, jax) -> None:
+def compile_prefix_widths(args, generate, jax, kept: bool) -> None:
     """One round at every prompt bucket a carried prefix can reach and every budget a round can
-    take, so no timed step compiles."""
+    take, so no timed step compiles (kept cache: every kept width, with and without admitted
+    prompts)."""
+    longest = args.prompt_len + args.new_tokens - 1
     for width in prefix_buckets(args):
         for budget in round_budgets(args) if width >= args.prompt_len else []:
-            generate([[1] * min(width, args.prompt_len + args.new_tokens - 1)] * args.batch, jax.random.key(0), budget)
+            prefix = [1] * min(width, longest)
+            generate([prefix] * args.batch, jax.random.key(0), budget, [False] * args.batch)
+            if not kept:
+                continue
+            mixed = [prefix[:args.prompt_len] if i % 2 else prefix for i in range(args.batch)]
+            generate(mixed, jax.random.key(0), budget, [i % 2 == 0 for i in range(args.batch)])
+            generate([prefix] * args.batch, jax.random.key(0), budget, [True] * args.batch)
 
 
 def round_budgets(args) -> list[int]:

@@ -74,6 +74,11 @@ def batch_spec_axes(batch_sharding: NamedSharding | None):
     return spec[0] if len(spec) else None
 
 
+def batch_sharding_of_rank(batch_sharding: NamedSharding, ndim: int) -> NamedSharding:
+    """The batch sharding for an array of `ndim` dimensions, batch first."""
+    return NamedSharding(batch_sharding.mesh, PartitionSpec(batch_spec_axes(batch_sharding), *([None] * (ndim - 1))))
+
+
 def constrain(x: jax.Array, batch_sharding: NamedSharding | None, batch_dim: int = 0) -> jax.Array:
     """Pin x's batch dimension to the batch sharding (other dimensions replicated)."""
     if batch_sharding is None:
@@ -81,6 +86,14 @@ def constrain(x: jax.Array, batch_sharding: NamedSharding | None, batch_dim: int
     spec = [None] * x.ndim
     spec[batch_dim] = batch_spec_axes(batch_sharding)
     return jax.lax.with_sharding_constraint(x, NamedSharding(batch_sharding.mesh, PartitionSpec(*spec)))
+
+
+def cache_shardings(cache, batch_sharding: NamedSharding):
+    """NamedShardings of a cache split like the batch: k/v [L, B, S, KV, D] on B, mask [B, S] on B."""
+    mesh, axes = batch_sharding.mesh, batch_spec_axes(batch_sharding)
+    kv = NamedSharding(mesh, PartitionSpec(None, axes))
+    return cache.replace(k=kv, v=kv, mask=NamedSharding(mesh, PartitionSpec(axes)),
+                         index=NamedSharding(mesh, PartitionSpec()))
 
 
 def constrain_cache(cache, batch_sharding):

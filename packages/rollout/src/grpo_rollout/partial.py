@@ -5,10 +5,14 @@ q-quantile of the lengths of the last `slots` trained rows rounded up to a power
 `budget`: a handful of compiled decode lengths). A row that stops (or reaches
 max_new_tokens) frees its slot, which the next round gives to a pending row of a new
 prompt; a row still running keeps its slot and continues next round from its prompt plus
-the tokens it has so far, re-prefilled under the weights of that round (no KV cache is
-carried: the pool is plain token lists, so it keeps any batch sharding, the newest weights
-apply at once, and it checkpoints as JSON). In a multi-host run every process holds the
-same pool: the draws are gathered and the round results read whole on every process.
+the tokens it has so far. By default those are re-prefilled under the weights of that
+round (the pool is plain token lists: it keeps any batch sharding, the newest weights apply
+at once, and it checkpoints as JSON). With `kv_cache` the slot's KV cache is kept from the
+previous round instead (grpo_rollout.kept_cache): `within_step` between the rounds of one
+step (the same weights), `across_steps` also across updates. The pool tells `generate`
+which slots continue (`cached`); a new, restarted or resumed row is admitted from its tokens.
+In a multi-host run every process holds the same pool: the draws are gathered and the
+round results read whole on every process.
 A group (the K rows of one prompt) is complete when all its rows are done; only complete
 groups leave the pool, oldest first.
 
@@ -33,9 +37,11 @@ from grpo_core.rollout_records import DecodeTally, RolloutResult
 from grpo_rollout.prompts import left_pad
 
 PENDING, RUNNING, DONE = "pending", "running", "done"
+KV_CACHE_MODES = ("reprefill", "within_step", "across_steps")
 
-# generate(prefixes, key, budget) -> RolloutResult of one row per prefix, at most `budget` new tokens.
-Generate = Callable[[Sequence[Sequence[int]], Any, int], RolloutResult]
+# generate(prefixes, key, budget, cached) -> RolloutResult of one row per prefix, at most `budget` new
+# tokens; cached[i]: slot i continues its row of the previous round from a kept KV cache.
+Generate = Callable[[Sequence[Sequence[int]], Any, int, Sequence[bool]], RolloutResult]
 # draw() -> the next prompts: (a JSON-able record of its example, its token ids) each; one per
 # process in a multi-host run, so every process's pool adds the same groups.
 Draw = Callable[[], list[tuple[dict, list[int]]]]
@@ -76,9 +82,12 @@ class PartialPool:
     """The carried rows of a run: `slots` decode slots, groups of `n` rows."""
 
     def __init__(self, slots: int, n: int, budget: int, max_new_tokens: int, max_staleness: Optional[int] = None,
-                 budget_quantile: Optional[float] = None):
+                 budget_quantile: Optional[float] = None, kv_cache: str = "reprefill"):
+        if kv_cache not in KV_CACHE_MODES:
+            raise ValueError(f"kv_cache={kv_cache!r} must be one of {', '.join(KV_CACHE_MODES)}")
         self.n, self.budget, self.max_new_tokens, self.max_staleness = n, budget, max_new_tokens, max_staleness
-        self.budget_quantile = budget_quantile
+        self.budget_quantile, self.kv_cache = budget_quantile, kv_cache
+        self.cached = [False] * slots  # slot continues its row from the cache of the last round
         self.recent_lengths: collections.deque[int] = collections.deque(maxlen=slots)
         self.groups: dict[int, CarriedGroup] = {}
         self.slots: list[Optional[tuple[int, int]]] = [None] * slots
@@ -92,6 +101,8 @@ class PartialPool:
         those groups (oldest first), which leave the pool. Every step trains as many groups as a
         synchronous step would; rows still running when they are complete are carried."""
         restarted = 0
+        if self.kv_cache == "within_step":  # new weights: every carried row is prefilled under them
+            self.cached = [False] * len(self.slots)
         for round_index in itertools.count():
             self.fill(draw)
             restarted += self.restart_stale(version)
@@ -110,7 +121,7 @@ class PartialPool:
                     self.add_group(example, prompt)
             owner = self.pending.pop(0)
             self.row(owner).state = RUNNING
-            self.slots[slot] = owner
+            self.slots[slot], self.cached[slot] = owner, False
 
     def add_group(self, example: dict, prompt: list[int]) -> None:
         gid, self.next_group = self.next_group, self.next_group + 1
@@ -121,10 +132,12 @@ class PartialPool:
         """Running rows whose first token is older than max_staleness versions start over."""
         if self.max_staleness is None:
             return 0
-        stale = [self.row(o) for o in self.slots if o and self.row(o).versions
+        stale = [slot for slot, o in enumerate(self.slots) if o and self.row(o).versions
                  and version - self.row(o).versions[0] > self.max_staleness]
-        for row in stale:
+        for slot in stale:
+            row = self.row(self.slots[slot])
             row.tokens, row.logps, row.versions, row.restarts = [], [], [], row.restarts + 1
+            self.cached[slot] = False
         return len(stale)
 
     def round_budget(self) -> int:
@@ -139,7 +152,8 @@ class PartialPool:
         """Every slot decodes up to `round_budget()` tokens from its prompt + tokens so far."""
         owners = list(self.slots)
         prefixes = [self.groups[g].prompt + self.row((g, k)).tokens for g, k in owners]
-        result = generate(prefixes, key, self.round_budget())
+        result = generate(prefixes, key, self.round_budget(), list(self.cached))
+        self.cached = [self.kv_cache != "reprefill"] * len(owners)  # a done row's slot is refilled, uncached
         lengths, finished = np.asarray(result.lengths), np.asarray(result.finished)
         tokens, logps = np.asarray(result.completion_ids), np.asarray(result.sampler_logps)
         kept = [self.extend(self.row(o), tokens[i, :lengths[i]], logps[i, :lengths[i]], bool(finished[i]), version)
@@ -191,6 +205,7 @@ class PartialPool:
         self.slots = [tuple(o) if o else None for o in state["slots"]]
         self.pending = [tuple(o) for o in state["pending"]]
         self.next_group = int(state["next_group"])
+        self.cached = [False] * len(self.slots)  # no cache is saved: a resumed run admits its rows anew
         self.recent_lengths.clear()
         self.recent_lengths.extend(state.get("recent_lengths", []))  # absent in pools saved before budget_quantile
 

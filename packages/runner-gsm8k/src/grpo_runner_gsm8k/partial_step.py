@@ -13,7 +13,8 @@ import time
 
 import numpy as np
 
-from grpo_core.contracts import Example, Policy
+from grpo_core.contracts import Example, KeptCacheRollout, Policy
+from grpo_core.errors import UserError
 from grpo_core.rollout_records import DecodeTally, RolloutResult
 from grpo_rollout.partial import PartialPool, groups_result
 
@@ -26,6 +27,17 @@ from grpo_runner_gsm8k.scoring import score
 HOST_FIELDS = ("completion_ids", "lengths", "sampler_logps", "finished")
 
 
+def kv_cache_mode(cfg, rollout) -> str:
+    """rollout.partial.kv_cache resolved for this backend (auto: within_step when it keeps caches)."""
+    mode, keeps = cfg.rollout.partial.kv_cache, isinstance(rollout, KeptCacheRollout)
+    if mode == "auto":
+        return "within_step" if keeps else "reprefill"
+    if mode != "reprefill" and not keeps:
+        raise UserError(f"rollout.partial.kv_cache={mode}: the rollout backend {cfg.rollout.backend!r} has no "
+                        "generate_round (rounds on a kept KV cache); set rollout.partial.kv_cache=reprefill")
+    return mode
+
+
 class PartialSampler:
     """Owns the run's pool of carried rows; `sample` gives one step's complete groups."""
 
@@ -33,7 +45,10 @@ class PartialSampler:
         cfg = run.cfg.rollout
         self.run, self.tokenize, self.decode = run, tokenize, decode
         self.pool = PartialPool(cfg.prompts_per_step * cfg.n, cfg.n, cfg.partial.budget, cfg.max_new_tokens,
-                                cfg.partial.max_staleness, cfg.partial.budget_quantile)
+                                cfg.partial.max_staleness, cfg.partial.budget_quantile,
+                                kv_cache_mode(run.cfg, run.rollout))
+        if cfg.partial.kv_cache == "auto":
+            print(f"partial rollouts: carried rows continue by {self.pool.kv_cache} (rollout.partial.kv_cache=auto)")
 
     def draw(self) -> list[tuple[dict, list[int]]]:
         """The task's next prompt of every process (one each: the data position counts exactly
@@ -45,12 +60,15 @@ class PartialSampler:
         """One round's decode with `weights`, loaded into the backend only for its duration."""
         run = self.run
 
-        def one_round(prefixes, key, budget: int) -> RolloutResult:
+        def one_round(prefixes, key, budget: int, cached) -> RolloutResult:
             run.rollout.load_weights(Policy(run.policy_graphdef, weights, run.qcfg))
             sampling = dataclasses.replace(run.sampling, n=1, max_new_tokens=budget)
+            kwargs = dict(batch_sharding=run.rollout_sharding, pad_token_id=run.inputs.tokenizer.pad_token_id)
             try:
-                result = run.rollout.generate(prefixes, key, sampling, batch_sharding=run.rollout_sharding,
-                                              pad_token_id=run.inputs.tokenizer.pad_token_id)
+                if self.pool.kv_cache != "reprefill":
+                    result = run.rollout.generate_round(prefixes, cached, key, sampling, **kwargs)
+                else:
+                    result = run.rollout.generate(prefixes, key, sampling, **kwargs)
                 return dataclasses.replace(result, **{name: host_array(getattr(result, name)) for name in HOST_FIELDS})
             finally:
                 run.rollout.release_weights()
@@ -61,6 +79,8 @@ class PartialSampler:
         start = time.monotonic()
         cfg = self.run.cfg.rollout
         groups, stats = self.pool.step(self.generate(weights), self.draw, key, version, tally, cfg.prompts_per_step)
+        if self.pool.kv_cache == "within_step":  # not needed again: free it before the update
+            self.run.rollout.release_kept_cache()
         reward_start = time.monotonic()
         result, versions = groups_result(groups, cfg.max_new_tokens, self.run.inputs.tokenizer.pad_token_id)
         examples = [Example(**group.example) for group in groups]

@@ -19,6 +19,7 @@ from grpo_runner_gsm8k.plan.capacity import Capacity
 from grpo_runner_gsm8k.plan.cost import PhaseCost, decode_seconds, phase_cost
 from grpo_runner_gsm8k.plan.abstract import (PlanInputs, abstract_key, abstract_update_batch, per_device_bytes,
                                              plannable)
+from grpo_runner_gsm8k.partial_step import kv_cache_mode
 from grpo_runner_gsm8k.run import with_lora_rollout
 
 
@@ -123,12 +124,28 @@ def rollout_shapes(inputs: PlanInputs) -> RolloutShapes:
     """One rollout batch of the run, abstract: what the backend compiles its phases for."""
     run, rollout = inputs.run, inputs.run.cfg.rollout
     prompts, prompt_length, sampling = rollout.prompts_per_step, rollout.max_prompt_length, run.sampling
-    if rollout.partial.enabled:  # the widest round: every row re-prefills a prompt plus max_new_tokens - 1 tokens
-        prompts, prompt_length = prompts * rollout.n, prompt_length + rollout.max_new_tokens - 1
-        sampling = dataclasses.replace(sampling, n=1, max_new_tokens=rollout.partial.budget)
+    kept_prefix = 0
+    if rollout.partial.enabled:
+        # The widest round: every slot carries a prompt plus max_new_tokens - 1 tokens, kept in its
+        # cache (new prompts admitted beside) or re-prefilled.
+        prompts, sampling = prompts * rollout.n, dataclasses.replace(sampling, n=1, max_new_tokens=rollout.partial.budget)
+        carried = prompt_length + rollout.max_new_tokens - 1
+        if kv_cache_mode(run.cfg, plannable(run)) == "reprefill":
+            prompt_length = carried
+        else:
+            kept_prefix = carried
     return RolloutShapes(policy=Policy(run.policy_graphdef, inputs.forward_params, run.qcfg), prompts=prompts,
                          max_prompt_length=prompt_length, sampling=sampling, batch_sharding=run.rollout_sharding,
-                         key=abstract_key(run.mesh))
+                         key=abstract_key(run.mesh), kept_prefix=kept_prefix)
+
+
+def kept_cache_bytes(inputs: PlanInputs) -> int:
+    """Per device: the KV cache partial rollouts keep across updates (rollout.partial.kv_cache:
+    across_steps), held through scoring and the update; 0 without one."""
+    shapes = rollout_shapes(inputs)
+    if inputs.run.cfg.rollout.partial.kv_cache != "across_steps" or not shapes.kept_prefix:
+        return 0
+    return per_device_bytes(plannable(inputs.run).kept_cache(shapes))
 
 
 def rollout_recorder(inputs: PlanInputs, capacity: Optional[Capacity]) -> PhaseRecorder:
@@ -169,7 +186,7 @@ def logps_phase(inputs: PlanInputs) -> Optional[PhaseMemory]:
     batch = abstract_update_batch(inputs)
     lower = functools.partial(run.score.lower, prompt_width=batch.prompt_width)
     args = (inputs.forward_params, batch.input_ids, batch.attention_mask, batch.targets)
-    return compile_phase("log-probs", lower, args, inputs.held_beside_rollout)[0]
+    return compile_phase("log-probs", lower, args, inputs.held_beside_rollout + kept_cache_bytes(inputs))[0]
 
 
 def update_lowering(inputs: PlanInputs, size: int) -> tuple[Callable[..., Any], tuple]:
@@ -186,7 +203,7 @@ def compile_update(inputs: PlanInputs) -> Any:
 
 def train_phase(inputs: PlanInputs, size: int) -> PhaseMemory:
     lower, args = update_lowering(inputs, size)
-    return compile_phase("train step", lower, args, inputs.reference_bytes)[0]
+    return compile_phase("train step", lower, args, inputs.reference_bytes + kept_cache_bytes(inputs))[0]
 
 
 def fixed_phases(inputs: PlanInputs, capacity: Capacity) -> list[PhaseMemory]:

@@ -1,0 +1,90 @@
+"""Partial-rollout rounds on a KV cache kept across rounds (rollout.partial.kv_cache).
+
+A slot's row either continues from its kept cache (only its last sampled token, not yet
+fed, goes in) or is admitted: a new, restarted or resumed row, whose prompt plus tokens so
+far, all but the last, are run into the slot. The cache keeps the decode's layout (one
+write index for all rows, positions counted from the mask), so a round is:
+
+    compact:  every kept row's visible slots move, in order, to end at slot `base`
+              (a per-row gather); admitted rows are emptied
+    admit:    the admitted rows' prefixes go to slots [base, base + A) in one masked forward
+              (kept rows feed masked pads there: invisible)
+    decode:   the usual loop writes [base + A, base + A + budget), starting from each
+              row's last token
+
+The kept keys and values were computed under the weights of the rounds that wrote them;
+the tokens sampled from them keep the log-probs they were drawn with, which the loss's
+mismatch correction uses.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from grpo_rollout.decode import _STATIC, LoopState, constrain, constrain_cache, rollout_weights
+from grpo_rollout.prompts import bucket_length
+
+
+@functools.partial(jax.jit, static_argnames=("base", "width", "batch_sharding"))
+def compact(cache, keep: jax.Array, *, base: int, width: int, batch_sharding=None):
+    """Each kept row's visible slots, in order, moved to end at slot `base`; rows not kept
+    emptied; the cache `width` slots wide with its write index at `base`."""
+    visible = cache.mask & keep[:, None]
+    pad = max(base - cache.max_len, 0)
+    k, v = (jnp.pad(a, ((0, 0), (0, 0), (pad, 0), (0, 0), (0, 0))) for a in (cache.k, cache.v))
+    visible = jnp.pad(visible, ((0, 0), (pad, 0)))
+    # A stable sort puts each row's invisible slots first and its visible ones last, in order.
+    order = jnp.argsort(visible.astype(jnp.int32), axis=1, stable=True)[:, visible.shape[1] - base:]
+    k, v = (jnp.take_along_axis(a, order[None, :, :, None, None], axis=2) for a in (k, v))
+    visible = jnp.take_along_axis(visible, order, axis=1)
+    grow = width - base
+    cache = cache.replace(k=jnp.pad(k, ((0, 0), (0, 0), (0, grow), (0, 0), (0, 0))),
+                          v=jnp.pad(v, ((0, 0), (0, 0), (0, grow), (0, 0), (0, 0))),
+                          mask=jnp.pad(visible, ((0, 0), (0, grow))), index=jnp.asarray(base, jnp.int32))
+    return constrain_cache(cache, batch_sharding)
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("cache",))
+def admit(weights, cache, ids, mask, *, graphdef, params, pad_id, cache_dtype=None, batch_sharding=None, block=None,
+          top_p_candidates=None, attention="rollout", gather_weights=False, model_parallel=False):
+    """Run ids [N, A] (masked where a row is not admitted) into slots [index, index + A)."""
+    del params, pad_id, cache_dtype, block, top_p_candidates, attention, model_parallel  # shared static signature
+    model = nnx.merge(graphdef, rollout_weights(weights, batch_sharding, gather_weights))
+    _, cache = model(ids, attention_mask=mask, cache=cache)
+    return constrain_cache(cache, batch_sharding)
+
+
+def round_start(last: jax.Array, budget: int, pad_id: int, batch_sharding=None) -> LoopState:
+    """The decode loop's state at a round's start: every row feeds `last` [N] first."""
+    rows = last.shape[0]
+    return LoopState(step=jnp.zeros((), jnp.int32), last=last, done=jnp.zeros((rows,), jnp.bool_),
+                     lengths=jnp.zeros((rows,), jnp.int32),
+                     tokens=constrain(jnp.full((rows, budget), pad_id, jnp.int32), batch_sharding),
+                     logps=constrain(jnp.zeros((rows, budget), jnp.float32), batch_sharding))
+
+
+def kept_width(prefixes: Sequence[Sequence[int]], cached: Sequence[bool], buckets: Sequence[int]) -> int:
+    """Slots the kept rows need (their prefix but the last token), rounded up to a bucket; 0 without any."""
+    longest = max((len(p) - 1 for p, kept in zip(prefixes, cached) if kept), default=0)
+    return bucket_length(longest, buckets) if longest else 0
+
+
+def admission_batch(prefixes: Sequence[Sequence[int]], cached: Sequence[bool], pad_id: int,
+                    buckets: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+    """(ids, mask) [N, A]: each admitted row's prefix but its last token, left-padded; kept rows all
+    padding. A = 0 when no admitted row has more than one token."""
+    heads = [list(p[:-1]) if not kept else [] for p, kept in zip(prefixes, cached)]
+    longest = max(len(h) for h in heads)
+    width = bucket_length(longest, buckets) if longest else 0
+    ids = np.full((len(heads), width), pad_id, np.int32)
+    mask = np.zeros((len(heads), width), np.int32)
+    for row, head in enumerate(heads):
+        if head:
+            ids[row, width - len(head):], mask[row, width - len(head):] = head, 1
+    return ids, mask

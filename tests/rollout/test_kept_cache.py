@@ -1,0 +1,104 @@
+"""Partial-rollout rounds on a kept KV cache (grpo_rollout.kept_cache). With the weights
+unchanged, every token's sampler log-prob must equal the full forward's of the same
+sequence whatever its slot's history: kept across rounds, admitted into a slot another row
+just left, or re-admitted after the pool was restored."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from grpo_core.contracts import Policy
+from grpo_core.models import QwenConfig, init_from_config
+from grpo_core.models.attention import KVCache
+from grpo_core.rollout_records import DecodeTally
+from grpo_rollout import JaxRollout, JaxRolloutOptions, SamplingParams
+from grpo_rollout.kept_cache import compact
+from grpo_rollout.partial import PartialPool
+from grpo_rollout.prompts import left_pad
+
+STOP_IDS = tuple(range(100, 108))  # about one token in sixteen stops a row
+TEMPERATURE = 0.7
+
+
+@pytest.fixture(scope="module", params=["qwen2", "qwen3"])
+def model(request):
+    return init_from_config(QwenConfig.tiny(request.param, tie_word_embeddings=request.param == "qwen3"), seed=3)
+
+
+def run_pool(model, steps: int, restore_at: int, kv_cache: str = "across_steps"):
+    """(groups trained over `steps` steps of a kept-cache pool, the `cached` flags of every round,
+    the index of the first round of every step, that of the first round after the restore)."""
+    rollout = JaxRollout(JaxRolloutOptions(prompt_buckets=(4, 8, 16, 32)))
+    rollout.load_weights(Policy.of(model))
+    rounds = []
+
+    def generate(prefixes, key, budget, cached):
+        rounds.append(list(cached))
+        sampling = SamplingParams(max_new_tokens=budget, n=1, temperature=TEMPERATURE, stop_token_ids=STOP_IDS)
+        return rollout.generate_round(prefixes, cached, key, sampling)
+
+    rng = np.random.default_rng(0)
+    draw = lambda: [({"id": "p"}, rng.integers(1, 99, size=int(rng.integers(1, 9))).tolist())]  # noqa: E731
+    pool = PartialPool(slots=8, n=2, budget=3, max_new_tokens=12, kv_cache=kv_cache)
+    groups, starts, restored = [], [], None
+    for version in range(steps):
+        starts.append(len(rounds))
+        if version == restore_at:
+            pool.restore(json.loads(json.dumps(pool.state())))
+            restored = len(rounds)
+        groups += pool.step(generate, draw, jax.random.key(version), version, DecodeTally(), max_groups=2)[0]
+    return groups, rounds, starts, restored
+
+
+def full_forward_logps(model, prompts, completions):
+    """log_softmax(logits / T) of each completion token given everything before it."""
+    ids, mask = left_pad([p + c for p, c in zip(prompts, completions)], 0, (32,))
+    hidden = model(jnp.asarray(ids), attention_mask=jnp.asarray(mask))
+    logp = jax.nn.log_softmax(model.logits(hidden)[:, :-1] / TEMPERATURE, axis=-1)
+    taken = np.asarray(jnp.take_along_axis(logp, jnp.asarray(ids)[:, 1:, None], axis=-1)[..., 0])
+    return [taken[i, taken.shape[1] - len(c):] for i, c in enumerate(completions)]
+
+
+@pytest.mark.parametrize("kv_cache", ["within_step", "across_steps"])
+def test_kept_admitted_and_readmitted_rows_sample_from_the_full_forward(model, kv_cache):
+    groups, rounds, _, _ = run_pool(model, steps=6, restore_at=3, kv_cache=kv_cache)
+    assert any(any(r) and not all(r) for r in rounds)  # slots kept and slots admitted in the same round
+    rows = [row for group in groups for row in group.rows]
+    prompts = [group.prompt for group in groups for _ in group.rows]
+    assert any(len(row.tokens) > 3 for row in rows)  # some rows span several rounds
+    expected = full_forward_logps(model, prompts, [row.tokens for row in rows])
+    for row, logps in zip(rows, expected):
+        np.testing.assert_allclose(row.logps, logps, atol=1e-5)  # f32 forward vs cached decode
+
+
+def test_a_restored_pool_admits_every_slot_again(model):
+    _, rounds, _, restored = run_pool(model, steps=4, restore_at=2)
+    assert any(rounds[restored - 1]) and not any(rounds[restored])
+
+
+def test_within_a_step_slots_keep_their_cache_and_each_step_starts_admitting_all(model):
+    _, rounds, starts, _ = run_pool(model, steps=4, restore_at=-1, kv_cache="within_step")
+    assert all(not any(rounds[s]) for s in starts)
+    later = [r for i, r in enumerate(rounds) if i not in starts]
+    assert later and all(any(r) for r in later)
+
+
+def test_compact_moves_kept_rows_to_end_at_base_and_empties_the_others():
+    k = jnp.arange(1 * 3 * 5, dtype=jnp.float32).reshape(1, 3, 5, 1, 1)
+    mask = jnp.asarray([[1, 0, 1, 1, 0], [0, 1, 1, 0, 0], [1, 1, 1, 1, 1]], bool)
+    cache = KVCache(k=k, v=-k, mask=mask, index=jnp.asarray(5, jnp.int32))
+    out = compact(cache, jnp.asarray([True, True, False]), base=4, width=7)
+    assert out.mask.tolist() == [[0, 1, 1, 1, 0, 0, 0], [0, 0, 1, 1, 0, 0, 0], [0] * 7]
+    assert np.asarray(out.k)[0, 0, 1:4, 0, 0].tolist() == [0, 2, 3]  # row 0's slots 0, 2, 3 in order
+    assert np.asarray(out.v)[0, 1, 2:4, 0, 0].tolist() == [-6, -7]
+    assert int(out.index) == 4
+
+
+def test_continuing_a_slot_without_a_kept_cache_is_refused(model):
+    rollout = JaxRollout(JaxRolloutOptions(prompt_buckets=(4, 8)))
+    rollout.load_weights(Policy.of(model))
+    with pytest.raises(ValueError, match="none is kept"):
+        rollout.generate_round([[1, 2], [3]], [True, False], jax.random.key(0), SamplingParams(max_new_tokens=2, n=1))
