@@ -217,10 +217,10 @@ def test_truncated_metrics_keep_steps_up_to_the_checkpoint(tmp_path):
 
 
 # ---- preemption: SIGTERM / SIGINT finish the step, save it and exit 128 + signal
-def stop_with_signal(runs: Runs, run_dir: Path, signum: int, log: Path) -> subprocess.CompletedProcess:
+def stop_with_signal(runs: Runs, run_dir: Path, signum: int, log: Path, *overrides: str) -> subprocess.CompletedProcess:
     """Starts a run without periodic saves, sends `signum` once step 2 is logged, waits."""
     with open(log, "w") as stderr:
-        proc = runs.start(run_dir, "checkpoint.every_steps=0", stderr=stderr)
+        proc = runs.start(run_dir, *overrides, "checkpoint.every_steps=0", stderr=stderr)
         try:
             deadline = time.monotonic() + RUN_TIMEOUT_S
             metrics = run_dir / "metrics.jsonl"
@@ -254,6 +254,20 @@ def test_signal_saves_the_step_then_resume_ends_bitwise_equal(signum, uninterrup
                                 f"{saved[0]}", capsys)
     assert [r["train-other/loss"] for r in logged_steps(run_dir)] == \
         [r["train-other/loss"] for r in logged_steps(uninterrupted)]
+
+
+def test_sigterm_then_resume_with_partial_rollouts_ends_bitwise_equal(tmp_path, capsys, runs):
+    """Rows kept in their KV cache within a step (the default) are token lists again at the step's end."""
+    reference = tmp_path / "uninterrupted"
+    runs.run_to_end(reference, *PARTIAL)
+    run_dir = tmp_path / "stopped"
+    stopped = stop_with_signal(runs, run_dir, signal.SIGTERM, tmp_path / "stopped.log", *PARTIAL)
+    assert stopped.returncode == 128 + signal.SIGTERM, stopped.stderr[-3000:]
+    saved = complete_steps(run_dir)
+    assert len(saved) == 1 and saved_meta(run_dir, saved[0])["carried"]["groups"], "nothing was carried at the stop"
+    resume_equals_uninterrupted(runs, reference, run_dir, saved[0], f"SIGTERM after step {saved[0]} with partial "
+                                "rollouts", capsys, *PARTIAL)
+    assert saved_meta(run_dir, STEPS)["carried"] == saved_meta(reference, STEPS)["carried"]
 
 
 # ---- checkpoint faults

@@ -54,6 +54,21 @@ def test_partial_bench_compares_both_sides_on_the_same_rows(capsys, quantile):
     assert sync["decode_steps_per_step"] <= 16  # a synchronous step waits at most max_new_tokens
 
 
+def test_partial_bench_times_each_kv_cache_mode_on_the_same_rows(capsys):
+    """The stop token's probability does not depend on the context, so every mode stops the same rows."""
+    modes = ["within_step", "reprefill", "across_steps"]
+    flags = ["--vocab", "96", "--hidden", "32", "--intermediate", "64", "--layers", "1", "--batch", "8", "--n", "4",
+             "--prompt-len", "4", "--new-tokens", "16", "--eos", "0", "--stop-p", "0.25", "--partial-budget", "4",
+             "--steps", "2", "--warmup", "1", "--kv-cache", *modes]
+    assert bench.main(flags) == 0
+    record = json.loads(capsys.readouterr().out.strip())
+    sides = [record[f"partial_{mode}"] for mode in modes]
+    assert record["partial"] == sides[0] and record["kv_cache"] == modes
+    assert len({side["tokens_kept"] for side in sides}) == 1 and sides[0]["tokens_kept"] > 0
+    for mode, side in zip(modes, sides):
+        assert record[f"speedup_{mode}"] == side["tokens_per_s"] / record["synchronous"]["tokens_per_s"]
+
+
 def test_partial_bench_needs_the_length_model():
     with pytest.raises(SystemExit, match="--eos ID and --stop-p P"):
         bench.main(["--partial-budget", "4", "--vocab", "96", "--hidden", "32", "--layers", "1"])
