@@ -25,7 +25,9 @@ background; the next save and `close()` wait for them.
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import re
 import shutil
 import sys
@@ -209,6 +211,9 @@ def resume_point(cfg: RunConfig, required: bool = False) -> Optional[Resume]:
 
 # Python's "[Errno 28] No space left on device" and TensorStore's "...: File too large [os_error_code='27']"
 OS_ERROR = re.compile(r"\[Errno \d+\] ([^:'\]]+)|: ([^:\]\n]+?) \[os_error_code")
+# What a full disk, a file-size limit or lost permissions say, wherever a wrapper puts the text.
+STORAGE_ERRORS = tuple(os.strerror(code) for code in (errno.EFBIG, errno.ENOSPC, errno.EDQUOT, errno.EROFS,
+                                                      errno.EACCES, errno.EIO))
 
 
 def cause_of(exc: BaseException) -> str:
@@ -224,8 +229,14 @@ def cause_of(exc: BaseException) -> str:
         found = OS_ERROR.search(str(link))
         if found:
             return f"OSError: {(found.group(1) or found.group(2)).strip()}"
+        known = next((text for text in STORAGE_ERRORS if text in str(link)), None)
+        if known:
+            return f"OSError: {known}"
     innermost = chain[-1]
-    return f"{type(innermost).__name__}: {' '.join(str(innermost).split())[:200]}"
+    text = " ".join(str(innermost).split())
+    if len(text) > 200:  # the start says where, the end usually why
+        text = f"{text[:90]} ... {text[-105:]}"
+    return f"{type(innermost).__name__}: {text}"
 
 
 def warn_fallback(where: Path, exc: BaseException, step: int) -> None:
