@@ -123,11 +123,12 @@ def rollout_weights(weights, batch_sharding: NamedSharding | None, gather: bool)
 
 
 # ---- jitted phases -------------------------------------------------------------------
-_STATIC = ("graphdef", "params", "pad_id", "cache_dtype", "batch_sharding", "block", "top_p_candidates",
-           "attention", "gather_weights", "model_parallel")
+# The static arguments every jitted rollout phase takes (prefill, decode, kept_cache.admit).
+PHASE_STATIC_ARGS = ("graphdef", "params", "pad_id", "cache_dtype", "batch_sharding", "block", "top_p_candidates",
+                     "attention", "gather_weights", "model_parallel")
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC)
+@functools.partial(jax.jit, static_argnames=PHASE_STATIC_ARGS)
 def prefill(weights, prompt_ids, prompt_mask, key, *, graphdef, params: SamplingParams, pad_id: int,
             cache_dtype=None, batch_sharding=None, block=None, top_p_candidates=DEFAULT_TOP_P_CANDIDATES,
             attention="rollout", gather_weights=False, model_parallel=False):
@@ -152,7 +153,7 @@ def prefill(weights, prompt_ids, prompt_mask, key, *, graphdef, params: Sampling
     return constrain_cache(cache, batch_sharding), start.record(sampled, logps, params, pad_id)
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("cache", "state"))
+@functools.partial(jax.jit, static_argnames=PHASE_STATIC_ARGS, donate_argnames=("cache", "state"))
 def decode(weights, cache, state: LoopState, key, *, graphdef, params: SamplingParams, pad_id: int,
            cache_dtype=None, batch_sharding=None, block=None, top_p_candidates=DEFAULT_TOP_P_CANDIDATES,
            attention="rollout", gather_weights=False, model_parallel=False):

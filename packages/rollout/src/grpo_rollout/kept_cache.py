@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from grpo_rollout.decode import _STATIC, LoopState, constrain, constrain_cache, rollout_weights
+from grpo_rollout.decode import PHASE_STATIC_ARGS, LoopState, constrain, constrain_cache, rollout_weights
 from grpo_rollout.prompts import bucket_length
 
 
@@ -50,7 +50,7 @@ def compact(cache, keep: jax.Array, *, base: int, width: int, batch_sharding=Non
     return constrain_cache(cache, batch_sharding)
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("cache",))
+@functools.partial(jax.jit, static_argnames=PHASE_STATIC_ARGS, donate_argnames=("cache",))
 def admit(weights, cache, ids, mask, *, graphdef, params, pad_id, cache_dtype=None, batch_sharding=None, block=None,
           top_p_candidates=None, attention="rollout", gather_weights=False, model_parallel=False):
     """Run ids [N, A] (masked where a row is not admitted) into slots [index, index + A)."""
