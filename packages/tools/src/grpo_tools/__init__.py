@@ -1,0 +1,1 @@
+"""Tools a policy may call during a multi-turn rollout."""
