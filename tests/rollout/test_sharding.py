@@ -114,7 +114,7 @@ def test_model_parallel_decode_samples_the_gathered_decodes_tokens(mesh, style):
 
 
 def test_auto_with_a_projector_takes_the_fastest_layout_that_fits(mesh, monkeypatch, capsys):
-    """On TPU the run projects each decode layout (grpo_runner_gsm8k.plan.cost); here a fake
+    """On TPU the run projects each decode layout (grpo_runner_gsm8k.costs.roofline); here a fake
     projection ranks them, and a layout over the spare memory is never taken however fast."""
     from grpo_rollout import gather
 

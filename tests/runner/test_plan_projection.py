@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from grpo_core.registry import default_registry
 from grpo_runner_gsm8k import flops, plan
-from grpo_runner_gsm8k.plan.cost import phase_cost
+from grpo_runner_gsm8k.costs.roofline import phase_cost
 from grpo_runner_gsm8k.plan.projection import project, projection_json
 
 pytest.importorskip("libtpu")

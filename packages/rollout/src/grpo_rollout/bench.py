@@ -23,6 +23,8 @@ from typing import Any
 
 import numpy as np
 
+from grpo_rollout.bench_model import bench_model, qwen_config
+
 # glibc returns freed pages to the OS eagerly by default; torch's per-step allocations
 # then page-fault on every token. These keep the heap (the tuned HF baseline).
 HF_MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "4294967296", "MALLOC_TRIM_THRESHOLD_": "68719476736",
@@ -79,18 +81,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def qwen_config(args: argparse.Namespace):
-    from grpo_core.models import QwenConfig
-
-    return QwenConfig(
-        model_type=args.model_type, vocab_size=args.vocab, hidden_size=args.hidden,
-        intermediate_size=args.intermediate, num_hidden_layers=args.layers,
-        num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, head_dim=args.head_dim,
-        tie_word_embeddings=args.tied, max_position_embeddings=max(4096, args.prompt_len + args.new_tokens),
-        torch_dtype=args.dtype, rope_theta=10_000.0,
-    )
-
-
 def random_prompts(args: argparse.Namespace) -> np.ndarray:
     rng = np.random.default_rng(args.seed)
     return rng.integers(0, args.vocab, size=(args.batch, args.prompt_len), dtype=np.int32)
@@ -129,18 +119,6 @@ def bench_jax(args: argparse.Namespace) -> dict[str, Any]:
     run_once()  # compile + warm-up
     best = min((run_once() for _ in range(args.repeats)), key=lambda r: r[0] + r[1])
     return jax_record(*best, temp_bytes)
-
-
-def bench_model(args: argparse.Namespace):
-    """The bench's random model; with --stop-p, the length model (geometric lengths)."""
-    from grpo_core.models import init_from_config
-
-    model = init_from_config(qwen_config(args), seed=args.seed, dtype=args.dtype)
-    if args.stop_p is None:
-        return model
-    from grpo_rollout.length_model import geometric_stop_model
-
-    return geometric_stop_model(model, args.eos, args.stop_p, args.temperature)
 
 
 def jax_record(prefill_s: float, decode_s: float, tokens: int, steps: int, lengths: np.ndarray,

@@ -27,7 +27,7 @@ def build_rollout(args: argparse.Namespace):
 
     from grpo_core.contracts import Policy
     from grpo_rollout.backend import JaxRollout, JaxRolloutOptions
-    from grpo_rollout.bench import bench_model
+    from grpo_rollout.bench_model import bench_model
 
     args.tied = False  # the length model sets the stop token's column of an untied head
     model = bench_model(args)

@@ -26,28 +26,7 @@ from typing import Any
 import jax
 
 from grpo_core.hlo import HloModule
-from grpo_core.models import QwenConfig
-
-
-def layer_params(q: QwenConfig) -> int:
-    """Matmul weights of one decoder layer."""
-    heads, kv = q.num_attention_heads * q.head_dim, q.num_key_value_heads * q.head_dim
-    return q.hidden_size * heads + 2 * q.hidden_size * kv + heads * q.hidden_size + 3 * q.hidden_size * q.intermediate_size
-
-
-def forward_flops(q: QwenConfig, rows: int, width: int, completion: int) -> float:
-    """Matmul FLOPs of the training forward (module doc)."""
-    heads = q.num_attention_heads * q.head_dim
-    layers = 2.0 * q.num_hidden_layers * layer_params(q) * rows * width
-    attention = 2.0 * q.num_hidden_layers * heads * rows * width * (width + 1)
-    return layers + attention + 2.0 * q.hidden_size * q.vocab_size * rows * completion
-
-
-def decode_step_flops(q: QwenConfig, rows: int, slots: int) -> float:
-    """Matmul FLOPs of one decoded token per row against `slots` cache slots."""
-    heads = q.num_attention_heads * q.head_dim
-    return rows * (2.0 * q.num_hidden_layers * layer_params(q) + 4.0 * q.num_hidden_layers * heads * slots
-                   + 2.0 * q.hidden_size * q.vocab_size)
+from grpo_runner_gsm8k.costs.flops import decode_step_flops, forward_flops
 
 
 def figures(compiled: Any, analytic: float, devices: int, body: bool) -> dict:

@@ -35,7 +35,7 @@ from grpo_runner_gsm8k.memory_check import MemoryGuard
 from grpo_runner_gsm8k.metrics import MetricsLogger, truncate_metrics
 from grpo_runner_gsm8k.multihost import gather_objects, host_array
 from grpo_runner_gsm8k.partial_step import PartialSampler
-from grpo_runner_gsm8k.plan.cost import decode_seconds
+from grpo_runner_gsm8k.costs.roofline import decode_seconds
 from grpo_runner_gsm8k.preemption import StopRequest
 from grpo_runner_gsm8k.refill import Sampled, merge_results, merge_scores, needs_more, pick_groups, refill_metrics
 from grpo_runner_gsm8k.run import BuiltRun, build_run

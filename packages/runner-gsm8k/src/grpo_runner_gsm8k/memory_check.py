@@ -20,9 +20,8 @@ from grpo_core.config import RunConfig
 from grpo_core.errors import DoesNotFit
 from grpo_rollout.gather import every_process
 
-from grpo_runner_gsm8k.plan.capacity import GIB, Capacity, device_capacity
-from grpo_runner_gsm8k.plan.phases import PhaseMemory
-from grpo_runner_gsm8k.plan.report import does_not_fit_message
+from grpo_runner_gsm8k.costs.capacity import GIB, Capacity, device_capacity
+from grpo_runner_gsm8k.costs.memory import PhaseMemory, does_not_fit_message
 
 MEMINFO = Path("/proc/meminfo")
 
@@ -89,7 +88,7 @@ class MemoryGuard:
         phase = dataclasses.replace(phase, other=max(held - phase.arguments, 0))  # state beside the arguments
         capacity = run_capacity(held)
         if not every_process(phase.total <= capacity.bytes):
-            raise DoesNotFit(does_not_fit_message(phase, capacity, self.cfg))
+            raise DoesNotFit(does_not_fit_message(phase, capacity, self.cfg.model.remat))
 
     def check(self, name: str, jitted: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
         """Compiles `jitted` for these arguments (once per signature) and checks it."""

@@ -26,7 +26,7 @@ from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from grpo_core.models import hf_names
+import grpo_core.models.hf_names as hf_names
 from grpo_core.models.config import QwenConfig
 from grpo_core.models.qwen import QwenModel, resolve_dtype
 from grpo_core.sharding import DEFAULT_RULES, Rules, param_shardings

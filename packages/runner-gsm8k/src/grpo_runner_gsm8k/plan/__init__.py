@@ -28,11 +28,11 @@ from grpo_core.registry import Registry
 
 from grpo_runner_gsm8k.plan.abstract import (PlanInputs, abstract_run_model, abstract_update_batch, build_plan_inputs,
                                              per_device_bytes, plan_architecture, prompt_bucket, train_widths)
-from grpo_runner_gsm8k.plan.capacity import GIB, Capacity, device_capacity
+from grpo_runner_gsm8k.costs.capacity import GIB, Capacity, device_capacity
+from grpo_runner_gsm8k.costs.memory import EXIT_DOES_NOT_FIT, does_not_fit_message, peak, peak_line
 from grpo_runner_gsm8k.plan.phases import (compile_rollout, compile_update, decide_lora_rollout, fixed_phases,
                                            rollout_phases, train_phase, update_lowering)
-from grpo_runner_gsm8k.plan.report import (EXIT_DOES_NOT_FIT, does_not_fit_message, footer_lines, header_lines, peak,
-                                           peak_line, table_lines)
+from grpo_runner_gsm8k.plan.report import footer_lines, header_lines, table_lines
 from grpo_runner_gsm8k.plan.projection import project, projection_json, projection_lines
 from grpo_runner_gsm8k.plan.remat import sweep_remat
 from grpo_runner_gsm8k.plan.scheduler import memory_minimizing_cpu_scheduler
@@ -57,7 +57,7 @@ def plan_once(inputs: PlanInputs, capacity: Capacity, chip: Optional[Generation]
     top = peak(phases)
     if top.total <= capacity.bytes:
         return 0
-    print(f"grpo-run: does not fit: {does_not_fit_message(top, capacity, inputs.run.cfg)}", file=sys.stderr)
+    print(f"grpo-run: does not fit: {does_not_fit_message(top, capacity, inputs.run.cfg.model.remat)}", file=sys.stderr)
     return EXIT_DOES_NOT_FIT
 
 

@@ -15,43 +15,13 @@ from grpo_core.contracts import Policy, RolloutShapes
 from grpo_rollout.gather import spare_bytes
 
 from grpo_runner_gsm8k.adapters import decode_needs
-from grpo_runner_gsm8k.plan.capacity import Capacity
-from grpo_runner_gsm8k.plan.cost import PhaseCost, decode_seconds, phase_cost
+from grpo_runner_gsm8k.costs.capacity import Capacity
+from grpo_runner_gsm8k.costs.memory import PhaseMemory
+from grpo_runner_gsm8k.costs.roofline import decode_seconds
 from grpo_runner_gsm8k.plan.abstract import (PlanInputs, abstract_key, abstract_update_batch, per_device_bytes,
                                              plannable)
 from grpo_runner_gsm8k.partial_step import kv_cache_mode
 from grpo_runner_gsm8k.run import with_lora_rollout
-
-
-@dataclass(frozen=True)
-class PhaseMemory:
-    """Per-device bytes of one compiled phase.
-
-    `aliased` outputs reuse donated argument buffers; `other` is state alive on the
-    device during the phase that is not one of its arguments (the optimizer state and
-    the float32 masters during the rollout, which runs on their compute-dtype copy;
-    the reference params when loss.beta > 0).
-    """
-
-    name: str
-    arguments: int
-    outputs: int
-    aliased: int
-    temp: int
-    other: int = 0
-    refused: bool = False  # the compiler refused it for HBM; temp is the size it reported
-    note: str = ""  # printed under the table
-    cost: Optional[PhaseCost] = None  # what one call costs a device (None when refused)
-
-    @property
-    def total(self) -> int:
-        return self.arguments + self.outputs - self.aliased + self.temp + self.other
-
-    @classmethod
-    def from_compiled(cls, name: str, compiled: Any, other: int = 0) -> "PhaseMemory":
-        stats = compiled.memory_analysis()
-        return cls(name, stats.argument_size_in_bytes, stats.output_size_in_bytes, stats.alias_size_in_bytes,
-                   stats.temp_size_in_bytes, other, cost=phase_cost(compiled))
 
 
 # The TPU compiler refuses a program whose buffers exceed the chip's HBM, giving the size.

@@ -4,7 +4,7 @@ A roofline per phase and device: max(matmul FLOPs / peak bf16 FLOP/s, HBM bytes 
 asynchronous collective bytes / ICI bandwidth) + synchronous collective bytes / ICI bandwidth (the
 compiled schedule says which overlap compute), with the chip figures of tpu_target's table. FLOPs count every loop body times its trip count; attention
 run as a kernel (splash, cudnn: a custom call the HLO counts as zero) is added analytically.
-HBM bytes are a lower bound (plan.cost). So the projection is a lower bound, not a measurement:
+HBM bytes are a lower bound (grpo_runner_gsm8k.costs.roofline). So the projection is a lower bound, not a measurement:
 
     step = prefill + (completion tokens - 1) x decode step + update (all micro-batches)
            + log-probs (when the run scores old or reference log-probs)
@@ -22,10 +22,10 @@ from typing import Optional
 from grpo_core.models import QwenConfig
 
 from grpo_runner_gsm8k.build import attention_impl, micro_batches, rows_per_step
-from grpo_runner_gsm8k.flops import forward_flops
+from grpo_runner_gsm8k.costs.flops import forward_flops
 from grpo_runner_gsm8k.plan.abstract import PlanInputs, train_widths
-from grpo_runner_gsm8k.plan.cost import PhaseCost, roofline
-from grpo_runner_gsm8k.plan.phases import PhaseMemory
+from grpo_runner_gsm8k.costs.roofline import PhaseCost, roofline
+from grpo_runner_gsm8k.costs.memory import PhaseMemory
 from grpo_runner_gsm8k.tpu_target import Generation
 
 KERNEL_ATTENTION = ("splash", "cudnn")  # custom calls: their FLOPs are not in the HLO
@@ -46,7 +46,7 @@ class PhaseTime:
 
 
 def attention_flops(q: QwenConfig, rows: int, width: int) -> float:
-    """QK^T and PV over the causal pairs of one forward (grpo_runner_gsm8k.flops)."""
+    """QK^T and PV over the causal pairs of one forward (grpo_runner_gsm8k.costs.flops)."""
     return 2.0 * q.num_hidden_layers * q.num_attention_heads * q.head_dim * rows * width * (width + 1)
 
 

@@ -12,10 +12,10 @@ from grpo_core.errors import UserError
 from grpo_core.registry import Registry
 
 from grpo_runner_gsm8k.plan.abstract import build_plan_inputs
-from grpo_runner_gsm8k.plan.capacity import GIB, Capacity
-from grpo_runner_gsm8k.plan.phases import PhaseMemory, decide_lora_rollout, fixed_phases, train_phase
+from grpo_runner_gsm8k.costs.capacity import GIB, Capacity
+from grpo_runner_gsm8k.costs.memory import EXIT_DOES_NOT_FIT, PhaseMemory, peak
+from grpo_runner_gsm8k.plan.phases import decide_lora_rollout, fixed_phases, train_phase
 from grpo_runner_gsm8k.plan.projection import phase_time
-from grpo_runner_gsm8k.plan.report import EXIT_DOES_NOT_FIT, peak
 from grpo_runner_gsm8k.tpu_target import Target
 
 REMAT_POLICIES = ("none", "dots", "full")

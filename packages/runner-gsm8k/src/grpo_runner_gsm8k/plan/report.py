@@ -7,17 +7,13 @@ import os
 
 import jax
 
-from grpo_core.config import RunConfig
 from grpo_meshes import TRAIN_BATCH_AXES, batch_shard_count
 
 from grpo_runner_gsm8k.build import micro_batches, rows_per_step
-from grpo_runner_gsm8k.plan.capacity import GIB, Capacity
+from grpo_runner_gsm8k.costs.capacity import GIB
 from grpo_runner_gsm8k.plan.abstract import PlanInputs, per_device_bytes, prompt_bucket, train_widths
-from grpo_runner_gsm8k.plan.phases import PhaseMemory
+from grpo_runner_gsm8k.costs.memory import PhaseMemory
 from grpo_runner_gsm8k.plan.scheduler import CPU_MEMORY_SCHEDULER_FLAG
-
-
-EXIT_DOES_NOT_FIT = 3
 
 
 COLUMNS = ("arguments", "outputs", "aliased", "temp", "other", "total")
@@ -82,26 +78,3 @@ def footer_lines(inputs: PlanInputs) -> list[str]:
         lines.append("note: XLA:CPU upcasts bfloat16 matmul operands to float32, so the temp of a bfloat16 model "
                      "is overstated on CPU; compile on the accelerator for its exact figure")
     return lines
-
-
-def peak(phases: list[PhaseMemory]) -> PhaseMemory:
-    return max(phases, key=lambda p: p.total)
-
-
-def peak_line(phases: list[PhaseMemory], capacity: Capacity) -> str:
-    top = peak(phases)
-    verdict = "fits" if top.total <= capacity.bytes else "DOES NOT FIT"
-    return (f"peak: {top.total / GIB:.3f} GiB per device ({top.name}) of {capacity.gib:.2f} GiB "
-            f"({capacity.source}): {verdict}, {100 * top.total / capacity.bytes:.0f}% used")
-
-
-def does_not_fit_message(phase: PhaseMemory, capacity: Capacity, cfg: RunConfig) -> str:
-    memory = "HBM" if "HBM" in capacity.source else "capacity"
-    needs = (f"{phase.name} needs {phase.total / GIB:.2f} GiB per device, exceeds {memory} by "
-             f"{(phase.total - capacity.bytes) / GIB:.2f} GiB (capacity {capacity.gib:.2f} GiB)")
-    if phase.name.startswith("rollout"):
-        return (f"{needs}: lower rollout.prompts_per_step, rollout.n or rollout.max_new_tokens, set "
-                "rollout.options.cache_dtype=bfloat16, or use more devices")
-    remat = {"none": " or enable model.remat (dots or full)", "dots": " or set model.remat=full"}
-    return (f"{needs}: lower train.micro_batch_size_per_device (largest that fits: run --sweep "
-            f"micro_batch_size_per_device){remat.get(cfg.model.remat, '')}")

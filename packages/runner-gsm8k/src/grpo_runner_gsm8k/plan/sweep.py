@@ -11,11 +11,11 @@ from grpo_core.errors import UserError
 from grpo_meshes import TRAIN_BATCH_AXES, batch_shard_count
 
 from grpo_runner_gsm8k.build import rows_per_step
-from grpo_runner_gsm8k.plan.capacity import GIB, Capacity
+from grpo_runner_gsm8k.costs.capacity import GIB, Capacity
+from grpo_runner_gsm8k.costs.memory import EXIT_DOES_NOT_FIT, PhaseMemory, does_not_fit_message, peak
 from grpo_runner_gsm8k.plan.abstract import PlanInputs
-from grpo_runner_gsm8k.plan.phases import PhaseMemory, train_phase, fixed_phases
-from grpo_runner_gsm8k.plan.report import (EXIT_DOES_NOT_FIT, table_lines, header_lines, footer_lines, peak,
-                                           does_not_fit_message)
+from grpo_runner_gsm8k.plan.phases import train_phase, fixed_phases
+from grpo_runner_gsm8k.plan.report import table_lines, header_lines, footer_lines
 
 
 SWEEP_FIELDS = ("micro_batch_size_per_device", "model.remat")
@@ -74,7 +74,7 @@ def report_sweep(inputs: PlanInputs, capacity: Capacity, best: Optional[int],
                       "tried": {str(k): round(peak(v).total / GIB, 4) for k, v in sorted(tried.items())}}))
     if best is None:
         smallest = tried[min(tried)][-1]
-        reason = (does_not_fit_message(peak(fixed), capacity, inputs.run.cfg) if peak(fixed).total > capacity.bytes
+        reason = (does_not_fit_message(peak(fixed), capacity, inputs.run.cfg.model.remat) if peak(fixed).total > capacity.bytes
                   else f"even micro_batch_size_per_device={min(tried)} needs {smallest.total / GIB:.2f} GiB per "
                        f"device: enable model.remat (dots or full), use more devices, or shorten the sequences")
         print(f"grpo-run: does not fit: {reason}", file=sys.stderr)
