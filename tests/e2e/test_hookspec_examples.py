@@ -13,13 +13,15 @@ from grpo_core import hookspecs
 from grpo_core.testing import registry_with
 
 EXAMPLES = {"grpo_losses": "loss", "grpo_meshes": "mesh", "grpo_rollouts": "rollout", "grpo_rewards": "reward",
-            "grpo_tasks": "task"}
+            "grpo_tasks": "task", "grpo_commands": "command", "grpo_step_end": "step_end"}
 SELECT = {
     "grpo_losses": ["loss.impl=naive"],
     "grpo_meshes": ["mesh.strategy=data_only"],
     "grpo_rollouts": ["rollout.backend=uniform"],
     "grpo_rewards": ["task.rewards={short: 1.0}", "eval.reward=short"],
     "grpo_tasks": ["task.name=echo", "task.options={size: 40}"],
+    "grpo_commands": [],  # a command is selected on the command line: checked after the step
+    "grpo_step_end": [],  # every step-end hook runs
 }
 
 
@@ -74,6 +76,31 @@ def test_example_trains_one_step(hook, tiny_config, example_module, one_step_con
     assert math.isfinite(metrics["train-other/loss"]) and math.isfinite(metrics["train-other/grad_norm"])
     assert metrics["train-other/update_ratio"] > 0, "the step did not change the params"
     assert 0.0 <= metrics["eval/accuracy"] <= 1.0
+    CHECK_AFTER_STEP.get(hook, lambda *_: None)(trainer, registry, metrics)
+
+
+def step_end_logged(trainer, registry, metrics) -> None:
+    rows = (trainer.run_dir / "rewards.tsv").read_text().splitlines()
+    assert [row.split("\t") for row in rows] == [
+        ["1", f"{metrics['train-reward/total/mean']:.6g}", f"{metrics['train-other/loss']:.6g}"]]
+
+
+def command_runs(trainer, registry, metrics, capsys=None) -> None:
+    import io
+    import json
+    from contextlib import redirect_stdout
+
+    from grpo_core.errors import UserError
+
+    out = io.StringIO()
+    with redirect_stdout(out):
+        assert registry.command("last-step").factory([str(trainer.run_dir)]) == 0
+    assert json.loads(out.getvalue())["step"] == 1
+    with pytest.raises(UserError, match="does not exist; give the logging.dir of a run"):
+        registry.command("last-step").factory([str(trainer.run_dir / "missing")])
+
+
+CHECK_AFTER_STEP = {"grpo_step_end": step_end_logged, "grpo_commands": command_runs}
 
 
 @pytest.mark.parametrize("hook", sorted(SELECT))

@@ -88,3 +88,18 @@ def test_print_config_prints_resolved_yaml(tiny_config_path, capsys):
     assert resolved["train"]["moment_dtype"] == resolved["model"]["param_dtype"]
     assert resolved["loss"]["max_completion_length"] == resolved["rollout"]["max_new_tokens"]
     assert resolved["eval"]["max_new_tokens"] == resolved["rollout"]["max_new_tokens"]
+
+
+def test_an_unknown_command_is_one_line_naming_the_closest(capsys):
+    assert main(["exprot", "--run-dir", "r"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0
+    assert "unknown command 'exprot' (did you mean 'export'?)" in err and "plugins" in err
+
+
+def test_plugins_lists_the_built_in_commands(capsys):
+    assert main(["plugins"]) == 0
+    out = capsys.readouterr().out
+    assert "command:" in out
+    for name in ("export", "launch", "plugins", "report"):
+        assert f"  {name} " in out

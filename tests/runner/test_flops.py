@@ -9,6 +9,7 @@ import pytest
 from grpo_core.models import QwenConfig
 from grpo_core.registry import default_registry
 from grpo_runner_gsm8k import flops
+from grpo_runner_gsm8k.costs import flops as counts
 
 # a vocabulary large against the hidden size, as in real models: the LM head dominates
 SHAPE = ["model.architecture.vocab_size=8192", "rollout.prompts_per_step=8", "rollout.n=2",
@@ -36,11 +37,11 @@ def test_analytic_formula_by_hand():
     q = QwenConfig(model_type="qwen2", vocab_size=100, hidden_size=8, intermediate_size=16, num_hidden_layers=2,
                    num_attention_heads=2, num_key_value_heads=1)  # head_dim 4: q = 8, kv = 4
     per_layer = 8 * 8 + 2 * 8 * 4 + 8 * 8 + 3 * 8 * 16
-    assert flops.layer_params(q) == per_layer
+    assert counts.layer_params(q) == per_layer
     rows, width, completion = 3, 5, 2
     expected = 2 * 2 * per_layer * rows * width + 2 * 2 * 8 * rows * width * 6 + 2 * 8 * 100 * rows * completion
-    assert flops.forward_flops(q, rows, width, completion) == expected
-    assert flops.decode_step_flops(q, rows, 7) == rows * (2 * 2 * per_layer + 4 * 2 * 8 * 7 + 2 * 8 * 100)
+    assert counts.forward_flops(q, rows, width, completion) == expected
+    assert counts.decode_step_flops(q, rows, 7) == rows * (2 * 2 * per_layer + 4 * 2 * 8 * 7 + 2 * 8 * 100)
 
 
 def test_bad_command_line_is_one_line_exit_2(capsys):

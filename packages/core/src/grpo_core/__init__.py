@@ -1,10 +1,11 @@
 """grpo-jax core: plugin hooks and registry, run configuration, Qwen models."""
 
 from grpo_core.hookspecs import hookimpl
-from grpo_core.specs import LossSpec, MeshSpec, NoOptions, PluginSpec, RewardSpec, RolloutSpec, TaskSpec
+from grpo_core.specs import CommandSpec, LossSpec, MeshSpec, NoOptions, PluginSpec, RewardSpec, RolloutSpec, TaskSpec
 
 __all__ = [
     "hookimpl",
+    "CommandSpec",
     "LossSpec",
     "MeshSpec",
     "NoOptions",

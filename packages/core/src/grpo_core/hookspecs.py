@@ -6,14 +6,17 @@ factories build the objects described in `grpo_core.contracts`. Hook names and a
 are stable: arguments are only ever added, never renamed.
 
 A complete plugin module per hook is in `examples/hooks/` (loss.py, mesh.py, rollout.py,
-reward.py, task.py); `tests/e2e/test_hookspec_examples.py` trains one step with each.
+reward.py, task.py, command.py, step_end.py); `tests/e2e/test_hookspec_examples.py` trains one
+step with each.
 """
 
 from __future__ import annotations
 
 import pluggy
 
-from grpo_core.specs import LossSpec, MeshSpec, RewardSpec, RolloutSpec, TaskSpec
+from typing import Any
+
+from grpo_core.specs import CommandSpec, LossSpec, MeshSpec, RewardSpec, RolloutSpec, TaskSpec
 
 PROJECT = "grpo"
 hookspec = pluggy.HookspecMarker(PROJECT)
@@ -43,3 +46,13 @@ def grpo_rewards() -> list[RewardSpec]:
 @hookspec
 def grpo_tasks() -> list[TaskSpec]:
     """Tasks (`contracts.Task`) selectable with `task.name: <name>`."""
+
+
+@hookspec
+def grpo_commands() -> list[CommandSpec]:
+    """Subcommands of `grpo-run` (`grpo-run <name> ...`); the built-in ones register the same way."""
+
+
+@hookspec
+def grpo_step_end(step: int, metrics: dict[str, Any], run_dir: str) -> None:
+    """Called on every process after each training step is logged, with that step's metrics and the run directory."""

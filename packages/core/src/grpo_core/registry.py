@@ -28,6 +28,7 @@ HOOK_BY_KIND = {
     "rollout": "grpo_rollouts",
     "reward": "grpo_rewards",
     "task": "grpo_tasks",
+    "command": "grpo_commands",
 }
 
 
@@ -85,7 +86,7 @@ def load_entry_points(pm: pluggy.PluginManager, strict: bool | None = None) -> d
 
 
 class Registry:
-    """Every named loss, mesh, rollout, reward and task, by kind and name."""
+    """Every named loss, mesh, rollout, reward, task and command, by kind and name; the step-end hooks."""
 
     def __init__(self, pm: pluggy.PluginManager, distributions: dict[str, str] | None = None):
         self._pm = pm
@@ -147,6 +148,13 @@ class Registry:
 
     def task(self, name: str) -> PluginSpec:
         return self.get("task", name)
+
+    def command(self, name: str) -> PluginSpec:
+        return self.get("command", name)
+
+    def step_end(self, step: int, metrics: dict[str, Any], run_dir: str) -> None:
+        """Every plugin's `grpo_step_end` hook, with one step's metrics."""
+        self._pm.hook.grpo_step_end(step=step, metrics=metrics, run_dir=run_dir)
 
 
 def build_registry(extra_plugins: Iterable[Any] = (), *, entry_points: bool = True,

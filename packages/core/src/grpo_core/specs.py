@@ -89,6 +89,14 @@ class TaskSpec(PluginSpec):
     kind: ClassVar[str] = "task"
 
 
+@dataclass(frozen=True)
+class CommandSpec(PluginSpec):
+    """A `grpo-run <name> ...` subcommand: `factory(argv) -> exit code`, called with the arguments
+    after the name. A `grpo_core.errors.UserError` it raises prints as one line and exits 2."""
+
+    kind: ClassVar[str] = "command"
+
+
 SPEC_TYPES: dict[str, type[PluginSpec]] = {
-    spec.kind: spec for spec in (LossSpec, MeshSpec, RolloutSpec, RewardSpec, TaskSpec)
+    spec.kind: spec for spec in (LossSpec, MeshSpec, RolloutSpec, RewardSpec, TaskSpec, CommandSpec)
 }

@@ -3,6 +3,7 @@
     grpo-run [--config X.yaml] [section.key=value ...]   train (defaults: the tiny CPU run)
     grpo-run --config X.yaml --print-config              print the resolved config
     grpo-run plugins                                     list every registered plugin
+    grpo-run <command> ...                               a subcommand (export, report, launch, a plugin's)
 
 Every failure prints one line to stderr: `grpo-run: error: ...`. Exit codes: 2 bad input,
 3 the run does not fit in memory, 1 anything else (its traceback, config and versions go to
@@ -14,12 +15,10 @@ one line and exits 128 + the signal number (143, 130); the same command continue
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import sys
 import traceback
 import warnings
-from typing import Callable
 
 from grpo_core.errors import UserError
 from grpo_runner_gsm8k import orbax_noise
@@ -62,17 +61,6 @@ def train_parser() -> argparse.ArgumentParser:
     parser.add_argument("overrides", nargs="*", metavar="section.key=value",
                         help="config overrides, values parsed as YAML scalars (train.lr=1e-6)")
     return parser
-
-
-def _plugins_command(argv: list[str]) -> int:
-    from grpo_core.registry import HOOK_BY_KIND, default_registry
-
-    registry = default_registry()
-    for kind in HOOK_BY_KIND:
-        print(f"{kind}:")
-        for item in registry.entries(kind):
-            print(f"  {item.spec.name:<14} {item.distribution:<20} {item.spec.description}")
-    return 0
 
 
 def _load(args: argparse.Namespace):
@@ -126,26 +114,30 @@ def _remember_run(cfg) -> None:
     CONTEXT.run_dir, CONTEXT.config_yaml = Path(cfg.logging.dir), config_to_yaml(cfg)
 
 
-def _lazy(module: str) -> Callable[[list[str]], int]:
-    """A subcommand whose module is imported only when it runs (keeps `grpo-run plugins` fast)."""
-    def command(argv: list[str]) -> int:
-        return importlib.import_module(module).main(argv)
-
-    return command
-
-
-COMMANDS: dict[str, Callable[[list[str]], int]] = {
-    "plugins": _plugins_command,
-    "export": _lazy("grpo_runner_gsm8k.export"),  # run dir -> HF directory
-    "report": _lazy("grpo_runner_gsm8k.report"),  # metrics.jsonl -> PNG
-    "launch": _lazy("grpo_runner_gsm8k.launch"),  # per-host commands of a multi-host run
-}
-
-
 def run(argv: list[str]) -> int:
-    if argv and argv[0] in COMMANDS:
-        return COMMANDS[argv[0]](argv[1:])
+    """A subcommand (`grpo-run <name> ...`, any plugin's `grpo_commands`), or training."""
+    if argv and is_command_word(argv[0]):
+        from grpo_core.registry import default_registry
+
+        registry = default_registry()
+        if argv[0] not in registry.names("command"):
+            raise UserError(unknown_command(argv[0], registry.names("command")))
+        return registry.command(argv[0]).factory(argv[1:])
     return _train_command(argv)
+
+
+def is_command_word(word: str) -> bool:
+    """A bare word: not a flag, an override (`section.key=value`) or a path."""
+    return not word.startswith("-") and not any(c in word for c in "=./~")
+
+
+def unknown_command(word: str, names: list[str]) -> str:
+    import difflib
+
+    close = difflib.get_close_matches(word, names, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return (f"unknown command {word!r}{hint}; commands: {', '.join(names)}; to train, give --config X.yaml "
+            "and overrides as section.key=value")
 
 
 def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:

@@ -92,6 +92,7 @@ class Trainer:
         warn_if_updates_round_away(cfg)
         note_void_correction(cfg)
         self.built = build_run(cfg, registry)
+        self.registry = registry
         self.memory = MemoryGuard(cfg)
         if hasattr(self.built.rollout, "memory_check"):  # the jax backend checks its own compiles
             self.built.rollout.memory_check = self.memory.check_compiled
@@ -361,6 +362,7 @@ class Trainer:
             if self.eval_due():
                 metrics.update(self.evaluate())
             logger.log(self.state.step, metrics)
+            self.registry.step_end(self.state.step, metrics, str(self.run_dir))
             self.checkpoints.check()
             stopping = stop.agreed()
             if stopping or self.checkpoints.due(self.state.step, self.cfg.train.steps):

@@ -1,7 +1,9 @@
-"""Built-in tasks and rewards, registered through the `grpo` entry point like any plugin."""
+"""Built-in tasks, rewards and `grpo-run` subcommands, registered through the `grpo` entry point
+like any plugin."""
 
-from grpo_core import RewardSpec, TaskSpec, hookimpl
+from grpo_core import CommandSpec, RewardSpec, TaskSpec, hookimpl
 
+from grpo_runner_gsm8k.commands import COMMAND_SPECS
 from grpo_runner_gsm8k.rewards import REWARD_SPECS
 from grpo_runner_gsm8k.tasks import TASK_SPECS
 
@@ -14,3 +16,8 @@ def grpo_tasks() -> list[TaskSpec]:
 @hookimpl
 def grpo_rewards() -> list[RewardSpec]:
     return list(REWARD_SPECS)
+
+
+@hookimpl
+def grpo_commands() -> list[CommandSpec]:
+    return list(COMMAND_SPECS)
