@@ -1,13 +1,16 @@
 """The configuration reference page is generated from the config dataclasses: every key is in it,
-with the type, default, range, doc and why that the code declares."""
+with the type, default, range, doc and why that the code declares; plugin options likewise."""
 
 import dataclasses
 import typing
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
+from grpo_core import RewardSpec, hookimpl
 from grpo_core.config import RunConfig, setting
 from grpo_core.config_reference import reference_markdown, reference_rows
+from grpo_core.plugin_reference import plugin_reference_markdown
+from grpo_core.testing import registry_with
 
 
 def leaf_keys(cls: type, prefix: str = "") -> list[str]:
@@ -70,3 +73,26 @@ def test_a_key_added_to_the_config_appears_in_the_reference():
             "A key added to the config. *Why:* 3: the reason for this default. |") in page
     assert '| <a id="extra.mode"></a>`mode` | one of `a`, `b` or null | `null` |' in page
     assert "extra.new_key" not in reference_markdown()
+
+
+@dataclass(frozen=True)
+class LengthOptions:
+    """Options of the test reward."""
+
+    limit: int = setting(200, "Characters a completion may have.", ge=1)
+    scale: float = 0.5  # halves the reward: the test's own reason
+
+
+class LengthPlugin:
+    @hookimpl
+    def grpo_rewards(self):
+        return [RewardSpec("length_limit", lambda options: None, LengthOptions, "1 for short completions")]
+
+
+def test_a_plugins_options_appear_in_the_plugin_reference():
+    page = plugin_reference_markdown(registry_with(LengthPlugin(), entry_points=False))
+    assert "### `length_limit` {#reward-length_limit}" in page
+    assert "options under `task.reward_options.length_limit`" in page and "Options of the test reward." in page
+    assert "| `limit` | integer | `200` | `>= 1` | Characters a completion may have. |" in page
+    assert "| `scale` | number | `0.5` |  |  *Why:* halves the reward: the test's own reason |" in page
+    assert "## loss plugins {#loss}" in page and "Selected by `loss.impl`." in page

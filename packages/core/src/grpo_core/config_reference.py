@@ -68,7 +68,8 @@ def describe_range(metadata: typing.Mapping) -> str:
 
 
 def field_comments(cls: type) -> dict[str, str]:
-    """Field name -> the `#` comment lines right above its definition in the class source."""
+    """Field name -> the `#` comment lines right above its definition in the class source, and
+    the comment after it on its own line (`name: int = 4  # why`)."""
     comments: dict[str, str] = {}
     pending: list[str] = []
     for line in inspect.getsource(cls).splitlines():
@@ -77,8 +78,9 @@ def field_comments(cls: type) -> dict[str, str]:
             pending.append(stripped.lstrip("#").strip())
             continue
         match = re.match(r"(\w+)\s*:", stripped)
-        if match and pending:
-            comments[match.group(1)] = " ".join(pending)
+        trailing = stripped.partition("  # ")[2].strip() if match else ""
+        if match and (pending or trailing):
+            comments[match.group(1)] = " ".join([*pending, trailing]).strip()
         pending = []
     return comments
 
@@ -123,10 +125,18 @@ def _row_markdown(row: ReferenceRow) -> str:
     return "| " + " | ".join(_cell(text) for text in (key, row.type, default, range_, row.doc + why)) + " |"
 
 
-def section_markdown(name: str, cls: type) -> list[str]:
+TABLE_HEAD = ["| key | type | default | range | what, and why |", "| --- | --- | --- | --- | --- |"]
+
+
+def class_doc(cls: type) -> str:
+    """The class docstring as written (a dataclass without one gets a generated signature: none)."""
     doc = inspect.cleandoc(cls.__doc__ or "")
-    return [f"## `{name}` {{#{name}}}", "", doc, "", "| key | type | default | range | what, and why |",
-            "| --- | --- | --- | --- | --- |", *(_row_markdown(row) for row in section_rows(cls, name + ".")), ""]
+    return "" if doc.startswith(f"{cls.__name__}(") else doc
+
+
+def section_markdown(name: str, cls: type) -> list[str]:
+    return [f"## `{name}` {{#{name}}}", "", class_doc(cls), "", *TABLE_HEAD,
+            *(_row_markdown(row) for row in section_rows(cls, name + ".")), ""]
 
 
 def reference_markdown(root: type = RunConfig) -> str:
