@@ -1,4 +1,5 @@
-"""Strict YAML -> RunConfig loading, dotted overrides, plugin-option validation.
+"""Strict YAML -> RunConfig loading, dotted overrides, plugin-option validation (the YAML
+reading itself is `grpo_core.config_yaml`).
 
 Nothing here touches JAX devices: a bad config fails in milliseconds.
 """
@@ -18,75 +19,10 @@ from typing import Any, Iterable, Literal, Optional, Union
 import yaml
 
 from grpo_core.config import LORA_TARGETS, RunConfig
+from grpo_core.config_yaml import parse_yaml, read_yaml
 from grpo_core.errors import ConfigError, PluginError
 
 EXPLICIT_MESH = re.compile(r"^\s*-?\d+\s*,\s*-?\d+\s*,\s*-?\d+\s*$")
-
-
-class _Loader(yaml.SafeLoader):
-    """SafeLoader that also reads `1e-6` as a float (YAML 1.1 insists on `1.0e-6`) and takes only
-    true/false as booleans (YAML 1.1 also reads on/off/yes/no, so `distributed: on` became True)."""
-
-
-_BOOL = "tag:yaml.org,2002:bool"
-_Loader.yaml_implicit_resolvers = {
-    first: [(tag, regexp) for tag, regexp in resolvers if tag != _BOOL]
-    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
-}
-_Loader.add_implicit_resolver(_BOOL, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
-_Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?(?:\d[\d_]*)?(?:\.\d*)?[eE][-+]?\d+$|^[-+]?(?:\d[\d_]*)?\.\d+$|^[-+]?\.(?:inf|Inf|INF)$|^\.(?:nan|NaN|NAN)$"),
-    list("-+0123456789."),
-)
-
-
-def _mapping_without_duplicates(loader: _Loader, node: yaml.MappingNode, deep: bool = False) -> dict:
-    """YAML silently keeps the last of two equal keys (or sections); here that is an error. Merge
-    keys (`<<: *base`) are YAML's: the mapping's own keys win over merged ones."""
-    seen: dict = {}
-    for key_node, _ in node.value:
-        if key_node.tag == "tag:yaml.org,2002:merge":
-            continue
-        key = loader.construct_object(key_node, deep=deep)
-        if not isinstance(key, typing.Hashable):
-            raise ConfigError(f"config key at line {key_node.start_mark.line + 1} is a {type(key).__name__}; "
-                              "keys are names such as rollout or n")
-        if key in seen:
-            raise ConfigError(f"duplicate key {key!r} at lines {seen[key]} and {key_node.start_mark.line + 1} "
-                              "of the config; keep one of them (merge duplicated sections into one)")
-        seen[key] = key_node.start_mark.line + 1
-    return loader.construct_mapping(node, deep=deep)
-
-
-_Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _mapping_without_duplicates)
-
-
-def _parse(text: str):
-    return yaml.load(text, Loader=_Loader)
-
-
-def read_yaml(path: str | Path) -> dict:
-    """The mapping in a YAML file (`~` expanded); a missing file or a non-mapping is a ConfigError."""
-    path = Path(os.path.expanduser(path))
-    if not path.is_file():
-        raise ConfigError(f"config file {str(path)!r} not found; pass an existing YAML file to --config")
-    try:
-        data = _parse(path.read_text(encoding="utf-8"))
-    except UnicodeDecodeError as exc:
-        raise ConfigError(f"config file {str(path)!r} is not UTF-8 text (byte {exc.start}); save it as UTF-8") from None
-    except yaml.YAMLError as exc:
-        where = getattr(exc, "problem_mark", None)
-        line = f" at line {where.line + 1}" if where else ""
-        raise ConfigError(f"config file {str(path)!r} is not valid YAML{line}: "
-                          f"{getattr(exc, 'problem', exc)}; fix the syntax") from None
-    if data is None:
-        raise ConfigError(f"config file {str(path)!r} is empty; write at least one section, or leave out --config "
-                          "to run the embedded defaults")
-    if not isinstance(data, dict):
-        raise ConfigError(f"config file {str(path)!r} must hold a mapping of sections, got {type(data).__name__}; "
-                          "write the sections (model:, task:, rollout:, train:, ...) as top-level keys")
-    return data
 
 
 def _override_value(key: str, raw: str) -> Any:
@@ -94,7 +30,7 @@ def _override_value(key: str, raw: str) -> Any:
     if raw.strip().startswith("~"):
         return raw.strip()
     try:
-        return _parse(raw) if raw.strip() else None
+        return parse_yaml(raw) if raw.strip() else None
     except yaml.YAMLError:
         raise ConfigError(f"override {key}: value {raw!r} is not a valid YAML scalar; quote it") from None
 
