@@ -33,8 +33,8 @@ SYSTEM_DIRECTORIES = ("/usr", "/bin", "/lib", "/lib64", "/sbin")
 @dataclass(frozen=True)
 class SandboxLimits:
     """What one run of code may use. wall_seconds: elapsed time; cpu_seconds: CPU time per
-    process; memory_bytes: address space per process (RLIMIT_AS); processes: tasks alive at
-    once in the sandbox, threads included; output_bytes: stdout and stderr together, and any
+    process; memory_bytes: address space per process (RLIMIT_AS); processes: tasks the code
+    may have alive at once, its interpreter and threads included; output_bytes: stdout and stderr together, and any
     one file; disk_bytes: the /sandbox tmpfs."""
 
     wall_seconds: float = 10.0
@@ -48,8 +48,6 @@ class SandboxLimits:
         for name, value in asdict(self).items():
             if not value > 0:
                 raise ValueError(f"SandboxLimits.{name}={value!r} is invalid: use a positive number.")
-        if self.processes < 3:  # the sandbox's first process and the interpreter are two of them
-            raise ValueError(f"SandboxLimits.processes={self.processes} is invalid: use at least 3.")
 
 
 @dataclass(frozen=True)

@@ -122,7 +122,7 @@ def set_limits(limits: dict) -> None:
     for limit, value in ((resource.RLIMIT_CPU, (cpu, cpu + 1)),
                          (resource.RLIMIT_AS, (limits["memory_bytes"],) * 2),
                          (resource.RLIMIT_FSIZE, (limits["output_bytes"],) * 2),
-                         (resource.RLIMIT_NPROC, (limits["processes"],) * 2),
+                         (resource.RLIMIT_NPROC, (limits["processes"] + 2,) * 2),  # + this process and pid 1
                          (resource.RLIMIT_NOFILE, (256, 256)),
                          (resource.RLIMIT_CORE, (0, 0))):
         resource.setrlimit(limit, value)
@@ -148,22 +148,30 @@ def drop_privileges() -> None:
     _ok(libc.capset(ctypes.byref(header), ctypes.byref(data)), "capset")
 
 
-def run_code(python: str, wall_seconds: float) -> int:
-    """/sandbox/main.py as pid 1 of the new pid namespace (all of it dies with pid 1, and pid 1
-    with this process); killed here when the wall-clock limit passes (exit status TIMED_OUT)."""
+def _first_process(python: str) -> int:
+    """pid 1 of the new namespace: runs the code as its child (pid 1 itself ignores the
+    signals it has no handler for, SIGXCPU among them) and exits with its status."""
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     environment = {"HOME": "/sandbox", "TMPDIR": "/sandbox", "PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}
     child = os.fork()
     if child == 0:
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        os.execve(python, [python, "-I", "main.py"], environment)
+        os.execve(python, [python, "-I", "-u", "main.py"], environment)  # -u: stdout and stderr in order
+    _, status = os.waitpid(child, 0)
+    exit_code = os.waitstatus_to_exitcode(status)
+    return exit_code if exit_code >= 0 else 128 - exit_code
+
+
+def run_code(python: str, wall_seconds: float) -> int:
+    """/sandbox/main.py under pid 1 of the new pid namespace (everything in it dies with pid 1,
+    and pid 1 with this process); killed when the wall-clock limit passes (exit TIMED_OUT)."""
+    child = os.fork()
+    if child == 0:
+        os._exit(_first_process(python))
     expired = []
     signal.signal(signal.SIGALRM, lambda *_: (expired.append(True), os.kill(child, signal.SIGKILL)))
     signal.setitimer(signal.ITIMER_REAL, wall_seconds)
     _, status = os.waitpid(child, 0)
-    exit_code = os.waitstatus_to_exitcode(status)
-    if expired:
-        return TIMED_OUT
-    return exit_code if exit_code >= 0 else 128 - exit_code
+    return TIMED_OUT if expired else os.waitstatus_to_exitcode(status) % 256
 
 
 def main() -> int:
