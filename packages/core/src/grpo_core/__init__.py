@@ -2,6 +2,7 @@
 
 from grpo_core.hookspecs import hookimpl
 from grpo_core.specs import LossSpec, MeshSpec, NoOptions, PluginSpec, RewardSpec, RolloutSpec, TaskSpec
+from grpo_core.specs import EnvironmentSpec, ToolSpec
 
 __all__ = [
     "hookimpl",
@@ -12,4 +13,6 @@ __all__ = [
     "RewardSpec",
     "RolloutSpec",
     "TaskSpec",
+    "ToolSpec",
+    "EnvironmentSpec",
 ]

@@ -6,7 +6,9 @@ factories build the objects described in `grpo_core.contracts`. Hook names and a
 are stable: arguments are only ever added, never renamed.
 
 A complete plugin module per hook is in `examples/hooks/` (loss.py, mesh.py, rollout.py,
-reward.py, task.py); `tests/e2e/test_hookspec_examples.py` trains one step with each.
+reward.py, task.py, tool.py, environment.py); `tests/e2e/test_hookspec_examples.py` trains
+one step with each (tools and environments: loads and exercises them, until the multi-turn
+sampler that drives them exists).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import pluggy
 
 from grpo_core.specs import LossSpec, MeshSpec, RewardSpec, RolloutSpec, TaskSpec
+from grpo_core.specs import EnvironmentSpec, ToolSpec
 
 PROJECT = "grpo"
 hookspec = pluggy.HookspecMarker(PROJECT)
@@ -43,3 +46,13 @@ def grpo_rewards() -> list[RewardSpec]:
 @hookspec
 def grpo_tasks() -> list[TaskSpec]:
     """Tasks (`contracts.Task`) selectable with `task.name: <name>`."""
+
+
+@hookspec
+def grpo_tools() -> list[ToolSpec]:
+    """Tools (`contracts.Tool`) a multi-turn rollout offers the policy by name."""
+
+
+@hookspec
+def grpo_environments() -> list[EnvironmentSpec]:
+    """Multi-turn environments (`contracts.Environment`), one fresh instance per rollout row."""

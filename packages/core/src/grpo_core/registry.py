@@ -28,6 +28,8 @@ HOOK_BY_KIND = {
     "rollout": "grpo_rollouts",
     "reward": "grpo_rewards",
     "task": "grpo_tasks",
+    "tool": "grpo_tools",
+    "environment": "grpo_environments",
 }
 
 
@@ -85,7 +87,7 @@ def load_entry_points(pm: pluggy.PluginManager, strict: bool | None = None) -> d
 
 
 class Registry:
-    """Every named loss, mesh, rollout, reward and task, by kind and name."""
+    """Every named plugin (loss, mesh, rollout, reward, task, tool, environment), by kind and name."""
 
     def __init__(self, pm: pluggy.PluginManager, distributions: dict[str, str] | None = None):
         self._pm = pm
@@ -147,6 +149,12 @@ class Registry:
 
     def task(self, name: str) -> PluginSpec:
         return self.get("task", name)
+
+    def tool(self, name: str) -> PluginSpec:
+        return self.get("tool", name)
+
+    def environment(self, name: str) -> PluginSpec:
+        return self.get("environment", name)
 
 
 def build_registry(extra_plugins: Iterable[Any] = (), *, entry_points: bool = True,
