@@ -15,6 +15,11 @@ if TYPE_CHECKING:  # contracts re-exports this module
     from grpo_core.contracts import Example
 
 
+class ToolError(Exception):
+    """Raised by a tool when the call itself was wrong (the model's mistake, e.g. division by
+    zero): the model reads "Error: <message>" and the call counts as an error."""
+
+
 @runtime_checkable
 class Tool(Protocol):
     """A function the policy may call (built by `ToolSpec.factory(options)`, once per run).
@@ -24,8 +29,8 @@ class Tool(Protocol):
     parameters:  JSON schema (an "object") of the call's "arguments"; its `required` keys and
                  the JSON types of `properties` are checked before the call.
     Calling it with the parsed arguments returns the text the model reads as the tool's
-    response. It may raise: the caller turns the exception (or a timeout) into that text, as
-    the model's error, not the run's. Calls come from several threads at once.
+    response. It may raise (`ToolError` for a wrong call): the caller turns the exception (or
+    a timeout) into that text, as the model's error, not the run's. Calls come from several threads at once.
     """
 
     name: str

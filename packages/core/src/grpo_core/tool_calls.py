@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from grpo_core.multi_turn import Tool
+from grpo_core.multi_turn import Tool, ToolError
 
 CALL_BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
 JSON_TYPES = {"string": (str,), "integer": (int,), "number": (int, float), "boolean": (bool,),
@@ -173,6 +173,8 @@ class ToolRunner:
         start = time.monotonic()
         try:
             response = self._cut(tool(call.arguments))
+        except ToolError as exc:
+            return ToolOutcome(call, f"Error: {exc}", "error", time.monotonic() - start)
         except Exception as exc:  # the tool's failure is the model's information, not the run's
             return ToolOutcome(call, f"Error: tool {call.name!r} failed: {type(exc).__name__}: {exc}", "error",
                                time.monotonic() - start)
