@@ -13,6 +13,7 @@ import sys
 import textwrap
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -130,22 +131,50 @@ def test_its_disk_is_bounded():
     assert result.exit_code != 0 and "No space left on device" in result.output
 
 
+FORK_BOMB = """
+    import os, time
+    started = 0
+    try:
+        for _ in range(100):
+            if os.fork() == 0:
+                time.sleep(30)
+                os._exit(0)
+            started += 1
+    except OSError as error:
+        print("refused", type(error).__name__)
+    print("started", started)
+"""
+
+
 def test_a_fork_bomb_hits_the_process_limit():
-    result = run("""
-        import os, time
-        started = 0
-        try:
-            for _ in range(100):
-                if os.fork() == 0:
-                    time.sleep(30)
-                    os._exit(0)
-                started += 1
-        except OSError as error:
-            print("refused", type(error).__name__)
-        print("started", started)
-    """, processes=6)
+    result = run(FORK_BOMB, processes=6)
     assert "refused BlockingIOError" in result.output
     assert int(result.output.split("started")[1]) == 6 - 1  # the interpreter is one of the 6
+
+
+def test_an_endless_fork_bomb_is_contained_and_killed():
+    marker = f"grpo-sandbox-test-{uuid.uuid4()}"
+    result = run(f"""
+        import os, sys
+        if len(sys.argv) == 1:  # mark every process of the bomb, for the check below
+            os.execv(sys.executable, [sys.executable, "-I", "-u", "main.py", {marker!r}])
+        print("bombing", flush=True)
+        while True:
+            try:
+                os.fork()
+            except OSError:
+                pass
+    """, wall_seconds=1.5, cpu_seconds=60)
+    assert result.timed_out and result.output == "bombing\n"
+    _assert_gone(marker)
+
+
+def test_concurrent_sandboxes_have_a_process_budget_each():
+    """RLIMIT_NPROC counts per user namespace: sandboxes running at once (all as nobody under a
+    root trainer) do not share one budget."""
+    with ThreadPoolExecutor(3) as pool:
+        results = list(pool.map(lambda _: run(FORK_BOMB, processes=6), range(3)))
+    assert [int(result.output.split("started")[1]) for result in results] == [5, 5, 5]
 
 
 def test_allocating_past_the_memory_limit_fails():
@@ -180,6 +209,16 @@ def _processes_with(marker: str) -> list[int]:
     return found
 
 
+def _assert_gone(marker: str) -> None:
+    """No process whose command line holds `marker` is left (the kernel kills a pid namespace's
+    processes as its pid 1 exits; reaping them may finish just after)."""
+    for _ in range(50):
+        if not _processes_with(marker):
+            return
+        time.sleep(0.1)
+    assert _processes_with(marker) == []
+
+
 def test_a_loop_forever_is_killed_with_every_process_it_started():
     marker = f"grpo-sandbox-test-{uuid.uuid4()}"
     result = run(f"""
@@ -192,11 +231,7 @@ def test_a_loop_forever_is_killed_with_every_process_it_started():
             pass
     """, wall_seconds=1.5, cpu_seconds=60)
     assert result.timed_out and result.stopped_by == "wall-clock limit" and result.output == "looping\n"
-    for _ in range(50):  # the kernel reaps the namespace's processes as its pid 1 exits
-        if not _processes_with(marker):
-            break
-        time.sleep(0.1)
-    assert _processes_with(marker) == []
+    _assert_gone(marker)
 
 
 def test_cannot_signal_the_trainer():
