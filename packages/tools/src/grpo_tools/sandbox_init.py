@@ -1,13 +1,16 @@
 """The first process of a sandbox: `grpo_tools.sandbox` runs this file as a script (standard
 library only) with its settings as one JSON argument and the model's code on stdin.
 
-It leaves root (the trainer's uid 0 becomes `nobody`), enters new user, mount, network, pid,
-IPC and UTS namespaces, builds a read-only root of the system directories and the Python
-installation with a size-limited tmpfs at /sandbox, chroots into it, sets the rlimits,
-drops every capability and runs the code (written to /sandbox/main.py) as pid 1 of the new pid namespace, which dies with
-this process (so killing this process group kills every process the code started).
-Exit status 125 with one line on stderr: the sandbox could not be set up; 124: the code ran
-past its wall-clock limit; 128 + N: the code was killed by signal N.
+It builds the sandbox's root in a new mount namespace (a root trainer's process builds it
+with root's rights, then becomes `nobody`; any other user builds it as uid 0 of a new user
+namespace), enters new user, network, pid, IPC and UTS namespaces, chroots into that root
+(the system directories and the Python installation read-only, a size-limited tmpfs at
+/sandbox), sets the rlimits, drops every capability and runs the code (/sandbox/main.py)
+under pid 1 of the new pid namespace. Everything there dies with pid 1, and pid 1 with this
+process, so killing this process group ends every process the code started.
+
+Exit status: 125 (one line on stderr) when the sandbox could not be set up; 124 when the
+code ran past its wall-clock limit; 128 + N when it was killed by signal N; else the code's.
 """
 
 import ctypes
@@ -43,9 +46,12 @@ def _ok(result: int, what: str) -> None:
         raise SetupError(f"{what}: {os.strerror(ctypes.get_errno())}")
 
 
+def _bytes(text):
+    return None if text is None else text.encode()
+
+
 def _mount(source, target, fstype, flags, data=None) -> None:
-    encode = lambda text: None if text is None else text.encode()
-    result = libc.mount(encode(source), encode(target), encode(fstype), ctypes.c_ulong(flags), encode(data))
+    result = libc.mount(_bytes(source), _bytes(target), _bytes(fstype), ctypes.c_ulong(flags), _bytes(data))
     _ok(result, f"mount {source or ''} on {target}")
 
 
@@ -155,7 +161,11 @@ def _first_process(python: str) -> int:
     environment = {"HOME": "/sandbox", "TMPDIR": "/sandbox", "PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}
     child = os.fork()
     if child == 0:
-        os.execve(python, [python, "-I", "-u", "main.py"], environment)  # -u: stdout and stderr in order
+        try:
+            os.execve(python, [python, "-I", "-u", "main.py"], environment)  # -u: stdout and stderr in order
+        except OSError as error:
+            print(f"sandbox setup failed: cannot run {python}: {error}", file=sys.stderr)
+            os._exit(SETUP_FAILED)
     _, status = os.waitpid(child, 0)
     exit_code = os.waitstatus_to_exitcode(status)
     return exit_code if exit_code >= 0 else 128 - exit_code
