@@ -1,7 +1,8 @@
 """Token in, token out with Qwen3's real tokenizer and tool-calling chat template
-(../shared/data/qwen3-tokenizer; skipped when absent): the ids appended for a host turn leave
-the sampled ids as they are, decode to the expected conversation, and differ from what a
-naive re-render of the conversation would give."""
+(../shared/data/qwen3-tokenizer; those tests skip when it is absent): the ids appended for a
+host turn leave the sampled ids as they are, decode to the expected conversation, and differ
+from what a naive re-render of the conversation would give. Also with the tiny runs'
+character tokenizer and its plain ChatML template."""
 
 from pathlib import Path
 
@@ -11,8 +12,6 @@ from grpo_core.chat_turns import append_turn_ids
 from grpo_core.tool_calls import ToolRunner, parse_tool_calls, response_messages
 
 TOKENIZER = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "qwen3-tokenizer"
-pytestmark = pytest.mark.skipif(not (TOKENIZER / "tokenizer.json").is_file(),
-                                reason="needs ../shared/data/qwen3-tokenizer")
 
 
 class Multiply:
@@ -26,6 +25,8 @@ class Multiply:
 
 @pytest.fixture(scope="module")
 def qwen3():
+    if not (TOKENIZER / "tokenizer.json").is_file():
+        pytest.skip("needs ../shared/data/qwen3-tokenizer")
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(TOKENIZER))
@@ -110,3 +111,14 @@ def test_an_environment_message_with_thinking_off(qwen3):
 def test_nothing_to_append_is_an_error(qwen3):
     with pytest.raises(ValueError, match="needs at least one message"):
         append_turn_ids(qwen3, [1, 2], [])
+
+
+def test_the_character_tokenizer_s_chatml_appends_a_tool_turn():
+    from grpo_core.tokenizer import build_char_tokenizer
+
+    tokenizer = build_char_tokenizer()
+    sampled = tokenizer.encode('<tool_call>{"name": "multiply"}</tool_call>', add_special_tokens=False)
+    for ending in ([], [tokenizer.convert_tokens_to_ids("<|im_end|>")]):
+        appended = append_turn_ids(tokenizer, sampled + ending, [{"role": "tool", "content": "56088"}])
+        assert tokenizer.decode(sampled + ending + appended, skip_special_tokens=False).endswith(
+            "</tool_call><|im_end|>\n<|im_start|>tool\n56088<|im_end|>\n<|im_start|>assistant\n")

@@ -262,6 +262,8 @@ def test_runs_as_a_non_root_user(repo_root):
     python, source = Path("/usr/bin/python3"), repo_root / "packages" / "tools" / "src"
     if os.getuid() != 0 or not shutil.which("setpriv") or not python.exists():
         pytest.skip("needs root, setpriv and /usr/bin/python3 to start a non-root trainer")
+    if subprocess.run([str(python), "-c", "import sys; sys.exit(sys.version_info < (3, 9))"]).returncode != 0:
+        pytest.skip(f"{python} is older than Python 3.9")
     if subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "test", "-r",
                        str(source / "grpo_tools" / "sandbox.py")]).returncode != 0:
         pytest.skip(f"nobody cannot read {source}")
