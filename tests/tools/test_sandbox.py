@@ -44,6 +44,23 @@ def test_errors_come_back_as_the_traceback():
     assert result.exit_code == 1 and "ZeroDivisionError: division by zero" in result.output
 
 
+def test_a_sandbox_that_cannot_be_built_says_why(monkeypatch):
+    from grpo_tools import sandbox
+
+    real = sandbox.sandbox_settings
+    monkeypatch.setattr(sandbox, "sandbox_settings",
+                        lambda limits: {**real(limits), "binds": [*real(limits)["binds"], "/no/such/dir"]})
+    result = run("print('never runs')")
+    assert result.setup_failed and not result.timed_out
+    assert result.output.startswith("sandbox setup failed: mount /no/such/dir on /tmp/no/such/dir: No such file")
+
+
+@pytest.mark.parametrize("status", [124, 125, 137])
+def test_the_code_s_exit_status_cannot_pose_as_the_sandbox_s_report(status):
+    result = run(f"import sys; sys.exit({status})")
+    assert (result.exit_code, result.timed_out, result.setup_failed) == (status, False, False)
+
+
 def test_environment_is_empty_and_cwd_is_a_fresh_home(monkeypatch):
     monkeypatch.setenv("GRPO_TEST_SECRET", "do-not-leak")
     result = run("""

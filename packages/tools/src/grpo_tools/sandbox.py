@@ -23,7 +23,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 INIT_SCRIPT = Path(__file__).with_name("sandbox_init.py")
-SETUP_FAILED, TIMED_OUT = 125, 124
 SIGNAL_EXIT = {128 + signal.SIGXFSZ: "output limit", 128 + signal.SIGXCPU: "CPU time limit",
                128 + signal.SIGKILL: "killed"}
 BACKSTOP_SECONDS = 2.0  # the sandbox enforces the wall clock itself; the trainer waits this much longer
@@ -95,14 +94,17 @@ def sandbox_settings(limits: SandboxLimits) -> dict:
     return {"binds": binds, "links": links, "python": interpreter, "limits": asdict(limits)}
 
 
-def _wait(process: subprocess.Popen, code: str, limits: SandboxLimits) -> None:
+def _wait(process: subprocess.Popen, code: str, limits: SandboxLimits) -> bool:
+    """Feeds the code and waits; True when the backstop had to kill the sandbox."""
     try:
         process.communicate(code.encode(), timeout=limits.wall_seconds + BACKSTOP_SECONDS)
     except subprocess.TimeoutExpired:
         os.killpg(process.pid, signal.SIGKILL)  # the session's group: every process the code started
         process.wait()
+        return True
     except BrokenPipeError:  # the sandbox failed before reading the code; its output says why
         process.wait()
+    return False
 
 
 def _read_output(path: Path, limit: int) -> tuple[str, bool]:
@@ -110,24 +112,42 @@ def _read_output(path: Path, limit: int) -> tuple[str, bool]:
     return data.decode("utf-8", errors="replace"), len(data) >= limit
 
 
+def _start(interpreter: str, settings: dict, output, scratch: str) -> subprocess.Popen:
+    return subprocess.Popen([interpreter, "-I", "-S", str(INIT_SCRIPT), json.dumps(settings)], stdin=subprocess.PIPE,
+                            stdout=output, stderr=subprocess.STDOUT, env={}, cwd=scratch, start_new_session=True,
+                            pass_fds=(settings["status_fd"],))
+
+
+def _result(status: str, killed: bool, text: str, truncated: bool, seconds: float) -> SandboxResult:
+    """From the sandbox's status line ("exit N", "timeout" or "setup"); none at all when the
+    backstop killed it, or when it failed before it could say (a setup failure too)."""
+    exit_code = int(status.split()[1]) if status.startswith("exit ") else 128 + signal.SIGKILL
+    timed_out = status == "timeout" or (killed and not status)
+    truncated = truncated or exit_code == 128 + signal.SIGXFSZ
+    return SandboxResult(text, exit_code, timed_out, status == "setup" or not (status or killed), truncated, seconds)
+
+
 def run_python(code: str, limits: SandboxLimits = SandboxLimits()) -> SandboxResult:
     """Runs `code` in a fresh sandbox and waits for it (at most about limits.wall_seconds)."""
-    settings = json.dumps(sandbox_settings(limits))
-    interpreter = _python_installation()[0]
-    with tempfile.TemporaryDirectory(prefix="grpo-sandbox-") as scratch:
-        output_path = Path(scratch) / "output"
-        with open(output_path, "wb") as output:
-            start = time.monotonic()
-            process = subprocess.Popen([interpreter, "-I", "-S", str(INIT_SCRIPT), settings], stdin=subprocess.PIPE,
-                                       stdout=output, stderr=subprocess.STDOUT, env={}, cwd=scratch,
-                                       start_new_session=True)
-            _wait(process, code, limits)
-            seconds = time.monotonic() - start
-        text, truncated = _read_output(output_path, limits.output_bytes)
-    exit_code = process.returncode if process.returncode >= 0 else 128 - process.returncode
-    truncated = truncated or exit_code == 128 + signal.SIGXFSZ
-    return SandboxResult(text, exit_code, exit_code == TIMED_OUT or process.returncode < 0,
-                         exit_code == SETUP_FAILED, truncated, seconds)
+    status_read, status_write = os.pipe()  # the sandbox's own report: the code's exit status cannot fake it
+    settings = {**sandbox_settings(limits), "status_fd": status_write}
+    try:
+        with tempfile.TemporaryDirectory(prefix="grpo-sandbox-") as scratch:
+            output_path = Path(scratch) / "output"
+            with open(output_path, "wb") as output:
+                start = time.monotonic()
+                process = _start(settings["python"], settings, output, scratch)
+                os.close(status_write)
+                status_write = None
+                killed = _wait(process, code, limits)
+                seconds = time.monotonic() - start
+            text, truncated = _read_output(output_path, limits.output_bytes)
+        status = os.read(status_read, 64).decode(errors="replace").strip()
+    finally:
+        for fd in (status_read, status_write):
+            if fd is not None:
+                os.close(fd)
+    return _result(status, killed, text, truncated, seconds)
 
 
 def sandbox_problem() -> str | None:
@@ -135,7 +155,7 @@ def sandbox_problem() -> str | None:
     if not sys.platform.startswith("linux"):
         return f"the python tool's sandbox needs Linux namespaces; this is {sys.platform}"
     result = run_python("print(6 * 7)", SandboxLimits(wall_seconds=30.0))
-    if result.output.strip() == "42" and result.exit_code == 0:
+    if result.output.strip() == "42" and result.exit_code == 0 and not result.setup_failed:
         return None
     detail = result.output.strip().splitlines()[-1:] or [f"exit status {result.exit_code}"]
     return (f"the python tool's sandbox does not start here ({detail[0]}); it needs unprivileged user "

@@ -9,8 +9,9 @@ namespace), enters new user, network, pid, IPC and UTS namespaces, chroots into 
 under pid 1 of the new pid namespace. Everything there dies with pid 1, and pid 1 with this
 process, so killing this process group ends every process the code started.
 
-Exit status: 125 (one line on stderr) when the sandbox could not be set up; 124 when the
-code ran past its wall-clock limit; 128 + N when it was killed by signal N; else the code's.
+It reports on the file descriptor `status_fd` (which the code never holds): "setup" when the
+sandbox could not be set up (with one line on stderr), "timeout" when the code ran past its
+wall-clock limit, else "exit N", the code's exit status (128 + S when killed by signal S).
 """
 
 import ctypes
@@ -21,7 +22,7 @@ import signal
 import sys
 
 SETUP_FAILED = 125
-TIMED_OUT = 124
+CANNOT_EXECUTE = 127
 NOBODY = 65534
 CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC = 0x00020000, 0x04000000, 0x08000000
 CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x10000000, 0x20000000, 0x40000000
@@ -165,15 +166,16 @@ def _first_process(python: str) -> int:
             os.execve(python, [python, "-I", "-u", "main.py"], environment)  # -u: stdout and stderr in order
         except OSError as error:
             print(f"sandbox setup failed: cannot run {python}: {error}", file=sys.stderr)
-            os._exit(SETUP_FAILED)
+            os._exit(CANNOT_EXECUTE)
     _, status = os.waitpid(child, 0)
     exit_code = os.waitstatus_to_exitcode(status)
     return exit_code if exit_code >= 0 else 128 - exit_code
 
 
-def run_code(python: str, wall_seconds: float) -> int:
+def run_code(python: str, wall_seconds: float) -> str:
     """/sandbox/main.py under pid 1 of the new pid namespace (everything in it dies with pid 1,
-    and pid 1 with this process); killed when the wall-clock limit passes (exit TIMED_OUT)."""
+    and pid 1 with this process), killed when the wall-clock limit passes; "timeout" then,
+    else "exit N" (128 + S when killed by signal S)."""
     child = os.fork()
     if child == 0:
         os._exit(_first_process(python))
@@ -181,11 +183,13 @@ def run_code(python: str, wall_seconds: float) -> int:
     signal.signal(signal.SIGALRM, lambda *_: (expired.append(True), os.kill(child, signal.SIGKILL)))
     signal.setitimer(signal.ITIMER_REAL, wall_seconds)
     _, status = os.waitpid(child, 0)
-    return TIMED_OUT if expired else os.waitstatus_to_exitcode(status) % 256
+    return "timeout" if expired else f"exit {os.waitstatus_to_exitcode(status) % 256}"
 
 
 def main() -> int:
     settings = json.loads(sys.argv[1])
+    status_fd = settings["status_fd"]
+    os.set_inheritable(status_fd, False)  # the trainer's channel: closed before the code runs
     code = sys.stdin.read()
     os.dup2(os.open("/dev/null", os.O_RDONLY), 0)
     try:
@@ -197,8 +201,10 @@ def main() -> int:
         drop_privileges()
     except (OSError, SetupError) as error:
         print(f"sandbox setup failed: {error}", file=sys.stderr)
+        os.write(status_fd, b"setup")
         return SETUP_FAILED
-    return run_code(settings["python"], settings["limits"]["wall_seconds"])
+    os.write(status_fd, run_code(settings["python"], settings["limits"]["wall_seconds"]).encode())
+    return 0
 
 
 if __name__ == "__main__":
