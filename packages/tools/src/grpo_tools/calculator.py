@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from decimal import Decimal, localcontext
 from fractions import Fraction
 
-from grpo_core.contracts import ToolError
+from grpo_core.multi_turn import ToolError
 
 MAX_CHARS = 500
 MAX_DEPTH = 50

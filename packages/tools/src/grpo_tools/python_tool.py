@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from grpo_core.contracts import ToolError
+from grpo_core.multi_turn import ToolError
 from grpo_core.errors import UserError
 from grpo_tools.sandbox import SandboxLimits, run_python, sandbox_problem
 
