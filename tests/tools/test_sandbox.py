@@ -39,6 +39,17 @@ def test_normal_code_returns_its_output():
     assert (result.output, result.exit_code, result.timed_out, result.truncated) == ("45\nwarn\n", 0, False, False)
 
 
+def test_threads_subprocesses_and_multiprocessing_work_inside():
+    result = run("""
+        import multiprocessing, subprocess, threading
+        threading.Thread(target=print, args=("thread",)).start()
+        print(subprocess.run(["echo", "subprocess"], capture_output=True, text=True).stdout.strip())
+        with multiprocessing.Pool(2) as pool:  # its semaphores live in /dev/shm, which is /sandbox
+            print(pool.map(abs, [-1, -2]))
+    """, processes=8, wall_seconds=20.0)
+    assert result.output == "thread\nsubprocess\n[1, 2]\n", result.output
+
+
 def test_errors_come_back_as_the_traceback():
     result = run("1 / 0")
     assert result.exit_code == 1 and "ZeroDivisionError: division by zero" in result.output

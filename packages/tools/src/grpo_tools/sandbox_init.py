@@ -114,6 +114,7 @@ def build_root(settings: dict, owner: int) -> str:
     for device in DEVICES:
         open(f"{STAGING}/dev/{device}", "w").close()
         _bind_read_only(f"/dev/{device}", f"{STAGING}/dev/{device}")
+    os.symlink("/sandbox", STAGING + "/dev/shm")  # POSIX shared memory (multiprocessing) inside the quota
     os.makedirs(STAGING + "/sandbox")
     disk_bytes = settings["limits"]["disk_bytes"]
     _mount("tmpfs", STAGING + "/sandbox", "tmpfs", MS_NOSUID | MS_NODEV,
