@@ -133,7 +133,8 @@ class ToolOutcome:
 
 class ToolRunner:
     """Runs tool calls on a thread pool: the calls of a turn concurrently, each with
-    `timeout_seconds`; responses longer than `max_response_chars` are cut. A tool that
+    `timeout_seconds` from the start of the turn (calls beyond `max_workers` wait for a worker,
+    and the wait counts); responses longer than `max_response_chars` are cut. A tool that
     ignores its timeout keeps its worker thread until it returns (the python tool stops
     itself at its own wall-clock limit)."""
 
