@@ -20,7 +20,7 @@ from typing import Any, Callable, NamedTuple, Protocol, Sequence, runtime_checka
 import jax
 from jax.sharding import Mesh, NamedSharding
 
-from grpo_core.multi_turn import Environment, EnvironmentStep, Tool, ToolError  # noqa: F401 - kinds of multi-turn rollouts
+from grpo_core.multi_turn import Environment, EnvironmentStep, Tool, ToolError  # noqa: F401 (re-exported)
 from grpo_core.rollout_records import RolloutResult, TrainBatch
 
 Array = jax.Array
