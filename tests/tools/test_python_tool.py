@@ -20,7 +20,7 @@ def test_the_entry_point_registers_both_tools():
 @pytest.fixture(scope="module")
 def python_runner():
     spec = build_registry().tool("python")
-    tool = spec.factory(spec.options(wall_seconds=2.0, cpu_seconds=2, memory_mib=256, output_kib=1))
+    tool = spec.factory(spec.options(wall_seconds=5.0, cpu_seconds=30, memory_mib=256, output_kib=1))
     runner = ToolRunner([tool, build_registry().tool("calculator").factory(None)], timeout_seconds=20)
     yield runner
     runner.close()

@@ -192,7 +192,7 @@ def test_an_endless_fork_bomb_is_contained_and_killed():
                 os.fork()
             except OSError:
                 pass
-    """, wall_seconds=1.5, cpu_seconds=60)
+    """, wall_seconds=4.0, cpu_seconds=60)
     assert result.timed_out and result.output == "bombing\n"
     _assert_gone(marker)
 
@@ -257,7 +257,7 @@ def test_a_loop_forever_is_killed_with_every_process_it_started():
         print("looping", flush=True)
         while True:
             pass
-    """, wall_seconds=1.5, cpu_seconds=60)
+    """, wall_seconds=4.0, cpu_seconds=60)
     assert result.timed_out and result.stopped_by == "wall-clock limit" and result.output == "looping\n"
     _assert_gone(marker)
 
