@@ -13,7 +13,12 @@ from grpo_core import hookspecs
 from grpo_core.testing import registry_with
 
 EXAMPLES = {"grpo_losses": "loss", "grpo_meshes": "mesh", "grpo_rollouts": "rollout", "grpo_rewards": "reward",
-            "grpo_tasks": "task", "grpo_commands": "command", "grpo_step_end": "step_end"}
+EXAMPLES = {"grpo_losses": "loss", "grpo_meshes": "mesh", "grpo_rollouts": "rollout", "grpo_rewards": "reward",
+            "grpo_tasks": "task", "grpo_commands": "command", "grpo_step_end": "step_end", "grpo_tools": "tool",
+            "grpo_environments": "environment"}
+# Kinds only a multi-turn sampler drives: until it exists, their examples are loaded through
+# the registry and exercised below instead of training a step.
+EXERCISED = {"grpo_tools", "grpo_environments"}
 SELECT = {
     "grpo_losses": ["loss.impl=naive"],
     "grpo_meshes": ["mesh.strategy=data_only"],
@@ -61,7 +66,7 @@ def imported_packages(source: str) -> set[str]:
 
 def test_every_hook_has_an_example_selected_here():
     hooks = {name for name, fn in vars(hookspecs).items() if name.startswith("grpo_") and callable(fn)}
-    assert hooks == set(SELECT) == set(EXAMPLES)
+    assert hooks == set(SELECT) | EXERCISED == set(EXAMPLES)
 
 
 @pytest.mark.parametrize("hook", sorted(SELECT))
@@ -103,7 +108,7 @@ def command_runs(trainer, registry, metrics, capsys=None) -> None:
 CHECK_AFTER_STEP = {"grpo_step_end": step_end_logged, "grpo_commands": command_runs}
 
 
-@pytest.mark.parametrize("hook", sorted(SELECT))
+@pytest.mark.parametrize("hook", sorted(EXAMPLES))
 def test_example_needs_grpo_core_alone(hook, example_source):
     """A plugin package of any kind depends on grpo-core only: no example imports another project package."""
     source = example_source(hook)
@@ -111,7 +116,7 @@ def test_example_needs_grpo_core_alone(hook, example_source):
 
 
 def test_hookspecs_keep_one_line_docs():
-    for hook in SELECT:
+    for hook in EXAMPLES:
         assert len(getattr(hookspecs, hook).__doc__.strip().splitlines()) == 1, hook
 
 
@@ -153,3 +158,35 @@ def test_a_backend_without_the_planning_members_is_refused_by_the_plan(uniform_b
     del module.UniformSampler.compile_phases
     with pytest.raises(UserError, match="cannot be planned: .*grpo_core.contracts.PlannableRollout"):
         plan_command(*uniform_backend_run(module), capacity_gib=16.0)
+
+
+def test_the_tool_example_answers_a_qwen_format_call(example_module):
+    from grpo_core.contracts import Tool
+    from grpo_core.tool_calls import ToolRunner, parse_tool_calls
+
+    spec = registry_with(example_module("grpo_tools"), entry_points=False).tool("letter_count")
+    tool = spec.factory(spec.options())
+    assert isinstance(tool, Tool)
+    runner = ToolRunner([tool])
+    text = ('<tool_call>\n{"name": "letter_count", "arguments": {"word": "Strawberry", "letter": "r"}}\n</tool_call>'
+            '<tool_call>\n{"name": "letter_count", "arguments": {"word": "x", "letter": "ab"}}\n</tool_call>')
+    first, second = runner.run(parse_tool_calls(text))
+    runner.close()
+    assert (first.status, first.response) == ("ok", "3")
+    assert second.status == "error" and "letter must be one character, got 'ab'" in second.response
+
+
+def test_the_environment_example_plays_an_episode(example_module):
+    from grpo_core.contracts import Environment, Example
+
+    spec = registry_with(example_module("grpo_environments"), entry_points=False).environment("guess_number")
+    environment = spec.factory(spec.options(max_guesses=3))
+    assert isinstance(environment, Environment)
+    opening = environment.reset(Example("Think of 7.", "7", id="guess/0"))
+    assert opening[0]["role"] == "user" and not environment.done
+    assert environment.step("I guess 3").messages == ({"role": "user", "content": "Higher."},)
+    final = environment.step("<think>higher than 3</think> then 7")
+    assert final.done and environment.done and environment.reward_info() == {"solved": 1.0, "guesses": 2.0}
+    other = spec.factory(spec.options(max_guesses=1))  # one per row: no shared state
+    other.reset(Example("Think of 5.", "5"))
+    assert other.step("4").done and other.reward_info()["solved"] == 0.0 and environment.reward_info()["solved"] == 1.0

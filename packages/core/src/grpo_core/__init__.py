@@ -2,6 +2,7 @@
 
 from grpo_core.hookspecs import hookimpl
 from grpo_core.specs import CommandSpec, LossSpec, MeshSpec, NoOptions, PluginSpec, RewardSpec, RolloutSpec, TaskSpec
+from grpo_core.specs import EnvironmentSpec, ToolSpec
 
 __all__ = [
     "hookimpl",
@@ -13,4 +14,6 @@ __all__ = [
     "RewardSpec",
     "RolloutSpec",
     "TaskSpec",
+    "ToolSpec",
+    "EnvironmentSpec",
 ]

@@ -4,6 +4,9 @@ backend, reward function, task), typed, so that a plugin package providing one n
 here describes; members a plugin may leave out are their own protocols
 (`MeshAwareLoss`, `ListableTask`), checked with `isinstance`.
 
+The multi-turn kinds, `Tool` and `Environment`, live in `grpo_core.multi_turn` and are
+importable from here like the others.
+
 The built-in implementations are in grpo_losses, grpo_meshes, grpo_rollout and
 grpo_runner_gsm8k; the examples in `examples/hooks/` implement each from scratch.
 """
@@ -17,6 +20,7 @@ from typing import Any, Callable, NamedTuple, Protocol, Sequence, runtime_checka
 import jax
 from jax.sharding import Mesh, NamedSharding
 
+from grpo_core.multi_turn import Environment, EnvironmentStep, Tool, ToolError  # noqa: F401 (re-exported)
 from grpo_core.rollout_records import RolloutResult, TrainBatch
 
 Array = jax.Array

@@ -6,17 +6,19 @@ factories build the objects described in `grpo_core.contracts`. Hook names and a
 are stable: arguments are only ever added, never renamed.
 
 A complete plugin module per hook is in `examples/hooks/` (loss.py, mesh.py, rollout.py,
-reward.py, task.py, command.py, step_end.py); `tests/e2e/test_hookspec_examples.py` trains one
-step with each.
+reward.py, task.py, command.py, step_end.py, tool.py, environment.py);
+`tests/e2e/test_hookspec_examples.py` trains one step with each (tools and environments: loads
+and exercises them, until the multi-turn sampler that drives them exists).
 """
 
 from __future__ import annotations
 
-import pluggy
-
 from typing import Any
 
+import pluggy
+
 from grpo_core.specs import CommandSpec, LossSpec, MeshSpec, RewardSpec, RolloutSpec, TaskSpec
+from grpo_core.specs import EnvironmentSpec, ToolSpec
 
 PROJECT = "grpo"
 hookspec = pluggy.HookspecMarker(PROJECT)
@@ -56,3 +58,13 @@ def grpo_commands() -> list[CommandSpec]:
 @hookspec
 def grpo_step_end(step: int, metrics: dict[str, Any], run_dir: str) -> None:
     """Called on every process after each training step is logged, with that step's metrics and the run directory."""
+
+
+@hookspec
+def grpo_tools() -> list[ToolSpec]:
+    """Tools (`contracts.Tool`) a multi-turn rollout offers the policy by name."""
+
+
+@hookspec
+def grpo_environments() -> list[EnvironmentSpec]:
+    """Multi-turn environments (`contracts.Environment`), one fresh instance per rollout row."""

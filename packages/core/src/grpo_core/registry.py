@@ -29,6 +29,8 @@ HOOK_BY_KIND = {
     "reward": "grpo_rewards",
     "task": "grpo_tasks",
     "command": "grpo_commands",
+    "tool": "grpo_tools",
+    "environment": "grpo_environments",
 }
 
 
@@ -86,7 +88,8 @@ def load_entry_points(pm: pluggy.PluginManager, strict: bool | None = None) -> d
 
 
 class Registry:
-    """Every named loss, mesh, rollout, reward, task and command, by kind and name; the step-end hooks."""
+    """Every named plugin (loss, mesh, rollout, reward, task, command, tool, environment), by kind and
+    name; the step-end hooks."""
 
     def __init__(self, pm: pluggy.PluginManager, distributions: dict[str, str] | None = None):
         self._pm = pm
@@ -155,6 +158,12 @@ class Registry:
     def step_end(self, step: int, metrics: dict[str, Any], run_dir: str) -> None:
         """Every plugin's `grpo_step_end` hook, with one step's metrics."""
         self._pm.hook.grpo_step_end(step=step, metrics=metrics, run_dir=run_dir)
+
+    def tool(self, name: str) -> PluginSpec:
+        return self.get("tool", name)
+
+    def environment(self, name: str) -> PluginSpec:
+        return self.get("environment", name)
 
 
 def build_registry(extra_plugins: Iterable[Any] = (), *, entry_points: bool = True,

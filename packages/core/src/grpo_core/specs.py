@@ -100,3 +100,23 @@ class CommandSpec(PluginSpec):
 SPEC_TYPES: dict[str, type[PluginSpec]] = {
     spec.kind: spec for spec in (LossSpec, MeshSpec, RolloutSpec, RewardSpec, TaskSpec, CommandSpec)
 }
+
+
+# ---- multi-turn rollouts: tools and environments ----------------------------------------
+@dataclass(frozen=True)
+class ToolSpec(PluginSpec):
+    """A tool a multi-turn rollout offers the policy by name: `factory(options) ->
+    grpo_core.contracts.Tool`, built once per run and called from several threads at once."""
+
+    kind: ClassVar[str] = "tool"
+
+
+@dataclass(frozen=True)
+class EnvironmentSpec(PluginSpec):
+    """A multi-turn environment selected by name: `factory(options) ->
+    grpo_core.contracts.Environment`, called once per rollout row (each row has its own state)."""
+
+    kind: ClassVar[str] = "environment"
+
+
+SPEC_TYPES.update({spec.kind: spec for spec in (ToolSpec, EnvironmentSpec)})

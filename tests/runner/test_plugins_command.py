@@ -1,0 +1,11 @@
+"""`grpo-run plugins` lists every kind, the tools and environments included, with their package."""
+
+import subprocess
+import sys
+
+
+def test_grpo_run_plugins_lists_the_tools_with_their_package():
+    out = subprocess.run([sys.executable, "-m", "grpo_runner_gsm8k.cli", "plugins"], capture_output=True, text=True,
+                         timeout=120, check=True).stdout
+    section = out.split("tool:\n")[1].split("environment:")[0]
+    assert [line.split()[:2] for line in section.splitlines()] == [["calculator", "grpo-tools"], ["python", "grpo-tools"]]
