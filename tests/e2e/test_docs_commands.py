@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from grpo_core.config_io import load_config
+from grpo_core.registry import default_registry
 
 REPO = Path(__file__).resolve().parents[2]
 PROGRAMS = {"grpo-run": {"plugins", "export", "report", "launch"}, "grpo-bench": {"model", "loss", "rollout", "flops"}}
@@ -135,4 +136,4 @@ def test_shown_configs_exist_and_their_overrides_load(page, command):
     assert config.is_file(), f"{page}: `{command}`: {config} does not exist"
     overrides = [argument for argument in arguments if re.match(r"^[a-z_]+(\.[a-z_]+)+=", argument)]
     if all("..." not in override for override in overrides):
-        load_config(config, overrides)
+        load_config(config, overrides, registry=default_registry())  # plugin options checked too
