@@ -32,12 +32,21 @@ def imported_names(node: ast.AST, module: str, is_package: bool) -> list[str]:
     return [base] + [f"{base}.{alias.name}" for alias in node.names]
 
 
+def type_checking_only(tree: ast.AST) -> set[int]:
+    """ids of the nodes under `if TYPE_CHECKING:`: never imported at run time, so no cycle."""
+    return {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and ast.unparse(node.test).endswith(
+        "TYPE_CHECKING") for stmt in node.body for n in ast.walk(stmt)}
+
+
 def import_graph(packages: Path) -> dict[str, set[str]]:
     paths = module_paths(packages)
     graph = {}
     for module, path in paths.items():
-        targets = set()
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        targets, tree = set(), ast.parse(path.read_text(), str(path))
+        skipped = type_checking_only(tree)
+        for node in ast.walk(tree):
+            if id(node) in skipped:
+                continue
             for name in imported_names(node, module, path.name == "__init__.py"):
                 while name and name not in paths:
                     name = name.rpartition(".")[0]
@@ -97,6 +106,8 @@ def test_a_cycle_is_found_even_through_a_function_level_import(tmp_path, lazy):
     (src / "a.py").write_text("from demo.sub.b import f\n")
     (src / "sub" / "__init__.py").write_text("")
     back = "def g():\n    from .. import a\n" if lazy else "from demo.a import *\n"
+    (src / "sub" / "b.py").write_text("if TYPE_CHECKING:\n    from demo.a import f\n")
+    assert cycles(import_graph(tmp_path / "packages")) == []
     (src / "sub" / "b.py").write_text(back + "def f():\n    return 1\n")
     assert cycles(import_graph(tmp_path / "packages")) == [["demo.a", "demo.sub.b"]]
     (src / "sub" / "b.py").write_text("def f():\n    return 1\n")
