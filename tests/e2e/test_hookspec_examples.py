@@ -13,13 +13,14 @@ from grpo_core import hookspecs
 from grpo_core.testing import registry_with
 
 EXAMPLES = {"grpo_losses": "loss", "grpo_meshes": "mesh", "grpo_rollouts": "rollout", "grpo_rewards": "reward",
-            "grpo_tasks": "task"}
+            "grpo_tasks": "task", "grpo_advantages": "advantage"}
 SELECT = {
     "grpo_losses": ["loss.impl=naive"],
     "grpo_meshes": ["mesh.strategy=data_only"],
     "grpo_rollouts": ["rollout.backend=uniform"],
     "grpo_rewards": ["task.rewards={short: 1.0}", "eval.reward=short"],
     "grpo_tasks": ["task.name=echo", "task.options={size: 40}"],
+    "grpo_advantages": ["loss.advantage_estimator=group_rank", "loss.advantage_options={scale: 2.0}"],
 }
 
 
@@ -126,3 +127,15 @@ def test_a_backend_without_the_planning_members_is_refused_by_the_plan(uniform_b
     del module.UniformSampler.compile_phases
     with pytest.raises(UserError, match="cannot be planned: .*grpo_core.contracts.PlannableRollout"):
         plan_command(*uniform_backend_run(module), capacity_gib=16.0)
+
+
+def test_the_advantage_example_ranks_each_group(example_module):
+    import numpy as np
+    from grpo_core.advantage_records import AdvantageSetup, StepRewards
+
+    module = example_module("grpo_advantages")
+    estimator = module.GroupRank(module.Options(), setup=AdvantageSetup(4, {"correctness": 1.0}))
+    total = np.array([3, 1, 2, 2, 5, 5, 5, 5], np.float32)  # ranks 3, 0, 1.5, 1.5; a group that agrees
+    out = estimator(StepRewards(total, {"correctness": total}, np.ones(8, np.float32)))
+    np.testing.assert_array_equal(out.advantages, [1, -1, 0, 0, 0, 0, 0, 0])
+    assert out.metrics == {"train-other/adv_rank_abs_mean": 0.25}

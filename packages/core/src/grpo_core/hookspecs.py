@@ -6,14 +6,14 @@ factories build the objects described in `grpo_core.contracts`. Hook names and a
 are stable: arguments are only ever added, never renamed.
 
 A complete plugin module per hook is in `examples/hooks/` (loss.py, mesh.py, rollout.py,
-reward.py, task.py); `tests/e2e/test_hookspec_examples.py` trains one step with each.
+reward.py, task.py, advantage.py); `tests/e2e/test_hookspec_examples.py` trains one step with each.
 """
 
 from __future__ import annotations
 
 import pluggy
 
-from grpo_core.specs import LossSpec, MeshSpec, RewardSpec, RolloutSpec, TaskSpec
+from grpo_core.specs import AdvantageSpec, LossSpec, MeshSpec, RewardSpec, RolloutSpec, TaskSpec
 
 PROJECT = "grpo"
 hookspec = pluggy.HookspecMarker(PROJECT)
@@ -43,3 +43,8 @@ def grpo_rewards() -> list[RewardSpec]:
 @hookspec
 def grpo_tasks() -> list[TaskSpec]:
     """Tasks (`contracts.Task`) selectable with `task.name: <name>`."""
+
+
+@hookspec
+def grpo_advantages() -> list[AdvantageSpec]:
+    """Advantage estimators (`contracts.AdvantageEstimator`) selectable with `loss.advantage_estimator: <name>`."""

@@ -28,6 +28,7 @@ HOOK_BY_KIND = {
     "rollout": "grpo_rollouts",
     "reward": "grpo_rewards",
     "task": "grpo_tasks",
+    "advantage": "grpo_advantages",
 }
 
 
@@ -85,7 +86,7 @@ def load_entry_points(pm: pluggy.PluginManager, strict: bool | None = None) -> d
 
 
 class Registry:
-    """Every named loss, mesh, rollout, reward and task, by kind and name."""
+    """Every named loss, mesh, rollout, reward, task and advantage estimator, by kind and name."""
 
     def __init__(self, pm: pluggy.PluginManager, distributions: dict[str, str] | None = None):
         self._pm = pm
@@ -147,6 +148,9 @@ class Registry:
 
     def task(self, name: str) -> PluginSpec:
         return self.get("task", name)
+
+    def advantage(self, name: str) -> PluginSpec:
+        return self.get("advantage", name)
 
 
 def build_registry(extra_plugins: Iterable[Any] = (), *, entry_points: bool = True,

@@ -89,6 +89,15 @@ class TaskSpec(PluginSpec):
     kind: ClassVar[str] = "task"
 
 
+@dataclass(frozen=True)
+class AdvantageSpec(PluginSpec):
+    """An advantage estimator selected by `loss.advantage_estimator` (options: `loss.advantage_options`):
+    `factory(options, setup: grpo_core.advantage_records.AdvantageSetup) ->
+    grpo_core.contracts.AdvantageEstimator`; a ValueError from it refuses the config."""
+
+    kind: ClassVar[str] = "advantage"
+
+
 SPEC_TYPES: dict[str, type[PluginSpec]] = {
-    spec.kind: spec for spec in (LossSpec, MeshSpec, RolloutSpec, RewardSpec, TaskSpec)
+    spec.kind: spec for spec in (LossSpec, MeshSpec, RolloutSpec, RewardSpec, TaskSpec, AdvantageSpec)
 }
