@@ -88,3 +88,11 @@ def test_print_config_prints_resolved_yaml(tiny_config_path, capsys):
     assert resolved["train"]["moment_dtype"] == resolved["model"]["param_dtype"]
     assert resolved["loss"]["max_completion_length"] == resolved["rollout"]["max_new_tokens"]
     assert resolved["eval"]["max_new_tokens"] == resolved["rollout"]["max_new_tokens"]
+
+
+def test_plugins_lists_the_advantage_estimators_as_their_own_kind(capsys):
+    assert main(["plugins"]) == 0
+    out = capsys.readouterr().out
+    section = out[out.index("advantage:\n"):].splitlines()[1:5]
+    assert [line.split()[:2] for line in section] == [[name, "grpo-losses"] for name in
+                                                      ("gdpo", "grpo", "reinforce_pp_baseline", "rloo")]
