@@ -270,7 +270,7 @@ class Inputs:
     rewards: dict[str, tuple[Any, float]]
     prompt_ids: dict[str, list[int]]
     prompts_per_process: int  # prompts each process takes per step
-    advantages: Any = None  # the advantage estimator (grpo_core.contracts.AdvantageEstimator)
+    estimator: Any = None  # the advantage estimator (grpo_core.contracts.AdvantageEstimator)
 
 
 def check_inputs(cfg: RunConfig, registry: Registry, process_index: int = 0,

@@ -153,7 +153,7 @@ class Trainer:
         (_, result, scores), sampling_metrics = self.sample_step(weights, key, times, tally)
 
         reward_start = time.monotonic()
-        advantages = step_advantages(self.built.inputs.advantages, scores, self.cfg.rollout.n,
+        advantages = step_advantages(self.built.inputs.estimator, scores, self.cfg.rollout.n,
                                      self.cfg.loss.dynamic_sampling)
         times["reward_s"] += time.monotonic() - reward_start
 
