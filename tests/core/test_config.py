@@ -75,7 +75,7 @@ def test_plugin_options_are_validated_by_the_plugin_dataclass():
 
     class OnlyLoss:
         def get(self, kind, name):
-            return registry.get("loss", name) if kind == "loss" else LossSpec(name, lambda o: o, _Any, "")
+            return registry.get("loss", name) if kind == "loss" else LossSpec(name, lambda o, **_: o, _Any, "")
 
     cfg = load_config(None, ["loss.impl=blocky", "loss.options.block_size=256"], registry=OnlyLoss())
     assert cfg.loss.options == {"block_size": 256}

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from grpo_core import LossSpec, MeshSpec, RewardSpec, hookimpl
+from grpo_core import AdvantageSpec, LossSpec, MeshSpec, RewardSpec, hookimpl
 from grpo_core.errors import PluginError
 from grpo_core.registry import PluginLoadWarning, Registry, build_registry, load_entry_points, new_plugin_manager
 from grpo_core.testing import registry_with
@@ -127,3 +127,34 @@ def test_disabled_plugins_are_not_loaded(fake_entry_points, monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert load_entry_points(new_plugin_manager()) == {"working": "working-dist"}
+
+
+class Estimators:
+    """An outside package's advantage estimator."""
+
+    def __init__(self, plugin: str = "estimators"):
+        self.__name__ = plugin
+
+    @hookimpl
+    def grpo_advantages(self):
+        return [AdvantageSpec("toy_adv", _build, BlockOptions, "a toy estimator")]
+
+
+def test_advantage_estimators_are_a_kind_of_their_own():
+    registry = registry_with(Estimators(), entry_points=False)
+    assert registry.advantage("toy_adv").description == "a toy estimator"
+    assert registry.names("advantage") == ["toy_adv"] and registry.names("loss") == []
+    with pytest.raises(PluginError, match=r"unknown advantage 'toy'; available: toy_adv\. Did you mean 'toy_adv'"):
+        registry.advantage("toy")
+    with pytest.raises(PluginError, match="duplicate advantage name 'toy_adv': provided by plugin 'first'.*'second'"):
+        build_registry([Estimators("first"), Estimators("second")], entry_points=False)
+
+
+def test_a_loss_record_from_the_advantage_hook_is_rejected():
+    class Wrong:
+        @hookimpl
+        def grpo_advantages(self):
+            return [LossSpec("l", _build, BlockOptions, "loss in the advantage hook")]
+
+    with pytest.raises(PluginError, match="returned LossSpec from grpo_advantages; expected AdvantageSpec"):
+        build_registry([Wrong()], entry_points=False)

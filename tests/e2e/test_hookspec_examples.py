@@ -13,9 +13,8 @@ from grpo_core import hookspecs
 from grpo_core.testing import registry_with
 
 EXAMPLES = {"grpo_losses": "loss", "grpo_meshes": "mesh", "grpo_rollouts": "rollout", "grpo_rewards": "reward",
-EXAMPLES = {"grpo_losses": "loss", "grpo_meshes": "mesh", "grpo_rollouts": "rollout", "grpo_rewards": "reward",
-            "grpo_tasks": "task", "grpo_commands": "command", "grpo_step_end": "step_end", "grpo_tools": "tool",
-            "grpo_environments": "environment"}
+            "grpo_tasks": "task", "grpo_advantages": "advantage", "grpo_commands": "command",
+            "grpo_step_end": "step_end", "grpo_tools": "tool", "grpo_environments": "environment"}
 # Kinds only a multi-turn sampler drives: until it exists, their examples are loaded through
 # the registry and exercised below instead of training a step.
 EXERCISED = {"grpo_tools", "grpo_environments"}
@@ -25,6 +24,7 @@ SELECT = {
     "grpo_rollouts": ["rollout.backend=uniform"],
     "grpo_rewards": ["task.rewards={short: 1.0}", "eval.reward=short"],
     "grpo_tasks": ["task.name=echo", "task.options={size: 40}"],
+    "grpo_advantages": ["loss.advantage_estimator=group_rank", "loss.advantage_options={scale: 2.0}"],
     "grpo_commands": [],  # a command is selected on the command line: checked after the step
     "grpo_step_end": [],  # every step-end hook runs
 }
@@ -190,3 +190,15 @@ def test_the_environment_example_plays_an_episode(example_module):
     other = spec.factory(spec.options(max_guesses=1))  # one per row: no shared state
     other.reset(Example("Think of 5.", "5"))
     assert other.step("4").done and other.reward_info()["solved"] == 0.0 and environment.reward_info()["solved"] == 1.0
+
+
+def test_the_advantage_example_ranks_each_group(example_module):
+    import numpy as np
+    from grpo_core.advantage_records import AdvantageSetup, StepRewards
+
+    module = example_module("grpo_advantages")
+    estimator = module.GroupRank(module.Options(), setup=AdvantageSetup(4, {"correctness": 1.0}))
+    total = np.array([3, 1, 2, 2, 5, 5, 5, 5], np.float32)  # ranks 3, 0, 1.5, 1.5; a group that agrees
+    out = estimator(StepRewards(total, {"correctness": total}, np.ones(8, np.float32)))
+    np.testing.assert_array_equal(out.advantages, [1, -1, 0, 0, 0, 0, 0, 0])
+    assert out.metrics == {"train-other/adv_rank_abs_mean": 0.25}

@@ -1,6 +1,7 @@
 """A GRPO run over two real JAX processes (4 CPU devices each, gloo on 127.0.0.1): each
 reads its own data shard, the step batch is both shards in process order on every
-process, every process ends with the same parameters, and process 0 logs."""
+process, every process ends with the same parameters and the same advantage statistics
+of the step, and process 0 logs."""
 
 from __future__ import annotations
 
@@ -25,8 +26,12 @@ RUN = ["train.steps=2", "rollout.prompts_per_step=8", "rollout.n=4", "eval.every
 HARD_TIMEOUT_S = 300
 LEAVE_TIMEOUT_S = 120  # JAX's shutdown barrier alone waits 300 s
 TASK_OPTIONS = {"digits": 1, "operations": "+", "max_result": 9}  # as configs/tiny.yaml
+# gdpo over two reward functions: its last normalisation is over the whole global step batch
+GDPO = ["loss.advantage_estimator=gdpo", "task.rewards={correctness: 1.0, format: 0.5}",
+        "task.reward_options={format: {style: number_only}}"]
 
-# Prints the sum of |param| of the params before and after the run so processes can be compared.
+# Prints the sum of |param| of the params before and after the run, and the advantage metrics of
+# the last step, so processes can be compared.
 DRIVER = """
 import json, sys, jax, numpy as np
 from grpo_runner_gsm8k import loop
@@ -43,8 +48,9 @@ def params_sum():
               for x in jax.tree.leaves(trainer.state.params)]
     return float(sum(np.abs(leaf).sum() for leaf in leaves))
 print("INITIAL", params_sum(), flush=True)
-trainer.run()
+metrics = trainer.run()
 print("PARAMS", params_sum(), flush=True)
+print("ADVANTAGES", json.dumps({k: v for k, v in metrics.items() if k.startswith("train-other/adv")}), flush=True)
 """
 
 
@@ -115,7 +121,7 @@ def test_two_process_lora_run_ends_with_the_same_adapters_on_both(tmp_path, star
     every process); both processes update them from the one global batch."""
     port = free_port()
     lora = ["model.lora.rank=4", "model.lora.alpha=8", "loss.beta=0.05", "train.micro_batch_size_per_device=2",
-            "rollout.n=16", "eval.every_steps=0"]
+            "rollout.n=16", "eval.every_steps=0", *GDPO]
     outs = finish([start(4, [*RUN, *lora, f"logging.dir={tmp_path}", *distributed(port, i)]) for i in range(2)])
     assert all("lora: rollout" in out for out in outs)
     initial = [float(printed(out, "INITIAL")) for out in outs]
@@ -125,6 +131,15 @@ def test_two_process_lora_run_ends_with_the_same_adapters_on_both(tmp_path, star
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2]
     assert all(np.isfinite(r["train-other/loss"]) for r in records)
+    same_step_statistics(outs, records)
+
+
+def same_step_statistics(outs: list[str], records: list[dict]) -> None:
+    """Both processes computed the step's advantage statistics over the one global batch: the
+    same values on each, as logged."""
+    computed = [json.loads(printed(out, "ADVANTAGES")) for out in outs]
+    assert computed[0] == computed[1] and computed[0], computed
+    assert all(records[-1][key] == value for key, value in computed[0].items())
 
 
 def distributed(port: int, process_id: int) -> list[str]:
@@ -138,7 +153,8 @@ def test_two_process_refill_and_corrections_keep_the_processes_in_step(tmp_path,
     and select alike (a disagreement would hang a collective or split the parameters)."""
     port = free_port()
     options = ["loss.dynamic_sampling=true", "loss.dynamic_sampling_mode=refill", "loss.max_extra_rollouts=3",
-               "loss.mismatch_correction=truncate", "loss.top_entropy_quantile=0.5", "eval.every_steps=0"]
+               "loss.mismatch_correction=truncate", "loss.top_entropy_quantile=0.5", "eval.every_steps=0",
+               "loss.advantage_estimator=reinforce_pp_baseline"]
     outs = finish([start(4, [*RUN, *options, f"logging.dir={tmp_path}", *distributed(port, i)]) for i in range(2)])
     sums = [float(printed(out, "PARAMS")) for out in outs]
     assert sums[0] == sums[1]
@@ -147,6 +163,7 @@ def test_two_process_refill_and_corrections_keep_the_processes_in_step(tmp_path,
     for r in records:
         assert r["train-other/refill_prompts_consumed"] == 8 * (1 + r["train-other/refill_extra_rollouts"])
         assert np.isfinite(r["train-other/loss"]) and np.isfinite(r["train-other/mismatch_kl"])
+    same_step_statistics(outs, records)
 
 
 @pytest.mark.slow
@@ -155,12 +172,14 @@ def test_two_process_partial_run_holds_one_pool_and_counts_every_prompt_once(tmp
     gathered, so both hold the same carried rows and end with the same parameters."""
     port = free_port()
     partial = ["rollout.max_new_tokens=4", "rollout.partial.enabled=true", "rollout.partial.budget=1",
-               "loss.mismatch_correction=truncate", "eval.every_steps=0"]
+               "loss.mismatch_correction=truncate", "eval.every_steps=0", "loss.advantage_estimator=rloo",
+               "loss.dynamic_sampling=true"]
     outs = finish([start(4, [*RUN, *partial, f"logging.dir={tmp_path}", *distributed(port, i)]) for i in range(2)])
     sums = [float(printed(out, "PARAMS")) for out in outs]
     assert sums[0] == sums[1]
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2] and all(r["train-rollout/groups"] == 8 for r in records)
+    same_step_statistics(outs, records)
     saved = json.loads((checkpoint_dir(tmp_path) / "2" / "meta" / "metadata").read_text())
     waiting = len(saved["carried"]["groups"])
     assert saved["data"]["position"] * 2 == 2 * 8 + waiting  # each process drew its half of every group

@@ -20,7 +20,7 @@ EXPECTED_KEYS = [
     *(f"train-reward/total/{k}" for k in ("mean", "std", "min", "max")),
     "train-reward/func/correctness/mean", "train-reward/func/correctness/errors",
     *(f"train-other/{k}" for k in ("loss", "entropy", "kl", "clip_frac_low", "clip_frac_high", "grad_norm",
-                                   "lr", "skipped_steps")),
+                                   "lr", "skipped_steps", "zero_std_frac", "adv_baseline_mean", "adv_std")),
     *(f"train-seq_len/{part}/{k}" for part in ("prompt", "completion") for k in ("mean", "max")),
     *(f"train-rollout/{k}" for k in ("decode_steps", "tokens_kept", "slot_utilisation", "length_p50",
                                      "length_p90", "length_max")),

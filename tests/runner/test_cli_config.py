@@ -103,3 +103,11 @@ def test_plugins_lists_the_built_in_commands(capsys):
     assert "command:" in out
     for name in ("export", "launch", "plugins", "report"):
         assert f"  {name} " in out
+
+
+def test_plugins_lists_the_advantage_estimators_as_their_own_kind(capsys):
+    assert main(["plugins"]) == 0
+    out = capsys.readouterr().out
+    section = out[out.index("advantage:\n"):].splitlines()[1:5]
+    assert [line.split()[:2] for line in section] == [[name, "grpo-losses"] for name in
+                                                      ("gdpo", "grpo", "reinforce_pp_baseline", "rloo")]

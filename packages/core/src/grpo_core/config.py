@@ -206,6 +206,10 @@ class LossConfig:
         "group", "Advantage = (r - group mean) / std, with std of the group, the batch, or 1.")
     std_ddof: int = setting(1, "Delta degrees of freedom of the advantage std.", ge=0)
     advantage_eps: float = setting(1e-4, "Added to the std to avoid division by zero.", ge=0.0)
+    advantage_estimator: str = setting(
+        "grpo", "Advantage estimator plugin: grpo (scaled by scale_rewards), rloo (leave-one-out baseline), "
+        "reinforce_pp_baseline (group mean, std of the step), gdpo (each reward normalised in its group).")
+    advantage_options: dict = setting({}, "Options of the advantage estimator.")
     dynamic_sampling: bool = setting(False, "Mask out groups whose rewards all agree (zero std).")
     dynamic_sampling_mode: Literal["mask", "refill"] = setting(
         "mask", "With dynamic_sampling: mask = train on the informative groups of the one rollout; refill = "

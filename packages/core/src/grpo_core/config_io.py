@@ -18,6 +18,7 @@ from typing import Any, Iterable, Literal, Optional, Union
 
 import yaml
 
+from grpo_core.advantage_records import AdvantageSetup
 from grpo_core.config import LORA_TARGETS, RunConfig
 from grpo_core.config_yaml import parse_yaml, read_yaml
 from grpo_core.errors import ConfigError, PluginError
@@ -136,7 +137,8 @@ def _check_range(key: str, value: Any, meta: typing.Mapping) -> None:
 def _unknown_key(key: str, valid: Iterable[str], prefix: str) -> ConfigError:
     full = prefix + key
     close = difflib.get_close_matches(key, list(valid), n=1, cutoff=0.5)
-    hint = f"; did you mean {prefix + close[0]}?" if close else f"; valid keys: {', '.join(sorted(valid))}"
+    keys = ", ".join(sorted(valid)) or "none (it takes no options); remove the key"
+    hint = f"; did you mean {prefix + close[0]}?" if close else f"; valid keys: {keys}"
     return ConfigError(f"unknown config key {full}{hint}")
 
 
@@ -200,20 +202,23 @@ def _mesh_plugin_name(strategy: str) -> str:
 
 def validate_plugins(cfg: RunConfig, registry: Any) -> None:
     """Every plugin name exists and every `options:` block fits its plugin."""
-    selected = [("loss", cfg.loss.impl, cfg.loss.options, "loss"),
-                ("rollout", cfg.rollout.backend, cfg.rollout.options, "rollout"),
-                ("task", cfg.task.name, cfg.task.options, "task"),
-                ("mesh", _mesh_plugin_name(cfg.mesh.strategy), cfg.mesh.options, "mesh")]
+    selected = [("loss", cfg.loss.impl, cfg.loss.options, "loss.options"),
+                ("rollout", cfg.rollout.backend, cfg.rollout.options, "rollout.options"),
+                ("task", cfg.task.name, cfg.task.options, "task.options"),
+                ("mesh", _mesh_plugin_name(cfg.mesh.strategy), cfg.mesh.options, "mesh.options"),
+                ("advantage", cfg.loss.advantage_estimator, cfg.loss.advantage_options, "loss.advantage_options")]
     selected += [("reward", name, cfg.task.reward_options.get(name, {}), f"task.reward_options.{name}")
                  for name in cfg.task.rewards]
     for kind, name, options, where in selected:
         try:
             spec = registry.get(kind, name)
         except PluginError as exc:
-            raise ConfigError(f"{_name_key(kind, where)}: {exc}") from None
-        plugin_options(spec.options, options, where if where.startswith("task.") else f"{where}.options")
+            raise ConfigError(f"{_name_key(kind)}: {exc}") from None
+        checked = plugin_options(spec.options, options, where)
         if kind == "loss":
             _check_entropy_provided(cfg, spec)
+        if kind == "advantage":
+            _check_estimator(cfg, spec, checked)
 
 
 def _check_entropy_provided(cfg: RunConfig, spec: Any) -> None:
@@ -223,16 +228,21 @@ def _check_entropy_provided(cfg: RunConfig, spec: Any) -> None:
                           "(or jax, pallas) or set loss.top_entropy_quantile=1.0")
 
 
-def _name_key(kind: str, where: str) -> str:
-    return {"loss": "loss.impl", "rollout": "rollout.backend", "task": "task.name",
-            "mesh": "mesh.strategy"}.get(kind, "task.rewards")
+def _name_key(kind: str) -> str:
+    return {"loss": "loss.impl", "rollout": "rollout.backend", "task": "task.name", "mesh": "mesh.strategy",
+            "advantage": "loss.advantage_estimator"}.get(kind, "task.rewards")
+
+
+def _check_estimator(cfg: RunConfig, spec: Any, options: Any) -> None:
+    """The estimator refuses, when the config loads, a setup it cannot serve (e.g. rloo with n = 1)."""
+    try:
+        spec.factory(options, setup=AdvantageSetup.from_config(cfg))
+    except ValueError as exc:
+        raise ConfigError(f"loss.advantage_estimator = {spec.name!r}: {exc}") from None
 
 
 def validate_cross_fields(cfg: RunConfig) -> None:
     """Constraints that involve more than one field."""
-    if cfg.rollout.n == 1 and cfg.loss.scale_rewards == "group":
-        raise ConfigError("rollout.n = 1 with loss.scale_rewards = 'group': a group of one sample has no std; "
-                          "set rollout.n >= 2 or loss.scale_rewards=none")
     for name, weight in cfg.task.rewards.items():
         if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not _finite(weight):
             raise ConfigError(f"task.rewards.{name} = {weight!r} has the wrong type: expected a finite number "

@@ -1,5 +1,5 @@
-"""What the runner asks of each of the five plugin kinds (loss, mesh strategy, rollout
-backend, reward function, task), typed, so that a plugin package providing one needs
+"""What the runner asks of each plugin kind (loss, mesh strategy, rollout backend, reward
+function, task, advantage estimator), typed, so that a plugin package providing one needs
 `grpo-core` alone. A spec's factory (`grpo_core.specs`) builds the object a protocol
 here describes; members a plugin may leave out are their own protocols
 (`MeshAwareLoss`, `ListableTask`), checked with `isinstance`.
@@ -20,6 +20,7 @@ from typing import Any, Callable, NamedTuple, Protocol, Sequence, runtime_checka
 import jax
 from jax.sharding import Mesh, NamedSharding
 
+from grpo_core.advantage_records import AdvantageResult, AdvantageSetup, StepRewards
 from grpo_core.multi_turn import Environment, EnvironmentStep, Tool, ToolError  # noqa: F401 (re-exported)
 from grpo_core.rollout_records import RolloutResult, TrainBatch
 
@@ -87,6 +88,16 @@ class RewardFn(Protocol):
     reference final answer for `completions[i]` (e.g. "72")."""
 
     def __call__(self, completions: list[str], answers: list[str]) -> Sequence[float]: ...
+
+
+# ---- advantage estimator (`AdvantageSpec.factory(options, setup: AdvantageSetup)`) ----------
+@runtime_checkable
+class AdvantageEstimator(Protocol):
+    """Turns one step's rewards into one advantage per row; `grpo_core.advantage_records`
+    holds its records (`AdvantageSetup`, `StepRewards`, `AdvantageResult`) and the zero-std
+    rule (`zero_std_groups`) every estimator shares."""
+
+    def __call__(self, rewards: StepRewards) -> AdvantageResult: ...
 
 @dataclass(frozen=True)
 class SamplingParams:

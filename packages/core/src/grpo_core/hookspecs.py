@@ -6,7 +6,7 @@ factories build the objects described in `grpo_core.contracts`. Hook names and a
 are stable: arguments are only ever added, never renamed.
 
 A complete plugin module per hook is in `examples/hooks/` (loss.py, mesh.py, rollout.py,
-reward.py, task.py, command.py, step_end.py, tool.py, environment.py);
+reward.py, task.py, advantage.py, command.py, step_end.py, tool.py, environment.py);
 `tests/e2e/test_hookspec_examples.py` trains one step with each (tools and environments: loads
 and exercises them, until the multi-turn sampler that drives them exists).
 """
@@ -17,7 +17,7 @@ from typing import Any
 
 import pluggy
 
-from grpo_core.specs import CommandSpec, LossSpec, MeshSpec, RewardSpec, RolloutSpec, TaskSpec
+from grpo_core.specs import AdvantageSpec, CommandSpec, LossSpec, MeshSpec, RewardSpec, RolloutSpec, TaskSpec
 from grpo_core.specs import EnvironmentSpec, ToolSpec
 
 PROJECT = "grpo"
@@ -48,6 +48,11 @@ def grpo_rewards() -> list[RewardSpec]:
 @hookspec
 def grpo_tasks() -> list[TaskSpec]:
     """Tasks (`contracts.Task`) selectable with `task.name: <name>`."""
+
+
+@hookspec
+def grpo_advantages() -> list[AdvantageSpec]:
+    """Advantage estimators (`contracts.AdvantageEstimator`) selectable with `loss.advantage_estimator: <name>`."""
 
 
 @hookspec

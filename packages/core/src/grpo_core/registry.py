@@ -28,6 +28,7 @@ HOOK_BY_KIND = {
     "rollout": "grpo_rollouts",
     "reward": "grpo_rewards",
     "task": "grpo_tasks",
+    "advantage": "grpo_advantages",
     "command": "grpo_commands",
     "tool": "grpo_tools",
     "environment": "grpo_environments",
@@ -88,8 +89,8 @@ def load_entry_points(pm: pluggy.PluginManager, strict: bool | None = None) -> d
 
 
 class Registry:
-    """Every named plugin (loss, mesh, rollout, reward, task, command, tool, environment), by kind and
-    name; the step-end hooks."""
+    """Every named plugin (loss, mesh, rollout, reward, task, advantage estimator, command, tool,
+    environment), by kind and name; the step-end hooks."""
 
     def __init__(self, pm: pluggy.PluginManager, distributions: dict[str, str] | None = None):
         self._pm = pm
@@ -151,6 +152,9 @@ class Registry:
 
     def task(self, name: str) -> PluginSpec:
         return self.get("task", name)
+
+    def advantage(self, name: str) -> PluginSpec:
+        return self.get("advantage", name)
 
     def command(self, name: str) -> PluginSpec:
         return self.get("command", name)

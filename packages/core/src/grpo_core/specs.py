@@ -90,6 +90,15 @@ class TaskSpec(PluginSpec):
 
 
 @dataclass(frozen=True)
+class AdvantageSpec(PluginSpec):
+    """An advantage estimator selected by `loss.advantage_estimator` (options: `loss.advantage_options`):
+    `factory(options, setup: grpo_core.advantage_records.AdvantageSetup) ->
+    grpo_core.contracts.AdvantageEstimator`; a ValueError from it refuses the config."""
+
+    kind: ClassVar[str] = "advantage"
+
+
+@dataclass(frozen=True)
 class CommandSpec(PluginSpec):
     """A `grpo-run <name> ...` subcommand: `factory(argv) -> exit code`, called with the arguments
     after the name. A `grpo_core.errors.UserError` it raises prints as one line and exits 2."""
@@ -98,7 +107,7 @@ class CommandSpec(PluginSpec):
 
 
 SPEC_TYPES: dict[str, type[PluginSpec]] = {
-    spec.kind: spec for spec in (LossSpec, MeshSpec, RolloutSpec, RewardSpec, TaskSpec, CommandSpec)
+    spec.kind: spec for spec in (LossSpec, MeshSpec, RolloutSpec, RewardSpec, TaskSpec, AdvantageSpec, CommandSpec)
 }
 
 

@@ -1,10 +1,11 @@
-"""Group-relative advantages.
+"""Group-relative advantages (the `grpo` estimator's arithmetic, see estimators.py).
 
 Rewards are a flat [P * G] vector, prompt-major: the G completions of each prompt
 are consecutive. A = (r - mean of its group) / (std + eps), where std is the
 group's (`scale_rewards: group`), the whole batch's (`batch`), or 1 with no eps
-(`none`, Dr.GRPO). Groups whose rewards all agree carry no learning signal; with
-`dynamic_sampling` they are masked out (shapes stay static).
+(`none`, Dr.GRPO). Groups whose rewards all agree carry no learning signal
+(`grpo_core.advantage_records.zero_std_groups`); with `dynamic_sampling` they are
+masked out (shapes stay static).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from grpo_core.advantage_records import kept_rows, zero_std_groups
 from grpo_core.config import LossConfig
 
 Array = jax.Array
@@ -45,20 +47,13 @@ def group_advantages(rewards: Array, group_size: int, *, scale_rewards: str = "g
     return (centred / (std + eps)).reshape(-1)
 
 
-def zero_std_groups(rewards: Array, group_size: int) -> Array:
-    """[P] bool: the group's rewards are all equal (no signal to learn from)."""
-    groups = _grouped(rewards, group_size)
-    return jnp.all(groups == groups[:, :1], axis=1)
-
-
 def compute_advantages(rewards: Array, group_size: int, cfg: LossConfig) -> Advantages:
     """Advantages with the `loss` config's scaling, ddof and eps, plus the
     dynamic-sampling keep mask (all ones unless `cfg.dynamic_sampling`)."""
     advantages = group_advantages(rewards, group_size, scale_rewards=cfg.scale_rewards,
                                   std_ddof=cfg.std_ddof, eps=cfg.advantage_eps)
-    zero_std = zero_std_groups(rewards, group_size)
-    keep = jnp.repeat(~zero_std, group_size) if cfg.dynamic_sampling else jnp.ones_like(advantages, bool)
-    return Advantages(advantages, keep.astype(jnp.float32), zero_std)
+    keep = kept_rows(rewards, group_size, cfg.dynamic_sampling)
+    return Advantages(advantages, jnp.asarray(keep), jnp.asarray(zero_std_groups(rewards, group_size)))
 
 
 def _grouped(rewards: Array, group_size: int) -> Array:

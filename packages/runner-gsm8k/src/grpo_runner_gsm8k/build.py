@@ -15,6 +15,7 @@ from typing import Any, Optional
 import jax
 from jax.sharding import Mesh
 
+from grpo_core.advantage_records import AdvantageSetup
 from grpo_core.config import RunConfig
 from grpo_core.contracts import ListableTask, RolloutBackend, SamplingParams, Task
 from grpo_core.config_io import plugin_options
@@ -269,6 +270,7 @@ class Inputs:
     rewards: dict[str, tuple[Any, float]]
     prompt_ids: dict[str, list[int]]
     prompts_per_process: int  # prompts each process takes per step
+    estimator: Any = None  # the advantage estimator (grpo_core.contracts.AdvantageEstimator)
 
 
 def check_inputs(cfg: RunConfig, registry: Registry, process_index: int = 0,
@@ -286,8 +288,10 @@ def check_inputs(cfg: RunConfig, registry: Registry, process_index: int = 0,
     rewards = {name: (from_plugin(registry, "reward", name, cfg.task.reward_options.get(name, {}),
                                   f"task.reward_options.{name}"), float(weight))
                for name, weight in cfg.task.rewards.items()}
+    estimator = from_plugin(registry, "advantage", cfg.loss.advantage_estimator, cfg.loss.advantage_options,
+                            "loss.advantage_options", setup=AdvantageSetup.from_config(cfg))
     return qcfg, Inputs(tokenizer, task, rewards, check_prompts(cfg, tokenizer, task, prompts_per_process),
-                        prompts_per_process)
+                        prompts_per_process, estimator)
 
 
 def check_run_dir(cfg: RunConfig) -> None:

@@ -17,10 +17,11 @@ def plugins_main(argv: list[str]) -> int:
     if argv:
         raise UserError(f"grpo-run plugins takes no arguments, got {' '.join(argv)!r}")
     registry = default_registry()
+    width = max([14, *(len(name) for kind in HOOK_BY_KIND for name in registry.names(kind))])
     for kind in HOOK_BY_KIND:
         print(f"{kind}:")
         for item in registry.entries(kind):
-            print(f"  {item.spec.name:<14} {item.distribution:<20} {item.spec.description}")
+            print(f"  {item.spec.name:<{width}} {item.distribution:<20} {item.spec.description}")
     return 0
 
 

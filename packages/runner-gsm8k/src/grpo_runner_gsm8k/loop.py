@@ -23,11 +23,11 @@ from grpo_core.contracts import CompletionText, Policy
 from grpo_core.models.precision import compute_params, needs_cast
 from grpo_core.errors import UserError
 from grpo_core.registry import Registry
-from grpo_losses import compute_advantages
 from grpo_meshes import train_batch_sharding
 from grpo_core.rollout_records import DecodeTally, RolloutResult, waste_metrics
 
 from grpo_runner_gsm8k.adapters import check_same_base
+from grpo_runner_gsm8k.advantages import step_advantages
 from grpo_runner_gsm8k.build import check_run_dir, prepare_run_dir, prompt_token_ids, warn_if_updates_round_away
 from grpo_runner_gsm8k.checkpoint import Checkpointer, Resume, TrainState, resume_point
 from grpo_runner_gsm8k.lock import RunDirLock
@@ -154,7 +154,8 @@ class Trainer:
         (_, result, scores), sampling_metrics = self.sample_step(weights, key, times, tally)
 
         reward_start = time.monotonic()
-        advantages = compute_advantages(jnp.asarray(scores.total), self.cfg.rollout.n, self.cfg.loss)
+        advantages = step_advantages(self.built.inputs.estimator, scores, self.cfg.rollout.n,
+                                     self.cfg.loss.dynamic_sampling)
         times["reward_s"] += time.monotonic() - reward_start
 
         update_start = time.monotonic()
@@ -278,10 +279,10 @@ class Trainer:
             "train-other/kl": train.get("kl_mean", 0.0),
             "train-other/lr": float(self.built.lr_schedule(self.state.step - 1)),
             "train-other/skipped_steps": self.state.skipped_steps,
-            "train-other/zero_std_frac": float(np.mean(np.asarray(advantages.zero_std))),
             "train-seq_len/prompt/mean": float(prompt_lengths.mean()), "train-seq_len/prompt/max": int(prompt_lengths.max()),
             "train-seq_len/completion/mean": float(lengths.mean()), "train-seq_len/completion/max": int(lengths.max()),
         })
+        out.update(advantages.metrics)
         out.update(objective_metrics(train, result, self.cfg.loss))
         out.update(memory_metrics())
         return out

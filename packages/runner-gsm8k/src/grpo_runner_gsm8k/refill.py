@@ -21,8 +21,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from grpo_core.advantage_records import zero_std_groups
 from grpo_core.rollout_records import RolloutResult
-from grpo_losses import zero_std_groups
 
 from grpo_runner_gsm8k.multihost import host_array
 from grpo_runner_gsm8k.scoring import Scores
@@ -38,7 +38,7 @@ class Sampled(NamedTuple):
 
 def informative(scores: Scores, n: int) -> np.ndarray:
     """[P] bool: the group's rewards do not all agree."""
-    return ~np.asarray(zero_std_groups(scores.total, n))
+    return ~zero_std_groups(scores.total, n)
 
 
 def needs_more(rounds: list[Sampled], n: int, want: int, max_extra: int) -> bool:
