@@ -5,8 +5,10 @@ Per token (masked positions contribute nothing):
              GSPO (`importance_sampling_level: sequence`): the masked mean of
              log r over the sequence, shared by all its tokens
     log r  = clip(log r, -logratio_clamp, +logratio_clamp)   when set
-    pg     = -min(r * A, clip(r, 1 - epsilon_low, 1 + epsilon_high) * A)
-    pg     = min(pg, epsilon_c * |A|) where A < 0        (dual clip, when set)
+    pg     = the `policy_loss` term (policy_losses.py), by default PPO's clip:
+             -min(r * A, clip(r, 1 - epsilon_low, 1 + epsilon_high) * A)
+             with min(pg, epsilon_c * |A|) where A < 0   (dual clip, when set);
+             cispo: -sg(min(r, eps_max)) * A * logp;  sapo: -sigmoid(tau (r - 1)) 4 / tau * A
     pg     = pg * w_mismatch * selected          (both off by default; see corrections.py)
     loss   = pg + beta * KL_k(policy || ref) - entropy_coef * entropy
 A is the row's advantage on each of its tokens, or the token's own advantage when
@@ -50,6 +52,7 @@ from grpo_core.config import LossConfig
 
 from grpo_losses.corrections import MismatchWeights, high_entropy_tokens, mismatch_weights
 from grpo_losses.logps import Array, TokenLogpsImpl
+from grpo_losses.policy_losses import check_policy_loss, policy_gradient_term, sapo_gate_weight
 
 F32 = jnp.float32
 
@@ -73,6 +76,8 @@ class LossMetrics(NamedTuple):
     mismatch_ratio_max: Array | None = None  # -inf when no token is unmasked
     mismatch_rejected: Array | None = None  # tokens whose weight was truncated or masked
     selected: Array | None = None  # tokens kept by high-entropy selection
+    capped: Array | None = None  # cispo: tokens whose importance weight was capped at cispo_epsilon_max
+    gate_sum: Array | None = None  # sapo: sum of the gate weights 4 sigmoid (1 - sigmoid)
 
     def merge(self, other: LossMetrics) -> LossMetrics:
         """The metrics of both micro-batches together."""
@@ -85,8 +90,9 @@ class LossMetrics(NamedTuple):
         return LossMetrics(*(combine(name, a, b) for name, a, b in zip(self._fields, self, other)))
 
     def summary(self) -> dict[str, Array]:
-        """clip_frac_low/high, ratio_mean/min/max, and where available kl_mean,
-        entropy_mean, mismatch_kl/ratio_mean/ratio_max/rejected_frac, entropy_selected_frac."""
+        """clip_frac_low/high, ratio_mean/min/max, and where available kl_mean, entropy_mean,
+        mismatch_kl/ratio_mean/ratio_max/rejected_frac, entropy_selected_frac, cispo_capped_frac,
+        sapo_gate_mean."""
         tokens = jnp.maximum(self.tokens, 1.0)
         out = {"clip_frac_low": self.clip_low / tokens, "clip_frac_high": self.clip_high / tokens,
                "ratio_mean": self.ratio_sum / tokens, "ratio_min": self.ratio_min, "ratio_max": self.ratio_max}
@@ -97,8 +103,9 @@ class LossMetrics(NamedTuple):
         if self.mismatch_kl_sum is not None:
             out.update(mismatch_kl=self.mismatch_kl_sum / tokens, mismatch_ratio_mean=self.mismatch_ratio_sum / tokens,
                        mismatch_ratio_max=self.mismatch_ratio_max, mismatch_rejected_frac=self.mismatch_rejected / tokens)
-        if self.selected is not None:
-            out["entropy_selected_frac"] = self.selected / tokens
+        optional = {"entropy_selected_frac": self.selected, "cispo_capped_frac": self.capped,
+                    "sapo_gate_mean": self.gate_sum}
+        out.update({name: value / tokens for name, value in optional.items() if value is not None})
         return out
 
 
@@ -144,6 +151,7 @@ def grpo_loss(impl: TokenLogpsImpl, hidden: Array, lm_head: Array, targets: Arra
     then carries no gradient.
     """
     _check_config(cfg, ref_logp)
+    check_policy_loss(cfg)
     row_or_token_advantages(advantages, mask)  # a wrong shape fails here, before any compute
     need_entropy = cfg.compute_entropy or cfg.entropy_coef > 0 or cfg.top_entropy_quantile < 1.0
     mask = mask.astype(F32)
@@ -224,7 +232,7 @@ def token_losses(logp: Array, entropy: Array | None, mask: Array, advantages: Ar
     selection (None = every token)."""
     ratio = importance_ratio(logp, old_logp, mask, cfg)  # [B, T] or [B, 1]
     adv = row_or_token_advantages(advantages, mask)  # [B, 1] or [B, T]
-    per_token = clipped_surrogate(ratio, adv, cfg)
+    per_token = policy_gradient_term(ratio, adv, logp, cfg)
     mismatch = None
     if cfg.mismatch_correction != "none":
         mismatch = mismatch_weights(logp if old_logp is None else old_logp, sampler_logp, mask, cfg)
@@ -239,7 +247,8 @@ def token_losses(logp: Array, entropy: Array | None, mask: Array, advantages: Ar
     if cfg.entropy_coef > 0:
         per_token = per_token - cfg.entropy_coef * entropy
     ratio = jnp.broadcast_to(ratio, logp.shape)
-    metrics = _metrics(ratio, adv, mask, kl, entropy if cfg.compute_entropy else None, cfg)
+    metrics = _policy_metrics(_metrics(ratio, adv, mask, kl, entropy if cfg.compute_entropy else None, cfg),
+                              ratio, adv, mask, cfg)
     return per_token * mask, _with_selection_metrics(metrics, mask, mismatch, selected)
 
 
@@ -263,15 +272,6 @@ def importance_ratio(logp: Array, old_logp: Array | None, mask: Array, cfg: Loss
     if cfg.logratio_clamp is not None:
         log_ratio = jnp.clip(log_ratio, -cfg.logratio_clamp, cfg.logratio_clamp)
     return jnp.exp(log_ratio)
-
-
-def clipped_surrogate(ratio: Array, adv: Array, cfg: LossConfig) -> Array:
-    """PPO clipped policy loss, with the dual clip for negative advantages."""
-    clipped = jnp.clip(ratio, 1.0 - cfg.epsilon_low, 1.0 + cfg.epsilon_high)
-    loss = -jnp.minimum(ratio * adv, clipped * adv)
-    if cfg.epsilon_c is not None:
-        loss = jnp.where(adv < 0, jnp.minimum(loss, -cfg.epsilon_c * adv), loss)
-    return loss
 
 
 def kl_estimate(logp: Array, ref_logp: Array, mask: Array, estimator: str) -> Array:
@@ -331,6 +331,16 @@ def _metrics(ratio: Array, adv: Array, mask: Array, kl: Array | None, entropy: A
         ratio_min=jnp.min(jnp.where(valid, ratio, jnp.inf)), ratio_max=jnp.max(jnp.where(valid, ratio, -jnp.inf)),
         kl_sum=None if kl is None else jnp.sum(jax.lax.stop_gradient(kl) * mask),
         entropy_sum=None if entropy is None else jnp.sum(jax.lax.stop_gradient(entropy) * mask))
+
+
+def _policy_metrics(metrics: LossMetrics, ratio: Array, adv: Array, mask: Array, cfg: LossConfig) -> LossMetrics:
+    """`metrics` plus the sums of the cispo / sapo policy loss in use (ratio [B, T])."""
+    ratio = jax.lax.stop_gradient(ratio)
+    if cfg.policy_loss == "cispo":
+        return metrics._replace(capped=jnp.sum((ratio > cfg.cispo_epsilon_max) * mask))
+    if cfg.policy_loss == "sapo":
+        return metrics._replace(gate_sum=jnp.sum(sapo_gate_weight(ratio, adv, cfg) * mask))
+    return metrics
 
 
 def _with_selection_metrics(metrics: LossMetrics, mask: Array, mismatch: MismatchWeights | None,

@@ -394,12 +394,12 @@ def trained_rows(result: RolloutResult, advantages, loss_cfg) -> np.ndarray:
 
 
 OPTIONAL_TRAIN_METRICS = ("mismatch_kl", "mismatch_ratio_mean", "mismatch_ratio_max", "mismatch_rejected_frac",
-                          "entropy_selected_frac")
+                          "entropy_selected_frac", "cispo_capped_frac", "sapo_gate_mean")
 
 
 def objective_metrics(train: dict, result: RolloutResult, loss_cfg) -> dict:
     """train-other/* metrics of the objective options in use (mismatch correction, entropy
-    selection, truncated completions)."""
+    selection, cispo / sapo policy loss, truncated completions)."""
     out = {f"train-other/{name}": float(train[name]) for name in OPTIONAL_TRAIN_METRICS if name in train}
     if loss_cfg.mask_truncated_completions:
         out["train-other/truncated_frac"] = float(1.0 - np.mean(host_array(result.finished)))
