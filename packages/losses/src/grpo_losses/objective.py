@@ -8,14 +8,10 @@ Per token (masked positions contribute nothing):
     pg     = the `policy_loss` term (policy_losses.py), by default PPO's clip:
              -min(r * A, clip(r, 1 - epsilon_low, 1 + epsilon_high) * A)
              with min(pg, epsilon_c * |A|) where A < 0   (dual clip, when set);
-             cispo: -sg(min(r, eps_max)) * A * logp;  sapo: -sigmoid(tau (r - 1)) 4 / tau * A
+             cispo (MiniMax-M1, arXiv:2506.13585): -sg(min(r, eps_max)) * A * logp;
+             sapo (Gao et al., arXiv:2511.20347): -sigmoid(tau (r - 1)) * 4 / tau * A
     pg     = pg * w_mismatch * selected          (both off by default; see corrections.py)
     loss   = pg + beta * KL_k(policy || ref) - entropy_coef * entropy
-A is the row's advantage on each of its tokens, or the token's own advantage when
-advantages are given per token [B, T] (e.g. a teacher's per-token signal in on-policy
-distillation); a per-token A constant along its row is exactly the per-row case. With
-GSPO's sequence ratio s_i, a per-token advantage keeps its own sign in the clip:
-pg_t = -min(s_i * A_t, clip(s_i) * A_t), so every token still shares s_i's gradient.
 with KL estimators on log q = ref_logp - logp:  k1 = -log q,  k2 = (log q)^2 / 2,
 k3 = exp(log q) - log q - 1; with `kl_importance_weighted` the estimate is
 multiplied by the ratio r above (differentiable, as TRL's
@@ -24,6 +20,12 @@ estimates the KL under the current one), and the `kl_mean` metric reports that
 product. The entropy bonus is part of the per-token loss, so it is aggregated
 exactly like the loss (e.g. per-sequence means for seq_mean_token_mean), not as
 a separate token mean.
+
+A is the row's advantage on each of its tokens, or the token's own advantage when
+advantages are given per token [B, T] (e.g. a teacher's per-token signal in on-policy
+distillation); a per-token A constant along its row is exactly the per-row case. With
+GSPO's sequence ratio s_i, a per-token advantage keeps its own sign in the clip:
+pg_t = -min(s_i * A_t, clip(s_i) * A_t), so every token still shares s_i's gradient.
 
 Exact gradient accumulation. `grpo_loss` returns a `numerator` and a
 `denominator` per micro-batch; the big-batch loss is
@@ -142,8 +144,9 @@ def grpo_loss(impl: TokenLogpsImpl, hidden: Array, lm_head: Array, targets: Arra
     lm_head [H, V], targets [B, T] int, mask [B, T] (1 = completion token),
     advantages [B] (per row) or [B, T] (per token, like the mask), old_logp /
     ref_logp [B, T] float32 or None (None old means on-policy: ratio 1 with the
-    policy gradient intact), temperature = the sampling temperature, sampler_logp [B, T] the rollout's log-probs (needed by
-    `mismatch_correction` only). Differentiate `numerator` (see module doc).
+    policy gradient intact), temperature = the sampling temperature, sampler_logp
+    [B, T] the rollout's log-probs (needed by `mismatch_correction` only).
+    Differentiate `numerator` (see module doc).
 
     Implementations with a one-pass gradient (`impl.one_pass`, e.g. `fused`) get
     the whole per-token objective when every per-token term depends on its own
