@@ -7,11 +7,11 @@ clip (PPO; GRPO, DAPO's clip-higher, GSPO):
     pg = -min(r * A, clip(r, 1 - epsilon_low, 1 + epsilon_high) * A)
     pg = min(pg, epsilon_c * |A|) where A < 0                (dual clip, when set)
 
-cispo (MiniMax et al., "MiniMax-M1: Scaling Test-Time Compute Efficiently with Lightning
-Attention", arXiv:2506.13585, 2025, section 3.1): clip the importance-sampling weight, not the update, and
-stop its gradient, so every token keeps its gradient (PPO's clip zeroes it):
+cispo (MiniMax, "MiniMax-M1: Scaling Test-Time Compute Efficiently with Lightning
+Attention", arXiv:2506.13585, 2025): clip the importance-sampling weight, not the update,
+and stop its gradient, so every token keeps its gradient (PPO's clip zeroes it):
     pg = -sg(min(r, eps_max)) * A * logp          eps_max = cispo_epsilon_max
-d pg / d logp = -min(r, eps_max) * A, the REINFORCE gradient reweighted by the capped ratio.
+d pg / d logp = -min(r, eps_max) * A (token-level r), the REINFORCE gradient reweighted by the capped ratio.
 The paper tunes only the upper bound (no lower bound), as TRL's `loss_type="cispo"` does
 with its cap `epsilon_high` (the eps_max of ScaleRL, Khatri et al. 2025, arXiv:2510.13786,
 recommended 5.0). The loss *value* is a surrogate (A * logp), not comparable to clip's.
