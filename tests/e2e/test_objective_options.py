@@ -1,7 +1,8 @@
 """The objective options on the tiny config through the real loop: mismatch correction,
-overlong handling, high-entropy token selection and dynamic-sampling refill train without
-NaN and log their metrics (metrics.jsonl and W&B); bad values exit 2 with one line; a
-refilling run resumed from a checkpoint ends bitwise equal to an uninterrupted one."""
+overlong handling, high-entropy token selection, dynamic-sampling refill and the cispo and
+sapo policy losses train without NaN and log their metrics (metrics.jsonl and W&B); bad
+values exit 2 with one line; a refilling run resumed from a checkpoint ends bitwise equal
+to an uninterrupted one."""
 
 import json
 import math
@@ -35,6 +36,9 @@ OPTION_RUNS = {
                        ["train-other/entropy_selected_frac"]),
     "refill": (["loss.dynamic_sampling=true", "loss.dynamic_sampling_mode=refill", "loss.max_extra_rollouts=2"],
                REFILL),
+    # two epochs: the second update's ratios leave 1, so the cap and the gate act
+    "cispo": (["loss.policy_loss=cispo", "train.ppo_epochs=2"], ["train-other/cispo_capped_frac"]),
+    "sapo": (["loss.policy_loss=sapo", "train.ppo_epochs=2"], ["train-other/sapo_gate_mean"]),
 }
 
 
@@ -105,8 +109,13 @@ def test_correction_with_sampler_logps_says_it_does_nothing(train, capsys):
     (["loss.dynamic_sampling_mode=refill"], "loss.dynamic_sampling = false"),
     (["loss.max_extra_rollouts=0"], "loss.max_extra_rollouts = 0 is out of range"),
     (["loss.mismatch_correction=clip"], "loss.mismatch_correction = 'clip' has the wrong type"),
+    (["loss.policy_loss=ppo"], "loss.policy_loss = 'ppo' has the wrong type"),
+    (["loss.policy_loss=cispo", "loss.epsilon_c=3"], "loss.epsilon_c = 3.0 is the dual clip of the clipped surrogate"),
+    (["loss.cispo_epsilon_max=0.5"], "loss.cispo_epsilon_max = 0.5 is out of range"),
+    (["loss.sapo_temperature_neg=0"], "loss.sapo_temperature_neg = 0.0 is out of range"),
 ], ids=["c_max_zero", "c_min_negative", "c_min_above_c_max", "quantile_zero", "quantile_above_one",
-        "refill_without_dynamic_sampling", "no_extra_rollouts", "unknown_correction"])
+        "refill_without_dynamic_sampling", "no_extra_rollouts", "unknown_correction", "unknown_policy_loss",
+        "dual_clip_with_cispo", "cispo_cap_below_one", "sapo_temperature_zero"])
 def test_bad_values_exit_2_with_one_line(tmp_path, tiny_config_path, fast, capsys, args, problem):
     assert main(["--config", tiny_config_path, *fast, f"logging.dir={tmp_path / 'run'}", *args]) == 2
     lines = capsys.readouterr().err.strip().splitlines()

@@ -42,6 +42,12 @@ def test_token_level_ratios_take_three_lm_head_matmuls(aggregation):
     assert lm_head_matmuls(FusedLogps(FusedOptions(block_size=64, one_pass=False)), cfg) == 4
 
 
+@pytest.mark.parametrize("policy_loss", ["cispo", "sapo"])
+def test_cispo_and_sapo_take_the_one_pass(policy_loss):
+    """Their per-token losses depend on the token's own logp: elementwise, like clip's."""
+    assert lm_head_matmuls(FusedLogps(FusedOptions(block_size=64)), LossConfig(policy_loss=policy_loss)) == 3
+
+
 def test_sequence_level_ratios_keep_two_passes():
     cfg = LossConfig(importance_sampling_level="sequence")
     assert lm_head_matmuls(FusedLogps(FusedOptions(block_size=64)), cfg) == 4

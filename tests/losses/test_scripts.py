@@ -22,6 +22,16 @@ def test_bench_prints_one_json_line(capsys):
     assert max(record["max_abs_diff_vs_jax"].values()) < 1e-4
 
 
+def test_bench_runs_cispo_and_sapo_with_token_advantages(capsys):
+    for policy_loss in ("cispo", "sapo"):
+        bench.main(["--impl", "fused", "--batch", "2", "--time", "24", "--vocab", "300", "--hidden", "16",
+                    "--block-size", "128", "--time-block", "16", "--repeats", "1", "--policy-loss", policy_loss,
+                    "--token-advantages"])
+        record = json.loads(capsys.readouterr().out)
+        assert record["policy_loss"] == policy_loss and record["advantages"] == [2, 24]
+        assert max(record["max_abs_diff_vs_jax"].values()) < 1e-4
+
+
 def test_bench_compile_only_reports_memory_without_running(capsys):
     bench.main(["--impl", "jax", "--batch", "1", "--time", "8", "--vocab", "64", "--hidden", "8", "--no-run"])
     record = json.loads(capsys.readouterr().out)

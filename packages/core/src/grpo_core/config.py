@@ -190,6 +190,16 @@ class LossConfig:
         None, "Clamp log(ratio) to [-c, c] before exp, against overflow; null disables.", gt=0.0)
     importance_sampling_level: Literal["token", "sequence"] = setting(
         "token", "token = per-token ratios (GRPO); sequence = GSPO sequence-mean log-ratio.")
+    policy_loss: Literal["clip", "cispo", "sapo"] = setting(
+        "clip", "Policy-gradient term: clip = PPO clipped surrogate; cispo = capped, stop-gradient importance "
+        "weight on every token's log-prob (MiniMax-M1); sapo = sigmoid soft gate on the ratio (Qwen SAPO).")
+    # 5.0: ScaleRL's eps_max, TRL's recommendation. TRL passes it as epsilon_high with loss_type="cispo";
+    # here epsilon_high stays the clip's 1 + eps, so the cap has its own name.
+    cispo_epsilon_max: float = setting(
+        5.0, "cispo: upper bound of the importance weight, min(ratio, cispo_epsilon_max).", ge=1.0)
+    # 1.0 / 1.05: the SAPO paper's and TRL's defaults (a faster decay for negative advantages).
+    sapo_temperature_pos: float = setting(1.0, "sapo: gate temperature of tokens with advantage > 0.", gt=0.0)
+    sapo_temperature_neg: float = setting(1.05, "sapo: gate temperature of tokens with advantage <= 0.", gt=0.0)
     beta: float = setting(0.0, "KL coefficient; > 0 loads a frozen reference model.", ge=0.0)
     kl_estimator: Literal["k1", "k2", "k3"] = setting("k3", "Estimator of KL(policy || reference).")
     # Off by default: the plain k3 term is the GRPO paper's; on matches TRL's use_bias_correction_kl.

@@ -262,6 +262,9 @@ def validate_cross_fields(cfg: RunConfig) -> None:
 
 
 def _check_loss_options(loss: Any) -> None:
+    if loss.policy_loss != "clip" and loss.epsilon_c is not None:
+        raise ConfigError(f"loss.epsilon_c = {loss.epsilon_c} is the dual clip of the clipped surrogate, but "
+                          f"loss.policy_loss = {loss.policy_loss!r} has none; set loss.epsilon_c=null")
     if loss.mismatch_c_min is not None and loss.mismatch_c_min > loss.mismatch_c_max:
         raise ConfigError(f"loss.mismatch_c_min = {loss.mismatch_c_min} is above loss.mismatch_c_max = "
                           f"{loss.mismatch_c_max}: every ratio would be truncated or masked; set c_min <= c_max")

@@ -4,7 +4,8 @@
     python -m grpo_losses.bench --impl fused ...     (same, without the dispatcher)
 
 Prints ONE JSON line. The loss is `grpo_loss` with the default `loss` config
-(token_mean, entropy metric on) and old log-probs given; fwd+bwd = its value and
+(token_mean, entropy metric on) but `--policy-loss`, old log-probs given, and
+advantages per row (per token with `--token-advantages`); fwd+bwd = its value and
 gradients w.r.t. hidden and lm_head. Compilation uses only abstract shapes, so
 temp bytes (XLA memory_analysis) are reported for any size; timing and the
 difference to `jax` run only when the arrays fit in `--memory-budget-gib`
@@ -42,6 +43,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--block-size", type=int, default=None, help="vocab block (default: the impl's)")
     parser.add_argument("--time-block", type=int, default=None, help="token block (default: the impl's)")
     parser.add_argument("--two-pass", action="store_true", help="fused: gradient in the backward (one_pass: false)")
+    parser.add_argument("--policy-loss", choices=["clip", "cispo", "sapo"], default="clip", help="loss.policy_loss")
+    parser.add_argument("--token-advantages", action="store_true", help="advantages [B, T] instead of [B]")
     parser.add_argument("--repeats", type=int, default=5, help="timed fwd+bwd runs (median reported)")
     parser.add_argument("--memory-budget-gib", type=float, default=None,
                         help="run only when arrays + temp fit (default: 70%% of available RAM)")
@@ -58,9 +61,9 @@ def build_impl(name: str, block_size: int | None, time_block: int | None, two_pa
     return ReferenceLogps()
 
 
-def loss_fns(impl):
+def loss_fns(impl, policy_loss: str = "clip"):
     """(fwd, fwd+bwd) of the benchmark loss, both taking the 6 input arrays."""
-    cfg = LossConfig()
+    cfg = LossConfig(policy_loss=policy_loss)
 
     def loss(hidden, lm_head, targets, mask, advantages, old_logp):
         return grpo_loss(impl, hidden, lm_head, targets, mask, advantages, old_logp, None, cfg).loss
@@ -73,7 +76,11 @@ def input_specs(args: argparse.Namespace) -> tuple[jax.ShapeDtypeStruct, ...]:
     b, t = args.batch, args.time
     return (jax.ShapeDtypeStruct((b, t, args.hidden), dtype), jax.ShapeDtypeStruct((args.hidden, args.vocab), dtype),
             jax.ShapeDtypeStruct((b, t), jnp.int32), jax.ShapeDtypeStruct((b, t), jnp.float32),
-            jax.ShapeDtypeStruct((b,), jnp.float32), jax.ShapeDtypeStruct((b, t), jnp.float32))
+            jax.ShapeDtypeStruct(advantage_shape(args), jnp.float32), jax.ShapeDtypeStruct((b, t), jnp.float32))
+
+
+def advantage_shape(args: argparse.Namespace) -> tuple[int, ...]:
+    return (args.batch, args.time) if args.token_advantages else (args.batch,)
 
 
 def make_inputs(args: argparse.Namespace):
@@ -84,7 +91,7 @@ def make_inputs(args: argparse.Namespace):
     lm_head = (jax.random.normal(keys[1], (h, v), jnp.float32) * (2.0 / h ** 0.5)).astype(dtype)
     old_logp = -jnp.log(float(v)) + 0.3 * jax.random.normal(keys[4], (b, t))
     return (hidden, lm_head, jax.random.randint(keys[2], (b, t), 0, v), jnp.ones((b, t), jnp.float32),
-            jax.random.normal(keys[3], (b,)), old_logp)
+            jax.random.normal(keys[3], advantage_shape(args)), old_logp)
 
 
 def compiled_bytes(fn, specs) -> dict[str, int]:
@@ -124,12 +131,13 @@ def max_abs_diff(result, reference) -> dict[str, float]:
 
 def run(args: argparse.Namespace) -> dict:
     impl = build_impl(args.impl, args.block_size, args.time_block, args.two_pass)
-    fwd, fwd_bwd = loss_fns(impl)
+    fwd, fwd_bwd = loss_fns(impl, args.policy_loss)
     specs = input_specs(args)
     fwd_bytes, train_bytes = compiled_bytes(fwd, specs), compiled_bytes(fwd_bwd, specs)
     budget = args.memory_budget_gib * GIB if args.memory_budget_gib else 0.7 * available_bytes()
     record = {"impl": args.impl, "shape": {"batch": args.batch, "time": args.time, "vocab": args.vocab,
                                            "hidden": args.hidden},
+              "policy_loss": args.policy_loss, "advantages": list(advantage_shape(args)),
               "dtype": args.dtype, "options": getattr(getattr(impl, "options", None), "__dict__", {}),
               "temp_bytes_fwd": fwd_bytes["temp"], "temp_bytes_fwd_bwd": train_bytes["temp"],
               "temp_mib_fwd_bwd": round(train_bytes["temp"] / 2 ** 20, 1),
@@ -144,7 +152,7 @@ def run(args: argparse.Namespace) -> dict:
     record["median_fwd_bwd_ms"] = round(median_ms(fwd_bwd, inputs, args.repeats), 2)
     result = fwd_bwd(*inputs)
     if args.impl != "jax":
-        _, reference = loss_fns(ReferenceLogps())
+        _, reference = loss_fns(ReferenceLogps(), args.policy_loss)
         reference_bytes = compiled_bytes(reference, specs)
         if peak_estimate(reference_bytes) + peak_estimate(train_bytes) <= budget:
             record["max_abs_diff_vs_jax"] = max_abs_diff(result, reference(*inputs))

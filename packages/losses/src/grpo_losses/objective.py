@@ -5,8 +5,11 @@ Per token (masked positions contribute nothing):
              GSPO (`importance_sampling_level: sequence`): the masked mean of
              log r over the sequence, shared by all its tokens
     log r  = clip(log r, -logratio_clamp, +logratio_clamp)   when set
-    pg     = -min(r * A, clip(r, 1 - epsilon_low, 1 + epsilon_high) * A)
-    pg     = min(pg, epsilon_c * |A|) where A < 0        (dual clip, when set)
+    pg     = the `policy_loss` term (policy_losses.py), by default PPO's clip:
+             -min(r * A, clip(r, 1 - epsilon_low, 1 + epsilon_high) * A)
+             with min(pg, epsilon_c * |A|) where A < 0   (dual clip, when set);
+             cispo (MiniMax-M1, arXiv:2506.13585): -sg(min(r, eps_max)) * A * logp;
+             sapo (Gao et al., arXiv:2511.20347): -sigmoid(tau (r - 1)) * 4 / tau * A
     pg     = pg * w_mismatch * selected          (both off by default; see corrections.py)
     loss   = pg + beta * KL_k(policy || ref) - entropy_coef * entropy
 with KL estimators on log q = ref_logp - logp:  k1 = -log q,  k2 = (log q)^2 / 2,
@@ -17,6 +20,12 @@ estimates the KL under the current one), and the `kl_mean` metric reports that
 product. The entropy bonus is part of the per-token loss, so it is aggregated
 exactly like the loss (e.g. per-sequence means for seq_mean_token_mean), not as
 a separate token mean.
+
+A is the row's advantage on each of its tokens, or the token's own advantage when
+advantages are given per token [B, T] (e.g. a teacher's per-token signal in on-policy
+distillation); a per-token A constant along its row is exactly the per-row case. With
+GSPO's sequence ratio s_i, a per-token advantage keeps its own sign in the clip:
+pg_t = -min(s_i * A_t, clip(s_i) * A_t), so every token still shares s_i's gradient.
 
 Exact gradient accumulation. `grpo_loss` returns a `numerator` and a
 `denominator` per micro-batch; the big-batch loss is
@@ -45,6 +54,7 @@ from grpo_core.config import LossConfig
 
 from grpo_losses.corrections import MismatchWeights, high_entropy_tokens, mismatch_weights
 from grpo_losses.logps import Array, TokenLogpsImpl
+from grpo_losses.policy_losses import check_policy_loss, policy_gradient_term, sapo_gate_weight
 
 F32 = jnp.float32
 
@@ -68,6 +78,8 @@ class LossMetrics(NamedTuple):
     mismatch_ratio_max: Array | None = None  # -inf when no token is unmasked
     mismatch_rejected: Array | None = None  # tokens whose weight was truncated or masked
     selected: Array | None = None  # tokens kept by high-entropy selection
+    capped: Array | None = None  # cispo: tokens whose importance weight was capped at cispo_epsilon_max
+    gate_sum: Array | None = None  # sapo: sum of the gate weights 4 sigmoid (1 - sigmoid)
 
     def merge(self, other: LossMetrics) -> LossMetrics:
         """The metrics of both micro-batches together."""
@@ -80,8 +92,9 @@ class LossMetrics(NamedTuple):
         return LossMetrics(*(combine(name, a, b) for name, a, b in zip(self._fields, self, other)))
 
     def summary(self) -> dict[str, Array]:
-        """clip_frac_low/high, ratio_mean/min/max, and where available kl_mean,
-        entropy_mean, mismatch_kl/ratio_mean/ratio_max/rejected_frac, entropy_selected_frac."""
+        """clip_frac_low/high, ratio_mean/min/max, and where available kl_mean, entropy_mean,
+        mismatch_kl/ratio_mean/ratio_max/rejected_frac, entropy_selected_frac, cispo_capped_frac,
+        sapo_gate_mean."""
         tokens = jnp.maximum(self.tokens, 1.0)
         out = {"clip_frac_low": self.clip_low / tokens, "clip_frac_high": self.clip_high / tokens,
                "ratio_mean": self.ratio_sum / tokens, "ratio_min": self.ratio_min, "ratio_max": self.ratio_max}
@@ -92,8 +105,9 @@ class LossMetrics(NamedTuple):
         if self.mismatch_kl_sum is not None:
             out.update(mismatch_kl=self.mismatch_kl_sum / tokens, mismatch_ratio_mean=self.mismatch_ratio_sum / tokens,
                        mismatch_ratio_max=self.mismatch_ratio_max, mismatch_rejected_frac=self.mismatch_rejected / tokens)
-        if self.selected is not None:
-            out["entropy_selected_frac"] = self.selected / tokens
+        optional = {"entropy_selected_frac": self.selected, "cispo_capped_frac": self.capped,
+                    "sapo_gate_mean": self.gate_sum}
+        out.update({name: value / tokens for name, value in optional.items() if value is not None})
         return out
 
 
@@ -128,10 +142,11 @@ def grpo_loss(impl: TokenLogpsImpl, hidden: Array, lm_head: Array, targets: Arra
 
     hidden [B, T, H] (states that predict `targets`, i.e. already shifted),
     lm_head [H, V], targets [B, T] int, mask [B, T] (1 = completion token),
-    advantages [B], old_logp / ref_logp [B, T] float32 or None (None old means
-    on-policy: ratio 1 with the policy gradient intact), temperature = the
-    sampling temperature, sampler_logp [B, T] the rollout's log-probs (needed by
-    `mismatch_correction` only). Differentiate `numerator` (see module doc).
+    advantages [B] (per row) or [B, T] (per token, like the mask), old_logp /
+    ref_logp [B, T] float32 or None (None old means on-policy: ratio 1 with the
+    policy gradient intact), temperature = the sampling temperature, sampler_logp
+    [B, T] the rollout's log-probs (needed by `mismatch_correction` only).
+    Differentiate `numerator` (see module doc).
 
     Implementations with a one-pass gradient (`impl.one_pass`, e.g. `fused`) get
     the whole per-token objective when every per-token term depends on its own
@@ -139,6 +154,8 @@ def grpo_loss(impl: TokenLogpsImpl, hidden: Array, lm_head: Array, targets: Arra
     then carries no gradient.
     """
     _check_config(cfg, ref_logp)
+    check_policy_loss(cfg)
+    row_or_token_advantages(advantages, mask)  # a wrong shape fails here, before any compute
     need_entropy = cfg.compute_entropy or cfg.entropy_coef > 0 or cfg.top_entropy_quantile < 1.0
     mask = mask.astype(F32)
     if getattr(impl, "one_pass", False) and is_elementwise(cfg):
@@ -171,7 +188,7 @@ class TokenTerms(NamedTuple):
     (the layout the one-pass kernels slice into token blocks)."""
 
     mask: Array
-    advantage: Array  # the row's advantage on every token
+    advantage: Array  # the token's advantage (the row's, repeated, for per-row advantages)
     weight: Array  # d numerator / d per-token loss (see `token_weights`)
     old_logp: Array | None
     ref_logp: Array | None
@@ -180,7 +197,7 @@ class TokenTerms(NamedTuple):
     @classmethod
     def of(cls, mask: Array, advantages: Array, old_logp: Array | None, ref_logp: Array | None,
            cfg: LossConfig, sampler_logp: Array | None = None) -> TokenTerms:
-        advantage = jnp.broadcast_to(advantages.astype(F32)[:, None], mask.shape)
+        advantage = jnp.broadcast_to(row_or_token_advantages(advantages, mask), mask.shape)
         return cls(mask, advantage, token_weights(mask, cfg), old_logp, ref_logp, sampler_logp)
 
 
@@ -214,12 +231,11 @@ def token_losses(logp: Array, entropy: Array | None, mask: Array, advantages: Ar
                  old_logp: Array | None, ref_logp: Array | None, cfg: LossConfig, *,
                  sampler_logp: Array | None = None, selected: Array | None = None) -> tuple[Array, LossMetrics]:
     """Per-token loss [B, T] (zero where mask is 0) and the metric sums.
-    advantages: [B], or [B, T] (one value per token) with token-level ratios;
-    selected [B, T]: the high-entropy selection (None = every token)."""
+    advantages: [B] (per row) or [B, T] (per token); selected [B, T]: the high-entropy
+    selection (None = every token)."""
     ratio = importance_ratio(logp, old_logp, mask, cfg)  # [B, T] or [B, 1]
-    adv = advantages.astype(F32)
-    adv = adv[:, None] if adv.ndim == 1 else adv  # [B, 1], or already per token
-    per_token = clipped_surrogate(ratio, adv, cfg)
+    adv = row_or_token_advantages(advantages, mask)  # [B, 1] or [B, T]
+    per_token = policy_gradient_term(ratio, adv, logp, cfg)
     mismatch = None
     if cfg.mismatch_correction != "none":
         mismatch = mismatch_weights(logp if old_logp is None else old_logp, sampler_logp, mask, cfg)
@@ -234,8 +250,20 @@ def token_losses(logp: Array, entropy: Array | None, mask: Array, advantages: Ar
     if cfg.entropy_coef > 0:
         per_token = per_token - cfg.entropy_coef * entropy
     ratio = jnp.broadcast_to(ratio, logp.shape)
-    metrics = _metrics(ratio, adv, mask, kl, entropy if cfg.compute_entropy else None, cfg)
+    metrics = _policy_metrics(_metrics(ratio, adv, mask, kl, entropy if cfg.compute_entropy else None, cfg),
+                              ratio, adv, mask, cfg)
     return per_token * mask, _with_selection_metrics(metrics, mask, mismatch, selected)
+
+
+def row_or_token_advantages(advantages: Array, mask: Array) -> Array:
+    """float32 advantages shaped to broadcast against the mask [B, T]: [B, 1] from per-row
+    [B], [B, T] as given."""
+    if advantages.shape == mask.shape[:1]:
+        return advantages.astype(F32)[:, None]
+    if advantages.shape == mask.shape:
+        return advantages.astype(F32)
+    raise ValueError(f"advantages have shape {tuple(advantages.shape)} but the mask is {tuple(mask.shape)}; pass "
+                     f"one per row {tuple(mask.shape[:1])} or one per token {tuple(mask.shape)}")
 
 
 def importance_ratio(logp: Array, old_logp: Array | None, mask: Array, cfg: LossConfig) -> Array:
@@ -247,15 +275,6 @@ def importance_ratio(logp: Array, old_logp: Array | None, mask: Array, cfg: Loss
     if cfg.logratio_clamp is not None:
         log_ratio = jnp.clip(log_ratio, -cfg.logratio_clamp, cfg.logratio_clamp)
     return jnp.exp(log_ratio)
-
-
-def clipped_surrogate(ratio: Array, adv: Array, cfg: LossConfig) -> Array:
-    """PPO clipped policy loss, with the dual clip for negative advantages."""
-    clipped = jnp.clip(ratio, 1.0 - cfg.epsilon_low, 1.0 + cfg.epsilon_high)
-    loss = -jnp.minimum(ratio * adv, clipped * adv)
-    if cfg.epsilon_c is not None:
-        loss = jnp.where(adv < 0, jnp.minimum(loss, -cfg.epsilon_c * adv), loss)
-    return loss
 
 
 def kl_estimate(logp: Array, ref_logp: Array, mask: Array, estimator: str) -> Array:
@@ -315,6 +334,16 @@ def _metrics(ratio: Array, adv: Array, mask: Array, kl: Array | None, entropy: A
         ratio_min=jnp.min(jnp.where(valid, ratio, jnp.inf)), ratio_max=jnp.max(jnp.where(valid, ratio, -jnp.inf)),
         kl_sum=None if kl is None else jnp.sum(jax.lax.stop_gradient(kl) * mask),
         entropy_sum=None if entropy is None else jnp.sum(jax.lax.stop_gradient(entropy) * mask))
+
+
+def _policy_metrics(metrics: LossMetrics, ratio: Array, adv: Array, mask: Array, cfg: LossConfig) -> LossMetrics:
+    """`metrics` plus the sums of the cispo / sapo policy loss in use (ratio [B, T])."""
+    ratio = jax.lax.stop_gradient(ratio)
+    if cfg.policy_loss == "cispo":
+        return metrics._replace(capped=jnp.sum((ratio > cfg.cispo_epsilon_max) * mask))
+    if cfg.policy_loss == "sapo":
+        return metrics._replace(gate_sum=jnp.sum(sapo_gate_weight(ratio, adv, cfg) * mask))
+    return metrics
 
 
 def _with_selection_metrics(metrics: LossMetrics, mask: Array, mismatch: MismatchWeights | None,

@@ -40,7 +40,7 @@ from grpo_runner_gsm8k.preemption import StopRequest
 from grpo_runner_gsm8k.refill import Sampled, merge_results, merge_scores, needs_more, pick_groups, refill_metrics
 from grpo_runner_gsm8k.run import BuiltRun, build_run
 from grpo_runner_gsm8k.scoring import score
-from grpo_runner_gsm8k.step import UpdateBatch
+from grpo_runner_gsm8k.step import UpdateBatch, update_advantages
 from grpo_runner_gsm8k.tpu_target import generation_of
 
 
@@ -229,7 +229,9 @@ class Trainer:
         if self.built.scores_ref_logps:
             ref_logp = self.score(self.ref_params, input_ids, attention_mask, targets, width)
         sampler_logp = put(trimmed.sampler_logps[:, width:]) if self.built.carries_sampler_logps else None
-        return UpdateBatch(input_ids, attention_mask, targets, loss_mask, jax.device_put(np.asarray(advantages.advantages), self.row_sharding),
+        values = update_advantages(advantages.advantages, targets.shape[1])  # [N], or [N, C] placed like loss_mask
+        placed = jax.device_put(values, self.train_sharding if values.ndim == 2 else self.row_sharding)
+        return UpdateBatch(input_ids, attention_mask, targets, loss_mask, placed,
                            old_logp, ref_logp, sampler_logp, prompt_width=width)
 
     def old_logps(self, trimmed, weights, input_ids, attention_mask, targets, width) -> Optional[jax.Array]:
@@ -395,12 +397,12 @@ def trained_rows(result: RolloutResult, advantages, loss_cfg) -> np.ndarray:
 
 
 OPTIONAL_TRAIN_METRICS = ("mismatch_kl", "mismatch_ratio_mean", "mismatch_ratio_max", "mismatch_rejected_frac",
-                          "entropy_selected_frac")
+                          "entropy_selected_frac", "cispo_capped_frac", "sapo_gate_mean")
 
 
 def objective_metrics(train: dict, result: RolloutResult, loss_cfg) -> dict:
     """train-other/* metrics of the objective options in use (mismatch correction, entropy
-    selection, truncated completions)."""
+    selection, cispo / sapo policy loss, truncated completions)."""
     out = {f"train-other/{name}": float(train[name]) for name in OPTIONAL_TRAIN_METRICS if name in train}
     if loss_cfg.mask_truncated_completions:
         out["train-other/truncated_frac"] = float(1.0 - np.mean(host_array(result.finished)))
