@@ -30,6 +30,7 @@ from grpo_meshes import TRAIN_BATCH_AXES, ModelDims, batch_shard_count, validate
 
 from grpo_runner_gsm8k.adapters import check_lora_fits, storage_dtype
 from grpo_runner_gsm8k.multihost import local_prompt_count
+from grpo_runner_gsm8k.multi_turn_step import check_multi_turn_inputs
 from grpo_runner_gsm8k.tasks.base import render_prompt
 
 
@@ -283,6 +284,7 @@ def check_inputs(cfg: RunConfig, registry: Registry, process_index: int = 0,
     check_lengths(cfg, qcfg)
     task = from_plugin(registry, "task", cfg.task.name, cfg.task.options, "task.options", seed=cfg.task.seed,
                        process_index=process_index, process_count=process_count)
+    check_multi_turn_inputs(cfg, tokenizer, task, qcfg.max_position_embeddings, process_count)
     rewards = {name: (from_plugin(registry, "reward", name, cfg.task.reward_options.get(name, {}),
                                   f"task.reward_options.{name}"), float(weight))
                for name, weight in cfg.task.rewards.items()}

@@ -43,27 +43,32 @@ def build_tools(cfg: Any, registry: Any) -> list:
     return tools
 
 
-def check_can_run(run: Any, tokenizer: Any) -> int:
-    """The `</tool_call>` token id; a UserError (one line) for what this sampler cannot run with."""
-    cfg = run.cfg
-    if run.layout.process_count > 1:
-        raise UserError(f"rollout.multi_turn.enabled with {run.layout.process_count} processes: every process "
-                        "would run the tools itself; run multi-turn rollouts in one process for now")
-    if not run.inputs.task.use_chat_template:
+def check_multi_turn_inputs(cfg: Any, tokenizer: Any, task: Any, max_positions: int, process_count: int) -> None:
+    """What this sampler cannot run with, as a UserError (one line) before any device work."""
+    if not cfg.rollout.multi_turn.enabled:
+        return
+    if process_count > 1:
+        raise UserError(f"rollout.multi_turn.enabled with {process_count} processes: every process would run the "
+                        "tools itself; run multi-turn rollouts in one process for now")
+    if not task.use_chat_template:
         raise UserError("rollout.multi_turn.enabled with task.options.use_chat_template = false: tool turns are "
-                        "rendered by the chat template; use a tokenizer with a chat template")
-    call_end = single_token_id(tokenizer, CALL_END)
-    if call_end is None:
+                        "rendered by the chat template; set task.options.use_chat_template=true (and use a "
+                        "tokenizer with a chat template)")
+    if single_token_id(tokenizer, CALL_END) is None:
         raise UserError(f"rollout.multi_turn.enabled: the tokenizer encodes {CALL_END!r} as "
                         f"{len(tokenizer.encode(CALL_END, add_special_tokens=False))} tokens, and a turn stops at "
-                        "one token; use a tokenizer with Qwen's tool tokens (Qwen2.5, Qwen3)")
-    budget = cfg.rollout.multi_turn.max_total_tokens or cfg.rollout.max_new_tokens
-    longest = cfg.rollout.max_prompt_length + budget
-    if longest > run.qcfg.max_position_embeddings:
+                        "one token; use a tokenizer with Qwen's tool tokens (Qwen2.5, Qwen3; model.tokenizer=char-tools "
+                        "for tiny runs)")
+    longest = cfg.rollout.max_prompt_length + row_budget(cfg)
+    if longest > max_positions:
         raise UserError(f"rollout.max_prompt_length + rollout.multi_turn.max_total_tokens = {longest} exceeds the "
-                        f"model's max_position_embeddings {run.qcfg.max_position_embeddings}; lower "
+                        f"model's max_position_embeddings {max_positions}; lower "
                         "rollout.multi_turn.max_total_tokens")
-    return call_end
+
+
+def row_budget(cfg: Any) -> int:
+    """Completion tokens of a row over all its turns."""
+    return cfg.rollout.multi_turn.max_total_tokens or cfg.rollout.max_new_tokens
 
 
 class MultiTurnSampler:
@@ -72,12 +77,12 @@ class MultiTurnSampler:
     def __init__(self, run: Any, registry: Any):
         multi, tokenizer = run.cfg.rollout.multi_turn, run.inputs.tokenizer
         self.run = run
-        call_end = check_can_run(run, tokenizer)
+        call_end = single_token_id(tokenizer, CALL_END)  # checked at load (check_multi_turn_inputs)
         self.runner = ToolRunner(build_tools(run.cfg, registry), timeout_seconds=multi.call_timeout_s)
         self.turns = MultiTurnRollout(
             backend=run.rollout, tokenizer=tokenizer, runner=self.runner,
             sampling=turn_sampling(run.sampling, call_end), call_end_id=call_end, max_turns=multi.max_turns,
-            budget=multi.max_total_tokens or run.cfg.rollout.max_new_tokens,
+            budget=row_budget(run.cfg),
             pad_token_id=tokenizer.pad_token_id, batch_sharding=run.rollout_sharding)
 
     def prompt_ids(self, examples: list) -> list[list[int]]:
