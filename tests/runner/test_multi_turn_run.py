@@ -1,0 +1,57 @@
+"""One training step of the tiny config with rollout.multi_turn on and the calculator offered
+(the character tokenizer with Qwen's tool tokens, `model.tokenizer=char-tools`). A random tiny
+model hardly ever writes a call, so the first turn of the first row is replaced by a scripted
+call; everything after it (the calculator, the appended tool turn, the second turn decoded
+by the real backend, the update) runs as in a run."""
+
+import math
+
+import numpy as np
+
+from grpo_core.registry import default_registry
+
+CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "12*34"}}\n</tool_call>'
+MULTI_TURN = ["model.tokenizer=char-tools", "task.options={digits: 1, operations: '+', use_chat_template: true}",
+              "rollout.max_prompt_length=40", "rollout.max_new_tokens=8", "rollout.multi_turn.enabled=true",
+              "rollout.multi_turn.tools=[calculator]", "rollout.multi_turn.max_total_tokens=112",
+              "rollout.multi_turn.max_turns=3", "model.architecture.max_position_embeddings=160",
+              "loss.entropy_coef=0.01"]
+
+
+class FirstRowCalls:
+    """The run's backend, except that row 0 of the first turn samples `CALL` (log-prob -1 each)."""
+
+    def __init__(self, backend, tokenizer):
+        self.backend, self.call = backend, tokenizer.encode(CALL, add_special_tokens=False)
+        self.turns = 0
+
+    def generate(self, prompts, key, sampling, **kwargs):
+        result = self.backend.generate(prompts, key, sampling, **kwargs)
+        self.turns += 1
+        if self.turns > 1:
+            return result
+        width = max(result.completion_ids.shape[1], len(self.call))
+        ids = np.zeros((len(prompts), width), np.int32)
+        ids[:, :result.completion_ids.shape[1]] = np.asarray(result.completion_ids)
+        logps = np.zeros((len(prompts), width), np.float32)
+        logps[:, :result.completion_ids.shape[1]] = np.asarray(result.sampler_logps)
+        lengths, finished = np.asarray(result.lengths).copy(), np.asarray(result.finished).copy()
+        ids[0, :len(self.call)], logps[0, :len(self.call)] = self.call, -1.0
+        lengths[0], finished[0] = len(self.call), True
+        return result.replace(completion_ids=ids, sampler_logps=logps, lengths=lengths, finished=finished)
+
+
+def test_one_step_with_the_calculator(tiny_config, small_run):
+    from grpo_runner_gsm8k.loop import Trainer
+
+    registry = default_registry()
+    cfg = tiny_config(*small_run(1), *MULTI_TURN, registry=registry)
+    trainer = Trainer(cfg, registry)
+    turns = trainer.multi_turn.turns
+    turns.backend = FirstRowCalls(turns.backend, trainer.built.inputs.tokenizer)
+    metrics = trainer.run()
+    assert trainer.state.step == 1
+    assert metrics["train-tools/calls"] >= 1 and metrics["train-tools/errors"] == 0
+    assert metrics["train-tools/turns_max"] >= 2 and metrics["train-tools/masked_tokens"] > 0
+    assert metrics["train-tools/seconds"] > 0
+    assert math.isfinite(metrics["train-other/loss"]) and metrics["train-other/update_ratio"] > 0
