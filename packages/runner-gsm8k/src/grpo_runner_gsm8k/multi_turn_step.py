@@ -21,6 +21,7 @@ from grpo_runner_gsm8k.multi_turn_rollout import CALL_END, MultiTurnRollout, sin
 from grpo_runner_gsm8k.multihost import gather_objects
 from grpo_runner_gsm8k.refill import Sampled
 from grpo_runner_gsm8k.scoring import score
+from grpo_runner_gsm8k.tasks.gsm8k_tools import SUGGESTED_TOOLS, Gsm8kToolsTask
 from grpo_runner_gsm8k.trajectory import Trajectory, trajectory_metrics, trajectory_result
 
 
@@ -46,6 +47,9 @@ def build_tools(cfg: Any, registry: Any) -> list:
 def check_multi_turn_inputs(cfg: Any, tokenizer: Any, task: Any, max_positions: int, process_count: int) -> None:
     """What this sampler cannot run with, as a UserError (one line) before any device work."""
     if not cfg.rollout.multi_turn.enabled:
+        if isinstance(task, Gsm8kToolsTask):
+            raise UserError(f"task.name = {cfg.task.name!r} invites tool calls, but rollout.multi_turn.enabled is false; "
+                            f"set rollout.multi_turn.enabled=true and rollout.multi_turn.tools=[{', '.join(SUGGESTED_TOOLS)}]")
         return
     if process_count > 1:
         raise UserError(f"rollout.multi_turn.enabled with {process_count} processes: every process would run the "
