@@ -30,7 +30,7 @@ from grpo_meshes import TRAIN_BATCH_AXES, ModelDims, batch_shard_count, validate
 
 from grpo_runner_gsm8k.adapters import check_lora_fits, storage_dtype
 from grpo_runner_gsm8k.multihost import local_prompt_count
-from grpo_runner_gsm8k.multi_turn_step import check_multi_turn_inputs
+from grpo_runner_gsm8k.multi_turn_inputs import check_multi_turn_inputs
 from grpo_runner_gsm8k.tasks.base import render_prompt
 
 

@@ -17,11 +17,12 @@ from grpo_core.errors import UserError
 from grpo_core.rollout_records import DecodeTally
 from grpo_core.tool_calls import ToolRunner
 
+from grpo_runner_gsm8k.build import prompts_to_check
+from grpo_runner_gsm8k.multi_turn_inputs import row_budget
 from grpo_runner_gsm8k.multi_turn_rollout import CALL_END, MultiTurnRollout, single_token_id, turn_sampling
 from grpo_runner_gsm8k.multihost import gather_objects
 from grpo_runner_gsm8k.refill import Sampled
 from grpo_runner_gsm8k.scoring import score
-from grpo_runner_gsm8k.tasks.gsm8k_tools import SUGGESTED_TOOLS, Gsm8kToolsTask
 from grpo_runner_gsm8k.trajectory import Trajectory, trajectory_metrics, trajectory_result
 
 
@@ -44,37 +45,6 @@ def build_tools(cfg: Any, registry: Any) -> list:
     return tools
 
 
-def check_multi_turn_inputs(cfg: Any, tokenizer: Any, task: Any, max_positions: int, process_count: int) -> None:
-    """What this sampler cannot run with, as a UserError (one line) before any device work."""
-    if not cfg.rollout.multi_turn.enabled:
-        if isinstance(task, Gsm8kToolsTask):
-            raise UserError(f"task.name = {cfg.task.name!r} invites tool calls, but rollout.multi_turn.enabled is false; "
-                            f"set rollout.multi_turn.enabled=true and rollout.multi_turn.tools=[{', '.join(SUGGESTED_TOOLS)}]")
-        return
-    if process_count > 1:
-        raise UserError(f"rollout.multi_turn.enabled with {process_count} processes: every process would run the "
-                        "tools itself; run multi-turn rollouts in one process for now")
-    if not task.use_chat_template:
-        raise UserError("rollout.multi_turn.enabled with task.options.use_chat_template = false: tool turns are "
-                        "rendered by the chat template; set task.options.use_chat_template=true (and use a "
-                        "tokenizer with a chat template)")
-    if single_token_id(tokenizer, CALL_END) is None:
-        raise UserError(f"rollout.multi_turn.enabled: the tokenizer encodes {CALL_END!r} as "
-                        f"{len(tokenizer.encode(CALL_END, add_special_tokens=False))} tokens, and a turn stops at "
-                        "one token; use a tokenizer with Qwen's tool tokens (Qwen2.5, Qwen3; model.tokenizer=char-tools "
-                        "for tiny runs)")
-    longest = cfg.rollout.max_prompt_length + row_budget(cfg)
-    if longest > max_positions:
-        raise UserError(f"rollout.max_prompt_length + rollout.multi_turn.max_total_tokens = {longest} exceeds the "
-                        f"model's max_position_embeddings {max_positions}; lower "
-                        "rollout.multi_turn.max_total_tokens")
-
-
-def row_budget(cfg: Any) -> int:
-    """Completion tokens of a row over all its turns."""
-    return cfg.rollout.multi_turn.max_total_tokens or cfg.rollout.max_new_tokens
-
-
 class MultiTurnSampler:
     """Owns the run's tools; `sample` gives one step's rows, scored."""
 
@@ -88,19 +58,28 @@ class MultiTurnSampler:
             sampling=turn_sampling(run.sampling, call_end), call_end_id=call_end, max_turns=multi.max_turns,
             budget=row_budget(run.cfg),
             pad_token_id=tokenizer.pad_token_id, batch_sharding=run.rollout_sharding)
+        # Every prompt the run can see, rendered with the tools, so one too long fails now, not mid-run.
+        examples = prompts_to_check(run.cfg, run.inputs.task, run.inputs.prompts_per_process)
+        self.checked = {ex.id: ids for ex, ids in zip(examples, self.render(examples)) if ex.id}
 
-    def prompt_ids(self, examples: list) -> list[list[int]]:
+    def render(self, examples: list) -> list[list[int]]:
         """The examples' prompts rendered with the offered tools; too long is a UserError."""
         tokenizer, cfg = self.run.inputs.tokenizer, self.run.cfg
         texts = [tokenizer.apply_chat_template(ex.messages(cfg.task.system_prompt), tools=self.runner.offered(),
                                                add_generation_prompt=True, tokenize=False) for ex in examples]
-        ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
+        ids = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
         for ex, row in zip(examples, ids):
             if len(row) > cfg.rollout.max_prompt_length:
                 raise UserError(f"prompt of example {ex.id or ex.question[:40]!r} has {len(row)} tokens with the "
                                 f"tools offered, more than rollout.max_prompt_length={cfg.rollout.max_prompt_length}; "
                                 "raise rollout.max_prompt_length")
         return [list(row) for row in ids]
+
+    def prompt_ids(self, examples: list) -> list[list[int]]:
+        """Token ids of the prompts: those checked at start where there are, else rendered now."""
+        unseen = [ex for ex in examples if ex.id not in self.checked]
+        fresh = iter(self.render(unseen))
+        return [self.checked[ex.id] if ex.id in self.checked else next(fresh) for ex in examples]
 
     def sample(self, weights: Any, key: Any, times: dict, tally: DecodeTally) -> tuple[Sampled, dict]:
         """(this step's rows scored, the tool metrics of the step)."""
