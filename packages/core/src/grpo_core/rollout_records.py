@@ -40,9 +40,9 @@ class RolloutResult:
     lengths: jax.Array
     sampler_logps: jax.Array
     finished: jax.Array
-    loss_mask: jax.Array | None = None
     num_prompts: int = struct.field(pytree_node=False, default=0)
     n: int = struct.field(pytree_node=False, default=1)
+    loss_mask: jax.Array | None = None  # last: positional construction keeps its meaning
 
     @property
     def group_ids(self) -> np.ndarray:
