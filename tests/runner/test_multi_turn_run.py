@@ -43,11 +43,16 @@ class FirstRowCalls:
         return result.replace(completion_ids=ids, sampler_logps=logps, lengths=lengths, finished=finished)
 
 
-def test_one_step_with_the_calculator(tiny_config, small_run):
+# LoRA: the rollout decodes with adapters and the reference (beta > 0) is the base.
+VARIANTS = {"full": [], "lora": ["model.lora.rank=4", "model.lora.alpha=8", "loss.beta=0.05"]}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_one_step_with_the_calculator(variant, tiny_config, small_run):
     from grpo_runner_gsm8k.loop import Trainer
 
     registry = default_registry()
-    cfg = tiny_config(*small_run(1), *MULTI_TURN, registry=registry)
+    cfg = tiny_config(*small_run(1), *MULTI_TURN, *VARIANTS[variant], registry=registry)
     trainer = Trainer(cfg, registry)
     turns = trainer.multi_turn.turns
     turns.backend = FirstRowCalls(turns.backend, trainer.built.inputs.tokenizer)
