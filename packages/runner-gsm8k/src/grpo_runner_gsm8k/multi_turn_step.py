@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from typing import Any, Optional
 
+from grpo_core.config_io import plugin_options
 from grpo_core.contracts import ConversationText, Policy
 from grpo_core.errors import UserError
 from grpo_core.rollout_records import DecodeTally
@@ -33,8 +34,6 @@ def multi_turn_sampler(run: Any, registry: Any) -> Optional["MultiTurnSampler"]:
 
 def build_tools(cfg: Any, registry: Any) -> list:
     """The offered tools, each built once from its plugin (names and options checked at load)."""
-    from grpo_core.config_io import plugin_options
-
     multi = cfg.rollout.multi_turn
     tools = []
     for name in multi.tools:
@@ -60,7 +59,11 @@ class MultiTurnSampler:
             pad_token_id=tokenizer.pad_token_id, batch_sharding=run.rollout_sharding)
         # Every prompt the run can see, rendered with the tools, so one too long fails now, not mid-run.
         examples = prompts_to_check(run.cfg, run.inputs.task, run.inputs.prompts_per_process)
-        self.checked = {ex.id: ids for ex, ids in zip(examples, self.render(examples)) if ex.id}
+        try:
+            self.checked = {ex.id: ids for ex, ids in zip(examples, self.render(examples)) if ex.id}
+        except UserError:
+            self.runner.close()
+            raise
 
     def render(self, examples: list) -> list[list[int]]:
         """The examples' prompts rendered with the offered tools; too long is a UserError."""
