@@ -203,6 +203,22 @@ CATALOGUE = [
     Bad("run-dir-under-a-file", ("logging.dir={tmp}/file/run",), "is a file", "choose another logging.dir"),
     Bad("run-dir-is-a-file", ("logging.dir={tmp}/file",), "cannot be used as a directory: it is a file",
         "choose another logging.dir"),
+    # ---- multi-turn rollouts
+    Bad("multi-turn-unknown-tool", ("rollout.multi_turn.enabled=true", "rollout.multi_turn.tools=[calculater]"),
+        "rollout.multi_turn.tools: unknown tool 'calculater'", "calculator"),
+    Bad("multi-turn-no-tools", ("rollout.multi_turn.enabled=true",), "rollout.multi_turn.tools = []",
+        "offer at least one tool"),
+    Bad("multi-turn-zero-turns", ("rollout.multi_turn.max_turns=0",), "rollout.multi_turn.max_turns = 0 is out of "
+        "range", "must be >= 1"),
+    Bad("multi-turn-with-partial", ("rollout.multi_turn.enabled=true", "rollout.multi_turn.tools=[calculator]",
+                                    "rollout.partial.enabled=true", "loss.mismatch_correction=truncate"),
+        "multi-turn rows cannot be carried across steps yet", "set rollout.partial.enabled=false"),
+    Bad("multi-turn-without-chat-template", ("rollout.multi_turn.enabled=true", "rollout.multi_turn.tools=[calculator]"),
+        "with task.options.use_chat_template = false", "set task.options.use_chat_template=true"),
+    Bad("multi-turn-without-tool-tokens", ("rollout.multi_turn.enabled=true", "rollout.multi_turn.tools=[calculator]",
+                                           "task.options={digits: 1, operations: '+', use_chat_template: true}",
+                                           "rollout.max_prompt_length=40"),
+        "the tokenizer encodes '</tool_call>' as 12 tokens", "model.tokenizer=char-tools"),
 ]
 
 

@@ -15,9 +15,9 @@ from grpo_core.testing import registry_with
 EXAMPLES = {"grpo_losses": "loss", "grpo_meshes": "mesh", "grpo_rollouts": "rollout", "grpo_rewards": "reward",
             "grpo_tasks": "task", "grpo_advantages": "advantage", "grpo_commands": "command",
             "grpo_step_end": "step_end", "grpo_tools": "tool", "grpo_environments": "environment"}
-# Kinds only a multi-turn sampler drives: until it exists, their examples are loaded through
+# Environments wait for the multi-turn sampler to drive them: their example is loaded through
 # the registry and exercised below instead of training a step.
-EXERCISED = {"grpo_tools", "grpo_environments"}
+EXERCISED = {"grpo_environments"}
 SELECT = {
     "grpo_losses": ["loss.impl=naive"],
     "grpo_meshes": ["mesh.strategy=data_only"],
@@ -27,6 +27,11 @@ SELECT = {
     "grpo_advantages": ["loss.advantage_estimator=group_rank", "loss.advantage_options={scale: 2.0}"],
     "grpo_commands": [],  # a command is selected on the command line: checked after the step
     "grpo_step_end": [],  # every step-end hook runs
+    # a multi-turn run offering the tool (the character tokenizer with Qwen's tool tokens)
+    "grpo_tools": ["rollout.multi_turn.enabled=true", "rollout.multi_turn.tools=[letter_count]",
+                   "model.tokenizer=char-tools", "task.options={digits: 1, operations: '+', use_chat_template: true}",
+                   "rollout.max_prompt_length=40", "rollout.max_new_tokens=8", "rollout.multi_turn.max_turns=2",
+                   "rollout.multi_turn.max_total_tokens=16"],
 }
 
 

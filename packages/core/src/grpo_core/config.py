@@ -63,7 +63,7 @@ class ModelConfig:
         "(vocab_size defaults to the tokenizer's size).")
     tokenizer: Optional[str] = setting(
         None, "Tokenizer directory or Hub id; null = `path` (filled in at load); 'char' builds the character "
-        "tokenizer.")
+        "tokenizer; 'char-tools' the same with Qwen's tool tokens (<tool_call>, </tool_call>) added.")
     dtype: Literal["float32", "bfloat16"] = setting(
         "float32", "Compute dtype of every forward and backward pass (norms and softmax always run in float32).")
     # float32 masters keep updates of lr ~1e-6 that a bfloat16 weight rounds away.
@@ -127,6 +127,25 @@ class PartialConfig:
 
 
 @dataclass(frozen=True)
+class MultiTurnConfig:
+    """Multi-turn rollouts: the policy calls tools in the Qwen format and continues (see docs/tools.md)."""
+
+    enabled: bool = setting(
+        False, "Decode each row until a stop token or `</tool_call>`, run the calls, append the tool turn's "
+        "template tokens (loss mask 0) and continue, up to max_turns. Needs a tokenizer with a chat template "
+        "and `</tool_call>` as one token.")
+    tools: list = setting([], "Tool plugin names offered to the policy (through the chat template's tools=).")
+    tool_options: dict = setting({}, "Options of each offered tool, by name (validated by the tool's plugin).")
+    max_turns: int = setting(4, "Assistant turns per row at most; a row that still calls a tool then stops.", ge=1)
+    # null keeps the update's completion width at rollout.max_new_tokens, as without tools.
+    max_total_tokens: Optional[int] = setting(
+        None, "Completion tokens per row over all turns, tool turns included (each turn samples at most "
+        "rollout.max_new_tokens of them); null = rollout.max_new_tokens.", ge=1)
+    call_timeout_s: float = setting(30.0, "Wall-clock seconds of one tool call; past it the model reads a "
+                                    "timeout error.", gt=0.0)
+
+
+@dataclass(frozen=True)
 class RolloutConfig:
     """Sampling of completions."""
 
@@ -149,6 +168,8 @@ class RolloutConfig:
         False, "Use the sampler's log-probs as old log-probs instead of one extra forward pass.")
     partial: PartialConfig = field(default_factory=PartialConfig,
                                    metadata={"doc": "Partial rollouts carried across steps (see PartialConfig)."})
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig,
+                                        metadata={"doc": "Multi-turn, tool-using rollouts (see MultiTurnConfig)."})
 
 
 @dataclass(frozen=True)

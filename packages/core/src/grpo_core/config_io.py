@@ -22,6 +22,7 @@ from grpo_core.advantage_records import AdvantageSetup
 from grpo_core.config import LORA_TARGETS, RunConfig
 from grpo_core.config_yaml import parse_yaml, read_yaml
 from grpo_core.errors import ConfigError, PluginError
+from grpo_core.multi_turn_checks import check_multi_turn, check_tools
 
 EXPLICIT_MESH = re.compile(r"^\s*-?\d+\s*,\s*-?\d+\s*,\s*-?\d+\s*$")
 
@@ -219,6 +220,7 @@ def validate_plugins(cfg: RunConfig, registry: Any) -> None:
             _check_entropy_provided(cfg, spec)
         if kind == "advantage":
             _check_estimator(cfg, spec, checked)
+    check_tools(cfg, registry, plugin_options)
 
 
 def _check_entropy_provided(cfg: RunConfig, spec: Any) -> None:
@@ -253,6 +255,7 @@ def validate_cross_fields(cfg: RunConfig) -> None:
     _check_loss_options(cfg.loss)
     _check_lora(cfg.model.lora)
     _check_partial(cfg)
+    check_multi_turn(cfg)
     if not cfg.task.rewards:
         raise ConfigError("task.rewards is empty: name at least one reward function, e.g. {correctness: 1.0}")
     for name in cfg.task.reward_options:

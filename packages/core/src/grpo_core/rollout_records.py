@@ -28,6 +28,9 @@ class RolloutResult:
                                     temperature (unfiltered by default, see SamplingParams);
                                     0 where completion_mask is 0
     finished         [N]     bool   ended on a stop token (False: cut at max_new_tokens)
+    loss_mask        [N, Tn] int32  or None (= completion_mask): 1 on the tokens the loss trains on;
+                                    a multi-turn row's tool-turn tokens are real (completion_mask 1,
+                                    attended to) but not the model's (loss_mask 0, sampler_logps 0)
     """
 
     prompt_ids: jax.Array
@@ -39,6 +42,7 @@ class RolloutResult:
     finished: jax.Array
     num_prompts: int = struct.field(pytree_node=False, default=0)
     n: int = struct.field(pytree_node=False, default=1)
+    loss_mask: jax.Array | None = None  # last: positional construction keeps its meaning
 
     @property
     def group_ids(self) -> np.ndarray:
@@ -56,7 +60,7 @@ class TrainBatch:
 
     input_ids        [N, T] int32
     attention_mask   [N, T] int32  1 on real prompt and completion tokens
-    completion_mask  [N, T] int32  1 on completion tokens (the ones trained on)
+    completion_mask  [N, T] int32  1 on completion tokens the loss trains on (the result's loss_mask)
     sampler_logps    [N, T] f32    0 outside the completion
     prompt_width: columns [0, prompt_width) are prompt, the rest completion.
     """
@@ -97,7 +101,7 @@ def trim_batch(result: RolloutResult, bucket: int = DEFAULT_TRIM_BUCKET) -> Trai
     return TrainBatch(
         input_ids=join(result.prompt_ids, result.completion_ids),
         attention_mask=join(result.prompt_mask, result.completion_mask),
-        completion_mask=join(zeros_i, result.completion_mask),
+        completion_mask=join(zeros_i, result.completion_mask if result.loss_mask is None else result.loss_mask),
         sampler_logps=join(jnp.zeros(result.prompt_ids.shape, jnp.float32), result.sampler_logps),
         prompt_width=prompt_w,
     )

@@ -18,6 +18,8 @@ IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
 UNK = "<|unk|>"
 SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END, UNK)
+# Qwen2.5 / Qwen3 write tool calls between these; a multi-turn turn stops at the closing one.
+TOOL_CALL_TOKENS = ("<tool_call>", "</tool_call>")
 
 # Qwen2.5-style ChatML, without the default system prompt.
 CHATML_TEMPLATE = (

@@ -26,11 +26,12 @@ from grpo_core.models.config import architecture_keys
 from grpo_core.models.hf_io import resolve_model_dir
 from grpo_core.registry import Registry
 from grpo_core.sharding import shard_model
-from grpo_core.tokenizer import build_char_tokenizer, load_tokenizer
+from grpo_core.tokenizer import TOOL_CALL_TOKENS, build_char_tokenizer, load_tokenizer
 from grpo_meshes import TRAIN_BATCH_AXES, ModelDims, batch_shard_count, validate_plan
 
 from grpo_runner_gsm8k.adapters import check_lora_fits, storage_dtype
 from grpo_runner_gsm8k.multihost import local_prompt_count
+from grpo_runner_gsm8k.multi_turn_inputs import check_multi_turn_inputs
 from grpo_runner_gsm8k.tasks.base import render_prompt
 
 
@@ -69,8 +70,8 @@ def check_contract(kind: str, name: str, built: Any) -> None:
 
 def build_tokenizer(cfg: RunConfig) -> Any:
     source = cfg.model.tokenizer  # model.path when null in the file (filled in at load)
-    if source == "char":
-        return build_char_tokenizer()
+    if source in ("char", "char-tools"):
+        return build_char_tokenizer(extra_special_tokens=TOOL_CALL_TOKENS if source == "char-tools" else ())
     if source is None:
         raise UserError("model.tokenizer and model.path are both null: set model.tokenizer to 'char' "
                         "or to a tokenizer directory / Hub id")
@@ -285,6 +286,7 @@ def check_inputs(cfg: RunConfig, registry: Registry, process_index: int = 0,
     check_lengths(cfg, qcfg)
     task = from_plugin(registry, "task", cfg.task.name, cfg.task.options, "task.options", seed=cfg.task.seed,
                        process_index=process_index, process_count=process_count)
+    check_multi_turn_inputs(cfg, tokenizer, task, qcfg.max_position_embeddings, process_count)
     rewards = {name: (from_plugin(registry, "reward", name, cfg.task.reward_options.get(name, {}),
                                   f"task.reward_options.{name}"), float(weight))
                for name, weight in cfg.task.rewards.items()}

@@ -34,6 +34,7 @@ from grpo_runner_gsm8k.lock import RunDirLock
 from grpo_runner_gsm8k.memory_check import MemoryGuard
 from grpo_runner_gsm8k.metrics import MetricsLogger, truncate_metrics
 from grpo_runner_gsm8k.multihost import gather_objects, host_array
+from grpo_runner_gsm8k.multi_turn_step import multi_turn_sampler
 from grpo_runner_gsm8k.partial_step import PartialSampler
 from grpo_runner_gsm8k.costs.roofline import decode_seconds
 from grpo_runner_gsm8k.preemption import StopRequest
@@ -93,6 +94,7 @@ class Trainer:
         note_void_correction(cfg)
         self.built = build_run(cfg, registry)
         self.registry = registry
+        self.multi_turn = multi_turn_sampler(self.built, registry)
         self.memory = MemoryGuard(cfg)
         if hasattr(self.built.rollout, "memory_check"):  # the jax backend checks its own compiles
             self.built.rollout.memory_check = self.memory.check_compiled
@@ -173,6 +175,8 @@ class Trainer:
 
     def sample_step(self, weights, key, times: dict, tally: DecodeTally) -> tuple[Sampled, dict]:
         """The groups this step trains on, and the metrics of how they were sampled."""
+        if self.multi_turn is not None:
+            return self.multi_turn.sample(weights, key, times, tally)
         if self.partial is None:
             return self.sample_batch(weights, key, times, tally)
         sampled, _, metrics = self.partial.sample(weights, key, self.state.step, times, tally)

@@ -11,10 +11,13 @@ from grpo_core.contracts import Example, Task
 from grpo_runner_gsm8k.tasks.arithmetic import ArithmeticOptions, ArithmeticTask
 from grpo_runner_gsm8k.tasks.base import EpochOrder, render_prompt
 from grpo_runner_gsm8k.tasks.gsm8k import Gsm8kOptions, Gsm8kTask, final_answer
+from grpo_runner_gsm8k.tasks.gsm8k_tools import Gsm8kToolsOptions, Gsm8kToolsTask
 
 TASK_SPECS = [
     TaskSpec("gsm8k", Gsm8kTask, Gsm8kOptions,
              "GSM8K word problems from a local jsonl/parquet directory or the HF Hub"),
+    TaskSpec("gsm8k_tools", Gsm8kToolsTask, Gsm8kToolsOptions,
+             "GSM8K for multi-turn runs: the prompt invites calculator and python calls"),
     TaskSpec("arithmetic", ArithmeticTask, ArithmeticOptions,
              "Generated arithmetic problems ('3+5=' -> '8'), difficulty set by options"),
 ]

@@ -1,0 +1,43 @@
+"""Load-time checks of `rollout.multi_turn` (called by config_io): every one a one-line
+ConfigError, so `grpo-run` exits 2 before any device work."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from grpo_core.errors import ConfigError, PluginError
+
+
+def check_multi_turn(cfg: Any) -> None:
+    """Cross-field checks of rollout.multi_turn (no registry needed)."""
+    multi = cfg.rollout.multi_turn
+    if not multi.enabled:
+        return
+    if not multi.tools:
+        raise ConfigError("rollout.multi_turn.enabled with rollout.multi_turn.tools = []: offer at least one tool, "
+                          "e.g. rollout.multi_turn.tools=[calculator]")
+    for name in multi.tool_options:
+        if name not in multi.tools:
+            raise ConfigError(f"rollout.multi_turn.tool_options.{name} configures a tool that rollout.multi_turn.tools "
+                              f"does not offer ({', '.join(map(str, multi.tools))}); add it to tools or remove the options")
+    # Refill and partial rollouts merge and carry rows by RolloutResult fields this sampler
+    # does not fill in yet (the loss mask of tool tokens, conversations in flight).
+    if cfg.rollout.partial.enabled:
+        raise ConfigError("rollout.multi_turn.enabled with rollout.partial.enabled: multi-turn rows cannot be "
+                          "carried across steps yet; set rollout.partial.enabled=false")
+    if cfg.loss.dynamic_sampling and cfg.loss.dynamic_sampling_mode == "refill":
+        raise ConfigError("rollout.multi_turn.enabled with loss.dynamic_sampling_mode = 'refill': refilling "
+                          "multi-turn rollouts is not supported yet; set loss.dynamic_sampling_mode=mask")
+
+
+def check_tools(cfg: Any, registry: Any, plugin_options: Any) -> None:
+    """Every offered tool exists in the registry and its options fit its plugin."""
+    multi = cfg.rollout.multi_turn
+    if not multi.enabled:
+        return
+    for name in multi.tools:
+        try:
+            spec = registry.tool(str(name))
+        except PluginError as exc:
+            raise ConfigError(f"rollout.multi_turn.tools: {exc}") from None
+        plugin_options(spec.options, multi.tool_options.get(name, {}), f"rollout.multi_turn.tool_options.{name}")

@@ -1,0 +1,113 @@
+"""The step's rollout batch from multi-turn, tool-using rollouts (rollout.multi_turn; the
+turn loop is grpo_runner_gsm8k.multi_turn_rollout).
+
+Prompts are rendered with the offered tools (the chat template's `tools=`). Rewards receive
+a `ConversationText` per row: the final answer (the text after the last tool turn) as the
+string, the whole conversation as `.conversation`. Tools are looked up by name in the
+plugin registry, so the runner needs no tool package of its own.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Optional
+
+from grpo_core.config_io import plugin_options
+from grpo_core.contracts import ConversationText, Policy
+from grpo_core.errors import UserError
+from grpo_core.rollout_records import DecodeTally
+from grpo_core.tool_calls import ToolRunner
+
+from grpo_runner_gsm8k.build import prompts_to_check
+from grpo_runner_gsm8k.multi_turn_inputs import row_budget
+from grpo_runner_gsm8k.multi_turn_rollout import CALL_END, MultiTurnRollout, single_token_id, turn_sampling
+from grpo_runner_gsm8k.multihost import gather_objects
+from grpo_runner_gsm8k.refill import Sampled
+from grpo_runner_gsm8k.scoring import score
+from grpo_runner_gsm8k.trajectory import Trajectory, trajectory_metrics, trajectory_result
+
+
+def multi_turn_sampler(run: Any, registry: Any) -> Optional["MultiTurnSampler"]:
+    """The run's multi-turn sampler, or None when rollout.multi_turn is off."""
+    return MultiTurnSampler(run, registry) if run.cfg.rollout.multi_turn.enabled else None
+
+
+def build_tools(cfg: Any, registry: Any) -> list:
+    """The offered tools, each built once from its plugin (names and options checked at load)."""
+    multi = cfg.rollout.multi_turn
+    tools = []
+    for name in multi.tools:
+        spec = registry.tool(str(name))
+        options = plugin_options(spec.options, multi.tool_options.get(name, {}),
+                                 f"rollout.multi_turn.tool_options.{name}")
+        tools.append(spec.factory(options))
+    return tools
+
+
+class MultiTurnSampler:
+    """Owns the run's tools; `sample` gives one step's rows, scored."""
+
+    def __init__(self, run: Any, registry: Any):
+        multi, tokenizer = run.cfg.rollout.multi_turn, run.inputs.tokenizer
+        self.run = run
+        call_end = single_token_id(tokenizer, CALL_END)  # checked at load (check_multi_turn_inputs)
+        self.runner = ToolRunner(build_tools(run.cfg, registry), timeout_seconds=multi.call_timeout_s)
+        self.turns = MultiTurnRollout(
+            backend=run.rollout, tokenizer=tokenizer, runner=self.runner,
+            sampling=turn_sampling(run.sampling, call_end), call_end_id=call_end, max_turns=multi.max_turns,
+            budget=row_budget(run.cfg),
+            pad_token_id=tokenizer.pad_token_id, batch_sharding=run.rollout_sharding)
+        # Every prompt the run can see, rendered with the tools, so one too long fails now, not mid-run.
+        examples = prompts_to_check(run.cfg, run.inputs.task, run.inputs.prompts_per_process)
+        try:
+            self.checked = {ex.id: ids for ex, ids in zip(examples, self.render(examples)) if ex.id}
+        except UserError:
+            self.runner.close()
+            raise
+
+    def render(self, examples: list) -> list[list[int]]:
+        """The examples' prompts rendered with the offered tools; too long is a UserError."""
+        tokenizer, cfg = self.run.inputs.tokenizer, self.run.cfg
+        texts = [tokenizer.apply_chat_template(ex.messages(cfg.task.system_prompt), tools=self.runner.offered(),
+                                               add_generation_prompt=True, tokenize=False) for ex in examples]
+        ids = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
+        for ex, row in zip(examples, ids):
+            if len(row) > cfg.rollout.max_prompt_length:
+                raise UserError(f"prompt of example {ex.id or ex.question[:40]!r} has {len(row)} tokens with the "
+                                f"tools offered, more than rollout.max_prompt_length={cfg.rollout.max_prompt_length}; "
+                                "raise rollout.max_prompt_length")
+        return [list(row) for row in ids]
+
+    def prompt_ids(self, examples: list) -> list[list[int]]:
+        """Token ids of the prompts: those checked at start where there are, else rendered now."""
+        unseen = [ex for ex in examples if ex.id not in self.checked]
+        fresh = iter(self.render(unseen))
+        return [self.checked[ex.id] if ex.id in self.checked else next(fresh) for ex in examples]
+
+    def sample(self, weights: Any, key: Any, times: dict, tally: DecodeTally) -> tuple[Sampled, dict]:
+        """(this step's rows scored, the tool metrics of the step)."""
+        start = time.monotonic()
+        run, n = self.run, self.run.cfg.rollout.n
+        examples = gather_objects(run.inputs.task.train_batch(run.inputs.prompts_per_process))
+        prompts = self.prompt_ids(examples)
+        run.rollout.load_weights(Policy(run.policy_graphdef, weights, run.qcfg))
+        try:
+            rows = self.turns.rollout(prompts, n, key, tally)
+        finally:
+            run.rollout.release_weights()
+        reward_start = time.monotonic()
+        result = trajectory_result(rows, n, self.turns.budget, run.inputs.tokenizer.pad_token_id)
+        answers = [ex.answer for ex in examples for _ in range(n)]
+        scores = score(run.inputs.rewards, conversation_texts(run.inputs.tokenizer, rows, self.turns.budget), answers)
+        times["rollout_s"] += reward_start - start
+        times["reward_s"] += time.monotonic() - reward_start
+        return Sampled(examples, result, scores), trajectory_metrics(rows)
+
+
+def conversation_texts(tokenizer: Any, rows: list[Trajectory], budget: int) -> list[ConversationText]:
+    """What the rewards receive of each row: the final answer, and the whole conversation."""
+    answers = tokenizer.batch_decode([row.answer_ids for row in rows], skip_special_tokens=True)
+    conversations = tokenizer.batch_decode([row.ids for row in rows], skip_special_tokens=False)
+    return [ConversationText(answer, sum(row.trained), budget, row.finished, conversation=conversation,
+                             turns=row.turns, tool_calls=row.tool_calls)
+            for answer, conversation, row in zip(answers, conversations, rows)]

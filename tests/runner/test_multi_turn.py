@@ -1,0 +1,150 @@
+"""The multi-turn sampler's turn loop (grpo_runner_gsm8k.multi_turn_rollout) with a scripted
+backend: a row that calls a tool and then answers, one that answers at once, one whose call
+names no such tool, one cut by its token budget. Checked: the trajectory's ids are exactly
+the sampled ids plus the template's ids of each tool turn, the loss mask and log-probs, the
+rewards' texts and the metrics. Run with the tiny runs' character tokenizer (tool tokens
+added) and with the real Qwen3 tokenizer (skipped when ../shared/data lacks it)."""
+
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from grpo_core.chat_turns import append_turn_ids
+from grpo_core.contracts import SamplingParams
+from grpo_core.rollout_records import DecodeTally, RolloutResult
+from grpo_core.tokenizer import TOOL_CALL_TOKENS, build_char_tokenizer
+from grpo_core.tool_calls import ToolRunner, parse_tool_calls, response_messages
+from grpo_runner_gsm8k.multi_turn_rollout import CALL_END, MultiTurnRollout, single_token_id, turn_sampling
+from grpo_runner_gsm8k.multi_turn_step import conversation_texts
+from grpo_runner_gsm8k.trajectory import trajectory_metrics, trajectory_result
+
+QWEN3 = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "qwen3-tokenizer"
+LOGP = -0.5  # every scripted token's sampler log-prob
+
+CALL = '<tool_call>\n{"name": "multiply", "arguments": {"a": 12, "b": 34}}\n</tool_call>'
+UNKNOWN = '<tool_call>\n{"name": "divide", "arguments": {"a": 1}}\n</tool_call>'
+# Each question's assistant turns, in order.
+SCRIPTS = {"mul": ["<think>\nx\n</think>\n\n" + CALL, "It is 408."], "direct": ["7"],
+           "unknown": [UNKNOWN, "sorry"], "long": [" a" * 200]}
+
+
+class Multiply:
+    name, description = "multiply", "Multiply two integers."
+    parameters = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                  "required": ["a", "b"]}
+
+    def __call__(self, arguments):
+        return str(arguments["a"] * arguments["b"])
+
+
+class ScriptedBackend:
+    """`generate` from token lists: each row's next scripted turn, chosen by its question and
+    by how many assistant turns its prefix already opened; then its stop token."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.calls = tokenizer, []
+
+    def turn_ids(self, prefix):
+        text = self.tokenizer.decode(prefix, skip_special_tokens=False)
+        question = next(q for q in SCRIPTS if f"Q:{q}" in text)
+        turn = SCRIPTS[question][text.count("<|im_start|>assistant") - 1]
+        stop = [] if turn.endswith(CALL_END) else [self.tokenizer.convert_tokens_to_ids("<|im_end|>")]
+        return self.tokenizer.encode(turn, add_special_tokens=False) + stop
+
+    def generate(self, prompts, key, sampling, *, pad_token_id=0, batch_sharding=None):
+        self.calls.append([list(p) for p in prompts])
+        width = sampling.max_new_tokens
+        ids = np.full((len(prompts), width), pad_token_id, np.int32)
+        lengths, finished = np.zeros(len(prompts), np.int32), np.zeros(len(prompts), bool)
+        for i, prompt in enumerate(prompts):
+            turn = self.turn_ids(prompt)[:width]
+            ids[i, :len(turn)], lengths[i] = turn, len(turn)
+            finished[i] = turn[-1] in sampling.stop_token_ids
+        mask = (np.arange(width)[None] < lengths[:, None]).astype(np.int32)
+        return RolloutResult(prompt_ids=np.zeros((len(prompts), 1), np.int32), prompt_mask=np.ones((len(prompts), 1)),
+                             completion_ids=ids, completion_mask=mask, lengths=lengths,
+                             sampler_logps=np.where(mask > 0, LOGP, 0.0).astype(np.float32), finished=finished)
+
+
+def _char():
+    return build_char_tokenizer(extra_special_tokens=TOOL_CALL_TOKENS)
+
+
+def _qwen3():
+    if not (QWEN3 / "tokenizer.json").is_file():
+        pytest.skip("needs ../shared/data/qwen3-tokenizer")
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(QWEN3))
+
+
+@pytest.fixture(params=["char", "qwen3"])
+def tokenizer(request):
+    return _char() if request.param == "char" else _qwen3()
+
+
+@pytest.fixture
+def runner():
+    runner = ToolRunner([Multiply()], timeout_seconds=10)
+    yield runner
+    runner.close()
+
+
+def _rollout(tokenizer, runner, budget=400, max_turns=3):
+    end = single_token_id(tokenizer, CALL_END)
+    sampling = turn_sampling(SamplingParams(max_new_tokens=96, n=4, stop_token_ids=(tokenizer.eos_token_id,)), end)
+    turns = MultiTurnRollout(backend=ScriptedBackend(tokenizer), tokenizer=tokenizer, runner=runner,
+                             sampling=sampling, call_end_id=end, max_turns=max_turns, budget=budget,
+                             pad_token_id=tokenizer.pad_token_id)
+    texts = [tokenizer.apply_chat_template([{"role": "user", "content": f"Q:{q}"}], tools=runner.offered(),
+                                           add_generation_prompt=True, tokenize=False) for q in SCRIPTS]
+    prompts = [tokenizer.encode(text, add_special_tokens=False) for text in texts]
+    return turns, turns.rollout(prompts, 1, jax.random.key(0), DecodeTally())
+
+
+def test_trajectory_is_sampled_ids_plus_the_template_ids_of_the_tool_turn(tokenizer, runner):
+    turns, (mul, direct, unknown, long) = _rollout(tokenizer, runner)
+    first = turns.backend.turn_ids(mul.prompt)
+    outcomes = runner.run(parse_tool_calls(CALL))
+    appended = append_turn_ids(tokenizer, mul.prompt + first, response_messages(outcomes), tools=runner.offered())
+    second = turns.backend.turn_ids(mul.prompt + first + appended)
+    assert mul.ids == first + appended + second
+    assert mul.trained == [1] * len(first) + [0] * len(appended) + [1] * len(second)
+    assert mul.logps == [LOGP] * len(first) + [0.0] * len(appended) + [LOGP] * len(second)
+    assert "408" in tokenizer.decode(appended) and mul.turns == 2 and mul.finished
+    assert (mul.tool_calls, mul.tool_errors, mul.tool_timeouts) == (1, 0, 0)
+    assert direct.ids == turns.backend.turn_ids(direct.prompt) and direct.turns == 1 and direct.finished
+    assert (unknown.tool_calls, unknown.tool_errors) == (1, 1) and unknown.finished
+    assert "unknown tool 'divide'" in tokenizer.decode(unknown.ids)
+    assert len(long.ids) == 96 and not long.finished  # cut at the turn's max_new_tokens
+
+
+def test_only_running_rows_decode_the_next_turn(tokenizer, runner):
+    turns, _ = _rollout(tokenizer, runner)
+    assert [len(batch) for batch in turns.backend.calls] == [4, 2]  # mul and unknown call a tool
+
+
+def test_budget_and_max_turns_stop_rows_unfinished(tokenizer, runner):
+    _, (mul, *_rest) = _rollout(tokenizer, runner, max_turns=1)
+    assert mul.turns == 1 and mul.tool_calls == 0 and not mul.finished
+    first_length = len(mul.ids)
+    _, (cut, *_rest) = _rollout(tokenizer, runner, budget=first_length + 3)
+    assert cut.ids == mul.ids and cut.tool_calls == 1 and not cut.finished  # the tool turn did not fit
+
+
+def test_result_masks_texts_and_metrics(tokenizer, runner):
+    _, rows = _rollout(tokenizer, runner)
+    result = trajectory_result(rows, n=1, width=400, pad_id=tokenizer.pad_token_id)
+    mul = rows[0]
+    assert result.completion_mask[0].sum() == len(mul.ids) == result.lengths[0]
+    assert result.loss_mask[0, :len(mul.ids)].tolist() == mul.trained and result.loss_mask[0].sum() < len(mul.ids)
+    assert np.all(result.sampler_logps[result.loss_mask == 0] == 0.0)
+    texts = conversation_texts(tokenizer, rows, 400)
+    assert str(texts[0]) == "It is 408." and "408" in texts[0].conversation and CALL_END in texts[0].conversation
+    assert (texts[0].turns, texts[0].tool_calls, texts[1].turns) == (2, 1, 1)
+    metrics = trajectory_metrics(rows)
+    assert (metrics["train-tools/calls"], metrics["train-tools/errors"], metrics["train-tools/timeouts"]) == (2, 1, 0)
+    assert metrics["train-tools/turns_max"] == 2 and metrics["train-tools/call_rate"] == 0.5
+    assert metrics["train-tools/masked_tokens"] == int((result.completion_mask - result.loss_mask).sum()) > 0
