@@ -2,6 +2,7 @@
 
 from grpo_core import RewardSpec, TaskSpec, hookimpl
 
+from grpo_runner_gsm8k.math_rewards import MATH_REWARD_SPECS
 from grpo_runner_gsm8k.rewards import REWARD_SPECS
 from grpo_runner_gsm8k.tasks import TASK_SPECS
 
@@ -13,4 +14,4 @@ def grpo_tasks() -> list[TaskSpec]:
 
 @hookimpl
 def grpo_rewards() -> list[RewardSpec]:
-    return list(REWARD_SPECS)
+    return list(REWARD_SPECS) + list(MATH_REWARD_SPECS)
