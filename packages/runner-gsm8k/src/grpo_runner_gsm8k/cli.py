@@ -3,6 +3,7 @@
     grpo-run [--config X.yaml] [section.key=value ...]   train (defaults: the tiny CPU run)
     grpo-run --config X.yaml --print-config              print the resolved config
     grpo-run plugins                                     list every registered plugin
+    grpo-run eval [--run-dir R] [--tasks a,b] [overrides]  evaluate a model (see eval_command)
 
 Every failure prints one line to stderr: `grpo-run: error: ...`. Exit codes: 2 bad input,
 3 the run does not fit in memory, 1 anything else (its traceback, config and versions go to
@@ -139,6 +140,7 @@ COMMANDS: dict[str, Callable[[list[str]], int]] = {
     "export": _lazy("grpo_runner_gsm8k.export"),  # run dir -> HF directory
     "report": _lazy("grpo_runner_gsm8k.report"),  # metrics.jsonl -> PNG
     "launch": _lazy("grpo_runner_gsm8k.launch"),  # per-host commands of a multi-host run
+    "eval": _lazy("grpo_runner_gsm8k.eval_command"),  # mean@n, pass@k, maj@k of a model on tasks' test sets
 }
 
 

@@ -90,29 +90,32 @@ def maj_at_k(answers: Sequence[Sequence[Hashable | None]], verdicts: Sequence[Se
 
 
 def summarize(verdicts: Sequence[Sequence[bool]], answers: Sequence[Sequence[Hashable | None]],
-              greedy: bool = False) -> dict[str, float]:
-    """Every metric of one set of questions with n samples each (n equal for all)."""
+              greedy: bool = False, ks: Sequence[int] | None = None) -> dict[str, float]:
+    """Every metric of one set of questions with n samples each (n equal for all); pass@k and
+    maj@k for each of `ks` (default `ks_up_to(n)`). Greedy samples give greedy accuracy alone."""
     n = _common_n(verdicts)
     if greedy:
         return {"greedy_accuracy": greedy_accuracy(verdicts), "questions": len(verdicts)}
     out: dict[str, float] = {f"mean@{n}": mean_at_n(verdicts)}
-    for k in ks_up_to(n):
+    ks = ks_up_to(n) if ks is None else ks
+    for k in ks:
         out[f"pass@{k}"] = mean_pass_at_k(verdicts, k)
-    for k in ks_up_to(n):
+    for k in ks:
         out[f"maj@{k}"] = maj_at_k(answers, verdicts, k)
     out["questions"] = len(verdicts)
     return out
 
 
 def breakdown(verdicts: Sequence[Sequence[bool]], answers: Sequence[Sequence[Hashable | None]],
-              fields: Sequence[Mapping[str, object]], greedy: bool = False) -> dict[str, dict[str, dict]]:
+              fields: Sequence[Mapping[str, object]], greedy: bool = False,
+              ks: Sequence[int] | None = None) -> dict[str, dict[str, dict]]:
     """`summarize` per value of each field the questions carry: {field: {value: metrics}}
     (e.g. MATH's subject and level)."""
     groups: dict[str, dict[str, list[int]]] = defaultdict(lambda: defaultdict(list))
     for question, question_fields in enumerate(fields):
         for name, value in question_fields.items():
             groups[name][str(value)].append(question)
-    return {name: {value: summarize([verdicts[q] for q in members], [answers[q] for q in members], greedy)
+    return {name: {value: summarize([verdicts[q] for q in members], [answers[q] for q in members], greedy, ks)
                    for value, members in sorted(values.items())}
             for name, values in sorted(groups.items())}
 
