@@ -57,6 +57,8 @@ class SampleStore:
             self.directory.mkdir(parents=True, exist_ok=True)
             (self.directory / "settings.json").write_text(json.dumps(self.settings, indent=1))
             with self.samples_path.open("a", encoding="utf-8") as out:
+                if out.tell() and not self.samples_path.read_bytes().endswith(b"\n"):
+                    out.write("\n")  # after a line cut off by an interruption
                 out.write("".join(json.dumps(r) + "\n" for question in records for r in question))
         return records
 
