@@ -28,11 +28,11 @@ from grpo_core.config_io import config_to_yaml, load_config
 from grpo_core.errors import UserError
 from grpo_core.models.precision import compute_params, needs_cast
 from grpo_core.registry import default_registry
-from grpo_rollout.decode import batch_spec_axes
 
 from grpo_runner_gsm8k.cli import ArgumentParser
 from grpo_runner_gsm8k.eval_store import SampleStore
-from grpo_runner_gsm8k.evaluation import Sample, eval_ks, eval_tasks, question_metrics, sample_questions
+from grpo_runner_gsm8k.evaluation import (Sample, eval_ks, eval_tasks, question_metrics, question_multiple,
+                                          sample_questions)
 from grpo_runner_gsm8k.multihost import gather_objects
 
 EVAL_STREAM = 0x45564C  # the eval key's stream, as training's (loop.EVAL_STREAM)
@@ -107,13 +107,8 @@ def _weights(built, step: Optional[int], run_dir: Optional[str]):
 
 
 def chunk_size(built) -> int:
-    """Questions per rollout: rollout.prompts_per_step, rounded up so that the rows (questions
-    x eval.n) split evenly over the devices of the rollout's batch axes."""
-    sharding, n = built.rollout_sharding, built.eval_sampling.n
-    axes = batch_spec_axes(sharding)
-    axes = () if axes is None else ((axes,) if isinstance(axes, str) else tuple(axes))
-    shards = math.prod(sharding.mesh.shape[a] for a in axes)
-    step = shards // math.gcd(shards, n)
+    """Questions per rollout: rollout.prompts_per_step, rounded up to a size the mesh splits evenly."""
+    step = question_multiple(built, built.eval_sampling.n)
     return -(-built.cfg.rollout.prompts_per_step // step) * step
 
 

@@ -6,6 +6,7 @@ question from the run's rollout backend on its mesh, each graded by the task's o
 
 from __future__ import annotations
 
+import math
 from fractions import Fraction
 from typing import Any, NamedTuple, Protocol, Sequence, runtime_checkable
 
@@ -14,6 +15,7 @@ from grpo_core.contracts import CompletionText, Example, Policy
 from grpo_core.errors import UserError
 from grpo_core.registry import Registry
 from grpo_core.rollout_records import RolloutResult
+from grpo_rollout.decode import batch_spec_axes
 
 from grpo_runner_gsm8k.answers import extract_answer
 from grpo_runner_gsm8k.build import from_plugin, prompt_token_ids
@@ -86,11 +88,25 @@ def grade_all(run, task, completions: Sequence[CompletionText], references: Sequ
     return reward_grades(run, completions, references)
 
 
+def question_multiple(run, n: int) -> int:
+    """The fewest questions whose rows (questions x n) split evenly over the devices of the
+    rollout's batch axes."""
+    sharding = run.rollout_sharding
+    axes = batch_spec_axes(sharding)
+    axes = () if axes is None else ((axes,) if isinstance(axes, str) else tuple(axes))
+    shards = math.prod(sharding.mesh.shape[a] for a in axes)
+    return shards // math.gcd(shards, n)
+
+
 def sample_questions(run, weights, task, examples: list[Example], key, sampling) -> list[list[Sample]]:
-    """`sampling.n` graded samples of each example, in sampling order."""
-    prompts = prompt_token_ids(run.cfg, run.inputs.tokenizer, task.use_chat_template, examples)
+    """`sampling.n` graded samples of each example, in sampling order. The batch is padded with
+    the last example up to a size the mesh splits evenly; the padding is not graded."""
+    multiple = question_multiple(run, sampling.n)
+    padded = examples + [examples[-1]] * (-len(examples) % multiple)
+    prompts = prompt_token_ids(run.cfg, run.inputs.tokenizer, task.use_chat_template, padded)
     completions = decode_completions(run.inputs.tokenizer, rollout_prompts(run, weights, prompts, key, sampling))
     n = sampling.n
+    completions = completions[:len(examples) * n]
     references = [ex.answer for ex in examples for _ in range(n)]
     grades = grade_all(run, task, completions, references)
     samples = [Sample(c, g.answer, g.correct) for c, g in zip(completions, grades)]
