@@ -10,6 +10,8 @@ import math
 from fractions import Fraction
 from typing import Any, NamedTuple, Protocol, Sequence, runtime_checkable
 
+import jax
+import numpy as np
 from grpo_core.config import RunConfig
 from grpo_core.contracts import CompletionText, Example, Policy
 from grpo_core.errors import UserError
@@ -21,7 +23,7 @@ from grpo_runner_gsm8k.answers import extract_answer
 from grpo_runner_gsm8k.build import from_plugin, prompt_token_ids
 from grpo_runner_gsm8k.eval_metrics import breakdown, check_k, ks_up_to, summarize
 from grpo_runner_gsm8k.grading import Graded, normalize_answer
-from grpo_runner_gsm8k.multihost import host_array
+from grpo_runner_gsm8k.multihost import gather_objects, host_array
 from grpo_runner_gsm8k.scoring import score
 
 
@@ -151,6 +153,22 @@ def checked_eval_tasks(run, registry: Registry) -> dict[str, Any]:
         prompt_token_ids(run.cfg, run.inputs.tokenizer, task.use_chat_template,
                          task.test_examples(run.cfg.eval.num_questions))
     return tasks
+
+
+def training_eval(run, weights, extra_tasks: dict[str, Any], key, ks: list[int]) -> dict[str, float]:
+    """Training's eval: the training task's first-sample accuracy (and pass@n), then every task
+    of eval.tasks as eval/<task>/<metric>, each with its own key."""
+    task, sampling = run.inputs.task, run.eval_sampling
+    examples = gather_objects(task.test_examples(run.cfg.eval.num_questions))
+    samples = sample_questions(run, weights, task, examples, key, sampling)
+    out = {"eval/accuracy": float(np.mean([question[0].correct for question in samples]))}
+    if sampling.n > 1:
+        out[f"eval/pass@{sampling.n}"] = float(np.mean([any(s.correct for s in q) for q in samples]))
+    for index, (name, extra) in enumerate(extra_tasks.items(), 1):
+        examples = extra.test_examples(run.cfg.eval.num_questions)
+        samples = sample_questions(run, weights, extra, examples, jax.random.fold_in(key, index), sampling)
+        out.update(flat_metrics(f"eval/{name}", question_metrics(extra, examples, samples, sampling.greedy, ks)))
+    return out
 
 
 def flat_metrics(prefix: str, summary: dict[str, Any]) -> dict[str, float]:

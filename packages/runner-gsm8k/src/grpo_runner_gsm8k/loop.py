@@ -29,8 +29,7 @@ from grpo_core.rollout_records import DecodeTally, RolloutResult, waste_metrics
 from grpo_runner_gsm8k.adapters import check_same_base
 from grpo_runner_gsm8k.build import check_run_dir, prepare_run_dir, prompt_token_ids, warn_if_updates_round_away
 from grpo_runner_gsm8k.checkpoint import Checkpointer, Resume, TrainState, resume_point
-from grpo_runner_gsm8k.evaluation import (checked_eval_tasks, decode_completions, eval_ks, flat_metrics,
-                                          question_metrics, rollout_prompts, sample_questions)
+from grpo_runner_gsm8k.evaluation import checked_eval_tasks, decode_completions, eval_ks, rollout_prompts, training_eval
 from grpo_runner_gsm8k.lock import RunDirLock
 from grpo_runner_gsm8k.memory_check import MemoryGuard
 from grpo_runner_gsm8k.metrics import MetricsLogger, truncate_metrics
@@ -280,22 +279,8 @@ class Trainer:
         return jax.random.fold_in(jax.random.fold_in(jax.random.key(self.cfg.train.seed), EVAL_STREAM), self.state.step)
 
     def evaluate(self) -> dict:
-        """The training task's first-sample accuracy (and pass@n), then every task of eval.tasks
-        as eval/<task>/<metric>; each task's questions get their own key."""
-        weights = self.forward_params(self.state.params)
-        task = self.built.inputs.task
-        examples = gather_objects(task.test_examples(self.cfg.eval.num_questions))
-        samples = sample_questions(self.built, weights, task, examples, self.eval_key(), self.built.eval_sampling)
-        out = {"eval/accuracy": float(np.mean([question[0].correct for question in samples]))}
-        if self.built.eval_sampling.n > 1:
-            out[f"eval/pass@{self.built.eval_sampling.n}"] = float(np.mean([any(s.correct for s in q) for q in samples]))
-        for index, (name, extra) in enumerate(self.eval_tasks.items(), 1):
-            examples = extra.test_examples(self.cfg.eval.num_questions)
-            key = jax.random.fold_in(self.eval_key(), index)
-            samples = sample_questions(self.built, weights, extra, examples, key, self.built.eval_sampling)
-            summary = question_metrics(extra, examples, samples, self.cfg.eval.greedy, self.eval_ks)
-            out.update(flat_metrics(f"eval/{name}", summary))
-        return out
+        return training_eval(self.built, self.forward_params(self.state.params), self.eval_tasks, self.eval_key(),
+                             self.eval_ks)
 
     def eval_due(self) -> bool:
         every = self.cfg.eval.every_steps
