@@ -43,8 +43,10 @@ class TimedVerifier:
 
     def equal(self, reference: str, prediction: str) -> bool:
         """Whether the two LaTeX answers are equivalent; False on timeout or worker failure."""
-        if _canonical(reference) == _canonical(prediction):
-            return True
+        return _canonical(reference) == _canonical(prediction) or self.verify(reference, prediction)
+
+    def verify(self, reference: str, prediction: str) -> bool:
+        """math-verify's verdict alone (no string shortcut); False on timeout or worker failure."""
         with self._lock:
             return self._ask(reference, prediction)
 
