@@ -30,6 +30,7 @@ from grpo_core.models.precision import compute_params, needs_cast
 from grpo_core.registry import default_registry
 
 from grpo_runner_gsm8k.cli import ArgumentParser
+from grpo_runner_gsm8k.cli import _remember_run as remember_run
 from grpo_runner_gsm8k.eval_store import SampleStore
 from grpo_runner_gsm8k.evaluation import (Sample, eval_ks, eval_tasks, question_metrics, question_multiple,
                                           sample_questions)
@@ -48,6 +49,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--limit", type=int, help="evaluate only the first N questions of each task")
     parser.add_argument("--out", help="output directory (default: <logging.dir>/eval/<step-S | model>)")
     parser.add_argument("--fresh", action="store_true", help="discard earlier samples in the output directory")
+    parser.add_argument("--stream", action="store_true",
+                        help="stream questions through the decode slots (a finished row takes the next question) "
+                             "instead of sampling chunk by chunk")
     parser.add_argument("--debug", action="store_true", help="also print the traceback of an error")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides")
     return parser
@@ -141,6 +145,7 @@ class EvalJob:
     out: Path
     label: str
     fresh: bool = False
+    stream: bool = False
 
     @property
     def writes(self) -> bool:
@@ -177,6 +182,25 @@ def _sample_chunks(job: EvalJob, task_index: int, task, examples: list, store: S
     return records
 
 
+def _stream(job: EvalJob, task_index: int, task, examples: list, store: SampleStore,
+            progress: Progress) -> dict[str, list[dict]]:
+    """Samples every question not already in the store through streaming decode slots."""
+    from grpo_runner_gsm8k.eval_stream import stream_questions
+
+    records = store.done(job.built.eval_sampling.n)
+    remaining = [ex for ex in examples if ex.id not in records]
+
+    def write(positions: list[int], samples) -> None:
+        done = [remaining[p] for p in positions]
+        records.update({ex.id: q for ex, q in zip(done, store.append([ex.id for ex in done], samples))})
+        progress.update(len(records))
+
+    if remaining:
+        stream_questions(job.built, job.weights, task, remaining, job.key(task_index, len(examples) - len(remaining)),
+                         job.built.eval_sampling, chunk_size(job.built), write)
+    return records
+
+
 def evaluate_task(job: EvalJob, task_index: int, name: str, task, limit: Optional[int]) -> dict[str, Any]:
     """Samples, grades and summarises one task; returns its summary (also in summary.json)."""
     examples = gather_objects(task.test_examples(limit))
@@ -185,7 +209,8 @@ def evaluate_task(job: EvalJob, task_index: int, name: str, task, limit: Optiona
     store = SampleStore(job.out / name, job.settings(name), writes=job.writes, fresh=job.fresh)
     progress = Progress(name, len(examples), len(store.done(job.built.eval_sampling.n)))
     started = time.monotonic()
-    records = _sample_chunks(job, task_index, task, examples, store, progress)
+    sample = _stream if job.stream else _sample_chunks
+    records = sample(job, task_index, task, examples, store, progress)
     samples = [[Sample(r["completion"], r["answer"], r["correct"]) for r in records[ex.id]] for ex in examples]
     summary = question_metrics(task, examples, samples, job.built.eval_sampling.greedy, eval_ks(job.built.cfg))
     summary.update(task=name, model=job.label, n=job.built.eval_sampling.n, greedy=job.built.eval_sampling.greedy,
@@ -210,13 +235,14 @@ def _job(args: argparse.Namespace) -> tuple[EvalJob, dict[str, Any]]:
     from grpo_runner_gsm8k.run import build_run
 
     cfg, step = _load_config(args)
+    remember_run(cfg)  # a crash log goes to the run directory
     _check_sampling(cfg)
     eval_ks(cfg)  # k outside 1..eval.n fails before any device work
     built = build_run(cfg, default_registry())
     tasks = _tasks(cfg, args.tasks, built)
     label = f"step-{step}" if step is not None else "model"
     out = Path(args.out).expanduser() if args.out else Path(cfg.logging.dir) / "eval" / label
-    return EvalJob(built, _weights(built, step, args.run_dir), out, label, args.fresh), tasks
+    return EvalJob(built, _weights(built, step, args.run_dir), out, label, args.fresh, args.stream), tasks
 
 
 def main(argv: list[str]) -> int:
