@@ -88,3 +88,18 @@ def test_eval_of_a_checkpoint_and_training_logs_eval_tasks(tiny_config_path, tmp
     assert main(["eval", "--run-dir", str(run_dir), "--tasks", "countdown", "--limit", "4"]) == 0
     summary = json.loads((run_dir / "eval" / "step-1" / "countdown" / "summary.json").read_text())
     assert summary["model"] == "step-1" and summary["questions"] == 4 and "greedy_accuracy" in summary
+
+
+def test_streamed_eval_grades_every_question_once(tiny_config_path, tmp_path):
+    """Rows of 4 tokens in rounds of 1: questions leave their slots as they finish."""
+    argv = _eval(tiny_config_path, tmp_path / "run", "eval.greedy=false", "eval.n=2", "eval.max_new_tokens=4",
+                 "rollout.max_new_tokens=4", "--limit", "10", "--stream")
+    assert main(argv) == 0
+    out = tmp_path / "run" / "eval" / "model" / "arithmetic"
+    samples = _lines(out / "samples.jsonl")
+    by_question = {}
+    for sample in samples:
+        by_question.setdefault(sample["id"], []).append(sample["sample"])
+    assert len(by_question) == 10 and all(sorted(s) == [0, 1] for s in by_question.values())
+    assert all(1 <= s["tokens"] <= 4 for s in samples)
+    assert json.loads((out / "summary.json").read_text())["questions"] == 10
