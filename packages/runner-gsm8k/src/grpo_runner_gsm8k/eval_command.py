@@ -24,7 +24,7 @@ from typing import Any, Optional
 
 import jax
 
-from grpo_core.config_io import config_to_yaml, load_config
+from grpo_core.config_io import config_to_yaml, load_config, plugin_options
 from grpo_core.errors import UserError
 from grpo_core.models.precision import compute_params, needs_cast
 from grpo_core.registry import default_registry
@@ -84,15 +84,28 @@ def _check_sampling(cfg) -> None:
                         "eval.greedy=false to sample n answers per question (or eval.n=1)")
 
 
-def _tasks(cfg, names: Optional[str], built) -> dict[str, Any]:
-    """The tasks to evaluate, by name: --tasks (options from eval.tasks or task.options), else eval.tasks,
-    else the training task."""
+def task_options(cfg, names: Optional[str]) -> dict[str, dict]:
+    """Task name -> options of the tasks to evaluate: --tasks (options from eval.tasks or, for the
+    training task, task.options), else eval.tasks, else the training task. Checked against the
+    registry here, before any device work."""
     if names is None:
-        return eval_tasks(cfg, default_registry()) or {cfg.task.name: built.inputs.task}
-    wanted = [name.strip() for name in names.split(",") if name.strip()]
-    if not wanted:
-        raise UserError(f"--tasks {names!r} names no task; give comma-separated names (see grpo-run plugins)")
-    options = {name: cfg.eval.tasks.get(name, cfg.task.options if name == cfg.task.name else {}) for name in wanted}
+        options = dict(cfg.eval.tasks) or {cfg.task.name: cfg.task.options}
+    else:
+        wanted = [name.strip() for name in names.split(",") if name.strip()]
+        if not wanted:
+            raise UserError(f"--tasks {names!r} names no task; give comma-separated names (see grpo-run plugins)")
+        options = {name: cfg.eval.tasks.get(name, cfg.task.options if name == cfg.task.name else {})
+                   for name in wanted}
+    registry = default_registry()
+    for name, values in options.items():
+        plugin_options(registry.get("task", name).options, values or {}, f"eval.tasks.{name}")
+    return options
+
+
+def _tasks(cfg, options: dict[str, dict], built) -> dict[str, Any]:
+    """The tasks, built; the training task with its own options is the run's (its data is loaded)."""
+    if list(options) == [cfg.task.name] and options[cfg.task.name] == cfg.task.options:
+        return {cfg.task.name: built.inputs.task}
     return eval_tasks(dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, tasks=options)), default_registry())
 
 
@@ -238,8 +251,9 @@ def _job(args: argparse.Namespace) -> tuple[EvalJob, dict[str, Any]]:
     remember_run(cfg)  # a crash log goes to the run directory
     _check_sampling(cfg)
     eval_ks(cfg)  # k outside 1..eval.n fails before any device work
+    options = task_options(cfg, args.tasks)
     built = build_run(cfg, default_registry())
-    tasks = _tasks(cfg, args.tasks, built)
+    tasks = _tasks(cfg, options, built)
     label = f"step-{step}" if step is not None else "model"
     out = Path(args.out).expanduser() if args.out else Path(cfg.logging.dir) / "eval" / label
     return EvalJob(built, _weights(built, step, args.run_dir), out, label, args.fresh, args.stream), tasks
