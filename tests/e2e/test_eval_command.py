@@ -103,3 +103,16 @@ def test_streamed_eval_grades_every_question_once(tiny_config_path, tmp_path):
     assert len(by_question) == 10 and all(sorted(s) == [0, 1] for s in by_question.values())
     assert all(1 <= s["tokens"] <= 4 for s in samples)
     assert json.loads((out / "summary.json").read_text())["questions"] == 10
+
+
+def test_an_exported_model_evaluates_as_its_checkpoint(tiny_config_path, tmp_path, small_run):
+    run_dir, exported = tmp_path / "run", tmp_path / "hf"
+    assert main(["--config", tiny_config_path, *small_run(1), f"logging.dir={run_dir}"]) == 0
+    assert main(["export", "--run-dir", str(run_dir), "--out", str(exported)]) == 0
+    common = ("--limit", "8", "eval.greedy=false", "eval.n=2")
+    assert main(["eval", "--run-dir", str(run_dir), *common]) == 0
+    assert main(["eval", "--config", tiny_config_path, *small_run(1), "--model", str(exported), "model.tokenizer=null",
+                 f"logging.dir={tmp_path / 'base'}", *common]) == 0
+    from_checkpoint = _lines(run_dir / "eval" / "step-1" / "arithmetic" / "samples.jsonl")
+    from_export = _lines(tmp_path / "base" / "eval" / "model" / "arithmetic" / "samples.jsonl")
+    assert from_export == from_checkpoint
