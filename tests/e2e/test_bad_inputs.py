@@ -77,7 +77,7 @@ CATALOGUE = [
     Bad("unknown-mesh", ("mesh.strategy=fsdp_pt",), "mesh.strategy: unknown mesh 'fsdp_pt'", "available: auto"),
     Bad("unknown-task", ("task.name=gsm9k",), "task.name: unknown task 'gsm9k'", "Did you mean 'gsm8k'?"),
     Bad("unknown-reward", ("task.rewards={corectness: 1.0}",), "task.rewards: unknown reward 'corectness'",
-        "available: correctness"),
+        "Did you mean 'correctness'?"),
     Bad("unknown-rollout", ("rollout.backend=vllm",), "rollout.backend: unknown rollout 'vllm'", "available: jax"),
     Bad("task-option-typo", ("task.options.digit=2",), "unknown config key task.options.digit",
         "did you mean task.options.digits?"),

@@ -91,3 +91,28 @@ def test_out_in_a_missing_directory_exits_2(tmp_path, capsys):
     _write_run(run_dir, [_record(1)])
     assert main(["report", str(run_dir), "--out", str(tmp_path / "nope" / "r.png")]) == 2
     assert "does not exist; create it first" in capsys.readouterr().err
+
+
+def test_eval_tasks_and_the_pass_at_k_plot(tmp_path, capsys):
+    from grpo_runner_gsm8k.eval_report import eval_summaries, pass_at_k_figure
+
+    run_dir = tmp_path / "run"
+    _write_run(run_dir, [{**_record(5), "eval/countdown/greedy_accuracy": 0.25, "eval/countdown/by/level/1/x": 1.0}])
+    figure = build_figure(read_metrics(run_dir / "metrics.jsonl"), "run")
+    evals = next(ax for ax in figure.axes if ax.get_title() == "Eval accuracy")
+    assert [line.get_label() for line in evals.get_lines()] == ["accuracy", "pass@4", "countdown/greedy_accuracy"]
+    sampled = run_dir / "eval" / "step-5" / "math500"
+    sampled.mkdir(parents=True)
+    (sampled / "summary.json").write_text(json.dumps({"mean@4": 0.4, "pass@1": 0.4, "pass@2": 0.55, "pass@4": 0.7,
+                                                      "maj@1": 0.4, "maj@2": 0.4, "maj@4": 0.5, "questions": 10}))
+    (sampled.parent / "cut").mkdir()
+    (sampled.parent / "cut" / "summary.json").write_text('{"pass@1": 0.')  # an eval still writing: left out
+    summaries = eval_summaries(run_dir)
+    assert list(summaries) == ["step-5/math500"]
+    lines = {line.get_label(): (list(line.get_xdata()), list(line.get_ydata()))
+             for line in pass_at_k_figure(summaries).axes[0].get_lines()}
+    assert lines == {"step-5/math500 pass@k": ([1, 2, 4], [0.4, 0.55, 0.7]),
+                     "step-5/math500 maj@k": ([1, 2, 4], [0.4, 0.4, 0.5])}
+    assert main(["report", str(run_dir)]) == 0
+    assert (run_dir / "report-pass-at-k.png").read_bytes()[:8] == PNG_SIGNATURE
+    assert capsys.readouterr().out.splitlines()[-1] == f"wrote {run_dir / 'report-pass-at-k.png'}"

@@ -295,6 +295,10 @@ class EvalConfig:
         None, "Sampled tokens per eval completion; null = rollout.max_new_tokens (filled in at load).", ge=1)
     reward: str = setting("correctness", "The reward of task.rewards that judges an answer.")
     pass_threshold: float = setting(1.0, "An answer is correct when eval.reward gives at least this.")
+    tasks: dict = setting(
+        {}, "Task name -> options evaluated besides the training task (in training, logged as eval/<task>/...; "
+        "`grpo-run eval` runs these, or the training task when empty). Each task grades with its own grader.")
+    k: list = setting([], "The k of pass@k and maj@k (each 1..eval.n); empty = 1, 2, 4, ... up to eval.n.")
 
 
 @dataclass(frozen=True)

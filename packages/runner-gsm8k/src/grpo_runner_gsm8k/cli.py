@@ -3,6 +3,7 @@
     grpo-run [--config X.yaml] [section.key=value ...]   train (defaults: the tiny CPU run)
     grpo-run --config X.yaml --print-config              print the resolved config
     grpo-run plugins                                     list every registered plugin
+    grpo-run eval [--run-dir R] [--tasks a,b] [overrides]  evaluate a model (see eval_command)
     grpo-run <command> ...                               a subcommand (export, report, launch, a plugin's)
 
 Every failure prints one line to stderr: `grpo-run: error: ...`. Exit codes: 2 bad input,

@@ -40,4 +40,6 @@ COMMAND_SPECS = (
     CommandSpec("report", lazy_main("grpo_runner_gsm8k.report"), description="metrics.jsonl -> PNG plots"),
     CommandSpec("launch", lazy_main("grpo_runner_gsm8k.launch"),
                 description="start or print the per-host commands of a multi-host run"),
+    CommandSpec("eval", lazy_main("grpo_runner_gsm8k.eval_command"),
+                description="mean@n, pass@k, maj@k of a model, export or checkpoint on tasks' test sets"),
 )

@@ -19,7 +19,6 @@ import numpy as np
 
 from grpo_core.config import RunConfig
 from grpo_core.config_io import config_to_dict, config_to_yaml
-from grpo_core.contracts import CompletionText, Policy
 from grpo_core.models.precision import compute_params, needs_cast
 from grpo_core.errors import UserError
 from grpo_core.registry import Registry
@@ -30,6 +29,7 @@ from grpo_runner_gsm8k.adapters import check_same_base
 from grpo_runner_gsm8k.advantages import step_advantages
 from grpo_runner_gsm8k.build import check_run_dir, prepare_run_dir, prompt_token_ids, warn_if_updates_round_away
 from grpo_runner_gsm8k.checkpoint import Checkpointer, Resume, TrainState, resume_point
+from grpo_runner_gsm8k.evaluation import checked_eval_tasks, decode_completions, eval_ks, rollout_prompts, training_eval
 from grpo_runner_gsm8k.lock import RunDirLock
 from grpo_runner_gsm8k.memory_check import MemoryGuard
 from grpo_runner_gsm8k.metrics import MetricsLogger, truncate_metrics
@@ -64,24 +64,9 @@ def tokenize_prompts(run: BuiltRun, examples: list) -> list[list[int]]:
     return [inputs.prompt_ids[ex.id] if ex.id in inputs.prompt_ids else next(fresh) for ex in examples]
 
 
-def decode_completions(tokenizer, result: RolloutResult) -> list[CompletionText]:
-    ids = host_array(result.completion_ids)
-    mask = host_array(result.completion_mask).astype(bool)
-    texts = tokenizer.batch_decode([row[m].tolist() for row, m in zip(ids, mask)], skip_special_tokens=True)
-    lengths, finished = host_array(result.lengths), host_array(result.finished)
-    return [CompletionText(text, int(n), ids.shape[1], bool(done)) for text, n, done in zip(texts, lengths, finished)]
-
-
 def rollout(run: BuiltRun, weights, examples: list, key, sampling) -> RolloutResult:
-    """One rollout with `weights` (compute dtype) loaded into the backend for its duration only:
-    the update that follows needs that memory."""
-    prompts = tokenize_prompts(run, examples)
-    run.rollout.load_weights(Policy(run.policy_graphdef, weights, run.qcfg))
-    try:
-        return run.rollout.generate(prompts, key, sampling, pad_token_id=run.inputs.tokenizer.pad_token_id,
-                                    batch_sharding=run.rollout_sharding)
-    finally:
-        run.rollout.release_weights()
+    """One rollout of the examples' prompts with `weights` (see evaluation.rollout_prompts)."""
+    return rollout_prompts(run, weights, tokenize_prompts(run, examples), key, sampling)
 
 
 class Trainer:
@@ -95,6 +80,8 @@ class Trainer:
         self.built = build_run(cfg, registry)
         self.registry = registry
         self.multi_turn = multi_turn_sampler(self.built, registry)
+        self.eval_tasks = checked_eval_tasks(self.built, registry) if cfg.eval.every_steps else {}
+        self.eval_ks = eval_ks(cfg)
         self.memory = MemoryGuard(cfg)
         if hasattr(self.built.rollout, "memory_check"):  # the jax backend checks its own compiles
             self.built.rollout.memory_check = self.memory.check_compiled
@@ -300,19 +287,8 @@ class Trainer:
         return jax.random.fold_in(jax.random.fold_in(jax.random.key(self.cfg.train.seed), EVAL_STREAM), self.state.step)
 
     def evaluate(self) -> dict:
-        examples = gather_objects(self.built.inputs.task.test_examples(self.cfg.eval.num_questions))
-        n = self.built.eval_sampling.n
-        result = rollout(self.built, self.forward_params(self.state.params), examples, self.eval_key(),
-                         self.built.eval_sampling)
-        judge = self.cfg.eval.reward  # checked to be one of task.rewards when the config loaded
-        answers = [ex.answer for ex in examples for _ in range(n)]
-        inputs = self.built.inputs
-        judged = score({judge: (inputs.rewards[judge][0], 1.0)}, decode_completions(inputs.tokenizer, result), answers)
-        per_question = judged.total.reshape(len(examples), n) >= self.cfg.eval.pass_threshold
-        out = {"eval/accuracy": float(per_question[:, 0].mean())}
-        if n > 1:
-            out[f"eval/pass@{n}"] = float(per_question.any(axis=1).mean())
-        return out
+        return training_eval(self.built, self.forward_params(self.state.params), self.eval_tasks, self.eval_key(),
+                             self.eval_ks)
 
     def eval_due(self) -> bool:
         every = self.cfg.eval.every_steps

@@ -4,6 +4,7 @@ like any plugin."""
 from grpo_core import CommandSpec, RewardSpec, TaskSpec, hookimpl
 
 from grpo_runner_gsm8k.commands import COMMAND_SPECS
+from grpo_runner_gsm8k.math_rewards import MATH_REWARD_SPECS
 from grpo_runner_gsm8k.rewards import REWARD_SPECS
 from grpo_runner_gsm8k.tasks import TASK_SPECS
 
@@ -15,7 +16,7 @@ def grpo_tasks() -> list[TaskSpec]:
 
 @hookimpl
 def grpo_rewards() -> list[RewardSpec]:
-    return list(REWARD_SPECS)
+    return list(REWARD_SPECS) + list(MATH_REWARD_SPECS)
 
 
 @hookimpl

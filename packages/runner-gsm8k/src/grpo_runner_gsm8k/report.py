@@ -1,8 +1,10 @@
 """`grpo-run report RUN_DIR [--out PNG]`: one PNG of a run's metrics.jsonl.
 
 Four panels over training steps: reward (total and per reward function), eval
-accuracy (and pass@n), valid tokens per second, and step time (with its rollout and
-update parts). Default output: RUN_DIR/report.png.
+accuracy (and pass@n, and each eval.tasks entry's greedy accuracy or mean@n), valid
+tokens per second, and step time (with its rollout and update parts). Default output:
+RUN_DIR/report.png. When `grpo-run eval` wrote summaries under RUN_DIR/eval, a second
+PNG (<out>-pass-at-k.png) plots pass@k and maj@k by k.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from matplotlib.figure import Figure  # no pyplot: no GUI backend, no global sta
 from grpo_core.errors import UserError
 
 from grpo_runner_gsm8k.cli import ArgumentParser
+from grpo_runner_gsm8k.eval_report import eval_summaries, pass_at_k_figure
 
 FIGURE_INCHES, DPI = (12, 8), 100
 
@@ -89,7 +92,14 @@ def reward_functions(records: list[dict]) -> list[str]:
 
 def eval_keys(records: list[dict]) -> list[str]:
     keys = {key for r in records for key in r if key.startswith("eval/pass@")}
-    return ["eval/accuracy", *sorted(keys)]
+    tasks = {key for r in records for key in r if _task_headline(key)}
+    return ["eval/accuracy", *sorted(keys), *sorted(tasks)]
+
+
+def _task_headline(key: str) -> bool:
+    """eval/<task>/greedy_accuracy or eval/<task>/mean@n (an eval.tasks entry), not a breakdown."""
+    parts = key.split("/")
+    return len(parts) == 3 and parts[0] == "eval" and (parts[2] == "greedy_accuracy" or parts[2].startswith("mean@"))
 
 
 def panels(records: list[dict]) -> list[Panel]:
@@ -146,6 +156,11 @@ def main(argv: list[str]) -> int:
         raise UserError(f"--out {str(out)!r}: directory {str(out.parent)!r} does not exist; create it first")
     write_png(build_figure(records, run_dir.resolve().name), out)
     print(f"wrote {out}")
+    summaries = eval_summaries(run_dir)
+    if summaries:  # what grpo-run eval wrote under the run
+        passk = out.with_name(f"{out.stem}-pass-at-k.png")
+        write_png(pass_at_k_figure(summaries), passk)
+        print(f"wrote {passk}")
     return 0
 
 

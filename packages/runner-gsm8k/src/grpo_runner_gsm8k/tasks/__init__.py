@@ -9,6 +9,9 @@ from grpo_core import TaskSpec
 from grpo_core.contracts import Example, Task
 
 from grpo_runner_gsm8k.tasks.arithmetic import ArithmeticOptions, ArithmeticTask
+from grpo_runner_gsm8k.tasks.boxed_math import (BoxedMathOptions, BoxedMathTask, CompetitionOptions,
+                                                Math500Options, preset)
+from grpo_runner_gsm8k.tasks.countdown import CountdownOptions, CountdownTask
 from grpo_runner_gsm8k.tasks.base import EpochOrder, render_prompt
 from grpo_runner_gsm8k.tasks.gsm8k import Gsm8kOptions, Gsm8kTask, final_answer
 from grpo_runner_gsm8k.tasks.gsm8k_tools import Gsm8kToolsOptions, Gsm8kToolsTask
@@ -20,7 +23,18 @@ TASK_SPECS = [
              "GSM8K for multi-turn runs: the prompt invites calculator and python calls"),
     TaskSpec("arithmetic", ArithmeticTask, ArithmeticOptions,
              "Generated arithmetic problems ('3+5=' -> '8'), difficulty set by options"),
+    TaskSpec("boxed_math", preset("boxed_math"), BoxedMathOptions,
+             "Boxed-answer math from any JSONL/parquet/Hub data via a field mapping, graded by math-verify"),
+    TaskSpec("math500", preset("math500"), Math500Options,
+             "MATH-500 (Hub HuggingFaceH4/MATH-500 or its JSONL by path), by subject and level"),
+    TaskSpec("aime", preset("aime", needs_path=True), CompetitionOptions,
+             "AIME problems from a JSONL/parquet file (task.options.path), boxed answers"),
+    TaskSpec("amc", preset("amc", needs_path=True), CompetitionOptions,
+             "AMC problems from a JSONL/parquet file (task.options.path), boxed answers"),
+    TaskSpec("countdown", CountdownTask, CountdownOptions,
+             "Generated countdown puzzles: reach a target from a few numbers with + - * /"),
 ]
 
-__all__ = ["ArithmeticOptions", "ArithmeticTask", "EpochOrder", "Example", "Gsm8kOptions", "Gsm8kTask",
+__all__ = ["ArithmeticOptions", "ArithmeticTask", "BoxedMathOptions", "BoxedMathTask", "CountdownOptions",
+           "CountdownTask", "EpochOrder", "Example", "Gsm8kOptions", "Gsm8kTask",
            "Task", "TASK_SPECS", "final_answer", "render_prompt"]

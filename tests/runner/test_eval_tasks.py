@@ -1,0 +1,94 @@
+"""The boxed-answer math tasks and countdown: loading, field mapping, errors, grading, registration."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from grpo_core.errors import UserError
+from grpo_core.registry import default_registry
+from grpo_runner_gsm8k.tasks import BoxedMathOptions, CountdownOptions, CountdownTask
+from grpo_runner_gsm8k.tasks.boxed_math import BOXED_INSTRUCTION, CompetitionOptions, Math500Options, preset
+from grpo_runner_gsm8k.tasks.countdown import check_countdown, decode_answer, evaluate_expression
+from grpo_runner_gsm8k.math_rewards import CountdownRewardOptions, countdown_reward
+
+MATH500 = Path(__file__).resolve().parents[3] / "shared/data/math500/test.jsonl"
+
+
+def test_new_tasks_and_rewards_are_registered_plugins():
+    registry = default_registry()
+    tasks = {entry.spec.name for entry in registry.entries("task")}
+    rewards = {entry.spec.name for entry in registry.entries("reward")}
+    assert {"boxed_math", "math500", "aime", "amc", "countdown"} <= tasks
+    assert {"boxed_answer", "countdown"} <= rewards
+
+
+@pytest.mark.skipif(not MATH500.is_file(), reason=f"MATH-500 not found at {MATH500}")
+def test_math500_from_its_jsonl():
+    task = preset("math500")(Math500Options(path=str(MATH500)), seed=0)
+    examples = task.test_examples()
+    assert len(examples) == 500 and len({ex.id for ex in examples}) == 500
+    first = examples[0]
+    assert first.id == "math500/test/test/precalculus/807.json"
+    assert first.question.endswith("\n\n" + BOXED_INSTRUCTION)
+    assert first.answer == "\\left( 3, \\frac{\\pi}{2} \\right)"
+    assert task.example_fields(first.id) == {"subject": "Precalculus", "level": 2}
+    assert task.grade("... \\boxed{(3, \\pi/2)}", first.answer).correct
+    assert len(task.train_batch(3)) == 3  # MATH-500 trains on its only split
+
+
+def _write(path: Path, rows: list) -> Path:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def test_a_field_mapping_reads_other_names(tmp_path):
+    data = _write(tmp_path / "aime.jsonl", [{"Problem": "What is 1+1?", "Answer": 2, "ID": "2024-I-1", "year": 2024}])
+    options = CompetitionOptions(path=str(data), problem_field="Problem", answer_field="Answer", id_field="ID",
+                                 breakdown_fields=["year"], instruction="")
+    [example] = preset("aime", needs_path=True)(options).test_examples()
+    assert (example.question, example.answer, example.id) == ("What is 1+1?", "2", "aime/test/2024-I-1")
+
+
+def test_a_missing_mapped_field_names_the_line_and_field(tmp_path):
+    data = _write(tmp_path / "d.jsonl", [{"problem": "p", "answer": "1", "unique_id": "a"}, {"problem": "q", "id": 2}])
+    task = preset("boxed_math")(BoxedMathOptions(path=str(data)))
+    with pytest.raises(UserError, match=r"d.jsonl line 2 has no field 'answer' .*task.options.answer_field"):
+        task.test_examples()
+
+
+def test_aime_without_a_path_is_a_user_error():
+    with pytest.raises(UserError, match="task aime reads its problems from a file: set task.options.path"):
+        preset("aime", needs_path=True)(CompetitionOptions())
+
+
+@pytest.mark.parametrize("completion,correct", [
+    ("\\boxed{(3 + 5) * 2}", True), ("Try this.\n(3+5)*2 = 16", True), ("so (3+5)*2 = 16", False), ("\\boxed{2 \\times (5 + 3)}", True),
+    ("\\boxed{16}", False),                 # no numbers used
+    ("\\boxed{(3 + 5) * 2 * 1}", False),    # 1 is not given
+    ("\\boxed{(5 + 5) + 6}", False),        # 5 used twice
+    ("\\boxed{(3 + 5) * 2 - 7 + 7}", False),  # 7 given once
+    ("\\boxed{3 / (5 - 5)}", False), ("\\boxed{__import__('os')}", False), ("", False),
+    ("\\boxed{7 * 2 + 5 - 3}", True), ("\\boxed{(7 - 3) / 2 * (5 + 3)}", False),  # 3 used twice
+])
+def test_countdown_checks_numbers_and_target(completion, correct):
+    assert check_countdown(completion, "16 from 3,5,2,7").correct is correct
+
+
+def test_countdown_parser_is_exact_and_keeps_precedence():
+    value, used = evaluate_expression("1 + 2 * 3 - 8 / (3 + 1)")
+    assert value == 5 and used == [1, 2, 3, 8, 3, 1]
+    assert evaluate_expression("1 / 3 * 3")[0] == 1
+
+
+def test_countdown_problems_are_seeded_and_rewarded():
+    options = CountdownOptions()
+    first, again = CountdownTask(options, seed=3), CountdownTask(options, seed=3)
+    assert first.test_examples(5) == again.test_examples(5)
+    assert first.train_batch(4) == again.train_batch(4) != CountdownTask(options, seed=4).train_batch(4)
+    for example in first.test_examples(20):
+        target, numbers = decode_answer(example.answer)
+        assert len(numbers) == 4 and 1 <= target <= options.max_target
+        assert str(target) in example.question
+    reward = countdown_reward(CountdownRewardOptions())
+    assert reward(["\\boxed{(3 + 5) * 2}", "\\boxed{3+5}"], ["16 from 3,5,2,7"] * 2) == [1.0, 0.0]
