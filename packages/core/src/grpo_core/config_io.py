@@ -17,7 +17,7 @@ from typing import Any, Iterable, Literal, Optional, Union
 
 import yaml
 
-from grpo_core.config import LORA_TARGETS, RunConfig
+from grpo_core.config import LORA_TARGETS, RunConfig, TeacherConfig
 from grpo_core.errors import ConfigError, PluginError
 
 EXPLICIT_MESH = re.compile(r"^\s*-?\d+\s*,\s*-?\d+\s*,\s*-?\d+\s*$")
@@ -307,6 +307,7 @@ def validate_cross_fields(cfg: RunConfig) -> None:
     _check_loss_options(cfg.loss)
     _check_lora(cfg.model.lora)
     _check_partial(cfg)
+    _check_teacher(cfg)
     if not cfg.task.rewards:
         raise ConfigError("task.rewards is empty: name at least one reward function, e.g. {correctness: 1.0}")
     for name in cfg.task.reward_options:
@@ -322,6 +323,26 @@ def _check_loss_options(loss: Any) -> None:
     if loss.dynamic_sampling_mode == "refill" and not loss.dynamic_sampling:
         raise ConfigError("loss.dynamic_sampling_mode = 'refill' with loss.dynamic_sampling = false: refilling "
                           "replaces groups that dynamic sampling drops; set loss.dynamic_sampling=true")
+
+
+def check_teacher_section(tree: dict) -> None:
+    """A `teacher:` section written without a model path is a mistake, not "no teacher"; the
+    section exactly as `--print-config` writes it for a run without a teacher is accepted."""
+    if "teacher" not in tree:
+        return
+    section = tree["teacher"]
+    if isinstance(section, dict) and (section.get("path") or section == config_to_dict(TeacherConfig())):
+        return
+    shown = "null" if section is None else repr(section)
+    raise ConfigError(f"teacher section without teacher.path (teacher = {shown}); set teacher.path to the "
+                      "teacher's HF model directory or Hub id, or remove the teacher section")
+
+
+def _check_teacher(cfg: RunConfig) -> None:
+    if cfg.teacher.path and not cfg.teacher.use_task_reward and cfg.loss.dynamic_sampling:
+        raise ConfigError("loss.dynamic_sampling with teacher.use_task_reward = false: dynamic sampling drops groups "
+                          "by their task rewards, which distillation alone does not train on; set "
+                          "loss.dynamic_sampling=false or teacher.use_task_reward=true")
 
 
 def _check_partial(cfg: RunConfig) -> None:
@@ -395,6 +416,7 @@ def resolve_defaults(cfg: RunConfig) -> RunConfig:
         train=replace(cfg.train, moment_dtype=cfg.train.moment_dtype or trained_param_dtype(cfg.model)),
         loss=replace(cfg.loss, max_completion_length=cfg.loss.max_completion_length or cfg.rollout.max_new_tokens),
         eval=replace(cfg.eval, max_new_tokens=cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens),
+        teacher=replace(cfg.teacher, dtype=cfg.teacher.dtype or (cfg.model.dtype if cfg.teacher.path else None)),
         rollout=replace(cfg.rollout, partial=replace(
             cfg.rollout.partial, budget=cfg.rollout.partial.budget or -(-cfg.rollout.max_new_tokens // 4))))
 
@@ -409,12 +431,12 @@ def _home(path: Optional[str]) -> Optional[str]:
 
 
 def expand_home(cfg: RunConfig) -> RunConfig:
-    """`~` at the start of model.path / model.tokenizer / model.lora.init_from is the home directory
+    """`~` at the start of model.path / model.tokenizer / model.lora.init_from / teacher.path is the home directory
     (a Hub id never starts with it)."""
     lora = dataclasses.replace(cfg.model.lora, init_from=_home(cfg.model.lora.init_from))
     model = dataclasses.replace(cfg.model, path=_home(cfg.model.path), tokenizer=_home(cfg.model.tokenizer),
                                 lora=lora)
-    return dataclasses.replace(cfg, model=model)
+    return dataclasses.replace(cfg, model=model, teacher=dataclasses.replace(cfg.teacher, path=_home(cfg.teacher.path)))
 
 
 def load_config(path: str | Path | None = None, overrides: Iterable[str] = (), registry: Any = None) -> RunConfig:
@@ -422,6 +444,7 @@ def load_config(path: str | Path | None = None, overrides: Iterable[str] = (), r
     tree = read_yaml(path) if path is not None else {}
     for override in overrides:
         apply_override(tree, override)
+    check_teacher_section(tree)
     cfg = resolve_defaults(expand_home(resolve_run_dir(build_dataclass(RunConfig, tree))))
     validate_cross_fields(cfg)
     if registry is not None:
