@@ -24,7 +24,9 @@ from grpo_core.errors import UserError
 from grpo_core.models import QwenConfig, load_pretrained
 from grpo_core.models.attention_impls import resolve_attention
 from grpo_core.models.config import hub_architecture
-from grpo_core.models.hf_io import resolve_model_dir
+from grpo_core.models.hf_io import abstract_model, resolve_model_dir
+from grpo_core.models.qwen import resolve_dtype
+from grpo_core.sharding import param_shardings
 from grpo_core.tokenizer import load_tokenizer
 from grpo_losses.distillation import distillation_advantages, mean_reverse_kl
 
@@ -119,6 +121,18 @@ def load_teacher(cfg: RunConfig, mesh: Mesh, strategy: Any, loss_impl: Any) -> T
     model = prepare_teacher_model(cfg, model, mesh, strategy)
     graphdef, params = nnx.split(model)
     return Teacher(model.config, graphdef, params, make_score(graphdef, loss_impl, cfg.rollout.temperature))
+
+
+def abstract_teacher(cfg: RunConfig, mesh: Mesh, strategy: Any, loss_impl: Any) -> Teacher:
+    """The plan's teacher: its params as sharded shapes only, placed as load_teacher places them."""
+    qcfg = teacher_architecture(cfg, planning=True)
+    model = prepare_teacher_model(cfg, abstract_model(qcfg, resolve_dtype(cfg.teacher.dtype), "none",
+                                                      cfg.model.scan_layers), mesh, strategy)
+    graphdef, state = nnx.split(model)
+    shardings = param_shardings(state, mesh, teacher_rules(cfg, strategy))
+    params = jax.tree.map(lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
+                          state, shardings)
+    return Teacher(qcfg, graphdef, params, make_score(graphdef, loss_impl, cfg.rollout.temperature))
 
 
 class TeacherScoring:

@@ -21,6 +21,7 @@ from grpo_runner_gsm8k.plan.abstract import (PlanInputs, abstract_key, abstract_
                                              plannable)
 from grpo_runner_gsm8k.partial_step import kv_cache_mode
 from grpo_runner_gsm8k.run import with_lora_rollout
+from grpo_runner_gsm8k.teacher import TEACHER_PHASE
 
 
 @dataclass(frozen=True)
@@ -30,7 +31,7 @@ class PhaseMemory:
     `aliased` outputs reuse donated argument buffers; `other` is state alive on the
     device during the phase that is not one of its arguments (the optimizer state and
     the float32 masters during the rollout, which runs on their compute-dtype copy;
-    the reference params when loss.beta > 0).
+    the reference params when loss.beta > 0; the teacher's params with a teacher).
     """
 
     name: str
@@ -189,6 +190,18 @@ def logps_phase(inputs: PlanInputs) -> Optional[PhaseMemory]:
     return compile_phase("log-probs", lower, args, inputs.held_beside_rollout + kept_cache_bytes(inputs))[0]
 
 
+def teacher_phase(inputs: PlanInputs) -> Optional[PhaseMemory]:
+    """The teacher's scoring forward over the whole batch after each rollout (teacher.path); None without."""
+    teacher = inputs.run.teacher
+    if teacher is None:
+        return None
+    batch = abstract_update_batch(inputs)
+    lower = functools.partial(teacher.score.lower, prompt_width=batch.prompt_width)
+    args = (teacher.params, batch.input_ids, batch.attention_mask, batch.targets)
+    other = inputs.held_beside_rollout - inputs.teacher_bytes + kept_cache_bytes(inputs)  # its params are an argument
+    return compile_phase(TEACHER_PHASE, lower, args, other)[0]
+
+
 def update_lowering(inputs: PlanInputs, size: int) -> tuple[Callable[..., Any], tuple]:
     """(lower, abstract args) of one optimizer update over the widest batch, in micro-batches of
     `size` rows per device (train.micro_batch_size_per_device)."""
@@ -203,9 +216,10 @@ def compile_update(inputs: PlanInputs) -> Any:
 
 def train_phase(inputs: PlanInputs, size: int) -> PhaseMemory:
     lower, args = update_lowering(inputs, size)
-    return compile_phase("train step", lower, args, inputs.reference_bytes + kept_cache_bytes(inputs))[0]
+    return compile_phase("train step", lower, args,
+                         inputs.reference_bytes + inputs.teacher_bytes + kept_cache_bytes(inputs))[0]
 
 
 def fixed_phases(inputs: PlanInputs, capacity: Capacity) -> list[PhaseMemory]:
     """The phases that do not depend on the micro-batch size."""
-    return rollout_phases(inputs, capacity) + [p for p in [logps_phase(inputs)] if p is not None]
+    return rollout_phases(inputs, capacity) + [p for p in [logps_phase(inputs), teacher_phase(inputs)] if p is not None]
