@@ -1,5 +1,6 @@
 """Sum of numerators / sum of denominators over 4 micro-batches equals the loss
-(and gradients, and metrics) of the one big batch, for every aggregation."""
+(and gradients, and metrics) of the one big batch, for every aggregation, with
+advantages per row [B] and per token [B, T]."""
 
 from __future__ import annotations
 
@@ -28,16 +29,24 @@ def run(step, p, rows: slice):
     return step(p.hidden[rows], p.lm_head, p.targets[rows], p.mask[rows], p.advantages[rows], old[rows], ref[rows])
 
 
+def per_token_advantages(p) -> None:
+    """Replace p's per-row advantages by per-token ones [B, T] that vary along each row."""
+    p.advantages = jnp.asarray(np.random.default_rng(21).normal(size=p.mask.shape), jnp.float32)
+
+
+@pytest.mark.parametrize("advantages", ["per_row", "per_token"])
 @pytest.mark.parametrize("cfg", [
     LossConfig(aggregation="token_mean", beta=0.05, entropy_coef=0.01),
     LossConfig(aggregation="seq_mean_token_mean", importance_sampling_level="sequence"),
     LossConfig(aggregation="seq_mean_token_sum", beta=0.1, kl_estimator="k2"),
     LossConfig(aggregation="fixed_length_norm", max_completion_length=9, epsilon_c=3.0),
 ], ids=lambda cfg: cfg.aggregation)
-def test_micro_batches_equal_the_big_batch(helpers, cfg):
+def test_micro_batches_equal_the_big_batch(helpers, cfg, advantages):
     # lengths differ across micro-batches (one row fully masked) so per-micro-batch
     # means would weigh tokens differently from the big batch
     p = helpers.make_problem(8, 7, 8, 90, seed=20, lengths=[7, 1, 3, 0, 7, 7, 2, 5])
+    if advantages == "per_token":
+        per_token_advantages(p)
     step = micro_step(cfg)
     (big_num, big), (big_dh, big_dw) = run(step, p, slice(None))
     big_loss = finalize_loss(big_num, big.denominator)

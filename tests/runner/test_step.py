@@ -15,7 +15,8 @@ from grpo_core.sharding import freeze_rules, shard_model
 from grpo_losses import FusedLogps, FusedOptions
 from grpo_meshes import MeshStrategy, train_batch_sharding
 from grpo_runner_gsm8k.build import build_model
-from grpo_runner_gsm8k.step import UpdateBatch, accumulates_in_backward, apply_finite_update, make_update
+from grpo_runner_gsm8k.step import (UpdateBatch, accumulates_in_backward, apply_finite_update, make_update,
+                                    update_advantages)
 
 ROWS, PROMPT, COMPLETION = 16, 4, 12
 QCFG = QwenConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -209,3 +210,42 @@ def test_corrected_update_carries_sampler_logps_and_accumulates_exactly(options)
         assert float(micro_metrics[name]) == pytest.approx(float(metrics[name]), rel=1e-5), name
     plain, _ = corrected_update(LOSS, 1, with_sampler=False)
     assert max(float(np.max(np.abs(a - b))) for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(expected))) > 0
+
+
+def token_advantage_update(strategy: MeshStrategy | None, micro_batches: int, per_token) -> dict:
+    """Params after one update whose advantages are `per_token(batch)` [N, C]."""
+    graphdef, params = model_parts(strategy)
+    optimizer = optax.sgd(0.5)
+    update = make_update(graphdef, FUSED, LOSS, optimizer, 1.0, micro_batches)
+    batch = random_batch()
+    batch = batch.replace(advantages=per_token(batch))
+    if strategy is not None:
+        batch = place(batch, params_mesh(params))  # [N, C] advantages sharded like the loss mask
+        assert batch.advantages.sharding == batch.loss_mask.sharding
+    new_params, _, metrics = update(params, optimizer.init(params), batch)
+    assert float(metrics["skipped"]) == 0.0
+    return jax.tree.map(np.asarray, nnx.to_pure_dict(new_params))
+
+
+def varying_advantages(batch: UpdateBatch) -> jax.Array:
+    return jnp.asarray(np.random.default_rng(4).normal(size=batch.loss_mask.shape), jnp.float32)
+
+
+def test_token_advantages_travel_through_the_sharded_micro_batched_update():
+    """[N, C] advantages constant along each row update the params as the per-row ones do;
+    varying along the rows, FSDP-sharded in micro-batches they equal one unsharded batch
+    (the bound of the micro-batch tests above), and differ from the per-row update."""
+    per_row, _ = updated_params(None, 1)
+    constant = token_advantage_update(FSDP8, 2, lambda b: jnp.broadcast_to(b.advantages[:, None], b.loss_mask.shape))
+    assert_trees_close(constant, per_row)
+    varying = token_advantage_update(None, 1, varying_advantages)
+    assert_trees_close(token_advantage_update(FSDP8, 2, varying_advantages), varying)
+    assert max(float(np.max(np.abs(a - b))) for a, b in zip(jax.tree.leaves(varying), jax.tree.leaves(per_row))) > 1e-4
+
+
+def test_update_advantages_keep_the_trained_completion_columns():
+    rollout = np.arange(12, dtype=np.float32).reshape(2, 6)  # [N, max_new_tokens]
+    np.testing.assert_array_equal(update_advantages(rollout, 4), rollout[:, :4])
+    np.testing.assert_array_equal(update_advantages(np.asarray([1.0, -1.0]), 4), [1.0, -1.0])
+    with pytest.raises(ValueError, match=r"advantages have shape \(2, 3\).*W >= the 4 trained completion columns"):
+        update_advantages(rollout[:, :3], 4)

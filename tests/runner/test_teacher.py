@@ -115,7 +115,7 @@ def test_plan_counts_the_teacher_and_compiles_its_scoring(plan_config, models, p
     from grpo_runner_gsm8k import plan
     from grpo_runner_gsm8k.plan.phases import teacher_phase
 
-    cfg = plan_config(f"teacher.path={models['teacher']}", f"teacher.placement={placement}", "loss.impl=jax")
+    cfg = plan_config(f"teacher.path={models['teacher']}", f"teacher.placement={placement}")
     inputs = plan.build_plan_inputs(cfg, default_registry())
     whole = 4 * teacher_param_count()  # float32
     if placement == "replicated":
@@ -148,7 +148,7 @@ def run_two_steps(tiny_config, small_run, tmp_path):
 def test_a_teacher_equal_to_the_student_starts_at_zero_reverse_kl(run_two_steps, models):
     """Step 1 samples with the teacher's own weights: the sampler's log-probs and the teacher's scores
     of the same tokens differ only by float32 rounding (decode vs full forward: ~1e-6)."""
-    steps = run_two_steps(f"model.path={models['student']}", f"teacher.path={models['student']}", "loss.impl=jax")
+    steps = run_two_steps(f"model.path={models['student']}", f"teacher.path={models['student']}")
     assert abs(steps[0]["train-other/distill_reverse_kl"]) < 1e-5
     assert math.isfinite(steps[1]["train-other/distill_reverse_kl"]) and steps[1]["train-other/skipped_steps"] == 0
 
@@ -157,7 +157,7 @@ def test_a_teacher_equal_to_the_student_starts_at_zero_reverse_kl(run_two_steps,
 def test_a_lora_student_keeps_its_base_as_reference_and_distills_from_the_teacher(run_two_steps, models):
     """At step 1 the adapters are 0: the policy equals its base (the reference), so the KL metric is 0,
     while the teacher, another model, disagrees with it."""
-    steps = run_two_steps(f"model.path={models['student']}", f"teacher.path={models['teacher']}", "loss.impl=jax",
+    steps = run_two_steps(f"model.path={models['student']}", f"teacher.path={models['teacher']}",
                           "model.lora.rank=4", "loss.beta=0.05", "teacher.use_task_reward=true")
     assert abs(steps[0]["train-other/kl"]) < 1e-6
     assert steps[0]["train-other/distill_reverse_kl"] > 0.01

@@ -39,10 +39,12 @@ def reverse_kl_tokens(student_logp: Array, teacher_logp: Array, mask: Array) -> 
 
 def distillation_advantages(row_advantages: Array, student_logp: Array, teacher_logp: Array, mask: Array,
                             coef: float, use_task_reward: bool) -> Array:
-    """A_t [B, T] of the module doc from the task's advantages [B] and log-probs [B, T]."""
+    """A_t [B, T] of the module doc from the task's advantages (per row [B], broadcast over the
+    tokens, or already per token [B, T]) and log-probs [B, T]."""
     token = -coef * reverse_kl_tokens(student_logp, teacher_logp, mask)
     if use_task_reward:
-        token = token + row_advantages.astype(jnp.float32)[:, None]
+        task = row_advantages.astype(jnp.float32)
+        token = token + (task if task.ndim == 2 else task[:, None])
     return jnp.where(mask > 0, token, 0.0)
 
 

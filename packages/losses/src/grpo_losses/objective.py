@@ -9,6 +9,11 @@ Per token (masked positions contribute nothing):
     pg     = min(pg, epsilon_c * |A|) where A < 0        (dual clip, when set)
     pg     = pg * w_mismatch * selected          (both off by default; see corrections.py)
     loss   = pg + beta * KL_k(policy || ref) - entropy_coef * entropy
+A is the row's advantage on each of its tokens, or the token's own advantage when
+advantages are given per token [B, T] (e.g. a teacher's per-token signal in on-policy
+distillation); a per-token A constant along its row is exactly the per-row case. With
+GSPO's sequence ratio s_i, a per-token advantage keeps its own sign in the clip:
+pg_t = -min(s_i * A_t, clip(s_i) * A_t), so every token still shares s_i's gradient.
 with KL estimators on log q = ref_logp - logp:  k1 = -log q,  k2 = (log q)^2 / 2,
 k3 = exp(log q) - log q - 1; with `kl_importance_weighted` the estimate is
 multiplied by the ratio r above (differentiable, as TRL's
@@ -128,9 +133,9 @@ def grpo_loss(impl: TokenLogpsImpl, hidden: Array, lm_head: Array, targets: Arra
 
     hidden [B, T, H] (states that predict `targets`, i.e. already shifted),
     lm_head [H, V], targets [B, T] int, mask [B, T] (1 = completion token),
-    advantages [B], old_logp / ref_logp [B, T] float32 or None (None old means
-    on-policy: ratio 1 with the policy gradient intact), temperature = the
-    sampling temperature, sampler_logp [B, T] the rollout's log-probs (needed by
+    advantages [B] (per row) or [B, T] (per token, like the mask), old_logp /
+    ref_logp [B, T] float32 or None (None old means on-policy: ratio 1 with the
+    policy gradient intact), temperature = the sampling temperature, sampler_logp [B, T] the rollout's log-probs (needed by
     `mismatch_correction` only). Differentiate `numerator` (see module doc).
 
     Implementations with a one-pass gradient (`impl.one_pass`, e.g. `fused`) get
@@ -139,6 +144,7 @@ def grpo_loss(impl: TokenLogpsImpl, hidden: Array, lm_head: Array, targets: Arra
     then carries no gradient.
     """
     _check_config(cfg, ref_logp)
+    row_or_token_advantages(advantages, mask)  # a wrong shape fails here, before any compute
     need_entropy = cfg.compute_entropy or cfg.entropy_coef > 0 or cfg.top_entropy_quantile < 1.0
     mask = mask.astype(F32)
     if getattr(impl, "one_pass", False) and is_elementwise(cfg):
@@ -171,7 +177,7 @@ class TokenTerms(NamedTuple):
     (the layout the one-pass kernels slice into token blocks)."""
 
     mask: Array
-    advantage: Array  # the row's advantage on every token
+    advantage: Array  # the token's advantage (the row's, repeated, for per-row advantages)
     weight: Array  # d numerator / d per-token loss (see `token_weights`)
     old_logp: Array | None
     ref_logp: Array | None
@@ -180,7 +186,7 @@ class TokenTerms(NamedTuple):
     @classmethod
     def of(cls, mask: Array, advantages: Array, old_logp: Array | None, ref_logp: Array | None,
            cfg: LossConfig, sampler_logp: Array | None = None) -> TokenTerms:
-        advantage = jnp.broadcast_to(advantages.astype(F32)[:, None], mask.shape)
+        advantage = jnp.broadcast_to(row_or_token_advantages(advantages, mask), mask.shape)
         return cls(mask, advantage, token_weights(mask, cfg), old_logp, ref_logp, sampler_logp)
 
 
@@ -214,11 +220,10 @@ def token_losses(logp: Array, entropy: Array | None, mask: Array, advantages: Ar
                  old_logp: Array | None, ref_logp: Array | None, cfg: LossConfig, *,
                  sampler_logp: Array | None = None, selected: Array | None = None) -> tuple[Array, LossMetrics]:
     """Per-token loss [B, T] (zero where mask is 0) and the metric sums.
-    advantages: [B], or [B, T] (one value per token) with token-level ratios;
-    selected [B, T]: the high-entropy selection (None = every token)."""
+    advantages: [B] (per row) or [B, T] (per token); selected [B, T]: the high-entropy
+    selection (None = every token)."""
     ratio = importance_ratio(logp, old_logp, mask, cfg)  # [B, T] or [B, 1]
-    adv = advantages.astype(F32)
-    adv = adv[:, None] if adv.ndim == 1 else adv  # [B, 1], or already per token
+    adv = row_or_token_advantages(advantages, mask)  # [B, 1] or [B, T]
     per_token = clipped_surrogate(ratio, adv, cfg)
     mismatch = None
     if cfg.mismatch_correction != "none":
@@ -236,6 +241,17 @@ def token_losses(logp: Array, entropy: Array | None, mask: Array, advantages: Ar
     ratio = jnp.broadcast_to(ratio, logp.shape)
     metrics = _metrics(ratio, adv, mask, kl, entropy if cfg.compute_entropy else None, cfg)
     return per_token * mask, _with_selection_metrics(metrics, mask, mismatch, selected)
+
+
+def row_or_token_advantages(advantages: Array, mask: Array) -> Array:
+    """float32 advantages shaped to broadcast against the mask [B, T]: [B, 1] from per-row
+    [B], [B, T] as given."""
+    if advantages.shape == mask.shape[:1]:
+        return advantages.astype(F32)[:, None]
+    if advantages.shape == mask.shape:
+        return advantages.astype(F32)
+    raise ValueError(f"advantages have shape {tuple(advantages.shape)} but the mask is {tuple(mask.shape)}; pass "
+                     f"one per row {tuple(mask.shape[:1])} or one per token {tuple(mask.shape)}")
 
 
 def importance_ratio(logp: Array, old_logp: Array | None, mask: Array, cfg: LossConfig) -> Array:

@@ -40,7 +40,7 @@ from grpo_runner_gsm8k.preemption import StopRequest
 from grpo_runner_gsm8k.refill import Sampled, merge_results, merge_scores, needs_more, pick_groups, refill_metrics
 from grpo_runner_gsm8k.run import BuiltRun, build_run
 from grpo_runner_gsm8k.scoring import score
-from grpo_runner_gsm8k.step import UpdateBatch
+from grpo_runner_gsm8k.step import UpdateBatch, update_advantages
 from grpo_runner_gsm8k.teacher import TeacherScoring
 from grpo_runner_gsm8k.tpu_target import generation_of
 
@@ -232,7 +232,8 @@ class Trainer:
         if self.built.scores_ref_logps:
             ref_logp = self.score(self.ref_params, input_ids, attention_mask, targets, width)
         sampler_logp = put(trimmed.sampler_logps[:, width:]) if self.built.carries_sampler_logps else None
-        batch_advantages = jax.device_put(np.asarray(advantages.advantages), self.row_sharding)  # [N]
+        values = update_advantages(advantages.advantages, targets.shape[1])  # [N], or [N, C] placed like loss_mask
+        batch_advantages = jax.device_put(values, self.train_sharding if values.ndim == 2 else self.row_sharding)
         if self.teacher is not None:  # [N, C]: the teacher's per-token advantages (grpo_losses.distillation)
             batch_advantages, self.teacher_metrics = self.teacher.advantages(
                 batch_advantages, put(trimmed.sampler_logps[:, width:]), loss_mask, input_ids, attention_mask,

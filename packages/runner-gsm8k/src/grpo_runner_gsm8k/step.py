@@ -21,6 +21,7 @@ from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx, struct
 
@@ -34,7 +35,8 @@ class UpdateBatch:
     """A rollout batch ready for the update. N rows, T columns, C = T - prompt_width.
 
     input_ids, attention_mask [N, T]; targets, loss_mask [N, C] (completion tokens,
-    already multiplied by the dynamic-sampling keep mask); advantages [N];
+    already multiplied by the dynamic-sampling keep mask); advantages [N] per row, or
+    [N, C] per token (sharded like loss_mask; see `update_advantages`);
     old_logp / ref_logp [N, C] or None; sampler_logp [N, C] the rollout's log-probs, carried
     only when the loss corrects rollout/training mismatch (`loss.mismatch_correction`).
     """
@@ -48,6 +50,19 @@ class UpdateBatch:
     ref_logp: Optional[jax.Array] = None
     sampler_logp: Optional[jax.Array] = None
     prompt_width: int = struct.field(pytree_node=False, default=1)
+
+
+def update_advantages(advantages: Any, completion_width: int) -> np.ndarray:
+    """float32 advantages for `UpdateBatch`: per row [N] as given, or per token [N, W] aligned
+    with the rollout's completion columns (W = rollout.max_new_tokens, or already the trained
+    width) cut to the trained completion columns [N, completion_width]: the training batch
+    keeps completion columns 0 .. C-1 (grpo_core.rollout_records.trim_batch)."""
+    values = np.asarray(advantages, np.float32)
+    if values.ndim == 1 or (values.ndim == 2 and values.shape[1] >= completion_width):
+        return values if values.ndim == 1 else values[:, :completion_width]
+    raise ValueError(f"advantages have shape {values.shape}; the update takes one per row [N] or one per "
+                     f"completion token [N, W] with W >= the {completion_width} trained completion columns "
+                     "(align a per-token advantage with the rollout's completion columns)")
 
 
 def completion_hidden(graphdef: nnx.GraphDef, params: nnx.State, input_ids, attention_mask,
