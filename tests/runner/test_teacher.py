@@ -160,5 +160,5 @@ def test_a_lora_student_keeps_its_base_as_reference_and_distills_from_the_teache
     steps = run_two_steps(f"model.path={models['student']}", f"teacher.path={models['teacher']}",
                           "model.lora.rank=4", "loss.beta=0.05", "teacher.use_task_reward=true")
     assert abs(steps[0]["train-other/kl"]) < 1e-6
-    assert steps[0]["train-other/distill_reverse_kl"] > 0.01
+    assert abs(steps[0]["train-other/distill_reverse_kl"]) > 1e-3  # a sample estimate, of either sign
     assert all(s["train-other/skipped_steps"] == 0 for s in steps)
