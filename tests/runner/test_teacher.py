@@ -4,6 +4,7 @@ through the real loop scores with the teacher, also for a LoRA student whose ref
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -162,3 +163,17 @@ def test_a_lora_student_keeps_its_base_as_reference_and_distills_from_the_teache
     assert abs(steps[0]["train-other/kl"]) < 1e-6
     assert abs(steps[0]["train-other/distill_reverse_kl"]) > 1e-3  # a sample estimate, of either sign
     assert all(s["train-other/skipped_steps"] == 0 for s in steps)
+
+
+def test_a_checkpoint_saved_before_the_teacher_section_resumes_without_a_teacher(tiny_config):
+    from grpo_core.config_io import config_to_dict
+    from grpo_runner_gsm8k.checkpoint import Resume, check_compatible
+
+    cfg = tiny_config()
+    saved = config_to_dict(cfg)
+    del saved["teacher"]
+    resume = Resume(Path(cfg.logging.dir), [1], saved, {})
+    check_compatible(config_to_dict(resume.run_config), config_to_dict(cfg), resume.where)
+    with pytest.raises(Exception, match="teacher.path"):  # adding a teacher on resume changes the math
+        check_compatible(config_to_dict(resume.run_config), config_to_dict(dataclasses.replace(
+            cfg, teacher=dataclasses.replace(cfg.teacher, path="/t", dtype="float32"))), resume.where)

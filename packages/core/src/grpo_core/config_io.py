@@ -17,7 +17,8 @@ from typing import Any, Iterable, Literal, Optional, Union
 
 import yaml
 
-from grpo_core.config import LORA_TARGETS, RunConfig, TeacherConfig
+from grpo_core.config import LORA_TARGETS, RunConfig
+from grpo_core.config_teacher import check_teacher, check_teacher_section
 from grpo_core.errors import ConfigError, PluginError
 
 EXPLICIT_MESH = re.compile(r"^\s*-?\d+\s*,\s*-?\d+\s*,\s*-?\d+\s*$")
@@ -307,7 +308,7 @@ def validate_cross_fields(cfg: RunConfig) -> None:
     _check_loss_options(cfg.loss)
     _check_lora(cfg.model.lora)
     _check_partial(cfg)
-    _check_teacher(cfg)
+    check_teacher(cfg)
     if not cfg.task.rewards:
         raise ConfigError("task.rewards is empty: name at least one reward function, e.g. {correctness: 1.0}")
     for name in cfg.task.reward_options:
@@ -323,26 +324,6 @@ def _check_loss_options(loss: Any) -> None:
     if loss.dynamic_sampling_mode == "refill" and not loss.dynamic_sampling:
         raise ConfigError("loss.dynamic_sampling_mode = 'refill' with loss.dynamic_sampling = false: refilling "
                           "replaces groups that dynamic sampling drops; set loss.dynamic_sampling=true")
-
-
-def check_teacher_section(tree: dict) -> None:
-    """A `teacher:` section written without a model path is a mistake, not "no teacher"; the
-    section exactly as `--print-config` writes it for a run without a teacher is accepted."""
-    if "teacher" not in tree:
-        return
-    section = tree["teacher"]
-    if isinstance(section, dict) and (section.get("path") or section == config_to_dict(TeacherConfig())):
-        return
-    shown = "null" if section is None else repr(section)
-    raise ConfigError(f"teacher section without teacher.path (teacher = {shown}); set teacher.path to the "
-                      "teacher's HF model directory or Hub id, or remove the teacher section")
-
-
-def _check_teacher(cfg: RunConfig) -> None:
-    if cfg.teacher.path and not cfg.teacher.use_task_reward and cfg.loss.dynamic_sampling:
-        raise ConfigError("loss.dynamic_sampling with teacher.use_task_reward = false: dynamic sampling drops groups "
-                          "by their task rewards, which distillation alone does not train on; set "
-                          "loss.dynamic_sampling=false or teacher.use_task_reward=true")
 
 
 def _check_partial(cfg: RunConfig) -> None:
