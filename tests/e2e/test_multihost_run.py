@@ -252,3 +252,30 @@ def test_a_process_failing_alone_ends_the_run_on_every_process(tmp_path, start_c
     assert errs[1].strip().splitlines()[-1] == "grpo-run: error: process 1 fails alone"
     assert procs[0].returncode == 1, errs[0][-3000:]
     assert errs[0].strip().splitlines()[-1].startswith("grpo-run: process 0 of 2 failed")
+
+
+@pytest.mark.slow
+def test_two_process_distillation_of_a_lora_student_ends_with_the_same_adapters(tmp_path, start):
+    """Both processes load the teacher onto the one mesh and score the one global batch with it;
+    the token-level advantages are global arrays, so both apply the same update."""
+    from grpo_core.models import QwenConfig, init_from_config
+    from grpo_core.models.hf_io import export_pretrained
+    from grpo_core.tokenizer import build_char_tokenizer
+
+    tokenizer = build_char_tokenizer()
+    qcfg = QwenConfig.from_hf_dict({"model_type": "qwen2", "hidden_size": 32, "intermediate_size": 64,
+                                    "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
+                                    "max_position_embeddings": 64, "vocab_size": len(tokenizer)})
+    export_pretrained(init_from_config(qcfg, seed=1, dtype="float32"), tmp_path / "teacher", tokenizer)
+    port = free_port()
+    options = ["model.lora.rank=4", "model.lora.alpha=8", f"teacher.path={tmp_path / 'teacher'}",
+               "teacher.use_task_reward=true", "eval.every_steps=0"]
+    outs = finish([start(4, [*RUN, *options, f"logging.dir={tmp_path / 'run'}", *distributed(port, i)])
+                   for i in range(2)])
+    initial = [float(printed(out, "INITIAL")) for out in outs]
+    final = [float(printed(out, "PARAMS")) for out in outs]
+    assert initial[0] == initial[1] and final[0] == final[1] and final[0] != initial[0]
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2]
+    # a one-sample estimate per token, of either sign; two different models never agree exactly
+    assert all(abs(r["train-other/distill_reverse_kl"]) > 1e-3 and np.isfinite(r["train-other/loss"]) for r in records)

@@ -265,6 +265,23 @@ class LossConfig:
 
 
 @dataclass(frozen=True)
+class TeacherConfig:
+    """On-policy distillation: a frozen teacher scores every sampled token (see grpo_runner_gsm8k.teacher)."""
+
+    path: Optional[str] = setting(
+        None, "HF model directory or Hub id of the teacher; null = no teacher. Its tokenizer must be the student's.")
+    dtype: Optional[Literal["float32", "bfloat16"]] = setting(
+        None, "Dtype the teacher is stored and run in; null = model.dtype (filled in at load when path is set).")
+    placement: Literal["sharded", "replicated"] = setting(
+        "sharded", "sharded = split over the mesh by the policy's parameter rules, like the reference model; "
+        "replicated = a whole copy on every device (no weight gathers while scoring, more memory).")
+    coef: float = setting(
+        1.0, "Weight c of the per-token advantage -c * (logp_student - logp_teacher), a reverse-KL estimate.", gt=0.0)
+    use_task_reward: bool = setting(
+        False, "false = the distillation advantage alone; true = added to the task's per-row advantage.")
+
+
+@dataclass(frozen=True)
 class MeshConfig:
     """Device mesh and multi-host set-up."""
 
@@ -337,6 +354,7 @@ class RunConfig:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     loss: LossConfig = field(default_factory=LossConfig)
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
     mesh: MeshConfig = field(default_factory=MeshConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)

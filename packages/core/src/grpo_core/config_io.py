@@ -21,6 +21,7 @@ import yaml
 from grpo_core.advantage_records import AdvantageSetup
 from grpo_core.config import LORA_TARGETS, RunConfig
 from grpo_core.config_yaml import parse_yaml, read_yaml
+from grpo_core.config_teacher import check_teacher, check_teacher_section
 from grpo_core.errors import ConfigError, PluginError
 from grpo_core.multi_turn_checks import check_multi_turn, check_tools
 
@@ -256,6 +257,7 @@ def validate_cross_fields(cfg: RunConfig) -> None:
     _check_lora(cfg.model.lora)
     _check_partial(cfg)
     check_multi_turn(cfg)
+    check_teacher(cfg)
     if not cfg.task.rewards:
         raise ConfigError("task.rewards is empty: name at least one reward function, e.g. {correctness: 1.0}")
     for name in cfg.task.reward_options:
@@ -347,6 +349,7 @@ def resolve_defaults(cfg: RunConfig) -> RunConfig:
         train=replace(cfg.train, moment_dtype=cfg.train.moment_dtype or trained_param_dtype(cfg.model)),
         loss=replace(cfg.loss, max_completion_length=cfg.loss.max_completion_length or cfg.rollout.max_new_tokens),
         eval=replace(cfg.eval, max_new_tokens=cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens),
+        teacher=replace(cfg.teacher, dtype=cfg.teacher.dtype or (cfg.model.dtype if cfg.teacher.path else None)),
         rollout=replace(cfg.rollout, partial=replace(
             cfg.rollout.partial, budget=cfg.rollout.partial.budget or -(-cfg.rollout.max_new_tokens // 4))))
 
@@ -361,12 +364,12 @@ def _home(path: Optional[str]) -> Optional[str]:
 
 
 def expand_home(cfg: RunConfig) -> RunConfig:
-    """`~` at the start of model.path / model.tokenizer / model.lora.init_from is the home directory
+    """`~` at the start of model.path / model.tokenizer / model.lora.init_from / teacher.path is the home directory
     (a Hub id never starts with it)."""
     lora = dataclasses.replace(cfg.model.lora, init_from=_home(cfg.model.lora.init_from))
     model = dataclasses.replace(cfg.model, path=_home(cfg.model.path), tokenizer=_home(cfg.model.tokenizer),
                                 lora=lora)
-    return dataclasses.replace(cfg, model=model)
+    return dataclasses.replace(cfg, model=model, teacher=dataclasses.replace(cfg.teacher, path=_home(cfg.teacher.path)))
 
 
 def load_config(path: str | Path | None = None, overrides: Iterable[str] = (), registry: Any = None) -> RunConfig:
@@ -374,6 +377,7 @@ def load_config(path: str | Path | None = None, overrides: Iterable[str] = (), r
     tree = read_yaml(path) if path is not None else {}
     for override in overrides:
         apply_override(tree, override)
+    check_teacher_section(tree)
     cfg = resolve_defaults(expand_home(resolve_run_dir(build_dataclass(RunConfig, tree))))
     validate_cross_fields(cfg)
     if registry is not None:

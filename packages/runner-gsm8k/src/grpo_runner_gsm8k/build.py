@@ -32,6 +32,7 @@ from grpo_meshes import TRAIN_BATCH_AXES, ModelDims, batch_shard_count, validate
 from grpo_runner_gsm8k.adapters import check_lora_fits, storage_dtype
 from grpo_runner_gsm8k.multihost import local_prompt_count
 from grpo_runner_gsm8k.multi_turn_inputs import check_multi_turn_inputs
+from grpo_runner_gsm8k.teacher import check_teacher_tokenizer
 from grpo_runner_gsm8k.tasks.base import render_prompt
 
 
@@ -284,6 +285,8 @@ def check_inputs(cfg: RunConfig, registry: Registry, process_index: int = 0,
     check_tokenizer_fits(qcfg, tokenizer)
     check_lora_fits(cfg, qcfg)
     check_lengths(cfg, qcfg)
+    if cfg.teacher.path:
+        check_teacher_tokenizer(cfg, tokenizer)
     task = from_plugin(registry, "task", cfg.task.name, cfg.task.options, "task.options", seed=cfg.task.seed,
                        process_index=process_index, process_count=process_count)
     check_multi_turn_inputs(cfg, tokenizer, task, qcfg.max_position_embeddings, process_count)

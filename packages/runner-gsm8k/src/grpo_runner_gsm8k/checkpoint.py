@@ -201,7 +201,8 @@ def resume_point(cfg: RunConfig, required: bool = False) -> Optional[Resume]:
         raise UserError(f"logging.dir {str(run_dir)!r} already holds checkpoints (newest: step {steps[-1]}) and "
                         "checkpoint.resume is 'never'; set logging.dir to a new directory, or pass --resume")
     resume = Resume.read(run_dir, steps[::-1])
-    check_compatible(resume.config, config_to_dict(cfg), resume.where)
+    # settings added since the step was saved compare at their defaults, which that run used
+    check_compatible(config_to_dict(resume.run_config), config_to_dict(cfg), resume.where)
     check_param_layout(resume.meta, resume.where)
     if resume.step > cfg.train.steps:
         raise UserError(f"the checkpoint in {run_dir} is at step {resume.step}, past train.steps={cfg.train.steps}; "

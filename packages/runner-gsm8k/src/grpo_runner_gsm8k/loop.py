@@ -42,6 +42,7 @@ from grpo_runner_gsm8k.refill import Sampled, merge_results, merge_scores, needs
 from grpo_runner_gsm8k.run import BuiltRun, build_run
 from grpo_runner_gsm8k.scoring import score
 from grpo_runner_gsm8k.step import UpdateBatch, update_advantages
+from grpo_runner_gsm8k.teacher import TeacherScoring
 from grpo_runner_gsm8k.tpu_target import generation_of
 
 
@@ -110,6 +111,10 @@ class Trainer:
         self.cast = jax.jit(compute_params, static_argnums=1, out_shardings=jax.tree.map(lambda x: x.sharding, params))
         # The frozen reference is only ever run forward: stored in the compute dtype (LoRA: the base itself).
         self.ref_params = self.reference_params(params) if self.built.scores_ref_logps else None
+        # the teacher is its own frozen model, never the reference (LoRA's base without adapters)
+        self.teacher = None if self.built.teacher is None else TeacherScoring(self.built.teacher, self.cfg,
+                                                                              self.memory.check)
+        self.teacher_metrics: dict = {}
         self.step_times: deque = deque(maxlen=10)  # seconds of the last steps, for the average metric
         self.train_sharding = train_batch_sharding(self.built.mesh)
         self.row_sharding = train_batch_sharding(self.built.mesh, ndim=1)
@@ -158,7 +163,7 @@ class Trainer:
         self.step_times.append(step_s)
         metrics = self.step_metrics(result, scores, advantages, train_metrics,
                                     dict(**times, update_s=update_s, step_s=step_s))
-        return {**metrics, **sampling_metrics, **waste_metrics(tally, host_array(result.lengths))}
+        return {**metrics, **sampling_metrics, **waste_metrics(tally, host_array(result.lengths)), **self.teacher_metrics}
 
     def sample_step(self, weights, key, times: dict, tally: DecodeTally) -> tuple[Sampled, dict]:
         """The groups this step trains on, and the metrics of how they were sampled."""
@@ -221,8 +226,12 @@ class Trainer:
             ref_logp = self.score(self.ref_params, input_ids, attention_mask, targets, width)
         sampler_logp = put(trimmed.sampler_logps[:, width:]) if self.built.carries_sampler_logps else None
         values = update_advantages(advantages.advantages, targets.shape[1])  # [N], or [N, C] placed like loss_mask
-        placed = jax.device_put(values, self.train_sharding if values.ndim == 2 else self.row_sharding)
-        return UpdateBatch(input_ids, attention_mask, targets, loss_mask, placed,
+        batch_advantages = jax.device_put(values, self.train_sharding if values.ndim == 2 else self.row_sharding)
+        if self.teacher is not None:  # [N, C]: the teacher's per-token advantages (grpo_losses.distillation)
+            batch_advantages, self.teacher_metrics = self.teacher.advantages(
+                batch_advantages, put(trimmed.sampler_logps[:, width:]), loss_mask, input_ids, attention_mask,
+                targets, width)
+        return UpdateBatch(input_ids, attention_mask, targets, loss_mask, batch_advantages,
                            old_logp, ref_logp, sampler_logp, prompt_width=width)
 
     def old_logps(self, trimmed, weights, input_ids, attention_mask, targets, width) -> Optional[jax.Array]:

@@ -32,6 +32,7 @@ from grpo_runner_gsm8k.build import (Inputs, build_model, check_inputs, from_plu
 from grpo_runner_gsm8k.checkpoint import TrainState
 from grpo_runner_gsm8k.optim import build_optimizer, learning_rate_schedule
 from grpo_runner_gsm8k.step import make_score, make_update
+from grpo_runner_gsm8k.teacher import Teacher, load_teacher
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,7 @@ class BuiltRun:
     inputs: tokenizer, task, rewards and checked prompt ids; None in the plan's abstract run.
     lora:   a LoRA run's frozen base and adapter models (its params are then the adapters and
             `update` takes the base as a 4th argument, `frozen`); None for full-parameter training.
+    teacher: the distillation teacher (`teacher.path`; see grpo_runner_gsm8k.teacher), else None.
     """
 
     cfg: RunConfig
@@ -72,6 +74,7 @@ class BuiltRun:
     eval_sampling: SamplingParams
     inputs: Optional[Inputs] = None
     lora: Optional[LoRARun] = None
+    teacher: Optional[Teacher] = None
 
     @property
     def rollout(self) -> RolloutBackend:
@@ -203,6 +206,9 @@ def build_run(cfg: RunConfig, registry: Registry) -> BuiltRun:
     stop = stop_token_ids(cfg, inputs.tokenizer)
     samplings = (sampling_params(cfg, stop), sampling_params(cfg, stop, for_eval=True))
     built = assemble(shape, registry, make_state, samplings, inputs)
+    if cfg.teacher.path:
+        built = dataclasses.replace(built, teacher=load_teacher(cfg, resolved.mesh, resolved.strategy,
+                                                                built.plugins.loss_impl))
     if lora is None:
         return built
     spare = spare_device_bytes(list(resolved.mesh.local_devices))  # the train state is resident now

@@ -21,7 +21,7 @@ class PhaseMemory:
     `aliased` outputs reuse donated argument buffers; `other` is state alive on the
     device during the phase that is not one of its arguments (the optimizer state and
     the float32 masters during the rollout, which runs on their compute-dtype copy;
-    the reference params when loss.beta > 0).
+    the reference params when loss.beta > 0; the teacher's params with a teacher).
     """
 
     name: str

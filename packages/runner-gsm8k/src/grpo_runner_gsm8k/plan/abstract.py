@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -31,6 +32,7 @@ from grpo_runner_gsm8k.checkpoint import TrainState
 from grpo_runner_gsm8k.multihost import local_prompt_count
 from grpo_runner_gsm8k.run import BuiltRun, RunShape, assemble
 from grpo_runner_gsm8k.step import UpdateBatch
+from grpo_runner_gsm8k.teacher import abstract_teacher
 from grpo_runner_gsm8k.tpu_target import Target, describe, target_devices
 
 
@@ -83,13 +85,18 @@ class PlanInputs:
     @property
     def held_beside_rollout(self) -> int:
         """Device state alive during rollout and scoring that is not their argument."""
-        return per_device_bytes(self.opt_state) + self.masters_beside_rollout + self.reference_bytes
+        return per_device_bytes(self.opt_state) + self.masters_beside_rollout + self.reference_bytes + self.teacher_bytes
 
     @property
     def reference_bytes(self) -> int:
         """A frozen copy of the params (in the compute dtype) lives on the devices when the KL term is on;
         none for LoRA, whose reference is the base itself."""
         return per_device_bytes(self.forward_params) if self.run.scores_ref_logps and self.frozen is None else 0
+
+    @property
+    def teacher_bytes(self) -> int:
+        """The distillation teacher's params (teacher.dtype, as placed), resident for the whole run."""
+        return 0 if self.run.teacher is None else per_device_bytes(self.run.teacher.params)
 
 
 def abstract_array(shape: tuple[int, ...], dtype: Any, sharding: NamedSharding) -> jax.ShapeDtypeStruct:
@@ -197,7 +204,11 @@ def abstract_run(cfg: RunConfig, registry: Registry, devices: Optional[list] = N
         return TrainState(params, abstract_opt_state(optimizer, params, resolved.mesh), abstract_key(resolved.mesh))
 
     # stop ids change no buffer: the plan needs no tokenizer for them
-    return assemble(shape, registry, make_state, (sampling_params(cfg, ()), sampling_params(cfg, (), for_eval=True)))
+    run = assemble(shape, registry, make_state, (sampling_params(cfg, ()), sampling_params(cfg, (), for_eval=True)))
+    if not cfg.teacher.path:
+        return run
+    return dataclasses.replace(run, teacher=abstract_teacher(cfg, resolved.mesh, resolved.strategy,
+                                                             run.plugins.loss_impl))
 
 
 def build_plan_inputs(cfg: RunConfig, registry: Registry, target: Optional[Target] = None) -> PlanInputs:
@@ -236,7 +247,8 @@ def abstract_update_batch(inputs: PlanInputs) -> UpdateBatch:
     return UpdateBatch(
         input_ids=tokens(jnp.int32, prompt_w + completion_w), attention_mask=tokens(jnp.int32, prompt_w + completion_w),
         targets=tokens(jnp.int32, completion_w), loss_mask=tokens(jnp.float32, completion_w),
-        advantages=abstract_array((rows,), jnp.float32, train_batch_sharding(mesh, ndim=1)),
+        advantages=(tokens(jnp.float32, completion_w) if inputs.run.teacher is not None  # per token: distillation
+                    else abstract_array((rows,), jnp.float32, train_batch_sharding(mesh, ndim=1))),
         old_logp=tokens(jnp.float32, completion_w) if inputs.run.has_old_logps else None,
         ref_logp=tokens(jnp.float32, completion_w) if inputs.run.scores_ref_logps else None,
         sampler_logp=tokens(jnp.float32, completion_w) if inputs.run.carries_sampler_logps else None,

@@ -22,6 +22,7 @@ from grpo_runner_gsm8k.plan.abstract import (PlanInputs, abstract_key, abstract_
                                              plannable)
 from grpo_runner_gsm8k.partial_step import kv_cache_mode
 from grpo_runner_gsm8k.run import with_lora_rollout
+from grpo_runner_gsm8k.teacher import TEACHER_PHASE
 
 
 # The TPU compiler refuses a program whose buffers exceed the chip's HBM, giving the size.
@@ -159,6 +160,18 @@ def logps_phase(inputs: PlanInputs) -> Optional[PhaseMemory]:
     return compile_phase("log-probs", lower, args, inputs.held_beside_rollout + kept_cache_bytes(inputs))[0]
 
 
+def teacher_phase(inputs: PlanInputs) -> Optional[PhaseMemory]:
+    """The teacher's scoring forward over the whole batch after each rollout (teacher.path); None without."""
+    teacher = inputs.run.teacher
+    if teacher is None:
+        return None
+    batch = abstract_update_batch(inputs)
+    lower = functools.partial(teacher.score.lower, prompt_width=batch.prompt_width)
+    args = (teacher.params, batch.input_ids, batch.attention_mask, batch.targets)
+    other = inputs.held_beside_rollout - inputs.teacher_bytes + kept_cache_bytes(inputs)  # its params are an argument
+    return compile_phase(TEACHER_PHASE, lower, args, other)[0]
+
+
 def update_lowering(inputs: PlanInputs, size: int) -> tuple[Callable[..., Any], tuple]:
     """(lower, abstract args) of one optimizer update over the widest batch, in micro-batches of
     `size` rows per device (train.micro_batch_size_per_device)."""
@@ -173,9 +186,10 @@ def compile_update(inputs: PlanInputs) -> Any:
 
 def train_phase(inputs: PlanInputs, size: int) -> PhaseMemory:
     lower, args = update_lowering(inputs, size)
-    return compile_phase("train step", lower, args, inputs.reference_bytes + kept_cache_bytes(inputs))[0]
+    return compile_phase("train step", lower, args,
+                         inputs.reference_bytes + inputs.teacher_bytes + kept_cache_bytes(inputs))[0]
 
 
 def fixed_phases(inputs: PlanInputs, capacity: Capacity) -> list[PhaseMemory]:
     """The phases that do not depend on the micro-batch size."""
-    return rollout_phases(inputs, capacity) + [p for p in [logps_phase(inputs)] if p is not None]
+    return rollout_phases(inputs, capacity) + [p for p in [logps_phase(inputs), teacher_phase(inputs)] if p is not None]

@@ -8,6 +8,7 @@ HBM bytes are a lower bound (grpo_runner_gsm8k.costs.roofline). So the projectio
 
     step = prefill + (completion tokens - 1) x decode step + update (all micro-batches)
            + log-probs (when the run scores old or reference log-probs)
+           + teacher log-probs (with a distillation teacher)
 
 The prefill samples each row's first token; the update is compiled at the widest training batch
 (the longest completion), at both lengths.
@@ -26,6 +27,7 @@ from grpo_runner_gsm8k.costs.flops import forward_flops
 from grpo_runner_gsm8k.plan.abstract import PlanInputs, train_widths
 from grpo_runner_gsm8k.costs.roofline import PhaseCost, roofline
 from grpo_runner_gsm8k.costs.memory import PhaseMemory
+from grpo_runner_gsm8k.teacher import TEACHER_PHASE
 from grpo_runner_gsm8k.tpu_target import Generation
 
 KERNEL_ATTENTION = ("splash", "cudnn")  # custom calls: their FLOPs are not in the HLO
@@ -54,11 +56,13 @@ def kernel_attention_flops(inputs: PlanInputs, phase: PhaseMemory) -> float:
     """Per device: the attention FLOPs the training batch runs inside kernels its HLO does not count
     (the prompt pass with a cache and the decode attend in XLA, which the HLO counts)."""
     run, cfg = inputs.run, inputs.run.cfg
-    passes = {"log-probs": 1.0, "train step": SPLASH_TRAIN_PASSES + (cfg.model.remat != "none")}.get(phase.name, 0.0)
+    passes = {"log-probs": 1.0, TEACHER_PHASE: 1.0,
+              "train step": SPLASH_TRAIN_PASSES + (cfg.model.remat != "none")}.get(phase.name, 0.0)
     if not passes or not phase.cost.custom_calls or attention_impl(cfg, run.mesh) not in KERNEL_ATTENTION:
         return 0.0
     padded = -(-sum(train_widths(inputs)) // 128) * 128  # splash pads the sequence to 128s
-    return passes * attention_flops(run.qcfg, rows_per_step(cfg), padded) / run.mesh.size
+    model = run.teacher.qcfg if phase.name == TEACHER_PHASE else run.qcfg
+    return passes * attention_flops(model, rows_per_step(cfg), padded) / run.mesh.size
 
 
 def phase_time(inputs: PlanInputs, chip: Generation, phase: PhaseMemory) -> PhaseTime:
