@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import re
-from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import jax
