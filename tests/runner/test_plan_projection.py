@@ -176,6 +176,25 @@ def test_step_is_prefill_decode_steps_and_update_and_mfu_is_model_flops_over_pea
 
 
 
+def test_latency_sensitivity_rescales_the_same_programs(projected):
+    """The step at 0.5x, 1x and 2x the collective latency (and without it): doubling the latency adds
+    at least the synchronous collectives' extra latency and at most every collective's."""
+    _, projection = projected
+    steps = json.loads(projection_json(projection, [NEW]))["projection"]
+    by_scale = {s["scale"]: s["steps"][0]["step_seconds"] for s in steps["latency_sensitivity"]}
+    assert by_scale[1.0] == pytest.approx(steps["steps"][0]["step_seconds"])
+    p, latency = projection.phases, projection.chip.collective_latency_us * 1e-6
+    assert by_scale[0.0] <= by_scale[0.5] <= by_scale[1.0] <= by_scale[2.0]
+    decode = p["rollout decode"].cost
+    others = [t.cost for name, t in p.items() if name != "rollout decode"]
+    issued = sum(c.collectives + c.overlapped_collectives for c in others) + decode.setup_collectives \
+        + (NEW - 1) * (decode.collectives + decode.overlapped_collectives)
+    exposed = sum(c.collectives for c in others) + decode.setup_collectives + (NEW - 1) * decode.collectives
+    # overlapped collectives may hide behind compute
+    assert exposed * latency - 1e-12 <= by_scale[2.0] - by_scale[1.0] <= issued * latency + 1e-12
+    assert issued > 0 and steps["chip"]["latency_source"].startswith("derived")
+
+
 def test_remat_sweep_picks_the_fastest_projected_update_that_fits(tmp_path, capsys):
     from grpo_core.config_io import load_config
 
