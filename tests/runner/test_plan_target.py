@@ -55,6 +55,9 @@ def test_tiny_model_planned_by_the_tpu_compiler(plan_config, tmp_path, capsys, g
     assert re.search(r"^projected step at 8 completion tokens per row: .*\(7 decode steps x .*completion tokens/s$",
                      out, re.M)
     assert re.search(r"^projected step at 3 completion tokens per row: .*\(2 decode steps x ", out, re.M)
+    assert "5 us per collective (derived: " in out
+    assert re.search(r"^collective latency sensitivity, step at 8 / 3 tokens .*: 0\.5x [\d.]+ s / [\d.]+ s, "
+                     r"1x .*, 2x .*; none [\d.]+ s / [\d.]+ s$", out, re.M)
     [line] = [x for x in out.splitlines() if x.startswith('{"projection"')]
     assert [s["completion_tokens"] for s in json.loads(line)["projection"]["steps"]] == [8, 3]
     assert "on 4 TPU v5 lite device(s)" in out
