@@ -152,3 +152,13 @@ def test_a_counter_not_stepped_by_a_constant_has_no_trip_count():
     assert module.trip_count(loop) is None
     assert module.matmul_flops() == 2 * 8 * 16 * 2 * 64 * 256
     assert module.unknown_trip_counts == [loop.name]
+
+
+def test_collectives_are_counted_as_their_bytes_are():
+    """One all-gather (copied into two fusions, one channel) and one all-reduce per iteration of 3;
+    a loop of 5 all-gathers counts 5."""
+    module = HloModule(TPU_STYLE.replace("STEP", "1"))
+    assert module.collective_count() == {"all-gather": 3, "all-reduce": 3}
+    assert module.collective_count(overlapped=True) == {"all-gather": 3}
+    assert module.collective_count(overlapped=False) == {"all-reduce": 3}
+    assert gather_loop(varying=True).collective_count() == {"all-gather": 5}

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 from grpo_core.registry import default_registry
-from grpo_runner_gsm8k import flops, plan
+from grpo_runner_gsm8k import plan, tpu_target
+from grpo_runner_gsm8k.costs import flops
 from grpo_runner_gsm8k.costs.roofline import phase_cost
 from grpo_runner_gsm8k.plan.projection import project, projection_json
 
@@ -28,13 +29,14 @@ SMALL = ["model.architecture.vocab_size=4096", "model.architecture.hidden_size=5
 DEVICES = 4  # v5e-4, full-device FSDP
 
 
-def planned(tmp_path_factory, *overrides: str):
-    """(inputs, phases, projection) of SMALL with `overrides` on a v5e-4."""
+def planned(tmp_path_factory, *overrides: str, chip: str = ""):
+    """(inputs, phases, projection) of SMALL with `overrides` on a v5e-4 (its figures replaced by `chip`)."""
     from grpo_core.config_io import load_config
 
     cfg = load_config(str(Path(__file__).parents[2] / "configs" / "tiny.yaml"),
                       [f"logging.dir={tmp_path_factory.mktemp('run')}", *SMALL, *overrides], registry=default_registry())
     target = plan.parse_target("v5e-4")
+    target = tpu_target.with_chip(target, chip) if chip else target
     inputs = plan.build_plan_inputs(cfg, default_registry(), target)
     capacity = plan.device_capacity(None, target)
     phases = plan.fixed_phases(inputs, capacity) + [plan.train_phase(inputs, 4)]
@@ -110,6 +112,25 @@ def test_auto_decode_is_the_fastest_projected_layout(tmp_path_factory):
     assert decode.setup_seconds + 16 * decode.seconds == pytest.approx(times[chosen], abs=0.006)
 
 
+def auto_layout(tmp_path_factory, latency_us: float) -> tuple[str, dict[str, float]]:
+    """(layout `gather_weights: auto` chose, projected decode seconds of each) at `latency_us`."""
+    _, phases, _ = planned(tmp_path_factory, "rollout.options.gather_weights=auto",
+                           chip=f"collective_latency_us={latency_us}")
+    note = next(p.note for p in phases if p.name == "rollout decode")
+    times = {name: float(seconds) for name, seconds in re.findall(r"(gathered|sharded|model_parallel) ([\d.]+) s", note)}
+    return re.match(r"gather_weights=auto: (\w+) weights", note).group(1), times
+
+
+def test_auto_decode_layout_flips_when_collective_latency_is_large_enough(tmp_path_factory):
+    """Model-parallel reads a quarter of the weights per token but runs collectives every token;
+    gathered runs none after its one gather. Without latency the first is the faster at SMALL; at
+    1 ms per collective the second (the same programs, only the latency changed)."""
+    free, free_times = auto_layout(tmp_path_factory, 0)
+    costly, costly_times = auto_layout(tmp_path_factory, 1000)
+    assert (free, costly) == ("model_parallel", "gathered"), (free_times, costly_times)
+    assert costly_times["model_parallel"] - free_times["model_parallel"] > 16 * 1e-3  # >= 1 collective per token
+
+
 def test_train_step_is_the_count_by_hand(projected):
     inputs, projection = projected
     q, train = inputs.run.qcfg, projection.phases["train step"]
@@ -154,6 +175,25 @@ def test_step_is_prefill_decode_steps_and_update_and_mfu_is_model_flops_over_pea
     steps = json.loads(projection_json(projection, [NEW, 5]))["projection"]["steps"]
     assert [s["completion_tokens"] for s in steps] == [NEW, 5]
 
+
+
+def test_latency_sensitivity_rescales_the_same_programs(projected):
+    """The step at 0.5x, 1x and 2x the collective latency (and without it): doubling the latency adds
+    at least the synchronous collectives' extra latency and at most every collective's."""
+    _, projection = projected
+    steps = json.loads(projection_json(projection, [NEW]))["projection"]
+    by_scale = {s["scale"]: s["steps"][0]["step_seconds"] for s in steps["latency_sensitivity"]}
+    assert by_scale[1.0] == pytest.approx(steps["steps"][0]["step_seconds"])
+    p, latency = projection.phases, projection.chip.collective_latency_us * 1e-6
+    assert by_scale[0.0] <= by_scale[0.5] <= by_scale[1.0] <= by_scale[2.0]
+    decode = p["rollout decode"].cost
+    others = [t.cost for name, t in p.items() if name != "rollout decode"]
+    issued = sum(c.collectives + c.overlapped_collectives for c in others) + decode.setup_collectives \
+        + (NEW - 1) * (decode.collectives + decode.overlapped_collectives)
+    exposed = sum(c.collectives for c in others) + decode.setup_collectives + (NEW - 1) * decode.collectives
+    # overlapped collectives may hide behind compute
+    assert exposed * latency - 1e-12 <= by_scale[2.0] - by_scale[1.0] <= issued * latency + 1e-12
+    assert issued > 0 and steps["chip"]["latency_source"].startswith("derived")
 
 
 def test_remat_sweep_picks_the_fastest_projected_update_that_fits(tmp_path, capsys):

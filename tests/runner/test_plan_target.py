@@ -55,6 +55,9 @@ def test_tiny_model_planned_by_the_tpu_compiler(plan_config, tmp_path, capsys, g
     assert re.search(r"^projected step at 8 completion tokens per row: .*\(7 decode steps x .*completion tokens/s$",
                      out, re.M)
     assert re.search(r"^projected step at 3 completion tokens per row: .*\(2 decode steps x ", out, re.M)
+    assert "5 us per collective (derived: " in out
+    assert re.search(r"^collective latency sensitivity, step at 8 / 3 tokens .*: 0\.5x [\d.]+ s / [\d.]+ s, "
+                     r"1x .*, 2x .*; none [\d.]+ s / [\d.]+ s$", out, re.M)
     [line] = [x for x in out.splitlines() if x.startswith('{"projection"')]
     assert [s["completion_tokens"] for s in json.loads(line)["projection"]["steps"]] == [8, 3]
     assert "on 4 TPU v5 lite device(s)" in out
@@ -165,10 +168,11 @@ def test_plan_target_verdict_uses_usable_hbm_and_the_flags_override_it():
     assert tpu_target.with_chip(target, "peak_tflops=900, hbm_gbps=1500").generation.hbm_gbps == 1500
 
 
-@pytest.mark.parametrize("text", ["peak=900", "hbm_gbps=-1", "ici_gbps=fast"])
+@pytest.mark.parametrize("text", ["peak=900", "hbm_gbps=-1", "ici_gbps=fast", "collective_latency_us=-1"])
 def test_bad_chip_override_is_one_line_naming_the_fields(text):
     with pytest.raises(UserError, match=rf"^--chip '{re.escape(text)}': give name=value with a value > 0, names: "
-                                        "peak_tflops, hbm_gbps, ici_gbps, usable_hbm_gib$"):
+                                        r"peak_tflops, hbm_gbps, ici_gbps, usable_hbm_gib, collective_latency_us "
+                                        r"\(collective_latency_us may be 0\)$"):
         tpu_target.with_chip(tpu_target.parse_target("v6e-8"), text)
 
 

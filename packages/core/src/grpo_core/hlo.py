@@ -14,7 +14,8 @@ trip counts. `HloModule` walks the computations instead:
   of 151,936 the matmuls are all but all of it.
 - `collective_bytes(computation)`: bytes produced by collectives (all-gather,
   all-reduce, reduce-scatter, all-to-all, collective-permute) in one execution of
-  a computation, e.g. one iteration of a decode loop body.
+  a computation, e.g. one iteration of a decode loop body; `collective_count`: how
+  many of them it issues (each pays a latency, whatever its size).
 """
 
 from __future__ import annotations
@@ -186,26 +187,36 @@ class HloModule:
         return total
 
     def collective_bytes(self, computation: str | None = None, ops: tuple[str, ...] = COLLECTIVES,
-                         seen: set[str] | None = None, overlapped: bool | None = None,
-                         in_async: bool = False) -> dict[str, int]:
+                         seen: set[str] | None = None, overlapped: bool | None = None) -> dict[str, int]:
         """Bytes produced per collective kind in one execution of `computation`
         (nested loops multiplied by their trip counts; async pairs counted once, and so is
         a collective the TPU compiler copies into several fusions: one channel id, one transfer).
         `overlapped`: True counts only collectives issued asynchronously (they overlap compute),
         False only the others, None all."""
-        comp, seen = self.computations[computation or self.entry], set() if seen is None else seen
+        return self._collectives(computation, ops, set() if seen is None else seen, overlapped, False,
+                                 lambda inst: shape_bytes(inst.shape))
+
+    def collective_count(self, computation: str | None = None, ops: tuple[str, ...] = COLLECTIVES,
+                         overlapped: bool | None = None) -> dict[str, int]:
+        """Collectives issued per kind in one execution of `computation`, counted as
+        `collective_bytes` counts their bytes: each one pays the interconnect's latency."""
+        return self._collectives(computation, ops, set(), overlapped, False, lambda inst: 1)
+
+    def _collectives(self, computation: str | None, ops: tuple[str, ...], seen: set[str], overlapped: bool | None,
+                     in_async: bool, measure) -> dict[str, int]:
+        comp = self.computations[computation or self.entry]
         in_async = in_async or _async_context(comp)
         totals: dict[str, int] = {}
         for inst in comp.instructions:
             kind = inst.op.removesuffix("-done")
             chosen = overlapped is None or overlapped == (in_async or self._asynchronous(inst))
             if kind in ops and not inst.op.endswith("-start") and chosen and _first_of_channel(inst, seen):
-                totals[kind] = totals.get(kind, 0) + shape_bytes(inst.shape)
+                totals[kind] = totals.get(kind, 0) + measure(inst)
             if inst.op.startswith("async-") and inst.op != "async-start":
                 continue  # async-update/done wrap the same computation as their start
             repeat = (self.trip_count(inst) or 1) if inst.op == "while" else 1
             for callee in (c for c in inst.callees() if c in self.computations):
-                inner = self.collective_bytes(callee, ops, seen, overlapped, in_async or inst.op == "async-start")
+                inner = self._collectives(callee, ops, seen, overlapped, in_async or inst.op == "async-start", measure)
                 for kind, value in inner.items():
                     totals[kind] = totals.get(kind, 0) + repeat * value
         return totals

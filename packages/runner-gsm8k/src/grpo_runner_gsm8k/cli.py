@@ -56,7 +56,7 @@ def train_parser() -> argparse.ArgumentParser:
                         help="with --plan: device memory budget to plan against (default: what the device reports)")
     parser.add_argument("--chip", metavar="NAME=VALUE,...",
                         help="with --target: replace the chip's figures (peak_tflops, hbm_gbps, ici_gbps, "
-                             "usable_hbm_gib) the projection and the verdict use")
+                             "usable_hbm_gib, collective_latency_us) the projection and the verdict use")
     parser.add_argument("--expect-completion-tokens", type=int, metavar="N",
                         help="with --target: also project a step whose rows sample N tokens (default: only the max)")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value",

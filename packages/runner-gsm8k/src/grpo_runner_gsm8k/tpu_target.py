@@ -37,7 +37,16 @@ INSTALL_HINT = ("install the TPU compiler: `uv sync --group tpu` in the grpo-jax
 # v6e-8 runs of this project, 16,909,332,480 B on v5e; * no reported figure known, the nominal size.
 # ** not on the v4 page: 6 ICI links of 50 GB/s each way (TPU v4 paper, ISCA 2023).
 HBM_SOURCE = "cloud.google.com/tpu/docs/v4, /v5e, /v5p-training, /v6e (per chip)"
-CHIP_FIELDS = ("peak_tflops", "hbm_gbps", "ici_gbps", "usable_hbm_gib")
+# Collective latency: what one collective costs besides its bytes over the ICI bandwidth. No
+# generation's documentation publishes one (they give bandwidths only), so the figure is derived,
+# and labelled so wherever it is shown: a ring collective over the chips of the largest single-host
+# slice steps through half the ring on a bidirectional ring (4 hops on 8 chips: v5e, v6e; 2 on the
+# 2x2 of v4, v5p), each hop taken as 1 us (link, DMA issue and the step's synchronisation), plus
+# 1 us to issue the collective: 5 us and 3 us. A conservative (high) reading of "a few
+# microseconds"; `--chip collective_latency_us=X` replaces it, and the plan prints the step at half
+# and double the figure.
+LATENCY_SOURCE = "derived: (hops of a ring over the single-host slice / 2) x 1 us + 1 us issue; no published figure"
+CHIP_FIELDS = ("peak_tflops", "hbm_gbps", "ici_gbps", "usable_hbm_gib", "collective_latency_us")
 
 
 @dataclass(frozen=True)
@@ -53,17 +62,19 @@ class Generation:
     ici_gbps: float  # inter-chip interconnect bandwidth per chip, both directions, GB/s
     usable_hbm_gib: float  # what a program may allocate (see the table)
     usable_source: str
+    collective_latency_us: float  # per collective, besides its bytes over ici_gbps (derived, see above)
+    latency_source: str = LATENCY_SOURCE
 
 
 GENERATIONS = {
     "v4": Generation("v4", 32.0, 3, True, 4, (8, 16, 32, 64, 128, 256, 512), 275.0, 1200.0, 600.0, 32.0,
-                     "nominal HBM, no reported bytes_limit known"),
+                     "nominal HBM, no reported bytes_limit known", 3.0),
     "v5e": Generation("v5e", 16.0, 2, False, 8, (1, 4, 8, 16, 32, 64, 128, 256), 197.0, 819.0, 400.0,
-                      16909332480 / (1 << 30), "the bytes_limit a v5e chip reports"),
+                      16909332480 / (1 << 30), "the bytes_limit a v5e chip reports", 5.0),
     "v5p": Generation("v5p", 95.0, 3, True, 4, (8, 16, 32, 64, 128, 256, 512), 459.0, 2765.0, 1200.0, 95.0,
-                      "nominal HBM, no reported bytes_limit known"),
+                      "nominal HBM, no reported bytes_limit known", 3.0),
     "v6e": Generation("v6e", 32.0, 2, False, 8, (1, 4, 8, 16, 32, 64, 128, 256), 918.0, 1638.0, 800.0, 31.25,
-                      "the bytes_limit v6e-8 chips report"),
+                      "the bytes_limit v6e-8 chips report", 5.0),
 }
 MULTI_HOST_CHIPS = (2, 2, 1)  # chips per host of every multi-host slice
 # jax's device_kind of each generation's chips
@@ -138,21 +149,25 @@ def parse_target(name: str) -> Target:
 
 
 def with_chip(target: Target, overrides: str) -> Target:
-    """`target` with chip figures replaced (`--chip peak_tflops=900,hbm_gbps=1600`)."""
+    """`target` with chip figures replaced (`--chip peak_tflops=900,hbm_gbps=1600`); a collective
+    latency may be 0 (the projection without it)."""
     changes = {}
     for item in filter(None, (part.strip() for part in overrides.split(","))):
         name, _, value = item.partition("=")
-        if name not in CHIP_FIELDS or not _positive(value):
-            raise UserError(f"--chip {item!r}: give name=value with a value > 0, names: {', '.join(CHIP_FIELDS)}")
+        if name not in CHIP_FIELDS or not _positive(value, allow_zero=name == "collective_latency_us"):
+            raise UserError(f"--chip {item!r}: give name=value with a value > 0, names: {', '.join(CHIP_FIELDS)} "
+                            "(collective_latency_us may be 0)")
         changes[name] = float(value)
     if "usable_hbm_gib" in changes:
         changes["usable_source"] = "--chip"
+    if "collective_latency_us" in changes:
+        changes["latency_source"] = "--chip"
     return dataclasses.replace(target, generation=dataclasses.replace(target.generation, **changes))
 
 
-def _positive(text: str) -> bool:
+def _positive(text: str, allow_zero: bool = False) -> bool:
     try:
-        return float(text) > 0
+        return float(text) > 0 or (allow_zero and float(text) == 0)
     except ValueError:
         return False
 

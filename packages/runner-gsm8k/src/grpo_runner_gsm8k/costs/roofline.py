@@ -1,4 +1,5 @@
-"""What one call of a compiled phase costs a device: matmul FLOPs, HBM bytes, collective bytes.
+"""What one call of a compiled phase costs a device: matmul FLOPs, HBM bytes, collective bytes and
+how many collectives it issues (each pays the chip's collective latency besides its bytes).
 
 Read off the program the run executes (its HLO and buffer sizes), not XLA's `cost_analysis()`:
 that counts a loop body once and, on TPU, counts VMEM traffic as memory traffic (a weight
@@ -30,6 +31,27 @@ class PhaseCost:
     per_iteration: bool = False
     setup_collective_bytes: int = 0
     custom_calls: int = 0  # kernels (Pallas, cuDNN) whose work the HLO does not show
+    collectives: int = 0  # issued synchronously, loop bodies times their trip counts
+    overlapped_collectives: int = 0
+    setup_collectives: int = 0
+
+
+@dataclass(frozen=True)
+class Collectives:
+    """Bytes and counts of the collectives one execution of a computation issues."""
+
+    exposed_bytes: int
+    overlapped_bytes: int
+    exposed: int
+    overlapped: int
+
+    @property
+    def total_bytes(self) -> int:
+        return self.exposed_bytes + self.overlapped_bytes
+
+    @property
+    def total(self) -> int:
+        return self.exposed + self.overlapped
 
 
 def data_dependent_loop(module: HloModule) -> Optional[Instruction]:
@@ -38,37 +60,57 @@ def data_dependent_loop(module: HloModule) -> Optional[Instruction]:
     return max(loops, key=lambda w: shape_bytes(w.shape), default=None)
 
 
-def collective_split(module: HloModule, computation: str | None = None) -> tuple[int, int]:
-    """(synchronous, asynchronous) collective bytes of one execution of `computation`."""
-    return tuple(sum(module.collective_bytes(computation, overlapped=kind).values()) for kind in (False, True))
+def collectives(module: HloModule, computation: str | None = None) -> Collectives:
+    """The synchronous and asynchronous collectives of one execution of `computation`."""
+    def total(figures: dict[str, int]) -> int:
+        return sum(figures.values())
+
+    return Collectives(*(total(module.collective_bytes(computation, overlapped=kind)) for kind in (False, True)),
+                       *(total(module.collective_count(computation, overlapped=kind)) for kind in (False, True)))
 
 
 def phase_cost(compiled: Any) -> PhaseCost:
     module = HloModule(compiled.as_text())
     kernels = sum(i.op == "custom-call" for c in module.computations.values() for i in c.instructions
                   if "tpu_custom_call" in i.attrs or "cudnn" in i.attrs)
-    everything = collective_split(module)
+    everything = collectives(module)
     loop = data_dependent_loop(module)
     if loop is None:
         stats = compiled.memory_analysis()
         return PhaseCost(module.matmul_flops(), stats.argument_size_in_bytes + stats.output_size_in_bytes,
-                         *everything, custom_calls=kernels)
-    per_iteration = collective_split(module, loop.body())
-    return PhaseCost(module.matmul_flops(loop.body()), shape_bytes(loop.shape), *per_iteration, per_iteration=True,
-                     setup_collective_bytes=sum(everything) - sum(per_iteration), custom_calls=kernels)
+                         everything.exposed_bytes, everything.overlapped_bytes, custom_calls=kernels,
+                         collectives=everything.exposed, overlapped_collectives=everything.overlapped)
+    body = collectives(module, loop.body())
+    return PhaseCost(module.matmul_flops(loop.body()), shape_bytes(loop.shape), body.exposed_bytes,
+                     body.overlapped_bytes, per_iteration=True,
+                     setup_collective_bytes=everything.total_bytes - body.total_bytes, custom_calls=kernels,
+                     collectives=body.exposed, overlapped_collectives=body.overlapped,
+                     setup_collectives=everything.total - body.total)
 
 
 def roofline(chip: Generation, flops: float, hbm_bytes: float, exposed_bytes: float,
-             overlapped_bytes: float = 0) -> float:
-    """Seconds on `chip`: the slowest of compute, HBM and overlapped collectives, plus the exposed ones."""
-    ici = chip.ici_gbps * 1e9
-    return max(flops / (chip.peak_tflops * 1e12), hbm_bytes / (chip.hbm_gbps * 1e9), overlapped_bytes / ici) + (
-        exposed_bytes / ici)
+             overlapped_bytes: float = 0, exposed_count: int = 0, overlapped_count: int = 0) -> float:
+    """Seconds on `chip`: the slowest of compute, HBM and overlapped collectives, plus the exposed ones;
+    each collective takes the chip's latency plus its bytes over the ICI bandwidth."""
+    ici, latency = chip.ici_gbps * 1e9, chip.collective_latency_us * 1e-6
+    return max(flops / (chip.peak_tflops * 1e12), hbm_bytes / (chip.hbm_gbps * 1e9),
+               overlapped_bytes / ici + overlapped_count * latency) + exposed_bytes / ici + exposed_count * latency
+
+
+def call_seconds(chip: Generation, cost: PhaseCost, flops: float | None = None) -> float:
+    """One call of a phase (one iteration of a decode loop) on `chip`; `flops` replaces the HLO's
+    count (attention run in kernels added)."""
+    return roofline(chip, cost.flops if flops is None else flops, cost.hbm_bytes, cost.collective_bytes,
+                    cost.overlapped_collective_bytes, cost.collectives, cost.overlapped_collectives)
+
+
+def setup_seconds(chip: Generation, cost: PhaseCost) -> float:
+    """What runs once around a decode loop (a weight gather or reshard)."""
+    return roofline(chip, 0, 0, cost.setup_collective_bytes, 0, cost.setup_collectives)
 
 
 def decode_seconds(chip: Generation, compiled: Any, steps: int) -> float:
     """A compiled decode's projected seconds for `steps` tokens: what runs once around the loop
-    (a weight gather or reshard) plus `steps` iterations of its body."""
+    plus `steps` iterations of its body."""
     cost = phase_cost(compiled)
-    step = roofline(chip, cost.flops, cost.hbm_bytes, cost.collective_bytes, cost.overlapped_collective_bytes)
-    return roofline(chip, 0, 0, cost.setup_collective_bytes) + steps * step
+    return setup_seconds(chip, cost) + steps * call_seconds(chip, cost)

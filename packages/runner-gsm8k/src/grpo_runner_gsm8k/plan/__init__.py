@@ -9,6 +9,7 @@ they compile for a TPU slice with the TPU compiler (see tpu_target):
     grpo-run --config X.yaml --plan [--capacity-gib 31.25]
     grpo-run --config X.yaml --plan --target v6e-8 [--sweep micro_batch_size_per_device]
     grpo-run --config X.yaml --plan --target v6e-8 [--expect-completion-tokens 300] [--chip hbm_gbps=1500]
+    grpo-run --config X.yaml --plan --target v6e-8 --chip collective_latency_us=10
     grpo-run --config X.yaml --plan --target v6e-8 --sweep model.remat
 
 With --target the plan also projects the time of a step per phase (plan.projection): a lower

@@ -1,8 +1,10 @@
 """`grpo-run --plan --target SLICE`: projected time of a step, per phase, from the compiled programs.
 
 A roofline per phase and device: max(matmul FLOPs / peak bf16 FLOP/s, HBM bytes / HBM bandwidth,
-asynchronous collective bytes / ICI bandwidth) + synchronous collective bytes / ICI bandwidth (the
-compiled schedule says which overlap compute), with the chip figures of tpu_target's table. FLOPs count every loop body times its trip count; attention
+asynchronous collectives) + synchronous collectives (the compiled schedule says which overlap
+compute), each collective costing the chip's collective latency plus its bytes over the ICI
+bandwidth, with the chip figures of tpu_target's table (the latency a derived figure, so the plan
+also prints the step at half and double it). FLOPs count every loop body times its trip count; attention
 run as a kernel (splash, cudnn: a custom call the HLO counts as zero) is added analytically.
 HBM bytes are a lower bound (grpo_runner_gsm8k.costs.roofline). So the projection is a lower bound, not a measurement:
 
@@ -17,6 +19,7 @@ The prefill samples each row's first token; the update is compiled at the widest
 from __future__ import annotations
 
 import json
+import dataclasses
 from dataclasses import asdict, dataclass
 from typing import Optional
 
@@ -25,8 +28,8 @@ from grpo_core.models import QwenConfig
 from grpo_runner_gsm8k.build import attention_impl, micro_batches, rows_per_step
 from grpo_runner_gsm8k.costs.flops import forward_flops
 from grpo_runner_gsm8k.plan.abstract import PlanInputs, train_widths
-from grpo_runner_gsm8k.costs.roofline import PhaseCost, roofline
 from grpo_runner_gsm8k.costs.memory import PhaseMemory
+from grpo_runner_gsm8k.costs.roofline import PhaseCost, call_seconds, setup_seconds
 from grpo_runner_gsm8k.teacher import TEACHER_PHASE
 from grpo_runner_gsm8k.tpu_target import Generation
 
@@ -34,6 +37,7 @@ KERNEL_ATTENTION = ("splash", "cudnn")  # custom calls: their FLOPs are not in t
 # The forward kernel's 2 matmuls per block, then the backward's dq and dkv kernels: 7 more, as both
 # recompute the scores; in units of a forward.
 SPLASH_TRAIN_PASSES = 1 + 7 / 2
+LATENCY_SCALES = (0.5, 1.0, 2.0)  # the collective latency is derived: the step is shown at each multiple
 
 
 @dataclass(frozen=True)
@@ -45,6 +49,17 @@ class PhaseTime:
     overlapped_collective_bytes: int
     seconds: float
     setup_seconds: float = 0.0  # once around a decode loop (the weight gather)
+    cost: PhaseCost | None = None  # what the times were computed from
+
+    @property
+    def collectives(self) -> int:
+        """Collectives issued per call (per decoded token for the decode), synchronous or not."""
+        return self.cost.collectives + self.cost.overlapped_collectives if self.cost else 0
+
+    def on(self, chip: Generation) -> "PhaseTime":
+        """The same phase timed on `chip` (other figures, another collective latency)."""
+        return dataclasses.replace(self, seconds=call_seconds(chip, self.cost, self.flops),
+                                   setup_seconds=setup_seconds(chip, self.cost))
 
 
 def attention_flops(q: QwenConfig, rows: int, width: int) -> float:
@@ -69,8 +84,7 @@ def phase_time(inputs: PlanInputs, chip: Generation, phase: PhaseMemory) -> Phas
     cost: PhaseCost = phase.cost
     flops = cost.flops + kernel_attention_flops(inputs, phase)
     return PhaseTime(phase.name, flops, cost.hbm_bytes, cost.collective_bytes, cost.overlapped_collective_bytes,
-                     roofline(chip, flops, cost.hbm_bytes, cost.collective_bytes, cost.overlapped_collective_bytes),
-                     roofline(chip, 0, 0, cost.setup_collective_bytes))
+                     call_seconds(chip, cost, flops), setup_seconds(chip, cost), cost)
 
 
 @dataclass(frozen=True)
@@ -87,6 +101,12 @@ class Projection:
         decode, update = self.phases["rollout decode"], self.phases["train step"]
         others = sum(p.seconds for name, p in self.phases.items() if name not in ("rollout decode", "train step"))
         return others + decode.setup_seconds + (tokens - 1) * decode.seconds + self.epochs * update.seconds
+
+    def with_latency_scale(self, scale: float) -> "Projection":
+        """The same compiled programs (the decode layout chosen at the table's latency) with the
+        collective latency multiplied by `scale`."""
+        chip = dataclasses.replace(self.chip, collective_latency_us=self.chip.collective_latency_us * scale)
+        return dataclasses.replace(self, chip=chip, phases={name: p.on(chip) for name, p in self.phases.items()})
 
     def tokens_per_second(self, tokens: int) -> float:
         return self.rows * tokens / self.step_seconds(tokens)
@@ -120,16 +140,27 @@ def projection_lines(projection: Projection, lengths: list[int]) -> list[str]:
     chip = projection.chip
     lines = [f"projected time per device: a lower bound from the TPU compiler's programs, not a measurement "
              f"({chip.name}: {chip.peak_tflops:g} TFLOP/s bf16, {chip.hbm_gbps:g} GB/s HBM, {chip.ici_gbps:g} GB/s "
-             "ICI per chip; collectives the schedule issues asynchronously overlap compute, the rest add to it)",
-             f"{'per device':<26}{'TFLOP':>10}{'HBM GB':>10}{'sync MB':>10}{'async MB':>10}{'time':>12}"]
+             f"ICI per chip, {chip.collective_latency_us:g} us per collective ({chip.latency_source}); collectives "
+             "the schedule issues asynchronously overlap compute, the rest add to it)",
+             f"{'per device':<26}{'TFLOP':>10}{'HBM GB':>10}{'sync MB':>10}{'async MB':>10}{'colls':>8}{'time':>12}"]
     for p in projection.phases.values():
         label = "rollout decode (1 token)" if p.name == "rollout decode" else p.name
         lines.append(f"{label:<26}{p.flops / 1e12:>10.3f}{p.hbm_bytes / 1e9:>10.3f}{p.collective_bytes / 1e6:>10.1f}"
-                     f"{p.overlapped_collective_bytes / 1e6:>10.1f}{seconds_text(p.seconds):>12}")
+                     f"{p.overlapped_collective_bytes / 1e6:>10.1f}{p.collectives:>8}{seconds_text(p.seconds):>12}")
     update = projection.phases["train step"].seconds
     lines.append(f"train micro-batch: {seconds_text(update / projection.micro_batches)} "
                  f"({projection.micro_batches} per update); train MFU {projection.mfu:.1%}")
-    return lines + [step_line(projection, tokens) for tokens in lengths]
+    return lines + [step_line(projection, tokens) for tokens in lengths] + [latency_line(projection, lengths)]
+
+
+def latency_line(projection: Projection, lengths: list[int]) -> str:
+    """The step at each LATENCY_SCALES multiple of the collective latency, and without it."""
+    def steps(scaled: Projection) -> str:
+        return " / ".join(f"{scaled.step_seconds(tokens):.2f} s" for tokens in lengths)
+
+    listed = ", ".join(f"{scale:g}x {steps(projection.with_latency_scale(scale))}" for scale in LATENCY_SCALES)
+    return (f"collective latency sensitivity, step at {' / '.join(map(str, lengths))} tokens (decode layout as "
+            f"chosen at 1x): {listed}; none {steps(projection.with_latency_scale(0.0))}")
 
 
 def step_line(projection: Projection, tokens: int) -> str:
@@ -145,16 +176,24 @@ def seconds_text(seconds: float) -> str:
     return f"{seconds * 1e3:.2f} ms" if seconds < 1 else f"{seconds:.3f} s"
 
 
+def steps_json(projection: Projection, lengths: list[int]) -> list[dict]:
+    return [{"completion_tokens": t, "step_seconds": projection.step_seconds(t),
+             "completion_tokens_per_second": projection.tokens_per_second(t)} for t in lengths]
+
+
 def projection_json(projection: Projection, lengths: list[int]) -> str:
     return json.dumps({"projection": {
         "kind": "lower bound from the TPU compiler's programs, not a measurement",
         "chip": {k: v for k, v in asdict(projection.chip).items() if k in (
-            "name", "peak_tflops", "hbm_gbps", "ici_gbps", "usable_hbm_gib")},
+            "name", "peak_tflops", "hbm_gbps", "ici_gbps", "usable_hbm_gib", "collective_latency_us",
+            "latency_source")},
         "phases": {p.name: {"tflop_per_device": p.flops / 1e12, "hbm_gb_per_device": p.hbm_bytes / 1e9,
                             "sync_collective_mb_per_device": p.collective_bytes / 1e6,
-                            "async_collective_mb_per_device": p.overlapped_collective_bytes / 1e6, "seconds": p.seconds,
+                            "async_collective_mb_per_device": p.overlapped_collective_bytes / 1e6,
+                            "collectives": p.collectives, "seconds": p.seconds,
                             "setup_seconds": p.setup_seconds} for p in projection.phases.values()},
         "train_micro_batch_seconds": projection.phases["train step"].seconds / projection.micro_batches,
         "train_mfu": projection.mfu,
-        "steps": [{"completion_tokens": t, "step_seconds": projection.step_seconds(t),
-                   "completion_tokens_per_second": projection.tokens_per_second(t)} for t in lengths]}})
+        "steps": steps_json(projection, lengths),
+        "latency_sensitivity": [{"scale": scale, "steps": steps_json(projection.with_latency_scale(scale), lengths)}
+                                for scale in (*LATENCY_SCALES, 0.0)]}})
