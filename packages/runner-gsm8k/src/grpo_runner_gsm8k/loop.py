@@ -33,6 +33,7 @@ from grpo_runner_gsm8k.evaluation import checked_eval_tasks, decode_completions,
 from grpo_runner_gsm8k.lock import RunDirLock
 from grpo_runner_gsm8k.memory_check import MemoryGuard
 from grpo_runner_gsm8k.metrics import MetricsLogger, truncate_metrics
+from grpo_runner_gsm8k.train_metrics import memory_metrics, objective_metrics
 from grpo_runner_gsm8k.multihost import gather_objects, host_array
 from grpo_runner_gsm8k.multi_turn_step import multi_turn_sampler
 from grpo_runner_gsm8k.partial_step import PartialSampler
@@ -383,29 +384,6 @@ def trained_rows(result: RolloutResult, advantages, loss_cfg) -> np.ndarray:
     if loss_cfg.mask_truncated_completions:
         keep = keep * host_array(result.finished).astype(np.float32)
     return keep
-
-
-OPTIONAL_TRAIN_METRICS = ("mismatch_kl", "mismatch_ratio_mean", "mismatch_ratio_max", "mismatch_rejected_frac",
-                          "entropy_selected_frac", "cispo_capped_frac", "sapo_gate_mean")
-
-
-def objective_metrics(train: dict, result: RolloutResult, loss_cfg) -> dict:
-    """train-other/* metrics of the objective options in use (mismatch correction, entropy
-    selection, cispo / sapo policy loss, truncated completions)."""
-    out = {f"train-other/{name}": float(train[name]) for name in OPTIONAL_TRAIN_METRICS if name in train}
-    if loss_cfg.mask_truncated_completions:
-        out["train-other/truncated_frac"] = float(1.0 - np.mean(host_array(result.finished)))
-    return out
-
-
-def memory_metrics() -> dict:
-    """Device memory where the backend reports it (TPU/GPU); CPU reports nothing."""
-    stats = [d.memory_stats() for d in jax.local_devices()]
-    if not stats or any(s is None for s in stats):
-        return {}
-    gib = float(1 << 30)
-    return {"memory/train/bytes_in_use_max_gib": max(s.get("bytes_in_use", 0) for s in stats) / gib,
-            "memory/train/peak_bytes_in_use_max_gib": max(s.get("peak_bytes_in_use", 0) for s in stats) / gib}
 
 
 def train(cfg: RunConfig, registry: Registry, resume: bool = False) -> dict:
