@@ -13,10 +13,12 @@ from pathlib import Path
 import pytest
 
 from grpo_core.config_io import load_config
+from grpo_core.errors import ConfigError
 from grpo_core.registry import default_registry
 
 REPO = Path(__file__).resolve().parents[2]
-PROGRAMS = {"grpo-run": {"plugins", "export", "report", "launch"}, "grpo-bench": {"model", "loss", "rollout", "flops"}}
+PROGRAMS = {"grpo-run": {"plugins", "export", "report", "launch", "eval"},
+            "grpo-bench": {"model", "loss", "rollout", "flops", "gpu"}}
 COMMAND = re.compile(r"(?:^|\s)(?P<command>(?:grpo-run|grpo-bench)(?:\s.*)?)$")
 FENCE = re.compile(r"^```[^\n]*\n(.*?)^```", re.S | re.M)
 SPAN = re.compile(r"`([^`]+)`")
@@ -40,7 +42,7 @@ def commands_in(text: str) -> list[str]:
 def _command(text: str) -> list[str]:
     """The command in `text` (inside a quoted remote command: up to the quote). `grpo-bench
     {model,loss,...}` and `grpo-bench <name>` name a family of commands, not one."""
-    match = COMMAND.search(text)
+    match = COMMAND.search(re.split(r"\s#\s", text)[0])  # a shell comment after the command is prose
     if not match or re.match(r"\S+ [{<]", match["command"]):
         return []
     command = match["command"].strip()
@@ -135,5 +137,32 @@ def test_shown_configs_exist_and_their_overrides_load(page, command):
     config = REPO / arguments[arguments.index("--config") + 1]
     assert config.is_file(), f"{page}: `{command}`: {config} does not exist"
     overrides = [argument for argument in arguments if re.match(r"^[a-z_]+(\.[a-z_]+)+=", argument)]
-    if all("..." not in override for override in overrides):
+    if any(is_placeholder(override) for override in overrides):
+        return
+    expected = shown_errors().get((page, command))
+    if expected is None:
         load_config(config, overrides, registry=default_registry())  # plugin options checked too
+        return
+    with pytest.raises(ConfigError) as refused:
+        load_config(config, overrides, registry=default_registry())
+    assert " ".join(str(refused.value).split()) == expected, f"{page}: `{command}` prints another error"
+
+
+def is_placeholder(override: str) -> bool:
+    """`key=...`, `key=SEED`, `key=$SEED`: a value the reader fills in."""
+    value = override.partition("=")[2]
+    return "..." in value or "$" in value or re.fullmatch(r"[A-Z][A-Z_]*", value) is not None
+
+
+@cache
+def shown_errors() -> dict[tuple[str, str], str]:
+    """(page, command) -> the one-line error a fenced block shows right under the command."""
+    found = {}
+    for page in shown_pages():
+        for block in FENCE.findall(page.read_text()):
+            lines = block.replace("\\\n", " ").splitlines()
+            for line, after in zip(lines, lines[1:]):
+                if after.startswith("grpo-run: error: "):
+                    found.update({(page.name, command): after.removeprefix("grpo-run: error: ")
+                                  for command in _command(line)})
+    return found
