@@ -10,16 +10,15 @@ learnable from scratch by a tiny model with a character tokenizer.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional
 
 import numpy as np
 from grpo_core.config import setting
 from grpo_core.contracts import Example
 
-from grpo_runner_gsm8k.tasks.base import check_process, shard_of
+from grpo_runner_gsm8k.tasks.base import TRAIN_STREAM, GeneratedTask
 
 OPERATIONS = "+-*"
-TRAIN_STREAM, TEST_STREAM = 0, 1
 MAX_DRAWS = 10_000  # redraws allowed to find a result within the configured range
 
 
@@ -98,38 +97,13 @@ def make_problem(options: ArithmeticOptions, seed: int, stream: int, index: int)
     return Example(question, str(result), f"arithmetic/{'train' if stream == TRAIN_STREAM else 'test'}/{index}")
 
 
-class ArithmeticTask:
-    """An endless training stream and a fixed test split of generated problems (see `Task`)."""
+class ArithmeticTask(GeneratedTask):
+    """Generated arithmetic problems (see `GeneratedTask`)."""
+
+    name = "arithmetic"
+    make_problem = staticmethod(make_problem)
 
     def __init__(self, options: ArithmeticOptions, *, seed: int = 0, process_index: int = 0,
                  process_count: int = 1):
         _check(options)
-        check_process(process_index, process_count)
-        self.options, self.seed = options, seed
-        self.use_chat_template = options.use_chat_template
-        self.process_index, self.process_count = process_index, process_count
-        self.position = 0  # training problems this process has taken (the same on every process)
-
-    def train_batch(self, n: int) -> list[Example]:
-        if n < 1:
-            raise ValueError(f"batch size must be >= 1, got {n}")
-        start, self.position = self.position, self.position + n
-        # Process p takes global indices p, p + k, p + 2k, ...: disjoint across processes.
-        return [make_problem(self.options, self.seed, TRAIN_STREAM, step * self.process_count + self.process_index)
-                for step in range(start, start + n)]
-
-    def test_examples(self, limit: int | None = None) -> list[Example]:
-        count = self.options.test_size if limit is None else min(limit, self.options.test_size)
-        return [make_problem(self.options, self.seed, TEST_STREAM, i)
-                for i in shard_of(count, self.process_index, self.process_count)]
-
-    def state(self) -> dict[str, Any]:
-        return {"position": self.position, "seed": self.seed, "process_count": self.process_count}
-
-    def restore(self, state: dict[str, Any]) -> None:
-        expected = {"seed": self.seed, "process_count": self.process_count}
-        changed = {k: (state.get(k), v) for k, v in expected.items() if state.get(k) != v}
-        if changed or state.get("position", -1) < 0:
-            raise ValueError(f"cannot resume the arithmetic stream from {state!r} with seed={self.seed}, "
-                             f"process_count={self.process_count}; resume with the original settings")
-        self.position = int(state["position"])
+        super().__init__(options, seed=seed, process_index=process_index, process_count=process_count)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -95,3 +95,46 @@ class EpochOrder:
             raise ValueError(f"data position epoch={state['epoch']} offset={state['offset']} is out of "
                              f"range for a shard of {self.shard_size} rows")
         self.epoch, self.offset = int(state["epoch"]), int(state["offset"])
+
+
+TRAIN_STREAM, TEST_STREAM = 0, 1  # problem streams of a generated task
+
+
+class GeneratedTask:
+    """An endless training stream and a fixed test split of problems made on demand (see `Task`):
+    problem `i` of a stream is `make_problem(options, seed, stream, i)`, so the position alone
+    resumes the stream. Process p of k takes global indices p, p + k, p + 2k, ...: disjoint
+    across processes."""
+
+    name = "generated"  # the task's name, in the resume error
+    make_problem: Callable[[Any, int, int, int], Example]  # set by each task, as a staticmethod
+
+    def __init__(self, options: Any, *, seed: int = 0, process_index: int = 0, process_count: int = 1):
+        check_process(process_index, process_count)
+        self.options, self.seed = options, seed
+        self.use_chat_template = options.use_chat_template
+        self.process_index, self.process_count = process_index, process_count
+        self.position = 0  # training problems this process has taken (the same on every process)
+
+    def train_batch(self, n: int) -> list[Example]:
+        if n < 1:
+            raise ValueError(f"batch size must be >= 1, got {n}")
+        start, self.position = self.position, self.position + n
+        return [self.make_problem(self.options, self.seed, TRAIN_STREAM, step * self.process_count + self.process_index)
+                for step in range(start, start + n)]
+
+    def test_examples(self, limit: int | None = None) -> list[Example]:
+        count = self.options.test_size if limit is None else min(limit, self.options.test_size)
+        return [self.make_problem(self.options, self.seed, TEST_STREAM, i)
+                for i in shard_of(count, self.process_index, self.process_count)]
+
+    def state(self) -> dict[str, Any]:
+        return {"position": self.position, "seed": self.seed, "process_count": self.process_count}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        expected = {"seed": self.seed, "process_count": self.process_count}
+        changed = {k: (state.get(k), v) for k, v in expected.items() if state.get(k) != v}
+        if changed or state.get("position", -1) < 0:
+            raise ValueError(f"cannot resume the {self.name} stream from {state!r} with seed={self.seed}, "
+                             f"process_count={self.process_count}; resume with the original settings")
+        self.position = int(state["position"])

@@ -15,7 +15,6 @@ import re
 from collections import Counter
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Any
 
 import numpy as np
 from grpo_core.config import setting
@@ -23,9 +22,8 @@ from grpo_core.contracts import Example
 
 from grpo_runner_gsm8k.answers import last_boxed
 from grpo_runner_gsm8k.grading import Graded
-from grpo_runner_gsm8k.tasks.base import check_process, shard_of
+from grpo_runner_gsm8k.tasks.base import TRAIN_STREAM, GeneratedTask
 
-TRAIN_STREAM, TEST_STREAM = 0, 1
 MAX_DRAWS = 1000  # redraws allowed to find a target within range
 MAX_EXPRESSION_CHARS = 200  # bounds the parser's recursion on runaway generations
 DEFAULT_TEMPLATE = ("Using the numbers {numbers}, write an arithmetic expression that equals {target}. "
@@ -178,36 +176,11 @@ def check_countdown(completion: str, answer: str) -> Graded:
     return Graded(expression.replace(" ", ""), fits and value == target)
 
 
-class CountdownTask:
-    """An endless training stream and a fixed test split of generated problems (see `Task`)."""
+class CountdownTask(GeneratedTask):
+    """Generated countdown problems (see `GeneratedTask`), graded by `check_countdown`."""
 
-    def __init__(self, options: CountdownOptions, *, seed: int = 0, process_index: int = 0, process_count: int = 1):
-        check_process(process_index, process_count)
-        self.options, self.seed = options, seed
-        self.use_chat_template = options.use_chat_template
-        self.process_index, self.process_count = process_index, process_count
-        self.position = 0  # training problems this process has taken (the same on every process)
-
-    def train_batch(self, n: int) -> list[Example]:
-        if n < 1:
-            raise ValueError(f"batch size must be >= 1, got {n}")
-        start, self.position = self.position, self.position + n
-        return [make_problem(self.options, self.seed, TRAIN_STREAM, step * self.process_count + self.process_index)
-                for step in range(start, start + n)]
-
-    def test_examples(self, limit: int | None = None) -> list[Example]:
-        count = self.options.test_size if limit is None else min(limit, self.options.test_size)
-        return [make_problem(self.options, self.seed, TEST_STREAM, i)
-                for i in shard_of(count, self.process_index, self.process_count)]
+    name = "countdown"
+    make_problem = staticmethod(make_problem)
 
     def grade(self, completion: str, reference: str) -> Graded:
         return check_countdown(completion, reference)
-
-    def state(self) -> dict[str, Any]:
-        return {"position": self.position, "seed": self.seed, "process_count": self.process_count}
-
-    def restore(self, state: dict[str, Any]) -> None:
-        if state.get("seed") != self.seed or state.get("process_count") != self.process_count:
-            raise ValueError(f"cannot resume the countdown stream from {state!r} with seed={self.seed}, "
-                             f"process_count={self.process_count}; resume with the original settings")
-        self.position = int(state["position"])
