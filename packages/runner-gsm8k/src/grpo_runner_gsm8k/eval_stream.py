@@ -11,41 +11,20 @@ A re-run after an interruption continues with the questions not yet written, dra
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 from typing import Callable
 
 import jax
 
-from grpo_core.contracts import Example, Policy
-from grpo_core.rollout_records import DecodeTally, RolloutResult
+from grpo_core.contracts import Example
+from grpo_core.rollout_records import DecodeTally
 from grpo_rollout.partial import PartialPool, groups_result
 
 from grpo_runner_gsm8k.build import prompt_token_ids
 from grpo_runner_gsm8k.evaluation import Sample, decode_completions, grade_all
-from grpo_runner_gsm8k.multihost import host_array
-from grpo_runner_gsm8k.partial_step import HOST_FIELDS, kv_cache_mode
+from grpo_runner_gsm8k.partial_step import kv_cache_mode, round_generator
 
 FILLER = -1  # the position of a filler row's question
-
-
-def round_generator(run, weights, sampling, kv_cache: str) -> Callable[..., RolloutResult]:
-    """One round's decode of the slots with `weights`, loaded only for its duration."""
-
-    def one_round(prefixes, key, budget: int, cached) -> RolloutResult:
-        run.rollout.load_weights(Policy(run.policy_graphdef, weights, run.qcfg))
-        round_sampling = dataclasses.replace(sampling, n=1, max_new_tokens=budget)
-        kwargs = dict(batch_sharding=run.rollout_sharding, pad_token_id=run.inputs.tokenizer.pad_token_id)
-        try:
-            if kv_cache != "reprefill":
-                result = run.rollout.generate_round(prefixes, cached, key, round_sampling, **kwargs)
-            else:
-                result = run.rollout.generate(prefixes, key, round_sampling, **kwargs)
-            return dataclasses.replace(result, **{name: host_array(getattr(result, name)) for name in HOST_FIELDS})
-        finally:
-            run.rollout.release_weights()
-
-    return one_round
 
 
 def _drawer(prompts: list[list[int]]) -> Callable[[], list[tuple[dict, list[int]]]]:

@@ -27,6 +27,26 @@ from grpo_runner_gsm8k.scoring import score
 HOST_FIELDS = ("completion_ids", "lengths", "sampler_logps", "finished")
 
 
+def round_generator(run, weights, sampling, kv_cache: str):
+    """`one_round(prefixes, key, budget, cached) -> RolloutResult`: one round's decode of the pool's
+    slots with `weights`, loaded into the backend only for its duration (training and eval streams)."""
+
+    def one_round(prefixes, key, budget: int, cached) -> RolloutResult:
+        run.rollout.load_weights(Policy(run.policy_graphdef, weights, run.qcfg))
+        round_sampling = dataclasses.replace(sampling, n=1, max_new_tokens=budget)
+        kwargs = dict(batch_sharding=run.rollout_sharding, pad_token_id=run.inputs.tokenizer.pad_token_id)
+        try:
+            if kv_cache != "reprefill":
+                result = run.rollout.generate_round(prefixes, cached, key, round_sampling, **kwargs)
+            else:
+                result = run.rollout.generate(prefixes, key, round_sampling, **kwargs)
+            return dataclasses.replace(result, **{name: host_array(getattr(result, name)) for name in HOST_FIELDS})
+        finally:
+            run.rollout.release_weights()
+
+    return one_round
+
+
 def kv_cache_mode(cfg, rollout) -> str:
     """rollout.partial.kv_cache resolved for this backend (auto: within_step when it keeps caches)."""
     mode, keeps = cfg.rollout.partial.kv_cache, isinstance(rollout, KeptCacheRollout)
@@ -58,21 +78,7 @@ class PartialSampler:
 
     def generate(self, weights):
         """One round's decode with `weights`, loaded into the backend only for its duration."""
-        run = self.run
-
-        def one_round(prefixes, key, budget: int, cached) -> RolloutResult:
-            run.rollout.load_weights(Policy(run.policy_graphdef, weights, run.qcfg))
-            sampling = dataclasses.replace(run.sampling, n=1, max_new_tokens=budget)
-            kwargs = dict(batch_sharding=run.rollout_sharding, pad_token_id=run.inputs.tokenizer.pad_token_id)
-            try:
-                if self.pool.kv_cache != "reprefill":
-                    result = run.rollout.generate_round(prefixes, cached, key, sampling, **kwargs)
-                else:
-                    result = run.rollout.generate(prefixes, key, sampling, **kwargs)
-                return dataclasses.replace(result, **{name: host_array(getattr(result, name)) for name in HOST_FIELDS})
-            finally:
-                run.rollout.release_weights()
-        return one_round
+        return round_generator(self.run, weights, self.run.sampling, self.pool.kv_cache)
 
     def sample(self, weights, key, version: int, times: dict, tally: DecodeTally) -> tuple[Sampled, np.ndarray, dict]:
         """(complete groups scored, their tokens' policy versions [N, Tn], pool metrics)."""
