@@ -1,8 +1,7 @@
 """What the runner asks of each plugin kind (loss, mesh strategy, rollout backend, reward
 function, task, advantage estimator), typed, so that a plugin package providing one needs
-`grpo-core` alone. A spec's factory (`grpo_core.specs`) builds the object a protocol
-here describes; members a plugin may leave out are their own protocols
-(`MeshAwareLoss`, `ListableTask`), checked with `isinstance`.
+`grpo-core` alone. A spec's factory (`grpo_core.specs`) builds the object a protocol here
+describes; members a plugin may leave out are their own protocols, checked with `isinstance`.
 
 The multi-turn kinds, `Tool` and `Environment`, live in `grpo_core.multi_turn` and are
 importable from here like the others.
@@ -300,6 +299,20 @@ class PlannableRollout(Protocol):
     def compile_phases(self, shapes: RolloutShapes, compiler: PhaseCompiler) -> None:
         """Compiles every device program one rollout runs, in order, through `compiler`;
         stops after a phase it refuses (the next one's inputs are that one's outputs)."""
+
+
+@runtime_checkable
+class MemoryCheckedRollout(Protocol):
+    """Optional member of a rollout backend: the run sets `memory_check(phase name, compiled)`,
+    which the backend calls before a program first runs (it refuses one that would not fit)."""
+    memory_check: Callable[[str, Any], None] | None
+
+
+@runtime_checkable
+class ProjectingRollout(Protocol):
+    """Optional member of a rollout backend that picks its decode layout by projected time on a
+    known chip: `projector(compiled decode, steps) -> seconds`."""
+    def project_decodes_with(self, projector: Callable[[Any, int], float]) -> None: ...
 
 
 @dataclass(frozen=True)

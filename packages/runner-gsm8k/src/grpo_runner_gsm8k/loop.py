@@ -19,6 +19,7 @@ import numpy as np
 
 from grpo_core.config import RunConfig
 from grpo_core.config_io import config_to_dict, config_to_yaml
+from grpo_core.contracts import MemoryCheckedRollout, ProjectingRollout
 from grpo_core.models.precision import compute_params, needs_cast
 from grpo_core.errors import UserError
 from grpo_core.registry import Registry
@@ -54,7 +55,7 @@ def project_decodes(rollout) -> None:
     """On TPU chips of a known generation the rollout picks its decode layout by projected
     time, as `grpo-run --plan --target` does."""
     chip = generation_of(jax.devices()[0])
-    if chip is not None and hasattr(rollout, "project_decodes_with"):
+    if chip is not None and isinstance(rollout, ProjectingRollout):
         rollout.project_decodes_with(functools.partial(decode_seconds, chip))
 
 
@@ -85,7 +86,7 @@ class Trainer:
         self.eval_tasks = checked_eval_tasks(self.built, registry) if cfg.eval.every_steps else {}
         self.eval_ks = eval_ks(cfg)
         self.memory = MemoryGuard(cfg)
-        if hasattr(self.built.rollout, "memory_check"):  # the jax backend checks its own compiles
+        if isinstance(self.built.rollout, MemoryCheckedRollout):  # the jax backend checks its own compiles
             self.built.rollout.memory_check = self.memory.check_compiled
         project_decodes(self.built.rollout)
         self.run_dir = prepare_run_dir(cfg)
