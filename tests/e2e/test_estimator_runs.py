@@ -49,13 +49,13 @@ class Spy:
 
 @pytest.mark.parametrize("run", list(RUNS))
 def test_estimator_trains_on_the_whole_step_batch(run, tiny_config, small_run):
-    from grpo_runner_gsm8k.loop import Trainer
+    from grpo_runner_gsm8k.loop import Trainer, build_run
 
     name, overrides = RUNS[run]
     spy = Spy(name)
     registry = registry_with(spy)
     cfg = tiny_config(*small_run(2), *overrides, "loss.advantage_estimator=spy", registry=registry)
-    Trainer(cfg, registry).run()
+    Trainer(build_run(cfg, registry)).run()
     records = [json.loads(line) for line in (Path(cfg.logging.dir) / "metrics.jsonl").read_text().splitlines()]
     assert len(spy.calls) == len(records) == 2
     for (rewards, out), record in zip(spy.calls, records):

@@ -26,12 +26,12 @@ def by_path(state) -> dict[str, np.ndarray]:
 @pytest.fixture(scope="module")
 def trained(tiny_config_path, small_run, tmp_path_factory):
     """(run dir, the trainer after a finished tiny run)."""
-    from grpo_runner_gsm8k.loop import Trainer
+    from grpo_runner_gsm8k.loop import Trainer, build_run
 
     run_dir = tmp_path_factory.mktemp("run")
     registry = default_registry()
     overrides = [*small_run(STEPS), "checkpoint.every_steps=1", f"logging.dir={run_dir}"]
-    trainer = Trainer(load_config(tiny_config_path, overrides, registry=registry), registry)
+    trainer = Trainer(build_run(load_config(tiny_config_path, overrides, registry=registry), registry))
     trainer.run()
     return run_dir, trainer
 

@@ -76,11 +76,11 @@ def test_every_hook_has_an_example_selected_here():
 
 @pytest.mark.parametrize("hook", sorted(SELECT))
 def test_example_trains_one_step(hook, tiny_config, example_module, one_step_config):
-    from grpo_runner_gsm8k.loop import Trainer
+    from grpo_runner_gsm8k.loop import Trainer, build_run
 
     registry = registry_with(example_module(hook))
     cfg = tiny_config(*one_step_config, *SELECT[hook], registry=registry)
-    trainer = Trainer(cfg, registry)
+    trainer = Trainer(build_run(cfg, registry))
     metrics = trainer.run()
     assert trainer.state.step == 1
     assert math.isfinite(metrics["train-other/loss"]) and math.isfinite(metrics["train-other/grad_norm"])
@@ -127,12 +127,12 @@ def test_hookspecs_keep_one_line_docs():
 
 def test_a_backend_missing_a_protocol_method_is_refused_at_build(uniform_backend_run, example_module):
     from grpo_core.errors import UserError
-    from grpo_runner_gsm8k.loop import Trainer
+    from grpo_runner_gsm8k.loop import Trainer, build_run
 
     module = example_module("grpo_rollouts")
     del module.UniformSampler.release_weights
     with pytest.raises(UserError, match="without release_weights, which grpo_core.contracts.RolloutBackend"):
-        Trainer(*uniform_backend_run(module))
+        Trainer(build_run(*uniform_backend_run(module)))
 
 
 @pytest.fixture

@@ -39,7 +39,7 @@ from grpo_runner_gsm8k.multihost import gather_objects
 from grpo_core.config_io import load_config
 from grpo_core.registry import default_registry
 cfg = load_config(sys.argv[1], sys.argv[2:], registry=default_registry())
-trainer = loop.Trainer(cfg, default_registry())
+trainer = loop.Trainer(loop.build_run(cfg, default_registry()))
 position = trainer.built.inputs.task.state()
 print("PROMPTS", json.dumps([ex.id for ex in gather_objects(trainer.built.inputs.task.train_batch(4))]), flush=True)
 trainer.built.inputs.task.restore(position)

@@ -52,11 +52,11 @@ def fast(small_run) -> list[str]:
 def train(tiny_config, fast) -> Callable[..., list[dict]]:
     """`train(*overrides)`: the metrics records of a fast tiny run with `overrides`, trained in process."""
     def run(*overrides: str) -> list[dict]:
-        from grpo_runner_gsm8k.loop import Trainer
+        from grpo_runner_gsm8k.loop import Trainer, build_run
 
         registry = default_registry()
         cfg = tiny_config(*fast, *overrides, registry=registry)
-        Trainer(cfg, registry).run()
+        Trainer(build_run(cfg, registry)).run()
         return [json.loads(line) for line in (Path(cfg.logging.dir) / "metrics.jsonl").read_text().splitlines()]
 
     return run

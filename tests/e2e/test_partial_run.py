@@ -14,10 +14,10 @@ PARTIAL = ["train.steps=4", "rollout.prompts_per_step=4", "rollout.n=4", "rollou
 
 @pytest.fixture(params=["reprefill", "within_step", "across_steps"])
 def trainer(tiny_config, request):
-    from grpo_runner_gsm8k.loop import Trainer
+    from grpo_runner_gsm8k.loop import Trainer, build_run
 
     registry = default_registry()
-    return Trainer(tiny_config(*PARTIAL, f"rollout.partial.kv_cache={request.param}", registry=registry), registry)
+    return Trainer(build_run(tiny_config(*PARTIAL, f"rollout.partial.kv_cache={request.param}", registry=registry), registry))
 
 
 def test_partial_steps_train_complete_groups_and_count_every_prompt_once(trainer, tmp_path):

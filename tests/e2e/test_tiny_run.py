@@ -32,13 +32,13 @@ EXPECTED_KEYS = [
 def trainer_of(tiny_config, small_run):
     """`trainer_of(*overrides, registry=None)`: a Trainer of 2 small steps of the tiny config,
     evaluated after the second (run directory: the test's tmp_path / "run")."""
-    from grpo_runner_gsm8k.loop import Trainer
+    from grpo_runner_gsm8k.loop import Trainer, build_run
 
     def build(*overrides: str, registry=None):
         registry = registry or default_registry()
         cfg = tiny_config(*small_run(2, eval_every=2), "rollout.max_new_tokens=4", "eval.num_questions=8", *overrides,
                           registry=registry)
-        return Trainer(cfg, registry)
+        return Trainer(build_run(cfg, registry))
 
     return build
 

@@ -48,9 +48,9 @@ def test_plan_compiles_the_per_token_decode_when_the_merged_one_does_not_fit(tin
     cfg = tiny_config("loss.beta=0.1", "model.lora.rank=4")
     inputs = build_plan_inputs(cfg, default_registry())
     roomy = decide_lora_rollout(inputs, Capacity(1 << 40, "test"))
-    assert roomy.run.lora.merged_rollout and roomy.forward_params is roomy.frozen
+    assert roomy.run.policy.merged_rollout and roomy.forward_params is roomy.frozen
     tight = decide_lora_rollout(build_plan_inputs(cfg, default_registry()), Capacity(1 << 10, "test"))
-    assert not tight.run.lora.merged_rollout
+    assert not tight.run.policy.merged_rollout
     assert per_device_bytes(tight.forward_params) > per_device_bytes(tight.frozen)  # the adapters ride along
     assert tight.masters_beside_rollout == per_device_bytes(tight.params)  # no merged copy beside the base
     decode = [p for p in rollout_phases(tight, Capacity(1 << 40, "test")) if p.name == "rollout decode"]

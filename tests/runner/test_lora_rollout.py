@@ -25,7 +25,7 @@ def lora_setup(tiny_config):
     cfg = tiny_config("model.lora.rank=4", "model.lora.rslora=true")
     mesh = FSDP8.build_mesh()
     model = shard_model(init_from_config(QCFG, seed=0), mesh, FSDP8.param_rules)
-    run, adapters = lora_run.setup_lora(cfg, model, mesh, FSDP8.param_rules)
+    run, adapters = lora_run.setup_lora(cfg, model, mesh, FSDP8.param_rules, jnp.float32)
     rng = np.random.default_rng(0)
     adapters = jax.tree.map(lambda x: jax.device_put(jnp.asarray(rng.normal(0, 0.1, x.shape), x.dtype), x.sharding),
                             adapters)
@@ -40,17 +40,17 @@ def test_merged_and_per_token_policies_agree_and_are_sharded_like_the_base(tiny_
     run, adapters, mesh = lora_setup(tiny_config)
     a = adapters["layers"]["mlp"]["up_proj"]["lora"]["a"].get_value()
     assert a.sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", None)  # embed -> fsdp, as the kernel
-    run.decide_merge(None, None)
+    run.decide_rollout(None, None)
     assert run.merged_rollout  # CPU devices report no memory limit
-    merged = hidden(*run.policy(adapters, jnp.float32))
-    base = hidden(run.base_graphdef, run.reference(adapters, jnp.float32))
+    merged = hidden(run.policy_graphdef, run.forward_params(adapters))
+    base = hidden(run.base_graphdef, run.reference(adapters))
     run.merged_rollout = False
-    graphdef, state = run.policy(adapters, jnp.float32)
+    graphdef, state = run.policy_graphdef, run.forward_params(adapters)
     assert graphdef is run.train_graphdef
     np.testing.assert_allclose(hidden(graphdef, state), merged, rtol=1e-5, atol=1e-5)
     assert np.abs(merged - base).max() > 0.1  # the base is the adapters-off model
     # the per-token reference (zero adapters on the adapters' model) is the base exactly
-    assert np.array_equal(hidden(graphdef, run.reference(adapters, jnp.float32)), base)
+    assert np.array_equal(hidden(graphdef, run.reference(adapters)), base)
 
 
 @pytest.mark.parametrize("decode_needs, spare_over_copy, merged", [
@@ -61,7 +61,7 @@ def test_merged_and_per_token_policies_agree_and_are_sharded_like_the_base(tiny_
 ])
 def test_merged_copy_only_when_it_and_its_decode_fit(decode_needs, spare_over_copy, merged, tiny_config, capsys):
     run, _, _ = lora_setup(tiny_config)
-    run.decide_merge(decode_needs, run.merged_copy_bytes() + spare_over_copy)
+    run.decide_rollout(decode_needs, run.merged_copy_bytes() + spare_over_copy)
     assert run.merged_rollout == merged
     assert (run.policy_graphdef is run.base_graphdef) == merged
     said = "merges the adapters once per rollout" if merged else "applies the adapters per token"
@@ -75,18 +75,18 @@ def test_the_run_decides_its_rollout_by_the_compiled_merged_decode_and_trains_ei
     """The run compiles the merged copy's decode for its batch and weighs it (with the copy)
     against the devices' spare memory; the per-token run also scores its reference (beta > 0)."""
     from grpo_core.registry import default_registry
-    from grpo_runner_gsm8k import run as run_module
-    from grpo_runner_gsm8k.loop import Trainer
+    from grpo_runner_gsm8k import adapters
+    from grpo_runner_gsm8k.loop import Trainer, build_run
 
     measured = []
-    needs = run_module.merged_decode_needs
-    monkeypatch.setattr(run_module, "merged_decode_needs", lambda built: measured.append(needs(built)) or measured[0])
-    monkeypatch.setattr(run_module, "spare_device_bytes", lambda devices: spare)
+    needs = adapters.merged_decode_needs
+    monkeypatch.setattr(adapters, "merged_decode_needs", lambda *args: measured.append(needs(*args)) or measured[0])
+    monkeypatch.setattr(adapters, "spare_device_bytes", lambda devices: spare)
     cfg = tiny_config("train.steps=1", "rollout.prompts_per_step=4", "rollout.n=4", "eval.every_steps=0",
                       "model.lora.rank=4", "loss.beta=0.05")
-    trainer = Trainer(cfg, default_registry())
+    trainer = Trainer(build_run(cfg, default_registry()))
     assert measured[0] > 0  # the KV cache and loop state at least
-    assert trainer.built.lora.merged_rollout == merged
+    assert trainer.built.policy.merged_rollout == merged
     trainer.run()
     record = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
     assert np.isfinite(record["train-other/loss"]) and np.isfinite(record["train-other/kl"])

@@ -49,11 +49,11 @@ VARIANTS = {"full": [], "lora": ["model.lora.rank=4", "model.lora.alpha=8", "los
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_one_step_with_the_calculator(variant, tiny_config, small_run):
-    from grpo_runner_gsm8k.loop import Trainer
+    from grpo_runner_gsm8k.loop import Trainer, build_run
 
     registry = default_registry()
     cfg = tiny_config(*small_run(1), *MULTI_TURN, *VARIANTS[variant], registry=registry)
-    trainer = Trainer(cfg, registry)
+    trainer = Trainer(build_run(cfg, registry))
     turns = trainer.multi_turn.turns
     turns.backend = FirstRowCalls(turns.backend, trainer.built.inputs.tokenizer)
     metrics = trainer.run()
@@ -71,16 +71,16 @@ TOOLS_TEMPLATE = ("{%- if tools %}{{- '<|im_start|>system\\nTools: ' + (tools | 
 
 def test_prompts_offer_the_tools_and_are_checked_with_them_at_start(tiny_config, small_run, tmp_path):
     from grpo_core.errors import UserError
-    from grpo_runner_gsm8k.loop import Trainer
+    from grpo_runner_gsm8k.loop import Trainer, build_run
 
     tokenizer = build_char_tokenizer(extra_special_tokens=TOOL_CALL_TOKENS)
     tokenizer.chat_template = TOOLS_TEMPLATE
     tokenizer.save_pretrained(tmp_path / "tokenizer")
     registry = default_registry()
     overrides = [*small_run(1), *MULTI_TURN, f"model.tokenizer={tmp_path / 'tokenizer'}"]
-    trainer = Trainer(tiny_config(*overrides, "rollout.max_prompt_length=64", registry=registry), registry)
+    trainer = Trainer(build_run(tiny_config(*overrides, "rollout.max_prompt_length=64", registry=registry), registry))
     examples = trainer.built.inputs.task.train_batch(2)
     prompts = [tokenizer.decode(ids, skip_special_tokens=False) for ids in trainer.multi_turn.prompt_ids(examples)]
     assert all(p.startswith("<|im_start|>system\nTools: calculator<|im_end|>") for p in prompts)
     with pytest.raises(UserError, match=r"tokens with the tools offered, more than rollout.max_prompt_length=40"):
-        Trainer(tiny_config(*overrides, registry=registry), registry)
+        Trainer(build_run(tiny_config(*overrides, registry=registry), registry))

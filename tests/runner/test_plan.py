@@ -16,7 +16,7 @@ from grpo_rollout.decode import prefill
 from grpo_runner_gsm8k import plan
 from grpo_runner_gsm8k.plan.phases import PhaseRecorder, kept_cache_bytes, rollout_shapes, train_phase
 from grpo_runner_gsm8k.cli import main
-from grpo_runner_gsm8k.loop import Trainer
+from grpo_runner_gsm8k.loop import Trainer, build_run
 
 
 
@@ -89,7 +89,7 @@ def test_the_plan_lowers_the_update_and_scoring_the_run_executes(plan_config, dt
     built, give the same program text as the plan's, lowered on its abstract params and
     optimizer state; the plan's widest batch has the run's structure, dtypes and shardings."""
     cfg = plan_config(f"model.dtype={dtype}", "loss.beta=0.04", "train.ppo_epochs=2")
-    trainer = Trainer(cfg, default_registry())
+    trainer = Trainer(build_run(cfg, default_registry()))
     params, opt_state, batch = one_real_step(trainer)
     inputs = plan.build_plan_inputs(cfg, default_registry())
 
@@ -109,7 +109,7 @@ def test_the_plan_lowers_the_update_and_scoring_the_run_executes(plan_config, dt
     shapes = dataclasses.replace(rollout_shapes(inputs), sampling=run.sampling, pad_token_id=pad)
     recorder = PhaseRecorder(None, 0)
     inputs.run.rollout.compile_phases(shapes, recorder)
-    static = run.rollout.static_args(run.graphdef, weights, run.sampling, pad, run.rollout_sharding)
+    static = run.rollout.static_args(run.policy.policy_graphdef, weights, run.sampling, pad, run.rollout_sharding)
     prompts = jax.ShapeDtypeStruct((batch.advantages.shape[0], plan.prompt_bucket(inputs)), jnp.int32,
                                    sharding=run.rollout_sharding)
     run_prefill = prefill.lower(abstract(weights), prompts, prompts, shapes.key, **static).compile().as_text()

@@ -135,11 +135,11 @@ def records(run_dir: Path) -> list[dict]:
 @pytest.fixture
 def run_two_steps(tiny_config, small_run, tmp_path):
     """`run_two_steps(*overrides)`: the metrics of 2 small steps of the tiny config through the real loop."""
-    from grpo_runner_gsm8k.loop import Trainer
+    from grpo_runner_gsm8k.loop import Trainer, build_run
 
     def run(*overrides: str) -> list[dict]:
         cfg = tiny_config(*small_run(2), "rollout.max_new_tokens=4", *overrides)
-        Trainer(cfg, default_registry()).run()
+        Trainer(build_run(cfg, default_registry())).run()
         return records(tmp_path / "run")
 
     return run

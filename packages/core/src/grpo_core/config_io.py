@@ -20,6 +20,7 @@ import yaml
 
 from grpo_core.advantage_records import AdvantageSetup
 from grpo_core.config import LORA_TARGETS, RunConfig
+from grpo_core.config_notes import config_notes
 from grpo_core.config_yaml import parse_yaml, read_yaml
 from grpo_core.config_teacher import check_teacher, check_teacher_section
 from grpo_core.errors import ConfigError, PluginError
@@ -383,6 +384,7 @@ def load_config(path: str | Path | None = None, overrides: Iterable[str] = (), r
     if registry is not None:
         validate_plugins(cfg, registry)
     check_eval_reward(cfg)  # after the plugins: a misspelt reward is reported as unknown first
+    config_notes(cfg)
     return cfg
 
 

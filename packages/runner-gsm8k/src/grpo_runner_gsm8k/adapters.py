@@ -22,11 +22,12 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from grpo_core.config import RunConfig
+from grpo_core.contracts import PlannableRollout, RolloutShapes
 from grpo_core.errors import UserError
 from grpo_core.models import init_from_config, load_pretrained, lora, peft_io
-from grpo_core.models.precision import cast_floating
+from grpo_core.models.precision import abstract_compute_params, cast_floating
 from grpo_core.sharding import param_shardings, per_device_bytes
-from grpo_rollout.gather import GATHER_HEADROOM, GIB, bytes_beyond_arguments, every_process
+from grpo_rollout.gather import GATHER_HEADROOM, GIB, bytes_beyond_arguments, every_process, spare_device_bytes
 
 
 def lora_spec(cfg: RunConfig) -> Optional[lora.LoRASpec]:
@@ -111,44 +112,82 @@ def check_same_base(saved: Optional[dict], current: dict, where: Any) -> None:
                         f"{describe(current)}; set model.path to the checkpoint's base or start a new logging.dir")
 
 
-# ---- the run's LoRA state ----------------------------------------------------------------
+ShapesFor = Callable[[nnx.GraphDef, nnx.State], RolloutShapes]  # one rollout batch of the run for these weights
+
+
+# ---- the run's policy model -----------------------------------------------------------------
 @dataclass
-class LoRARun:
-    """The frozen base and how a LoRA run's forward passes see the policy."""
+class LoRAPolicy:
+    """A LoRA run's policy model (see grpo_runner_gsm8k.policy for what a policy model answers):
+    the trained params are the adapters; the base is frozen in the compute dtype."""
 
     spec: lora.LoRASpec
     base_graphdef: nnx.GraphDef
     train_graphdef: nnx.GraphDef
     base: nnx.State
     fingerprint: dict
-    merge: Callable[[nnx.State, nnx.State], nnx.State]
+    merge: Optional[Callable[[nnx.State, nnx.State], nnx.State]]  # None in the plan's abstract twin
+    compute_dtype: Any
     merged_rollout: bool = True
 
     @property
+    def adapter_spec(self) -> lora.LoRASpec:
+        return self.spec
+
+    @property
+    def frozen(self) -> tuple:
+        """The update's argument after the batch: the base, which takes no gradient."""
+        return (self.base,)
+
+    @property
     def policy_graphdef(self) -> nnx.GraphDef:
-        """The model of `policy`'s state: the plain base (merged) or the base with adapters."""
+        """The model of `forward_params`' state: the plain base (merged) or the base with adapters."""
         return self.base_graphdef if self.merged_rollout else self.train_graphdef
 
-    def policy(self, adapters: nnx.State, dtype: Any) -> tuple[nnx.GraphDef, nnx.State]:
-        """(graphdef, state) of the policy for a forward pass: the merged copy, or the base
-        with the adapters (cast to `dtype`) applied per token."""
+    def forward_params(self, adapters: nnx.State) -> nnx.State:
+        """The policy's weights for a forward pass: the merged copy, or the base with the adapters
+        (cast to the compute dtype) applied per token."""
         if self.merged_rollout:
-            return self.base_graphdef, self.merge(self.base, adapters)
-        return self.train_graphdef, nnx.merge_state(self.base, cast_floating(adapters, dtype))
+            return self.merge(self.base, adapters)
+        return nnx.merge_state(self.base, cast_floating(adapters, self.compute_dtype))
 
-    def reference(self, adapters: nnx.State, dtype: Any) -> nnx.State:
+    def reference(self, adapters: nnx.State) -> nnx.State:
         """The reference model's weights for `policy_graphdef`: the base, or (per-token decode)
         the base with zero adapters (B = 0 adds exactly nothing; adapter-sized, no base copy)."""
         if self.merged_rollout:
             return self.base
-        return nnx.merge_state(self.base, jax.tree.map(jnp.zeros_like, cast_floating(adapters, dtype)))
+        return nnx.merge_state(self.base, jax.tree.map(jnp.zeros_like, cast_floating(adapters, self.compute_dtype)))
+
+    def abstract_forward_params(self, adapters: Any) -> Any:
+        """`forward_params` of abstract adapters: the merged copy has the base's shapes."""
+        if self.merged_rollout:
+            return self.base
+        return nnx.merge_state(self.base, abstract_compute_params(adapters, self.compute_dtype))
+
+    def masters_beside_rollout(self, adapters: Any) -> int:
+        """The base and adapters beside the merged copy (counted whole: an upper bound, since only the
+        targeted kernels are copied), or the float32 adapters beside the per-token decode's."""
+        return (per_device_bytes(self.base) if self.merged_rollout else 0) + per_device_bytes(adapters)
+
+    def reference_bytes(self, adapters: Any) -> int:
+        """The reference is the base itself: nothing more on the devices."""
+        return 0
+
+    def check_checkpoint(self, saved_base: Optional[dict], where: Any) -> None:
+        check_same_base(saved_base, self.fingerprint, where)
+
+    def choose_rollout(self, rollout: Any, shapes_for: ShapesFor, devices: list) -> None:
+        """`decide_rollout` on this process's devices, with the train state resident;
+        `shapes_for(graphdef, weights)` is one rollout batch of the run for those weights."""
+        spare = spare_device_bytes(devices)
+        self.decide_rollout(None if spare is None else merged_decode_needs(self, rollout, shapes_for), spare)
 
     def merged_copy_bytes(self) -> int:
         """Per-device bytes of the merged copy: the targeted kernels (the rest is the base's own)."""
         kernels = dict(nnx.to_flat_state(self.base))
         return per_device_bytes([kernels[(*lora.kernel_path(t), "kernel")].get_value() for t in self.spec.targets])
 
-    def decide_merge(self, decode_needs: Optional[int], spare: Optional[int]) -> None:
+    def decide_rollout(self, decode_needs: Optional[int], spare: Optional[int]) -> None:
         """Merged copy when it and what the merged decode needs beside its weights fit in every
         device's spare memory (`decode_needs` None: the compiler refused that decode); the one
         rule of the run and the plan, printed once."""
@@ -174,9 +213,46 @@ def decode_needs(compiled: Any, weights_bytes: int) -> int:
     return stats.argument_size_in_bytes - weights_bytes + bytes_beyond_arguments(compiled)
 
 
-def setup_lora(cfg: RunConfig, model: nnx.Module, mesh: Mesh, rules: Any) -> tuple[LoRARun, nnx.State]:
+class DecodeKeeper:
+    """A grpo_core.contracts.PhaseCompiler that keeps the compiled rollout decode (no capacity
+    given, so its weights stay as sharded); None where the compiler refused it for memory."""
+
+    def __init__(self):
+        self.decode = None
+
+    def compile(self, name: str, build: Callable[[], Any], arguments: Any, *, record: bool = True,
+                note: Any = "") -> Any:
+        try:
+            compiled = build()
+        except jax.errors.JaxRuntimeError as exc:
+            if "RESOURCE_EXHAUSTED" not in str(exc):
+                raise
+            return None
+        if record and name == "rollout decode":
+            self.decode = compiled
+        return compiled
+
+    def spare_bytes(self, compiled: Any) -> None:
+        return None
+
+    def decode_seconds(self, compiled: Any, steps: int) -> None:
+        return None
+
+
+def merged_decode_needs(policy: LoRAPolicy, rollout: Any, shapes_for: ShapesFor) -> Optional[int]:
+    """What one rollout's decode on the merged copy needs beside its weights, compiled (not run)
+    for this batch; 0 for a backend that cannot compile its phases ahead (the copy alone decides)."""
+    if not isinstance(rollout, PlannableRollout):
+        return 0
+    keeper = DecodeKeeper()  # the merged copy has the base's shapes
+    rollout.compile_phases(shapes_for(policy.base_graphdef, policy.base), keeper)
+    return None if keeper.decode is None else decode_needs(keeper.decode, per_device_bytes(policy.base))
+
+
+def setup_lora(cfg: RunConfig, model: nnx.Module, mesh: Mesh, rules: Any,
+               compute_dtype: Any) -> tuple[LoRAPolicy, nnx.State]:
     """Attaches the adapters to `model` (a base frozen in the compute dtype); returns the run's
-    LoRA state and the initial adapters (float32, sharded by the kernels' logical axes)."""
+    policy model and the initial adapters (float32, sharded by the kernels' logical axes)."""
     spec = lora_spec(cfg)
     base_graphdef, base = nnx.split(model)
     lora.add_adapters(model, spec, jax.random.key(cfg.model.seed))
@@ -187,8 +263,9 @@ def setup_lora(cfg: RunConfig, model: nnx.Module, mesh: Mesh, rules: Any) -> tup
     adapters = jax.device_put(adapters, param_shardings(adapters, mesh, rules))
     shardings = jax.tree.map(lambda x: x.sharding, base)
     merge = jax.jit(lambda b, a: lora.merged_state(b, a, spec), out_shardings=shardings)
-    run = LoRARun(spec, base_graphdef, train_graphdef, base, base_fingerprint(cfg, model.config, base), merge)
-    return run, adapters
+    policy = LoRAPolicy(spec, base_graphdef, train_graphdef, base, base_fingerprint(cfg, model.config, base), merge,
+                        compute_dtype)
+    return policy, adapters
 
 
 # ---- export ------------------------------------------------------------------------------

@@ -7,7 +7,6 @@ import dataclasses
 import difflib
 import os
 import tempfile
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -134,18 +133,6 @@ def build_model(cfg: RunConfig, qcfg: QwenConfig, mesh: Mesh, strategy: Any) -> 
     model.set_attention(attention)
     print(f"attention: {attention} (model.attention={cfg.model.attention})")
     return model
-
-
-class PrecisionWarning(UserWarning):
-    """Training settings that silently lose updates."""
-
-
-def warn_if_updates_round_away(cfg: RunConfig) -> None:
-    """bfloat16 storage keeps 8 significant bits: an update below 0.2-0.4% of a weight rounds to nothing."""
-    if cfg.model.param_dtype == "bfloat16":
-        warnings.warn(f"model.param_dtype=bfloat16: updates smaller than 0.2-0.4% of a weight round away (a "
-                      f"weight of 0.02 ignores steps below 6e-5; train.lr={cfg.train.lr:g}); watch "
-                      "train-other/update_ratio, or set model.param_dtype=float32", PrecisionWarning, stacklevel=2)
 
 
 def attention_impl(cfg: RunConfig, mesh: Mesh) -> str:

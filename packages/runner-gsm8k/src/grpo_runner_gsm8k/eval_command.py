@@ -26,7 +26,6 @@ import jax
 
 from grpo_core.config_io import config_to_yaml, load_config, plugin_options
 from grpo_core.errors import UserError
-from grpo_core.models.precision import compute_params, needs_cast
 from grpo_core.registry import default_registry
 
 from grpo_runner_gsm8k.cli import ArgumentParser
@@ -117,10 +116,7 @@ def _weights(built, step: Optional[int], run_dir: Optional[str]):
 
         target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), params)
         params = Resume.read(Path(run_dir).expanduser(), [step]).params(target)
-    dtype = built.compute_dtype
-    if built.lora is not None:
-        return built.lora.policy(params, dtype)[1]
-    return compute_params(params, dtype) if needs_cast(params, dtype) else params
+    return built.policy.forward_params(params)
 
 
 def chunk_size(built) -> int:
@@ -252,7 +248,7 @@ def _job(args: argparse.Namespace) -> tuple[EvalJob, dict[str, Any]]:
     _check_sampling(cfg)
     eval_ks(cfg)  # k outside 1..eval.n fails before any device work
     options = task_options(cfg, args.tasks)
-    built = build_run(cfg, default_registry())
+    built = build_run(cfg, default_registry(), training=False)
     tasks = _tasks(cfg, options, built)
     label = f"step-{step}" if step is not None else "model"
     out = Path(args.out).expanduser() if args.out else Path(cfg.logging.dir) / "eval" / label

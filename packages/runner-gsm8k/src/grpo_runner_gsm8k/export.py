@@ -86,16 +86,16 @@ def load_policy(run_dir: Path, step: int) -> tuple[QwenModel, Any]:
     """The policy model of checkpoint `step` (params on one device; a LoRA run's adapters
     merged into its base) and the run's tokenizer."""
     saved, run = saved_run(run_dir, step)
-    if run.lora is not None:
+    if run.policy.adapter_spec is not None:
         return saved_adapters(saved, run).merged_model(), build_tokenizer(run.cfg)
-    return nnx.merge(run.graphdef, saved.params(run.state.params)), build_tokenizer(run.cfg)
+    return nnx.merge(run.policy.train_graphdef, saved.params(run.state.params)), build_tokenizer(run.cfg)
 
 
 def saved_adapters(saved: Resume, run: BuiltRun) -> SavedAdapters:
     """A LoRA checkpoint's adapters and base (refused when the base is not the one they were trained on)."""
     with jax.default_device(_host_device()):
         base_graphdef, base = saved_base(run.cfg, run.qcfg, saved.meta.get("lora_base"), saved.where)
-    return SavedAdapters(run.lora.spec, base_graphdef, base, saved.params(run.state.params))
+    return SavedAdapters(run.policy.adapter_spec, base_graphdef, base, saved.params(run.state.params))
 
 
 def saved_lora(run_dir: Path, step: int) -> SavedAdapters:
@@ -104,10 +104,10 @@ def saved_lora(run_dir: Path, step: int) -> SavedAdapters:
 
 def export_peft(run_dir: Path, step: int, out_dir: Path) -> None:
     saved, run = saved_run(run_dir, step)
-    if run.lora is None:
+    if run.policy.adapter_spec is None:
         raise UserError(f"--peft: the run in {str(run_dir)!r} trained every parameter (model.lora.rank is null), "
                         "so it has no adapters; export it without --peft")
-    save_peft(out_dir, saved_adapters(saved, run).arrays(), run.lora.spec, run.cfg.model.path)
+    save_peft(out_dir, saved_adapters(saved, run).arrays(), run.policy.adapter_spec, run.cfg.model.path)
 
 
 MANIFEST = ".grpo-export.json"

@@ -105,11 +105,11 @@ def train_part(shapes: Shapes, steps: int) -> dict:
     """`steps` steps of the preset, run by the trainer itself (no checkpoint is written)."""
     from grpo_core.config_io import load_config
     from grpo_core.registry import default_registry
-    from grpo_runner_gsm8k.loop import Trainer
+    from grpo_runner_gsm8k.loop import Trainer, build_run
 
     with tempfile.TemporaryDirectory() as run_dir, contextlib.redirect_stdout(sys.stderr):
         registry = default_registry()
-        trainer = Trainer(load_config(None, train_overrides(shapes, steps, run_dir), registry=registry), registry)
+        trainer = Trainer(build_run(load_config(None, train_overrides(shapes, steps, run_dir), registry=registry), registry))
         try:
             metrics = [trainer.step() for _ in range(steps)]
         finally:

@@ -1,8 +1,10 @@
-"""One built run: everything a run executes, assembled once from its config.
+"""One built run: everything a run executes, made in one pass from its config.
 
-`build_run` builds it on this process's devices with real weights and data; the plan
-(`plan.abstract.abstract_run`) builds the same object on abstract state (shapes and
-shardings only, no tokenizer or data), so what the plan compiles is what the run executes.
+`build_run` builds it on this process's devices with real weights and data, and for
+training its operations (run directory, lock, checkpointer, memory guard, metric sinks,
+reference; see operations.py); the plan (`plan.abstract.abstract_run`) builds the same object
+on abstract state (shapes and shardings only, no tokenizer or data, no operations), so what
+the plan compiles is what the run executes.
 """
 
 from __future__ import annotations
@@ -17,20 +19,19 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from grpo_core.config import RunConfig
-from grpo_core.contracts import (MeshAwareLoss, PlannableRollout, Policy, RolloutBackend, RolloutShapes,
-                                 SamplingParams)
+from grpo_core.contracts import MeshAwareLoss, Policy, RolloutBackend, RolloutShapes, SamplingParams
 from grpo_core.models import QwenConfig
 from grpo_core.models.qwen import resolve_dtype
 from grpo_core.registry import Registry
-from grpo_core.sharding import per_device_bytes
-from grpo_rollout.gather import spare_device_bytes
 from grpo_meshes import ProcessLayout, build_mesh_from_config, rollout_batch_sharding, setup_processes
 
-from grpo_runner_gsm8k.adapters import LoRARun, decode_needs, lora_spec, setup_lora
 from grpo_runner_gsm8k.build import (Inputs, build_model, check_inputs, from_plugin, micro_batches, preflight,
                                      sampling_params, stop_token_ids, with_micro_batch_size)
 from grpo_runner_gsm8k.checkpoint import TrainState
+from grpo_runner_gsm8k.loss_inputs import LogpSources
+from grpo_runner_gsm8k.operations import Operations, build_operations, start_point
 from grpo_runner_gsm8k.optim import build_optimizer, learning_rate_schedule
+from grpo_runner_gsm8k.policy import PolicyModel, policy_model
 from grpo_runner_gsm8k.step import make_score, make_update
 from grpo_runner_gsm8k.teacher import Teacher, load_teacher
 
@@ -47,34 +48,38 @@ class Plugins:
 class BuiltRun:
     """A run as built from its (resolved) config.
 
+    policy: the policy model, full-parameter or LoRA (grpo_runner_gsm8k.policy): graphdefs,
+            frozen params, forward and reference weights.
     state:  params, optimizer state, RNG key and counters; the loop updates it in place
-            (the plan's holds abstract arrays). The params' structure is `graphdef`.
-    update(params, opt_state, UpdateBatch) -> (params, opt_state, metrics): jitted, donates
-            params and optimizer state; micro-batched as `cfg.train` says.
+            (the plan's holds abstract arrays). The params are the state of `policy.train_graphdef`.
+    update(params, opt_state, UpdateBatch, *policy.frozen) -> (params, opt_state, metrics): jitted,
+            donates params and optimizer state; micro-batched as `cfg.train` says.
     score(weights, input_ids, attention_mask, targets, prompt_width=...) -> [N, C] log-probs:
-            jitted forward for old / reference log-probs (weights in the compute dtype).
+            jitted forward of `policy.policy_graphdef` for old / reference log-probs.
+    logps:  which log-probs the loss receives (grpo_runner_gsm8k.loss_inputs).
     inputs: tokenizer, task, rewards and checked prompt ids; None in the plan's abstract run.
-    lora:   a LoRA run's frozen base and adapter models (its params are then the adapters and
-            `update` takes the base as a 4th argument, `frozen`); None for full-parameter training.
     teacher: the distillation teacher (`teacher.path`; see grpo_runner_gsm8k.teacher), else None.
+    ops:    a training run's operations (grpo_runner_gsm8k.operations); None for eval and the plan.
     """
 
     cfg: RunConfig
+    registry: Registry
     layout: ProcessLayout
     mesh: Mesh
     qcfg: QwenConfig
-    graphdef: nnx.GraphDef
+    policy: PolicyModel
     state: TrainState
     plugins: Plugins
     lr_schedule: optax.Schedule  # the optimizer's, also read for the lr metric
     optimizer: optax.GradientTransformation
     update: Callable[..., Any]
     score: Callable[..., jax.Array]
+    logps: LogpSources
     sampling: SamplingParams
     eval_sampling: SamplingParams
     inputs: Optional[Inputs] = None
-    lora: Optional[LoRARun] = None
     teacher: Optional[Teacher] = None
+    ops: Optional[Operations] = None
 
     @property
     def rollout(self) -> RolloutBackend:
@@ -85,42 +90,18 @@ class BuiltRun:
         return compute_dtype(self.cfg)
 
     @property
-    def frozen(self) -> tuple:
-        """The update's arguments after the batch: LoRA's base (no gradient), else none."""
-        return () if self.lora is None else (self.lora.base,)
-
-    @property
     def policy_graphdef(self) -> nnx.GraphDef:
-        """The model of the weights rollout and scoring take (LoRA: merged base or base with adapters)."""
-        return self.graphdef if self.lora is None else self.lora.policy_graphdef
+        """The model of the weights rollout and scoring take (the policy model's)."""
+        return self.policy.policy_graphdef
 
     @property
     def rollout_sharding(self) -> NamedSharding:
         return rollout_batch_sharding(self.mesh, self.cfg.rollout.sharding)
 
-    @property
-    def scores_old_logps(self) -> bool:
-        """Old log-probs come from a forward pass: several epochs per rollout, sampler's not used."""
-        return self.cfg.train.ppo_epochs > 1 and not self.cfg.rollout.use_sampler_logps
-
-    @property
-    def has_old_logps(self) -> bool:
-        """The update batch carries old log-probs (else the ratio is exactly 1: one on-policy epoch)."""
-        return self.cfg.rollout.use_sampler_logps or self.scores_old_logps
-
-    @property
-    def carries_sampler_logps(self) -> bool:
-        """The update batch carries the sampler's log-probs: the loss corrects rollout/training mismatch."""
-        return self.cfg.loss.mismatch_correction != "none"
-
-    @property
-    def scores_ref_logps(self) -> bool:
-        return self.cfg.loss.beta > 0
-
     def with_micro_batch_size(self, size: int) -> "BuiltRun":
         """The same run with `train.micro_batch_size_per_device = size` (a new update)."""
         cfg = with_micro_batch_size(self.cfg, size)
-        return dataclasses.replace(self, cfg=cfg, update=make_run_update(cfg, self.mesh, update_graphdef(self),
+        return dataclasses.replace(self, cfg=cfg, update=make_run_update(cfg, self.mesh, self.policy,
                                                                         self.plugins.loss_impl, self.optimizer))
 
 
@@ -129,15 +110,15 @@ def compute_dtype(cfg: RunConfig) -> Any:
     return resolve_dtype(cfg.model.dtype)
 
 
-def update_graphdef(shape: Any) -> nnx.GraphDef:
-    """The model the update differentiates: LoRA's with adapters, else the run's."""
-    return shape.graphdef if shape.lora is None else shape.lora.train_graphdef
-
-
-def make_run_update(cfg: RunConfig, mesh: Mesh, graphdef: nnx.GraphDef, loss_impl: Any,
+def make_run_update(cfg: RunConfig, mesh: Mesh, policy: PolicyModel, loss_impl: Any,
                     optimizer: optax.GradientTransformation) -> Callable[..., Any]:
-    return make_update(graphdef, loss_impl, cfg.loss, optimizer, cfg.rollout.temperature,
+    return make_update(policy.train_graphdef, loss_impl, cfg.loss, optimizer, cfg.rollout.temperature,
                        micro_batches(cfg, mesh), compute_dtype(cfg))
+
+
+def make_run_score(cfg: RunConfig, policy: PolicyModel, loss_impl: Any) -> Callable[..., jax.Array]:
+    """The scoring forward of the policy's weights as the rollout sees them (decided by then)."""
+    return make_score(policy.policy_graphdef, loss_impl, cfg.rollout.temperature)
 
 
 def build_plugins(cfg: RunConfig, registry: Registry, mesh: Mesh) -> Plugins:
@@ -157,109 +138,74 @@ def init_opt_state(optimizer: optax.GradientTransformation, params: Any, mesh: M
 
 
 @dataclass(frozen=True)
-class RunShape:
-    """Where and what a run is, before its state: the pieces `assemble` needs."""
+class RunPlace:
+    """Where and what a run is, before its state."""
 
-    cfg: RunConfig
+    registry: Registry
     layout: ProcessLayout
     mesh: Mesh
     qcfg: QwenConfig
-    graphdef: nnx.GraphDef
-    lora: Optional[LoRARun] = None
-
-    @property
-    def policy_graphdef(self) -> nnx.GraphDef:
-        return self.graphdef if self.lora is None else self.lora.policy_graphdef
+    policy: PolicyModel
 
 
-def assemble(shape: RunShape, registry: Registry, make_state: Callable[[optax.GradientTransformation], TrainState],
-             samplings: tuple[SamplingParams, SamplingParams], inputs: Optional[Inputs] = None) -> BuiltRun:
-    """The run's plugins and jitted functions for `shape`, with the state `make_state(optimizer)`."""
-    cfg, mesh = shape.cfg, shape.mesh
-    plugins = build_plugins(cfg, registry, mesh)
-    lr_schedule = learning_rate_schedule(cfg.train)
-    optimizer = build_optimizer(cfg.train, lr_schedule, cfg.train.moment_dtype)
+def assemble(cfg: RunConfig, place: RunPlace, state: TrainState, plugins: Plugins,
+             optimizer: tuple[optax.Schedule, optax.GradientTransformation],
+             samplings: tuple[SamplingParams, SamplingParams], inputs: Optional[Inputs] = None,
+             teacher: Optional[Teacher] = None) -> BuiltRun:
+    """The run at `place` with its jitted functions, made for the policy as decided."""
+    policy, (lr_schedule, transform) = place.policy, optimizer
     return BuiltRun(
-        cfg=cfg, layout=shape.layout, mesh=mesh, qcfg=shape.qcfg, graphdef=shape.graphdef,
-        state=make_state(optimizer), plugins=plugins, lr_schedule=lr_schedule, optimizer=optimizer,
-        update=make_run_update(cfg, mesh, update_graphdef(shape), plugins.loss_impl, optimizer),
-        score=make_score(shape.policy_graphdef, plugins.loss_impl, cfg.rollout.temperature),
-        sampling=samplings[0], eval_sampling=samplings[1], inputs=inputs, lora=shape.lora)
+        cfg=cfg, registry=place.registry, layout=place.layout, mesh=place.mesh, qcfg=place.qcfg, policy=policy,
+        state=state, plugins=plugins, lr_schedule=lr_schedule, optimizer=transform,
+        update=make_run_update(cfg, place.mesh, policy, plugins.loss_impl, transform),
+        score=make_run_score(cfg, policy, plugins.loss_impl),
+        logps=LogpSources.from_config(cfg.train, cfg.rollout, cfg.loss),
+        sampling=samplings[0], eval_sampling=samplings[1], inputs=inputs, teacher=teacher)
 
 
-def build_run(cfg: RunConfig, registry: Registry) -> BuiltRun:
-    """The run on this process's devices: inputs checked, model loaded and sharded, state initialised."""
+def run_optimizer(cfg: RunConfig) -> tuple[optax.Schedule, optax.GradientTransformation]:
+    lr_schedule = learning_rate_schedule(cfg.train)
+    return lr_schedule, build_optimizer(cfg.train, lr_schedule, cfg.train.moment_dtype)
+
+
+def build_run(cfg: RunConfig, registry: Registry, resume: bool = False, *, training: bool = True) -> BuiltRun:
+    """The run on this process's devices, every object it needs made once: inputs checked, model
+    loaded and sharded, policy model decided, plugins, optimizer and state, teacher, the rollout
+    settled and, for `training`, the operations (lock, checkpointer, metric sinks, reference; the
+    state restored from the newest checkpoint when there is one, which `resume` requires)."""
+    resume_from = start_point(cfg, resume) if training else None
     layout = setup_processes(cfg.mesh)
     resolved = build_mesh_from_config(cfg.mesh, registry.mesh)
+    mesh, strategy = resolved.mesh, resolved.strategy
     qcfg, inputs = check_inputs(cfg, registry, layout.process_index, layout.process_count)
-    preflight(cfg, resolved.mesh, qcfg)
-    model = build_model(cfg, qcfg, resolved.mesh, resolved.strategy)
-    graphdef, params = nnx.split(model)
-    lora = None
-    if lora_spec(cfg) is not None:  # params become the adapters; the base is held once, frozen
-        lora, params = setup_lora(cfg, model, resolved.mesh, resolved.strategy.param_rules)
-    shape = RunShape(cfg, layout, resolved.mesh, qcfg, graphdef, lora)
-
-    def make_state(optimizer: optax.GradientTransformation) -> TrainState:
-        return TrainState(params, init_opt_state(optimizer, params, resolved.mesh), jax.random.key(cfg.train.seed))
-
+    preflight(cfg, mesh, qcfg)
+    model = build_model(cfg, qcfg, mesh, strategy)
+    policy, params = policy_model(cfg, model, mesh, strategy.param_rules, compute_dtype(cfg))
+    plugins, optimizer = build_plugins(cfg, registry, mesh), run_optimizer(cfg)
+    state = TrainState(params, init_opt_state(optimizer[1], params, mesh), jax.random.key(cfg.train.seed))
+    teacher = load_teacher(cfg, mesh, strategy, plugins.loss_impl) if cfg.teacher.path else None
+    place = RunPlace(registry, layout, mesh, qcfg, policy)
     stop = stop_token_ids(cfg, inputs.tokenizer)
     samplings = (sampling_params(cfg, stop), sampling_params(cfg, stop, for_eval=True))
-    built = assemble(shape, registry, make_state, samplings, inputs)
-    if cfg.teacher.path:
-        built = dataclasses.replace(built, teacher=load_teacher(cfg, resolved.mesh, resolved.strategy,
-                                                                built.plugins.loss_impl))
-    if lora is None:
-        return built
-    spare = spare_device_bytes(list(resolved.mesh.local_devices))  # the train state is resident now
-    return with_lora_rollout(built, None if spare is None else merged_decode_needs(built), spare)
+    # the train state and the teacher are resident now: the policy settles how the rollout sees it
+    policy.choose_rollout(plugins.rollout, rollout_shapes_for(cfg, place, samplings[0]), list(mesh.local_devices))
+    built = assemble(cfg, place, state, plugins, optimizer, samplings, inputs, teacher)
+    return dataclasses.replace(built, ops=build_operations(built, resume_from)) if training else built
 
 
-def with_lora_rollout(built: BuiltRun, decode_needs: Optional[int], spare: Optional[int]) -> BuiltRun:
-    """`built` once its LoRA rollout is decided (LoRARun.decide_merge, for the run and the plan):
-    a per-token decode also scores with the adapters' model."""
-    built.lora.decide_merge(decode_needs, spare)
-    if built.lora.merged_rollout:
-        return built
-    return dataclasses.replace(built, score=make_score(built.lora.policy_graphdef, built.plugins.loss_impl,
-                                                      built.cfg.rollout.temperature))
+def rollout_shapes_for(cfg: RunConfig, place: RunPlace, sampling: SamplingParams) -> Callable[..., RolloutShapes]:
+    """(graphdef, weights) -> one rollout batch of the run for those weights (compiled, never run)."""
+    def shapes(graphdef: nnx.GraphDef, weights: nnx.State) -> RolloutShapes:
+        return RolloutShapes(policy=Policy(graphdef, weights, place.qcfg), prompts=cfg.rollout.prompts_per_step,
+                             max_prompt_length=cfg.rollout.max_prompt_length, sampling=sampling,
+                             batch_sharding=rollout_batch_sharding(place.mesh, cfg.rollout.sharding),
+                             key=jax.random.key(0))
+
+    return shapes
 
 
-class DecodeKeeper:
-    """A grpo_core.contracts.PhaseCompiler that keeps the compiled rollout decode (no capacity
-    given, so its weights stay as sharded); None where the compiler refused it for memory."""
-
-    def __init__(self):
-        self.decode = None
-
-    def compile(self, name: str, build: Callable[[], Any], arguments: Any, *, record: bool = True,
-                note: Any = "") -> Any:
-        try:
-            compiled = build()
-        except jax.errors.JaxRuntimeError as exc:
-            if "RESOURCE_EXHAUSTED" not in str(exc):
-                raise
-            return None
-        if record and name == "rollout decode":
-            self.decode = compiled
-        return compiled
-
-    def spare_bytes(self, compiled: Any) -> None:
-        return None
-
-    def decode_seconds(self, compiled: Any, steps: int) -> None:
-        return None
-
-
-def merged_decode_needs(built: BuiltRun) -> Optional[int]:
-    """What one rollout's decode on the merged copy needs beside its weights, compiled (not run)
-    for this batch; 0 for a backend that cannot compile its phases ahead (the copy alone decides)."""
-    if not isinstance(built.rollout, PlannableRollout):
-        return 0
-    weights, cfg = built.lora.base, built.cfg.rollout  # the merged copy has the base's shapes
-    shapes = RolloutShapes(policy=Policy(built.lora.base_graphdef, weights, built.qcfg), prompts=cfg.prompts_per_step,
-                           max_prompt_length=cfg.max_prompt_length, sampling=built.sampling,
-                           batch_sharding=built.rollout_sharding, key=jax.random.key(0))
-    keeper = DecodeKeeper()
-    built.rollout.compile_phases(shapes, keeper)
-    return None if keeper.decode is None else decode_needs(keeper.decode, per_device_bytes(weights))
+def with_rollout_decided(built: BuiltRun, decode_needs: Optional[int], spare: Optional[int]) -> BuiltRun:
+    """The plan's twin once its policy has decided the rollout against the planned capacity
+    (policy.decide_rollout, the run's rule), scoring the weights as the rollout then sees them."""
+    built.policy.decide_rollout(decode_needs, spare)
+    return dataclasses.replace(built, score=make_run_score(built.cfg, built.policy, built.plugins.loss_impl))

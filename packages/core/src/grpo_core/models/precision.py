@@ -37,6 +37,16 @@ def needs_cast(params: Any, dtype: Any) -> bool:
     return any(jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != dtype for x in jax.tree.leaves(params))
 
 
+def abstract_compute_params(params: Any, dtype: Any) -> Any:
+    """`compute_params` of abstract params (ShapeDtypeStructs): floating leaves in `dtype`,
+    shapes and shardings kept."""
+    def cast(x):
+        kept = dtype if jnp.issubdtype(x.dtype, jnp.floating) else x.dtype
+        return jax.ShapeDtypeStruct(x.shape, kept, sharding=x.sharding)
+
+    return jax.tree.map(cast, params)
+
+
 def global_norm_f32(tree: Any) -> jax.Array:
     """sqrt(sum of squares) over every leaf, accumulated in float32 whatever the leaf dtype."""
     squares = [jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree)]

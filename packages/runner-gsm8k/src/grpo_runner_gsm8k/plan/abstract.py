@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -20,17 +19,17 @@ from grpo_core.errors import UserError
 from grpo_core.models import QwenConfig, lora
 from grpo_core.models.hf_io import abstract_model
 from grpo_core.models.config import HUB_ARCHITECTURES, hub_architecture
-from grpo_core.models.precision import needs_cast
 from grpo_core.registry import Registry
 from grpo_core.sharding import param_shardings, per_device_bytes
 from grpo_meshes import ProcessLayout, build_mesh_from_config, setup_processes, train_batch_sharding
 
-from grpo_runner_gsm8k.adapters import LoRARun, abstract_lora_model, lora_spec, storage_dtype
+from grpo_runner_gsm8k.adapters import LoRAPolicy, abstract_lora_model, lora_spec, storage_dtype
 from grpo_runner_gsm8k.build import (attention_impl, build_tokenizer, check_lengths, model_config, preflight,
                                      rows_per_step, sampling_params)
 from grpo_runner_gsm8k.checkpoint import TrainState
 from grpo_runner_gsm8k.multihost import local_prompt_count
-from grpo_runner_gsm8k.run import BuiltRun, RunShape, assemble
+from grpo_runner_gsm8k.policy import FullPolicy, PolicyModel
+from grpo_runner_gsm8k.run import BuiltRun, RunPlace, assemble, build_plugins, compute_dtype, run_optimizer
 from grpo_runner_gsm8k.step import UpdateBatch
 from grpo_runner_gsm8k.teacher import abstract_teacher
 from grpo_runner_gsm8k.tpu_target import Target, describe, target_devices
@@ -59,28 +58,17 @@ class PlanInputs:
     @property
     def frozen(self) -> Any:
         """A LoRA run's abstract base (the params are then its adapters), else None."""
-        return None if self.run.lora is None else self.run.lora.base
+        return self.run.policy.base
 
     @property
     def forward_params(self) -> Any:
-        """The params as rollout and scoring take them: in the compute dtype (see loop.Trainer.forward_params);
-        a LoRA run's merged copy has its base's shapes; its per-token decode takes the base with
-        the adapters cast (LoRARun.policy)."""
-        if self.frozen is not None:
-            if self.run.lora.merged_rollout:
-                return self.frozen
-            return nnx.merge_state(self.frozen, abstract_cast(self.params, self.run.compute_dtype))
-        return abstract_cast(self.params, self.run.compute_dtype)
+        """The params as rollout and scoring take them (the policy model's forward_params, on shapes)."""
+        return self.run.policy.abstract_forward_params(self.params)
 
     @property
     def masters_beside_rollout(self) -> int:
-        """The stored params stay alive beside their compute-dtype copy when the dtypes differ; a LoRA
-        run's base and adapters beside the merged copy (counted whole: an upper bound, since only
-        the targeted kernels are copied), or its float32 adapters beside the per-token decode's."""
-        if self.frozen is not None:
-            base = per_device_bytes(self.frozen) if self.run.lora.merged_rollout else 0
-            return base + self.params_bytes
-        return self.params_bytes if needs_cast(self.params, self.run.compute_dtype) else 0
+        """What the stored params keep alive beside the rollout's weights (policy model's figure)."""
+        return self.run.policy.masters_beside_rollout(self.params)
 
     @property
     def held_beside_rollout(self) -> int:
@@ -89,9 +77,9 @@ class PlanInputs:
 
     @property
     def reference_bytes(self) -> int:
-        """A frozen copy of the params (in the compute dtype) lives on the devices when the KL term is on;
-        none for LoRA, whose reference is the base itself."""
-        return per_device_bytes(self.forward_params) if self.run.scores_ref_logps and self.frozen is None else 0
+        """The frozen reference on the devices when the KL term is on (a compute-dtype copy; none
+        for LoRA, whose reference is the base itself)."""
+        return self.run.policy.reference_bytes(self.params) if self.run.logps.reference else 0
 
     @property
     def teacher_bytes(self) -> int:
@@ -101,12 +89,6 @@ class PlanInputs:
 
 def abstract_array(shape: tuple[int, ...], dtype: Any, sharding: NamedSharding) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
-
-
-def abstract_cast(tree: Any, dtype: Any) -> Any:
-    """grpo_core.models.precision.compute_params of abstract params: floating leaves in `dtype`."""
-    return jax.tree.map(lambda x: abstract_array(
-        x.shape, dtype if jnp.issubdtype(x.dtype, jnp.floating) else x.dtype, x.sharding), tree)
 
 
 def abstract_run_model(cfg: RunConfig, qcfg: QwenConfig, mesh: Mesh, strategy: Any,
@@ -123,17 +105,17 @@ def abstract_run_model(cfg: RunConfig, qcfg: QwenConfig, mesh: Mesh, strategy: A
                                   state, shardings)
 
 
-def abstract_trained(cfg: RunConfig, qcfg: QwenConfig, mesh: Mesh,
-                     strategy: Any) -> tuple[nnx.GraphDef, Any, Optional[LoRARun]]:
-    """(graphdef, abstract trained params, LoRA state or None): a LoRA run trains the adapters
-    of the model with them, its base frozen (merged for the rollout, as the run decides when it fits)."""
+def abstract_trained(cfg: RunConfig, qcfg: QwenConfig, mesh: Mesh, strategy: Any) -> tuple[PolicyModel, Any]:
+    """(policy model, abstract trained params), as `policy.policy_model` decides for the run: a LoRA
+    run trains the adapters of the model with them, its base frozen (merged for the rollout, as the
+    run decides when it fits)."""
     graphdef, params = abstract_run_model(cfg, qcfg, mesh, strategy)
-    spec = lora_spec(cfg)
+    spec, dtype = lora_spec(cfg), compute_dtype(cfg)
     if spec is None:
-        return graphdef, params, None
+        return FullPolicy(graphdef, params, dtype), params
     train_graphdef, state = abstract_run_model(cfg, qcfg, mesh, strategy, with_adapters=True)
-    run = LoRARun(spec, graphdef, train_graphdef, params, fingerprint={}, merge=None)
-    return graphdef, lora.split_adapters(state)[0], run
+    policy = LoRAPolicy(spec, graphdef, train_graphdef, params, fingerprint={}, merge=None, compute_dtype=dtype)
+    return policy, lora.split_adapters(state)[0]
 
 
 def abstract_opt_state(optimizer: Any, params: Any, mesh: Mesh) -> Any:
@@ -193,22 +175,19 @@ def abstract_run(cfg: RunConfig, registry: Registry, devices: Optional[list] = N
     optimizer state of shapes only (no weights, tokenizer or data)."""
     layout = setup_processes(cfg.mesh) if devices is None else target_layout(devices)
     resolved = build_mesh_from_config(cfg.mesh, registry.mesh, devices)
+    mesh = resolved.mesh
     qcfg = plan_architecture(cfg) if qcfg is None else qcfg
     check_lengths(cfg, qcfg)
     local_prompt_count(cfg.rollout.prompts_per_step, layout.process_count)  # the prompts split over the hosts
-    preflight(cfg, resolved.mesh, qcfg, devices)
-    graphdef, params, lora_run = abstract_trained(cfg, qcfg, resolved.mesh, resolved.strategy)
-    shape = RunShape(cfg, layout, resolved.mesh, qcfg, graphdef, lora_run)
-
-    def make_state(optimizer: optax.GradientTransformation) -> TrainState:
-        return TrainState(params, abstract_opt_state(optimizer, params, resolved.mesh), abstract_key(resolved.mesh))
-
-    # stop ids change no buffer: the plan needs no tokenizer for them
-    run = assemble(shape, registry, make_state, (sampling_params(cfg, ()), sampling_params(cfg, (), for_eval=True)))
-    if not cfg.teacher.path:
-        return run
-    return dataclasses.replace(run, teacher=abstract_teacher(cfg, resolved.mesh, resolved.strategy,
-                                                             run.plugins.loss_impl))
+    preflight(cfg, mesh, qcfg, devices)
+    policy, params = abstract_trained(cfg, qcfg, mesh, resolved.strategy)
+    plugins, optimizer = build_plugins(cfg, registry, mesh), run_optimizer(cfg)
+    state = TrainState(params, abstract_opt_state(optimizer[1], params, mesh), abstract_key(mesh))
+    teacher = abstract_teacher(cfg, mesh, resolved.strategy, plugins.loss_impl) if cfg.teacher.path else None
+    # stop ids change no buffer: the plan needs no tokenizer for them; the rollout is decided
+    # later, against the planned capacity (phases.decide_lora_rollout)
+    return assemble(cfg, RunPlace(registry, layout, mesh, qcfg, policy), state, plugins, optimizer,
+                    (sampling_params(cfg, ()), sampling_params(cfg, (), for_eval=True)), teacher=teacher)
 
 
 def build_plan_inputs(cfg: RunConfig, registry: Registry, target: Optional[Target] = None) -> PlanInputs:
@@ -249,7 +228,7 @@ def abstract_update_batch(inputs: PlanInputs) -> UpdateBatch:
         targets=tokens(jnp.int32, completion_w), loss_mask=tokens(jnp.float32, completion_w),
         advantages=(tokens(jnp.float32, completion_w) if inputs.run.teacher is not None  # per token: distillation
                     else abstract_array((rows,), jnp.float32, train_batch_sharding(mesh, ndim=1))),
-        old_logp=tokens(jnp.float32, completion_w) if inputs.run.has_old_logps else None,
-        ref_logp=tokens(jnp.float32, completion_w) if inputs.run.scores_ref_logps else None,
-        sampler_logp=tokens(jnp.float32, completion_w) if inputs.run.carries_sampler_logps else None,
+        old_logp=tokens(jnp.float32, completion_w) if inputs.run.logps.has_old else None,
+        ref_logp=tokens(jnp.float32, completion_w) if inputs.run.logps.reference else None,
+        sampler_logp=tokens(jnp.float32, completion_w) if inputs.run.logps.sampler else None,
         prompt_width=prompt_w)

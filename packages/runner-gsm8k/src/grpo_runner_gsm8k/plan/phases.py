@@ -20,7 +20,7 @@ from grpo_runner_gsm8k.costs.roofline import decode_seconds
 from grpo_runner_gsm8k.plan.abstract import (PlanInputs, abstract_key, abstract_update_batch, per_device_bytes,
                                              plannable)
 from grpo_runner_gsm8k.partial_step import kv_cache_mode
-from grpo_runner_gsm8k.run import with_lora_rollout
+from grpo_runner_gsm8k.run import with_rollout_decided
 from grpo_runner_gsm8k.teacher import TEACHER_PHASE
 
 
@@ -136,7 +136,7 @@ def compile_rollout(inputs: PlanInputs) -> dict[str, Any]:
 
 
 def decide_lora_rollout(inputs: PlanInputs, capacity: Capacity) -> PlanInputs:
-    """A LoRA run's rollout as the run decides it (run.with_lora_rollout), against the planned
+    """A LoRA run's rollout as the run decides it (run.with_rollout_decided), against the planned
     capacity: the merged copy's decode compiled with its weights as sharded, as the run compiles it."""
     if inputs.frozen is None:
         return inputs
@@ -144,14 +144,14 @@ def decide_lora_rollout(inputs: PlanInputs, capacity: Capacity) -> PlanInputs:
     base = per_device_bytes(inputs.frozen)
     needs = None if decode is None else decode_needs(decode, base)
     spare = spare_bytes(capacity.bytes, base + inputs.params_bytes + per_device_bytes(inputs.opt_state))
-    return dataclasses.replace(inputs, run=with_lora_rollout(inputs.run, needs, spare))
+    return dataclasses.replace(inputs, run=with_rollout_decided(inputs.run, needs, spare))
 
 
 def logps_phase(inputs: PlanInputs) -> Optional[PhaseMemory]:
     """The full-batch scoring forward the loop runs for old (ppo_epochs > 1) or reference
     (loss.beta > 0) log-probs; None when the run never calls it."""
     run = inputs.run
-    if not (run.scores_ref_logps or run.scores_old_logps):
+    if not run.logps.scores:
         return None
     batch = abstract_update_batch(inputs)
     lower = functools.partial(run.score.lower, prompt_width=batch.prompt_width)
@@ -175,7 +175,7 @@ def update_lowering(inputs: PlanInputs, size: int) -> tuple[Callable[..., Any], 
     """(lower, abstract args) of one optimizer update over the widest batch, in micro-batches of
     `size` rows per device (train.micro_batch_size_per_device)."""
     run = inputs.run.with_micro_batch_size(size)
-    return run.update.lower, (inputs.params, inputs.opt_state, abstract_update_batch(inputs), *run.frozen)
+    return run.update.lower, (inputs.params, inputs.opt_state, abstract_update_batch(inputs), *run.policy.frozen)
 
 
 def compile_update(inputs: PlanInputs) -> Any:
