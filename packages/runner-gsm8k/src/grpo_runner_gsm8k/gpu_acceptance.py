@@ -109,12 +109,14 @@ def train_part(shapes: Shapes, steps: int) -> dict:
 
     with tempfile.TemporaryDirectory() as run_dir, contextlib.redirect_stdout(sys.stderr):
         registry = default_registry()
-        trainer = Trainer(build_run(load_config(None, train_overrides(shapes, steps, run_dir), registry=registry), registry))
+        cfg = load_config(None, train_overrides(shapes, steps, run_dir), registry=registry)
+        trainer = Trainer(build_run(cfg, registry))
         try:
             metrics = [trainer.step() for _ in range(steps)]
         finally:
+            trainer.ops.logger.close()
             trainer.checkpoints.close()
-            trainer.lock.release()
+            trainer.ops.lock.release()
     peak = max((m.get("memory/train/peak_bytes_in_use_max_gib", 0.0) for m in metrics), default=0.0)
     return {"preset": "configs/gsm8k_qwen25_0p5b_1gpu.yaml shapes, random weights" if shapes.name == "full"
             else "shrunken", "rows": shapes.prompts * shapes.n, "max_new_tokens": shapes.new_tokens,
