@@ -11,13 +11,14 @@ import functools
 import sys
 import time
 from collections import deque
+from pathlib import Path
 from typing import Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from grpo_core.config import RunConfig
+from grpo_core.config import LossConfig, RolloutConfig, RunConfig
 from grpo_core.config_io import config_to_dict, config_to_yaml
 from grpo_core.contracts import MemoryCheckedRollout, ProjectingRollout
 from grpo_core.models.precision import compute_params, needs_cast
@@ -63,7 +64,9 @@ def tokenize_prompts(run: BuiltRun, examples: list) -> list[list[int]]:
     """Token ids of the prompts: from the ids checked at start where there are, else tokenized now."""
     inputs = run.inputs
     unseen = [ex for ex in examples if ex.id not in inputs.prompt_ids]
-    fresh = iter(prompt_token_ids(run.cfg, inputs.tokenizer, inputs.task.use_chat_template, unseen) if unseen else ())
+    fresh = iter(prompt_token_ids(inputs.tokenizer, inputs.task.use_chat_template, unseen,
+                                  system_prompt=run.cfg.task.system_prompt, max_length=run.cfg.rollout.max_prompt_length)
+                 if unseen else ())
     return [inputs.prompt_ids[ex.id] if ex.id in inputs.prompt_ids else next(fresh) for ex in examples]
 
 
@@ -76,20 +79,20 @@ class Trainer:
     """Runs the steps of a built run; `run()` is the whole job."""
 
     def __init__(self, cfg: RunConfig, registry: Registry, resume: bool = False):
-        check_run_dir(cfg)  # bad input fails before anything is built or written
-        resume_from = resume_point(cfg, required=resume)
-        warn_if_updates_round_away(cfg)
-        note_void_correction(cfg)
+        check_run_dir(cfg.logging)  # bad input fails before anything is built or written
+        resume_from = resume_point(Path(cfg.logging.dir), config_to_dict(cfg), required=resume)
+        warn_if_updates_round_away(cfg.model, cfg.train)
+        note_void_correction(cfg.loss, cfg.rollout)
         self.built = build_run(cfg, registry)
         self.registry = registry
         self.multi_turn = multi_turn_sampler(self.built, registry)
         self.eval_tasks = checked_eval_tasks(self.built, registry) if cfg.eval.every_steps else {}
-        self.eval_ks = eval_ks(cfg)
-        self.memory = MemoryGuard(cfg)
+        self.eval_ks = eval_ks(cfg.eval)
+        self.memory = MemoryGuard(cfg.model.remat)
         if isinstance(self.built.rollout, MemoryCheckedRollout):  # the jax backend checks its own compiles
             self.built.rollout.memory_check = self.memory.check_compiled
         project_decodes(self.built.rollout)
-        self.run_dir = prepare_run_dir(cfg)
+        self.run_dir = prepare_run_dir(cfg.logging)
         self.lock = RunDirLock(self.run_dir)
         if self.built.layout.process_index == 0:  # the processes of one multi-host run share the directory
             self.lock.acquire()
@@ -114,7 +117,7 @@ class Trainer:
         # The frozen reference is only ever run forward: stored in the compute dtype (LoRA: the base itself).
         self.ref_params = self.reference_params(params) if self.built.scores_ref_logps else None
         # the teacher is its own frozen model, never the reference (LoRA's base without adapters)
-        self.teacher = None if self.built.teacher is None else TeacherScoring(self.built.teacher, self.cfg,
+        self.teacher = None if self.built.teacher is None else TeacherScoring(self.built.teacher, self.cfg.teacher,
                                                                               self.memory.check)
         self.teacher_metrics: dict = {}
         self.step_times: deque = deque(maxlen=10)  # seconds of the last steps, for the average metric
@@ -370,10 +373,10 @@ class Trainer:
         return str(self.checkpoints.directory / str(self.state.step))
 
 
-def note_void_correction(cfg: RunConfig) -> None:
+def note_void_correction(loss: LossConfig, rollout: RolloutConfig) -> None:
     """One start-up line when the mismatch correction is on but cannot do anything."""
-    if cfg.loss.mismatch_correction != "none" and cfg.rollout.use_sampler_logps:
-        print(f"grpo-run: note: loss.mismatch_correction = {cfg.loss.mismatch_correction} has nothing to correct: "
+    if loss.mismatch_correction != "none" and rollout.use_sampler_logps:
+        print(f"grpo-run: note: loss.mismatch_correction = {loss.mismatch_correction} has nothing to correct: "
               "with rollout.use_sampler_logps: true the old log-probs are the sampler's, so every ratio is 1; "
               "set rollout.use_sampler_logps=false to correct the rollout/training mismatch", file=sys.stderr)
 

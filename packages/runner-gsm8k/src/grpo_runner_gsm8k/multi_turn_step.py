@@ -58,7 +58,7 @@ class MultiTurnSampler:
             budget=row_budget(run.cfg),
             pad_token_id=tokenizer.pad_token_id, batch_sharding=run.rollout_sharding)
         # Every prompt the run can see, rendered with the tools, so one too long fails now, not mid-run.
-        examples = prompts_to_check(run.cfg, run.inputs.task, run.inputs.prompts_per_process)
+        examples = prompts_to_check(run.cfg.eval, run.inputs.task, run.inputs.prompts_per_process)
         try:
             self.checked = {ex.id: ids for ex, ids in zip(examples, self.render(examples)) if ex.id}
         except UserError:

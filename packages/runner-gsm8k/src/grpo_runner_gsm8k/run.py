@@ -26,7 +26,7 @@ from grpo_core.sharding import per_device_bytes
 from grpo_rollout.gather import spare_device_bytes
 from grpo_meshes import ProcessLayout, build_mesh_from_config, rollout_batch_sharding, setup_processes
 
-from grpo_runner_gsm8k.adapters import LoRARun, decode_needs, lora_spec, setup_lora
+from grpo_runner_gsm8k.adapters import LoRARun, decode_needs, lora_spec, setup_lora, storage_dtype
 from grpo_runner_gsm8k.build import (Inputs, build_model, check_inputs, from_plugin, micro_batches, preflight,
                                      sampling_params, stop_token_ids, with_micro_batch_size)
 from grpo_runner_gsm8k.checkpoint import TrainState
@@ -137,7 +137,7 @@ def update_graphdef(shape: Any) -> nnx.GraphDef:
 def make_run_update(cfg: RunConfig, mesh: Mesh, graphdef: nnx.GraphDef, loss_impl: Any,
                     optimizer: optax.GradientTransformation) -> Callable[..., Any]:
     return make_update(graphdef, loss_impl, cfg.loss, optimizer, cfg.rollout.temperature,
-                       micro_batches(cfg, mesh), compute_dtype(cfg))
+                       micro_batches(cfg.rollout, cfg.train, mesh), compute_dtype(cfg))
 
 
 def build_plugins(cfg: RunConfig, registry: Registry, mesh: Mesh) -> Plugins:
@@ -192,8 +192,8 @@ def build_run(cfg: RunConfig, registry: Registry) -> BuiltRun:
     layout = setup_processes(cfg.mesh)
     resolved = build_mesh_from_config(cfg.mesh, registry.mesh)
     qcfg, inputs = check_inputs(cfg, registry, layout.process_index, layout.process_count)
-    preflight(cfg, resolved.mesh, qcfg)
-    model = build_model(cfg, qcfg, resolved.mesh, resolved.strategy)
+    preflight(cfg.rollout, cfg.train, resolved.mesh, qcfg)
+    model = build_model(cfg.model, qcfg, resolved.mesh, resolved.strategy, storage_dtype(cfg))
     graphdef, params = nnx.split(model)
     lora = None
     if lora_spec(cfg) is not None:  # params become the adapters; the base is held once, frozen
@@ -203,12 +203,13 @@ def build_run(cfg: RunConfig, registry: Registry) -> BuiltRun:
     def make_state(optimizer: optax.GradientTransformation) -> TrainState:
         return TrainState(params, init_opt_state(optimizer, params, resolved.mesh), jax.random.key(cfg.train.seed))
 
-    stop = stop_token_ids(cfg, inputs.tokenizer)
-    samplings = (sampling_params(cfg, stop), sampling_params(cfg, stop, for_eval=True))
+    stop = stop_token_ids(cfg.rollout, inputs.tokenizer)
+    samplings = (sampling_params(cfg.rollout, stop), sampling_params(cfg.rollout, stop, cfg.eval))
     built = assemble(shape, registry, make_state, samplings, inputs)
     if cfg.teacher.path:
-        built = dataclasses.replace(built, teacher=load_teacher(cfg, resolved.mesh, resolved.strategy,
-                                                                built.plugins.loss_impl))
+        built = dataclasses.replace(built, teacher=load_teacher(cfg.teacher, cfg.model, resolved.mesh,
+                                                                resolved.strategy, built.plugins.loss_impl,
+                                                                cfg.rollout.temperature))
     if lora is None:
         return built
     spare = spare_device_bytes(list(resolved.mesh.local_devices))  # the train state is resident now
