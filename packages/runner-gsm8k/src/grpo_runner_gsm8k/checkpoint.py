@@ -187,10 +187,10 @@ class Resume:
 
 
 def resume_point(run_dir: Path, settings: dict, required: bool = False) -> Optional[Resume]:
-    """The checkpoints in `run_dir` (logging.dir) to continue from, or None for a fresh start;
-    `settings` is the run's config as a dict (config_to_dict): compared whole with the checkpoint's,
-    its checkpoint.resume and train.steps decide. A newest checkpoint whose config or meta cannot be
-    read is skipped with a warning. Reads only, so a refused resume writes nothing."""
+    """The checkpoints in `run_dir` (logging.dir) to continue from, or None for a fresh start; `settings`
+    (config_to_dict of the run's config) is compared whole with the checkpoint's, its checkpoint.resume and
+    train.steps decide. A newest checkpoint whose config or meta cannot be read is skipped with a warning.
+    Reads only, so a refused resume writes nothing."""
     steps = complete_steps(run_dir)
     if not steps:
         if required:
@@ -204,8 +204,7 @@ def resume_point(run_dir: Path, settings: dict, required: bool = False) -> Optio
     # settings added since the step was saved compare at their defaults, which that run used
     check_compatible(config_to_dict(resume.run_config), settings, resume.where)
     check_param_layout(resume.meta, resume.where)
-    last_step = settings["train"]["steps"]
-    if resume.step > last_step:
+    if resume.step > (last_step := settings["train"]["steps"]):
         raise UserError(f"the checkpoint in {run_dir} is at step {resume.step}, past train.steps={last_step}; "
                         f"set train.steps >= {resume.step} to continue the run")
     return resume
