@@ -62,5 +62,5 @@ def test_mfu_counts_a_frozen_base_backward_as_one_forward(tiny_config):
     3 put the 7B LoRA preset's projected MFU at 103%."""
     from grpo_runner_gsm8k.plan.projection import model_update_passes
 
-    assert model_update_passes(tiny_config()) == 3
-    assert model_update_passes(tiny_config("model.lora.rank=4", "model.lora.alpha=8")) == 2
+    assert model_update_passes(tiny_config().model) == 3
+    assert model_update_passes(tiny_config("model.lora.rank=4", "model.lora.alpha=8").model) == 2

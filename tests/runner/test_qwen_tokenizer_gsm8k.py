@@ -9,7 +9,6 @@ the Qwen2.5 presets are measured with the prompt they really get.
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import pytest
@@ -59,9 +58,8 @@ def test_every_gsm8k_prompt_fits_the_presets_max_prompt_length(preset, tokenizer
     task = preset_task(cfg)
     examples = task.train_examples() + task.test_examples()
     assert len(examples) == 8_792
-    unlimited = dataclasses.replace(cfg, task=dataclasses.replace(cfg.task, system_prompt=system_prompt_of(cfg)),
-                                    rollout=dataclasses.replace(cfg.rollout, max_prompt_length=10**6))
-    lengths = [len(row) for row in prompt_token_ids(unlimited, tokenizer, task.use_chat_template, examples)]
+    lengths = [len(row) for row in prompt_token_ids(tokenizer, task.use_chat_template, examples,
+                                                    system_prompt=system_prompt_of(cfg), max_length=10**6)]
     with capsys.disabled():
         print(f"\n{preset.name}: longest prompt {max(lengths)} tokens, max_prompt_length "
               f"{cfg.rollout.max_prompt_length}")
@@ -72,8 +70,8 @@ def test_every_gsm8k_prompt_fits_the_presets_max_prompt_length(preset, tokenizer
 def test_generation_stops_on_im_end(preset, tokenizer):
     cfg = load_config(preset)
     im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    assert im_end in sampling_params(cfg, stop_token_ids(cfg, tokenizer)).stop_token_ids
-    assert im_end in sampling_params(cfg, stop_token_ids(cfg, tokenizer), for_eval=True).stop_token_ids
+    assert im_end in sampling_params(cfg.rollout, stop_token_ids(cfg.rollout, tokenizer)).stop_token_ids
+    assert im_end in sampling_params(cfg.rollout, stop_token_ids(cfg.rollout, tokenizer), cfg.eval).stop_token_ids
 
 
 def test_gold_solutions_encoded_and_decoded_score_1(tokenizer):

@@ -9,7 +9,8 @@ from grpo_runner_gsm8k.build import prepare_run_dir
 
 
 def config(run_dir) -> SimpleNamespace:
-    return SimpleNamespace(logging=SimpleNamespace(dir=str(run_dir)))
+    """The logging section: prepare_run_dir reads only its dir."""
+    return SimpleNamespace(dir=str(run_dir))
 
 
 def test_probe_leaves_another_process_probe_alone(tmp_path):

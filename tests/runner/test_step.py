@@ -146,7 +146,7 @@ def test_fsdp_micro_batches_are_computed_on_their_own_devices():
 def test_runner_model_constrains_activations_with_the_activation_rules():
     """The param rules map no `batch`: a model built with them alone would leave the
     residual stream unconstrained (the failure the test above measures)."""
-    model = build_model(RunConfig(), QCFG, FSDP8.build_mesh(), FSDP8)
+    model = build_model(RunConfig().model, QCFG, FSDP8.build_mesh(), FSDP8, "float32")
     _, rules = model.activation_sharding
     assert rules == freeze_rules(FSDP8.activation_rules)
 

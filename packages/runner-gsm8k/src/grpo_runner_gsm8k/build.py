@@ -15,7 +15,7 @@ import jax
 from jax.sharding import Mesh
 
 from grpo_core.advantage_records import AdvantageSetup
-from grpo_core.config import RunConfig
+from grpo_core.config import EvalConfig, LoggingConfig, ModelConfig, RolloutConfig, RunConfig, TrainConfig
 from grpo_core.contracts import ListableTask, RolloutBackend, SamplingParams, Task
 from grpo_core.config_io import plugin_options
 from grpo_core.errors import UserError
@@ -28,7 +28,7 @@ from grpo_core.sharding import shard_model
 from grpo_core.tokenizer import TOOL_CALL_TOKENS, build_char_tokenizer, load_tokenizer
 from grpo_meshes import TRAIN_BATCH_AXES, ModelDims, batch_shard_count, validate_plan
 
-from grpo_runner_gsm8k.adapters import check_lora_fits, storage_dtype
+from grpo_runner_gsm8k.adapters import check_lora_fits
 from grpo_runner_gsm8k.multihost import local_prompt_count
 from grpo_runner_gsm8k.multi_turn_inputs import check_multi_turn_inputs
 from grpo_runner_gsm8k.teacher import check_teacher_tokenizer
@@ -68,14 +68,14 @@ def check_contract(kind: str, name: str, built: Any) -> None:
                     f"which grpo_core.contracts.{protocol.__name__} requires; implement them in the plugin")
 
 
-def build_tokenizer(cfg: RunConfig) -> Any:
-    source = cfg.model.tokenizer  # model.path when null in the file (filled in at load)
+def build_tokenizer(model_cfg: ModelConfig) -> Any:
+    source = model_cfg.tokenizer  # model.path when null in the file (filled in at load)
     if source in ("char", "char-tools"):
         return build_char_tokenizer(extra_special_tokens=TOOL_CALL_TOKENS if source == "char-tools" else ())
     if source is None:
         raise UserError("model.tokenizer and model.path are both null: set model.tokenizer to 'char' "
                         "or to a tokenizer directory / Hub id")
-    key = "model.path" if source == cfg.model.path else "model.tokenizer"
+    key = "model.path" if source == model_cfg.path else "model.tokenizer"
     if _looks_like_path(source) and not os.path.isdir(source):
         raise UserError(f"{key} {source!r} is not a directory; point {key} at a directory holding tokenizer "
                         "files, a Hub id 'org/name', or set model.tokenizer=char")
@@ -90,17 +90,17 @@ def _looks_like_path(source: str) -> bool:
     return os.path.isabs(source) or source.startswith(("./", "../", "~")) or os.path.exists(source)
 
 
-def model_config(cfg: RunConfig, tokenizer: Any) -> QwenConfig:
+def model_config(model_cfg: ModelConfig, tokenizer: Any) -> QwenConfig:
     """The architecture of the run's model, read before any weights are loaded."""
-    if cfg.model.path:
+    if model_cfg.path:
         try:
-            return QwenConfig.from_pretrained_dir(resolve_model_dir(cfg.model.path))
+            return QwenConfig.from_pretrained_dir(resolve_model_dir(model_cfg.path))
         except (OSError, ValueError) as exc:
             raise _input_error("model.path", exc, "point model.path at an HF model directory "
                                "(config.json + *.safetensors) or a Hub id") from None
     # A random-init model's own dtype is its compute dtype (what export writes by default).
-    check_architecture_keys(cfg.model.architecture)
-    arch = {"vocab_size": len(tokenizer), "torch_dtype": cfg.model.dtype, **cfg.model.architecture}
+    check_architecture_keys(model_cfg.architecture)
+    arch = {"vocab_size": len(tokenizer), "torch_dtype": model_cfg.dtype, **model_cfg.architecture}
     try:
         return QwenConfig.from_hf_dict(arch)
     except (ValueError, TypeError, KeyError) as exc:
@@ -124,78 +124,79 @@ def check_tokenizer_fits(qcfg: QwenConfig, tokenizer: Any) -> None:
         raise UserError(str(exc)) from None
 
 
-def build_model(cfg: RunConfig, qcfg: QwenConfig, mesh: Mesh, strategy: Any) -> Any:
-    """The policy with params sharded by the strategy's param rules and its residual
-    stream by the activation rules (batch over the data axes)."""
-    model = load_or_init_model(cfg, qcfg, mesh, strategy.param_rules)
+def build_model(model_cfg: ModelConfig, qcfg: QwenConfig, mesh: Mesh, strategy: Any, dtype: str) -> Any:
+    """The policy, its weights stored in `dtype` (adapters.storage_dtype), with params sharded by
+    the strategy's param rules and its residual stream by the activation rules (batch over the data axes)."""
+    model = load_or_init_model(model_cfg, qcfg, mesh, strategy.param_rules, dtype)
     model.set_activation_sharding(mesh, strategy.activation_rules)
-    attention = attention_impl(cfg, mesh)
+    attention = attention_impl(model_cfg, mesh)
     model.set_attention(attention)
-    print(f"attention: {attention} (model.attention={cfg.model.attention})")
+    print(f"attention: {attention} (model.attention={model_cfg.attention})")
     return model
 
 
-def attention_impl(cfg: RunConfig, mesh: Mesh) -> str:
+def attention_impl(model_cfg: ModelConfig, mesh: Mesh) -> str:
     """model.attention resolved for the mesh's platform; cudnn in float32 is a user error."""
     try:
-        return resolve_attention(cfg.model.attention, cfg.model.dtype, mesh.devices.flat[0].platform)
+        return resolve_attention(model_cfg.attention, model_cfg.dtype, mesh.devices.flat[0].platform)
     except ValueError as exc:
         raise _input_error("model.attention", exc, "or set model.dtype=bfloat16") from None
 
 
-def load_or_init_model(cfg: RunConfig, qcfg: QwenConfig, mesh: Mesh, rules: Any) -> Any:
-    if cfg.model.path:
+def load_or_init_model(model_cfg: ModelConfig, qcfg: QwenConfig, mesh: Mesh, rules: Any, dtype: str) -> Any:
+    if model_cfg.path:
         try:
-            return load_pretrained(cfg.model.path, dtype=storage_dtype(cfg), mesh=mesh, rules=rules,
-                                   remat=cfg.model.remat, scan_layers=cfg.model.scan_layers)
+            return load_pretrained(model_cfg.path, dtype=dtype, mesh=mesh, rules=rules,
+                                   remat=model_cfg.remat, scan_layers=model_cfg.scan_layers)
         except (OSError, ValueError) as exc:  # missing, corrupt or mismatched safetensors
             raise _input_error("model.path", exc, "re-download or re-export the checkpoint") from None
-    model = init_from_config(qcfg, seed=cfg.model.seed, dtype=storage_dtype(cfg), remat=cfg.model.remat,
-                             scan_layers=cfg.model.scan_layers)
+    model = init_from_config(qcfg, seed=model_cfg.seed, dtype=dtype, remat=model_cfg.remat,
+                             scan_layers=model_cfg.scan_layers)
     return shard_model(model, mesh, rules)
 
 
-def stop_token_ids(cfg: RunConfig, tokenizer: Any) -> tuple[int, ...]:
-    return () if cfg.rollout.ignore_eos else tuple(sorted({tokenizer.eos_token_id} - {None}))
+def stop_token_ids(rollout: RolloutConfig, tokenizer: Any) -> tuple[int, ...]:
+    return () if rollout.ignore_eos else tuple(sorted({tokenizer.eos_token_id} - {None}))
 
 
-def sampling_params(cfg: RunConfig, stop: tuple[int, ...], *, for_eval: bool = False) -> SamplingParams:
-    """How the run samples for training (or eval), stopping at the `stop` token ids."""
-    r = cfg.rollout
-    if for_eval:
-        return SamplingParams.from_config(r, stop, max_new_tokens=cfg.eval.max_new_tokens,
-                                          n=cfg.eval.n, greedy=cfg.eval.greedy)
-    return SamplingParams.from_config(r, stop)
+def sampling_params(rollout: RolloutConfig, stop: tuple[int, ...],
+                    eval_cfg: Optional[EvalConfig] = None) -> SamplingParams:
+    """How the run samples for training (or, given `eval_cfg`, for eval), stopping at the `stop` token ids."""
+    if eval_cfg is not None:
+        return SamplingParams.from_config(rollout, stop, max_new_tokens=eval_cfg.max_new_tokens,
+                                          n=eval_cfg.n, greedy=eval_cfg.greedy)
+    return SamplingParams.from_config(rollout, stop)
 
 
-def check_lengths(cfg: RunConfig, qcfg: QwenConfig) -> None:
+def check_lengths(rollout: RolloutConfig, eval_cfg: EvalConfig, qcfg: QwenConfig) -> None:
     new_tokens_key = "rollout.max_new_tokens"
-    if cfg.eval.max_new_tokens > cfg.rollout.max_new_tokens:
+    if eval_cfg.max_new_tokens > rollout.max_new_tokens:
         new_tokens_key = "eval.max_new_tokens"
-    new_tokens = max(cfg.rollout.max_new_tokens, cfg.eval.max_new_tokens)
-    longest = cfg.rollout.max_prompt_length + new_tokens
+    new_tokens = max(rollout.max_new_tokens, eval_cfg.max_new_tokens)
+    longest = rollout.max_prompt_length + new_tokens
     if longest > qcfg.max_position_embeddings:
-        raise UserError(f"rollout.max_prompt_length + {new_tokens_key} = {cfg.rollout.max_prompt_length} + "
+        raise UserError(f"rollout.max_prompt_length + {new_tokens_key} = {rollout.max_prompt_length} + "
                         f"{new_tokens} = {longest} exceeds the model's max_position_embeddings "
                         f"{qcfg.max_position_embeddings}; lower {new_tokens_key} or rollout.max_prompt_length")
 
 
-def prompt_token_ids(cfg: RunConfig, tokenizer: Any, use_chat_template: bool, examples: list) -> list[list[int]]:
-    """Token ids of the rendered prompts; one longer than rollout.max_prompt_length is a UserError."""
+def prompt_token_ids(tokenizer: Any, use_chat_template: bool, examples: list, *, system_prompt: Optional[str],
+                     max_length: int) -> list[list[int]]:
+    """Token ids of the rendered prompts (task.system_prompt first); one longer than
+    `max_length` (rollout.max_prompt_length) is a UserError."""
     try:
-        texts = [render_prompt(tokenizer, ex, cfg.task.system_prompt, use_chat_template) for ex in examples]
+        texts = [render_prompt(tokenizer, ex, system_prompt, use_chat_template) for ex in examples]
     except ValueError as exc:  # a tokenizer without a chat template
         raise _input_error("task.options.use_chat_template", exc, "or use a tokenizer with a chat template") from None
     ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
-    limit = cfg.rollout.max_prompt_length
     for ex, row in zip(examples, ids):
-        if len(row) > limit:
+        if len(row) > max_length:
             raise UserError(f"prompt of example {ex.id or ex.question[:40]!r} has {len(row)} tokens, more than "
-                            f"rollout.max_prompt_length={limit}; raise rollout.max_prompt_length")
+                            f"rollout.max_prompt_length={max_length}; raise rollout.max_prompt_length")
     return ids
 
 
-def prompts_to_check(cfg: RunConfig, task: Any, prompts_per_process: int) -> list:
+def prompts_to_check(eval_cfg: EvalConfig, task: Any, prompts_per_process: int) -> list:
     """The whole train split when the task can list it (`train_examples()`, a finite data set),
     else the first train batch (the task's position is left unchanged); plus the eval questions."""
     if isinstance(task, ListableTask):
@@ -204,22 +205,23 @@ def prompts_to_check(cfg: RunConfig, task: Any, prompts_per_process: int) -> lis
         position = task.state()
         examples = task.train_batch(prompts_per_process)
         task.restore(position)
-    if cfg.eval.every_steps:
-        examples += task.test_examples(cfg.eval.num_questions)
+    if eval_cfg.every_steps:
+        examples += task.test_examples(eval_cfg.num_questions)
     return examples
 
 
-def check_prompts(cfg: RunConfig, tokenizer: Any, task: Any, prompts_per_process: int) -> dict[str, list[int]]:
-    """Renders and tokenizes every prompt the run can see, so a prompt format or length that
-    cannot work fails before the run starts, not mid-run; returns the token ids by example id
-    (the run reuses them instead of tokenizing again)."""
-    examples = prompts_to_check(cfg, task, prompts_per_process)
-    ids = prompt_token_ids(cfg, tokenizer, task.use_chat_template, examples)
+def check_prompts(tokenizer: Any, task: Any, examples: list, *, system_prompt: Optional[str],
+                  max_length: int) -> dict[str, list[int]]:
+    """Renders and tokenizes every prompt the run can see (`prompts_to_check`), so a prompt format
+    or length that cannot work fails before the run starts, not mid-run; returns the token ids by
+    example id (the run reuses them instead of tokenizing again)."""
+    ids = prompt_token_ids(tokenizer, task.use_chat_template, examples, system_prompt=system_prompt,
+                           max_length=max_length)
     return {ex.id: row for ex, row in zip(examples, ids) if ex.id}
 
 
-def rows_per_step(cfg: RunConfig) -> int:
-    return cfg.rollout.prompts_per_step * cfg.rollout.n
+def rows_per_step(rollout: RolloutConfig) -> int:
+    return rollout.prompts_per_step * rollout.n
 
 
 def with_micro_batch_size(cfg: RunConfig, size: int) -> RunConfig:
@@ -227,10 +229,10 @@ def with_micro_batch_size(cfg: RunConfig, size: int) -> RunConfig:
     return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, micro_batch_size_per_device=size))
 
 
-def micro_batches(cfg: RunConfig, mesh: Mesh) -> int:
+def micro_batches(rollout: RolloutConfig, train: TrainConfig, mesh: Mesh) -> int:
     """Gradient-accumulation steps: rows / (micro_batch_size_per_device * data-parallel devices)."""
-    rows = rows_per_step(cfg)
-    per_device = cfg.train.micro_batch_size_per_device
+    rows = rows_per_step(rollout)
+    per_device = train.micro_batch_size_per_device
     if per_device == 0:
         return 1
     global_micro = per_device * batch_shard_count(mesh, TRAIN_BATCH_AXES)
@@ -241,12 +243,13 @@ def micro_batches(cfg: RunConfig, mesh: Mesh) -> int:
     return rows // global_micro
 
 
-def preflight(cfg: RunConfig, mesh: Mesh, qcfg: QwenConfig, devices: Optional[list] = None) -> None:
+def preflight(rollout: RolloutConfig, train: TrainConfig, mesh: Mesh, qcfg: QwenConfig,
+              devices: Optional[list] = None) -> None:
     """Checks before any compile; `devices` (default: this run's) are those the mesh must cover."""
     devices = jax.devices() if devices is None else devices
-    rows = rows_per_step(cfg)
+    rows = rows_per_step(rollout)
     validate_plan(mesh, ModelDims.from_config(qcfg), rollout_batch=rows,
-                  train_micro_batch=rows // micro_batches(cfg, mesh), rollout_style=cfg.rollout.sharding,
+                  train_micro_batch=rows // micro_batches(rollout, train, mesh), rollout_style=rollout.sharding,
                   device_count=len(devices))
 
 
@@ -267,13 +270,13 @@ def check_inputs(cfg: RunConfig, registry: Registry, process_index: int = 0,
     """(model config, inputs): tokenizer, model config, task data, reward functions and every
     prompt, checked against the config (no device is touched: `--print-config` runs this too)."""
     prompts_per_process = local_prompt_count(cfg.rollout.prompts_per_step, process_count)
-    tokenizer = build_tokenizer(cfg)
-    qcfg = model_config(cfg, tokenizer)
+    tokenizer = build_tokenizer(cfg.model)
+    qcfg = model_config(cfg.model, tokenizer)
     check_tokenizer_fits(qcfg, tokenizer)
     check_lora_fits(cfg, qcfg)
-    check_lengths(cfg, qcfg)
+    check_lengths(cfg.rollout, cfg.eval, qcfg)
     if cfg.teacher.path:
-        check_teacher_tokenizer(cfg, tokenizer)
+        check_teacher_tokenizer(cfg.teacher, tokenizer)
     task = from_plugin(registry, "task", cfg.task.name, cfg.task.options, "task.options", seed=cfg.task.seed,
                        process_index=process_index, process_count=process_count)
     check_multi_turn_inputs(cfg, tokenizer, task, qcfg.max_position_embeddings, process_count)
@@ -282,13 +285,14 @@ def check_inputs(cfg: RunConfig, registry: Registry, process_index: int = 0,
                for name, weight in cfg.task.rewards.items()}
     estimator = from_plugin(registry, "advantage", cfg.loss.advantage_estimator, cfg.loss.advantage_options,
                             "loss.advantage_options", setup=AdvantageSetup.from_config(cfg))
-    return qcfg, Inputs(tokenizer, task, rewards, check_prompts(cfg, tokenizer, task, prompts_per_process),
-                        prompts_per_process, estimator)
+    prompt_ids = check_prompts(tokenizer, task, prompts_to_check(cfg.eval, task, prompts_per_process),
+                               system_prompt=cfg.task.system_prompt, max_length=cfg.rollout.max_prompt_length)
+    return qcfg, Inputs(tokenizer, task, rewards, prompt_ids, prompts_per_process, estimator)
 
 
-def check_run_dir(cfg: RunConfig) -> None:
+def check_run_dir(logging: LoggingConfig) -> None:
     """Fails when logging.dir cannot be created and written, without creating anything."""
-    run_dir = Path(cfg.logging.dir).absolute()
+    run_dir = Path(logging.dir).absolute()
     existing = next(p for p in (run_dir, *run_dir.parents) if p.exists())
     if not existing.is_dir():
         where = "it" if existing == run_dir else repr(str(existing))
@@ -299,8 +303,8 @@ def check_run_dir(cfg: RunConfig) -> None:
                         f"{str(existing)!r}); choose a writable logging.dir")
 
 
-def prepare_run_dir(cfg: RunConfig) -> Path:
-    run_dir = Path(cfg.logging.dir)
+def prepare_run_dir(logging: LoggingConfig) -> Path:
+    run_dir = Path(logging.dir)
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         # A name of its own: every process of a multi-host run probes the same (shared) directory.

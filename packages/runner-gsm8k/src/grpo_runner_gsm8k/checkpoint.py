@@ -186,26 +186,26 @@ class Resume:
                           ocp.args.StandardRestore(target))
 
 
-def resume_point(cfg: RunConfig, required: bool = False) -> Optional[Resume]:
-    """The checkpoints to continue from, or None for a fresh start. A newest checkpoint whose
-    config or meta cannot be read is skipped with a warning. Reads only, so a refused resume
-    writes nothing."""
-    run_dir = Path(cfg.logging.dir)
+def resume_point(run_dir: Path, settings: dict, required: bool = False) -> Optional[Resume]:
+    """The checkpoints in `run_dir` (logging.dir) to continue from, or None for a fresh start; `settings`
+    (config_to_dict of the run's config) is compared whole with the checkpoint's, its checkpoint.resume and
+    train.steps decide. A newest checkpoint whose config or meta cannot be read is skipped with a warning.
+    Reads only, so a refused resume writes nothing."""
     steps = complete_steps(run_dir)
     if not steps:
         if required:
             raise UserError(f"--resume: no complete checkpoint in {checkpoint_dir(run_dir)}; run without "
                             "--resume to start, or set logging.dir to the directory of the run to continue")
         return None
-    if cfg.checkpoint.resume == "never" and not required:
+    if settings["checkpoint"]["resume"] == "never" and not required:
         raise UserError(f"logging.dir {str(run_dir)!r} already holds checkpoints (newest: step {steps[-1]}) and "
                         "checkpoint.resume is 'never'; set logging.dir to a new directory, or pass --resume")
     resume = Resume.read(run_dir, steps[::-1])
     # settings added since the step was saved compare at their defaults, which that run used
-    check_compatible(config_to_dict(resume.run_config), config_to_dict(cfg), resume.where)
+    check_compatible(config_to_dict(resume.run_config), settings, resume.where)
     check_param_layout(resume.meta, resume.where)
-    if resume.step > cfg.train.steps:
-        raise UserError(f"the checkpoint in {run_dir} is at step {resume.step}, past train.steps={cfg.train.steps}; "
+    if resume.step > (last_step := settings["train"]["steps"]):
+        raise UserError(f"the checkpoint in {run_dir} is at step {resume.step}, past train.steps={last_step}; "
                         f"set train.steps >= {resume.step} to continue the run")
     return resume
 

@@ -105,7 +105,7 @@ def _tasks(cfg, options: dict[str, dict], built) -> dict[str, Any]:
     """The tasks, built; the training task with its own options is the run's (its data is loaded)."""
     if list(options) == [cfg.task.name] and options[cfg.task.name] == cfg.task.options:
         return {cfg.task.name: built.inputs.task}
-    return eval_tasks(dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, tasks=options)), default_registry())
+    return eval_tasks(options, default_registry(), cfg.task.seed)
 
 
 def _weights(built, step: Optional[int], run_dir: Optional[str]):
@@ -221,7 +221,7 @@ def evaluate_task(job: EvalJob, task_index: int, name: str, task, limit: Optiona
     sample = _stream if job.stream else _sample_chunks
     records = sample(job, task_index, task, examples, store, progress)
     samples = [[Sample(r["completion"], r["answer"], r["correct"]) for r in records[ex.id]] for ex in examples]
-    summary = question_metrics(task, examples, samples, job.built.eval_sampling.greedy, eval_ks(job.built.cfg))
+    summary = question_metrics(task, examples, samples, job.built.eval_sampling.greedy, eval_ks(job.built.cfg.eval))
     summary.update(task=name, model=job.label, n=job.built.eval_sampling.n, greedy=job.built.eval_sampling.greedy,
                    seconds=round(time.monotonic() - started, 3))
     store.write_summary(summary)
@@ -246,7 +246,7 @@ def _job(args: argparse.Namespace) -> tuple[EvalJob, dict[str, Any]]:
     cfg, step = _load_config(args)
     remember_run(cfg)  # a crash log goes to the run directory
     _check_sampling(cfg)
-    eval_ks(cfg)  # k outside 1..eval.n fails before any device work
+    eval_ks(cfg.eval)  # k outside 1..eval.n fails before any device work
     options = task_options(cfg, args.tasks)
     built = build_run(cfg, default_registry(), training=False)
     tasks = _tasks(cfg, options, built)

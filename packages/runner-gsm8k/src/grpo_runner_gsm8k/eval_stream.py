@@ -45,7 +45,9 @@ def stream_questions(run, weights, task, examples: list[Example], key, sampling,
     mode = kv_cache_mode(run.cfg, run.rollout)
     pool = PartialPool(slot_questions * n, n, max(1, -(-max_new // 4)), max_new, kv_cache=mode)
     generate = round_generator(run, weights, sampling, mode)
-    draw = _drawer(prompt_token_ids(run.cfg, run.inputs.tokenizer, task.use_chat_template, examples))
+    draw = _drawer(prompt_token_ids(run.inputs.tokenizer, task.use_chat_template, examples,
+                                    system_prompt=run.cfg.task.system_prompt,
+                                    max_length=run.cfg.rollout.max_prompt_length))
     left, tally = len(examples), DecodeTally()
     for round_index in itertools.count():
         groups, _ = pool.step(generate, draw, jax.random.fold_in(key, round_index), 0, tally, 1)

@@ -12,7 +12,7 @@ from typing import Any, NamedTuple, Protocol, Sequence, runtime_checkable
 
 import jax
 import numpy as np
-from grpo_core.config import RunConfig
+from grpo_core.config import EvalConfig
 from grpo_core.contracts import CompletionText, Example, Policy
 from grpo_core.errors import UserError
 from grpo_core.registry import Registry
@@ -105,7 +105,8 @@ def sample_questions(run, weights, task, examples: list[Example], key, sampling)
     the last example up to a size the mesh splits evenly; the padding is not graded."""
     multiple = question_multiple(run, sampling.n)
     padded = examples + [examples[-1]] * (-len(examples) % multiple)
-    prompts = prompt_token_ids(run.cfg, run.inputs.tokenizer, task.use_chat_template, padded)
+    prompts = prompt_token_ids(run.inputs.tokenizer, task.use_chat_template, padded,
+                               system_prompt=run.cfg.task.system_prompt, max_length=run.cfg.rollout.max_prompt_length)
     completions = decode_completions(run.inputs.tokenizer, rollout_prompts(run, weights, prompts, key, sampling))
     n = sampling.n
     completions = completions[:len(examples) * n]
@@ -115,11 +116,11 @@ def sample_questions(run, weights, task, examples: list[Example], key, sampling)
     return [samples[q * n:(q + 1) * n] for q in range(len(examples))]
 
 
-def eval_ks(cfg: RunConfig) -> list[int]:
+def eval_ks(eval_cfg: EvalConfig) -> list[int]:
     """The k of pass@k and maj@k: `eval.k`, else 1, 2, 4, ... up to eval.n."""
-    ks = list(getattr(cfg.eval, "k", None) or ks_up_to(cfg.eval.n))
+    ks = list(getattr(eval_cfg, "k", None) or ks_up_to(eval_cfg.n))
     for k in ks:
-        check_k(int(k), cfg.eval.n)
+        check_k(int(k), eval_cfg.n)
     return sorted({int(k) for k in ks})
 
 
@@ -136,22 +137,22 @@ def question_metrics(task, examples: list[Example], samples: list[list[Sample]],
     return out
 
 
-def eval_tasks(cfg: RunConfig, registry: Registry) -> dict[str, Any]:
-    """The tasks of `eval.tasks` (name -> options), built whole on every process (all
-    processes pass the same questions to the rollout)."""
-    tasks = getattr(cfg.eval, "tasks", None) or {}
+def eval_tasks(tasks: dict, registry: Registry, seed: int) -> dict[str, Any]:
+    """The tasks of `eval.tasks` (name -> options), seeded with task.seed, built whole on every
+    process (all processes pass the same questions to the rollout)."""
+    tasks = tasks or {}
     if not isinstance(tasks, dict):
         raise UserError(f"eval.tasks must map task names to options, got {tasks!r}; e.g. eval.tasks={{math500: {{}}}}")
-    return {name: from_plugin(registry, "task", name, options or {}, f"eval.tasks.{name}", seed=cfg.task.seed)
+    return {name: from_plugin(registry, "task", name, options or {}, f"eval.tasks.{name}", seed=seed)
             for name, options in tasks.items()}
 
 
 def checked_eval_tasks(run, registry: Registry) -> dict[str, Any]:
     """`eval_tasks` with every test prompt tokenized once, so one that is too long fails before training."""
-    tasks = eval_tasks(run.cfg, registry)
+    tasks = eval_tasks(run.cfg.eval.tasks, registry, run.cfg.task.seed)
     for task in tasks.values():
-        prompt_token_ids(run.cfg, run.inputs.tokenizer, task.use_chat_template,
-                         task.test_examples(run.cfg.eval.num_questions))
+        prompt_token_ids(run.inputs.tokenizer, task.use_chat_template, task.test_examples(run.cfg.eval.num_questions),
+                         system_prompt=run.cfg.task.system_prompt, max_length=run.cfg.rollout.max_prompt_length)
     return tasks
 
 

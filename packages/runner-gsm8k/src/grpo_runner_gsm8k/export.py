@@ -87,8 +87,8 @@ def load_policy(run_dir: Path, step: int) -> tuple[QwenModel, Any]:
     merged into its base) and the run's tokenizer."""
     saved, run = saved_run(run_dir, step)
     if run.policy.adapter_spec is not None:
-        return saved_adapters(saved, run).merged_model(), build_tokenizer(run.cfg)
-    return nnx.merge(run.policy.train_graphdef, saved.params(run.state.params)), build_tokenizer(run.cfg)
+        return saved_adapters(saved, run).merged_model(), build_tokenizer(run.cfg.model)
+    return nnx.merge(run.policy.train_graphdef, saved.params(run.state.params)), build_tokenizer(run.cfg.model)
 
 
 def saved_adapters(saved: Resume, run: BuiltRun) -> SavedAdapters:

@@ -50,7 +50,7 @@ def run(cfg, registry) -> dict:
     from grpo_runner_gsm8k.plan import build_plan_inputs, compile_rollout, compile_update, prompt_bucket, train_widths
 
     inputs = build_plan_inputs(cfg, registry)
-    rows, (prompt_w, completion_w) = rows_per_step(cfg), train_widths(inputs)
+    rows, (prompt_w, completion_w) = rows_per_step(cfg.rollout), train_widths(inputs)
     devices = inputs.run.mesh.size
     analytic = 3 * forward_flops(inputs.run.qcfg, rows, prompt_w + completion_w, completion_w)
     update = figures(compile_update(inputs), analytic, devices, body=False)

@@ -45,7 +45,9 @@ def tokenize_prompts(run: BuiltRun, examples: list) -> list[list[int]]:
     """Token ids of the prompts: from the ids checked at start where there are, else tokenized now."""
     inputs = run.inputs
     unseen = [ex for ex in examples if ex.id not in inputs.prompt_ids]
-    fresh = iter(prompt_token_ids(run.cfg, inputs.tokenizer, inputs.task.use_chat_template, unseen) if unseen else ())
+    fresh = iter(prompt_token_ids(inputs.tokenizer, inputs.task.use_chat_template, unseen,
+                                  system_prompt=run.cfg.task.system_prompt, max_length=run.cfg.rollout.max_prompt_length)
+                 if unseen else ())
     return [inputs.prompt_ids[ex.id] if ex.id in inputs.prompt_ids else next(fresh) for ex in examples]
 
 

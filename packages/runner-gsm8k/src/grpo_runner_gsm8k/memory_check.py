@@ -16,7 +16,6 @@ from typing import Any, Callable, Optional
 
 import jax
 
-from grpo_core.config import RunConfig
 from grpo_core.errors import DoesNotFit
 from grpo_rollout.gather import every_process
 
@@ -74,8 +73,8 @@ def signature(args: tuple, kwargs: dict) -> Any:
 class MemoryGuard:
     """Checks each phase of a run before its first dispatch at each batch shape."""
 
-    def __init__(self, cfg: RunConfig):
-        self.cfg = cfg
+    def __init__(self, remat: str):
+        self.remat = remat  # model.remat, named in the does-not-fit advice
         self.checked: set[Any] = set()
 
     def check_compiled(self, name: str, compiled: Any) -> None:
@@ -88,7 +87,7 @@ class MemoryGuard:
         phase = dataclasses.replace(phase, other=max(held - phase.arguments, 0))  # state beside the arguments
         capacity = run_capacity(held)
         if not every_process(phase.total <= capacity.bytes):
-            raise DoesNotFit(does_not_fit_message(phase, capacity, self.cfg.model.remat))
+            raise DoesNotFit(does_not_fit_message(phase, capacity, self.remat))
 
     def check(self, name: str, jitted: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
         """Compiles `jitted` for these arguments (once per signature) and checks it."""

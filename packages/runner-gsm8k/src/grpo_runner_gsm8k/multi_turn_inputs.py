@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from grpo_core.config import RolloutConfig
 from grpo_core.errors import UserError
 
 from grpo_runner_gsm8k.multi_turn_rollout import CALL_END, single_token_id
@@ -30,13 +31,13 @@ def check_multi_turn_inputs(cfg: Any, tokenizer: Any, task: Any, max_positions: 
                         f"{len(tokenizer.encode(CALL_END, add_special_tokens=False))} tokens, and a turn stops at "
                         "one token; use a tokenizer with Qwen's tool tokens (Qwen2.5, Qwen3; model.tokenizer=char-tools "
                         "for tiny runs)")
-    longest = cfg.rollout.max_prompt_length + row_budget(cfg)
+    longest = cfg.rollout.max_prompt_length + row_budget(cfg.rollout)
     if longest > max_positions:
         raise UserError(f"rollout.max_prompt_length + rollout.multi_turn.max_total_tokens = {longest} exceeds the "
                         f"model's max_position_embeddings {max_positions}; lower "
                         "rollout.multi_turn.max_total_tokens")
 
 
-def row_budget(cfg: Any) -> int:
+def row_budget(rollout: RolloutConfig) -> int:
     """Completion tokens of a row over all its turns."""
-    return cfg.rollout.multi_turn.max_total_tokens or cfg.rollout.max_new_tokens
+    return rollout.multi_turn.max_total_tokens or rollout.max_new_tokens

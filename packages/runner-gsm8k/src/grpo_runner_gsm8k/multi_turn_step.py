@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from typing import Any, Optional
 
+from grpo_core.config import MultiTurnConfig
 from grpo_core.config_io import plugin_options
 from grpo_core.contracts import ConversationText, Policy
 from grpo_core.errors import UserError
@@ -32,9 +33,9 @@ def multi_turn_sampler(run: Any, registry: Any) -> Optional["MultiTurnSampler"]:
     return MultiTurnSampler(run, registry) if run.cfg.rollout.multi_turn.enabled else None
 
 
-def build_tools(cfg: Any, registry: Any) -> list:
-    """The offered tools, each built once from its plugin (names and options checked at load)."""
-    multi = cfg.rollout.multi_turn
+def build_tools(multi: MultiTurnConfig, registry: Any) -> list:
+    """The tools rollout.multi_turn offers, each built once from its plugin (names and options
+    checked at load)."""
     tools = []
     for name in multi.tools:
         spec = registry.tool(str(name))
@@ -51,14 +52,14 @@ class MultiTurnSampler:
         multi, tokenizer = run.cfg.rollout.multi_turn, run.inputs.tokenizer
         self.run = run
         call_end = single_token_id(tokenizer, CALL_END)  # checked at load (check_multi_turn_inputs)
-        self.runner = ToolRunner(build_tools(run.cfg, registry), timeout_seconds=multi.call_timeout_s)
+        self.runner = ToolRunner(build_tools(run.cfg.rollout.multi_turn, registry), timeout_seconds=multi.call_timeout_s)
         self.turns = MultiTurnRollout(
             backend=run.rollout, tokenizer=tokenizer, runner=self.runner,
             sampling=turn_sampling(run.sampling, call_end), call_end_id=call_end, max_turns=multi.max_turns,
-            budget=row_budget(run.cfg),
+            budget=row_budget(run.cfg.rollout),
             pad_token_id=tokenizer.pad_token_id, batch_sharding=run.rollout_sharding)
         # Every prompt the run can see, rendered with the tools, so one too long fails now, not mid-run.
-        examples = prompts_to_check(run.cfg, run.inputs.task, run.inputs.prompts_per_process)
+        examples = prompts_to_check(run.cfg.eval, run.inputs.task, run.inputs.prompts_per_process)
         try:
             self.checked = {ex.id: ids for ex, ids in zip(examples, self.render(examples)) if ex.id}
         except UserError:

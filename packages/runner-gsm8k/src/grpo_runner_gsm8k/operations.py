@@ -45,8 +45,8 @@ class Operations:
 def start_point(cfg: Any, resume: bool) -> Optional[Resume]:
     """The checkpoint to continue from (None: a fresh start); bad input fails before anything is
     built or written."""
-    check_run_dir(cfg)
-    return resume_point(cfg, required=resume)
+    check_run_dir(cfg.logging)
+    return resume_point(Path(cfg.logging.dir), config_to_dict(cfg), required=resume)
 
 
 def project_decodes(rollout: Any) -> None:
@@ -61,12 +61,12 @@ def build_operations(run: Any, resume_from: Optional[Resume]) -> Operations:
     """The operations of built run `run` (a grpo_runner_gsm8k.run.BuiltRun without them); the
     state is restored from `resume_from`. The lock is released if anything after it fails."""
     cfg = run.cfg
-    memory = MemoryGuard(cfg)
+    memory = MemoryGuard(cfg.model.remat)
     if isinstance(run.rollout, MemoryCheckedRollout):  # the jax backend checks its own compiles
         run.rollout.memory_check = memory.check_compiled
     project_decodes(run.rollout)
     eval_tasks = checked_eval_tasks(run, run.registry) if cfg.eval.every_steps else {}
-    run_dir = prepare_run_dir(cfg)
+    run_dir = prepare_run_dir(cfg.logging)
     lock = RunDirLock(run_dir)
     if run.layout.process_index == 0:  # the processes of one multi-host run share the directory
         lock.acquire()
@@ -82,11 +82,11 @@ def _locked_operations(run: Any, resume_from: Optional[Resume], memory: MemoryGu
     cfg, state = run.cfg, run.state
     reference = run.policy.reference(state.params) if run.logps.reference else None
     # the teacher is its own frozen model, never the reference (LoRA's base without adapters)
-    teacher = None if run.teacher is None else TeacherScoring(run.teacher, cfg, memory.check)
+    teacher = None if run.teacher is None else TeacherScoring(run.teacher, cfg.teacher, memory.check)
     checkpoints = Checkpointer(run_dir, cfg.checkpoint)
     if resume_from is not None:
         restore(run, checkpoints, resume_from)
-    return Operations(run_dir, lock, memory, checkpoints, metric_sinks(run, run_dir), eval_tasks, eval_ks(cfg),
+    return Operations(run_dir, lock, memory, checkpoints, metric_sinks(run, run_dir), eval_tasks, eval_ks(cfg.eval),
                       reference, teacher)
 
 

@@ -25,6 +25,7 @@ from grpo_core.models.qwen import resolve_dtype
 from grpo_core.registry import Registry
 from grpo_meshes import ProcessLayout, build_mesh_from_config, rollout_batch_sharding, setup_processes
 
+from grpo_runner_gsm8k.adapters import storage_dtype
 from grpo_runner_gsm8k.build import (Inputs, build_model, check_inputs, from_plugin, micro_batches, preflight,
                                      sampling_params, stop_token_ids, with_micro_batch_size)
 from grpo_runner_gsm8k.checkpoint import TrainState
@@ -113,7 +114,7 @@ def compute_dtype(cfg: RunConfig) -> Any:
 def make_run_update(cfg: RunConfig, mesh: Mesh, policy: PolicyModel, loss_impl: Any,
                     optimizer: optax.GradientTransformation) -> Callable[..., Any]:
     return make_update(policy.train_graphdef, loss_impl, cfg.loss, optimizer, cfg.rollout.temperature,
-                       micro_batches(cfg, mesh), compute_dtype(cfg))
+                       micro_batches(cfg.rollout, cfg.train, mesh), compute_dtype(cfg))
 
 
 def make_run_score(cfg: RunConfig, policy: PolicyModel, loss_impl: Any) -> Callable[..., jax.Array]:
@@ -178,15 +179,15 @@ def build_run(cfg: RunConfig, registry: Registry, resume: bool = False, *, train
     resolved = build_mesh_from_config(cfg.mesh, registry.mesh)
     mesh, strategy = resolved.mesh, resolved.strategy
     qcfg, inputs = check_inputs(cfg, registry, layout.process_index, layout.process_count)
-    preflight(cfg, mesh, qcfg)
-    model = build_model(cfg, qcfg, mesh, strategy)
+    preflight(cfg.rollout, cfg.train, mesh, qcfg)
+    model = build_model(cfg.model, qcfg, mesh, strategy, storage_dtype(cfg))
     policy, params = policy_model(cfg, model, mesh, strategy.param_rules, compute_dtype(cfg))
     plugins, optimizer = build_plugins(cfg, registry, mesh), run_optimizer(cfg)
     state = TrainState(params, init_opt_state(optimizer[1], params, mesh), jax.random.key(cfg.train.seed))
-    teacher = load_teacher(cfg, mesh, strategy, plugins.loss_impl) if cfg.teacher.path else None
+    teacher = load_teacher(cfg.teacher, cfg.model, mesh, strategy, plugins.loss_impl, cfg.rollout.temperature) if cfg.teacher.path else None
     place = RunPlace(registry, layout, mesh, qcfg, policy)
-    stop = stop_token_ids(cfg, inputs.tokenizer)
-    samplings = (sampling_params(cfg, stop), sampling_params(cfg, stop, for_eval=True))
+    stop = stop_token_ids(cfg.rollout, inputs.tokenizer)
+    samplings = (sampling_params(cfg.rollout, stop), sampling_params(cfg.rollout, stop, cfg.eval))
     # the train state and the teacher are resident now: the policy settles how the rollout sees it
     policy.choose_rollout(plugins.rollout, rollout_shapes_for(cfg, place, samplings[0]), list(mesh.local_devices))
     built = assemble(cfg, place, state, plugins, optimizer, samplings, inputs, teacher)

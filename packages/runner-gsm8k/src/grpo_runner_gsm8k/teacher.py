@@ -19,7 +19,7 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh
 
-from grpo_core.config import RunConfig
+from grpo_core.config import ModelConfig, TeacherConfig
 from grpo_core.errors import UserError
 from grpo_core.models import QwenConfig, load_pretrained
 from grpo_core.models.attention_impls import resolve_attention
@@ -51,10 +51,10 @@ def teacher_error(exc: Exception, fix: str) -> UserError:
     return UserError(f"teacher.path: {str(exc).rstrip('.')}; {fix}")
 
 
-def teacher_architecture(cfg: RunConfig, planning: bool = False) -> QwenConfig:
+def teacher_architecture(teacher: TeacherConfig, planning: bool = False) -> QwenConfig:
     """The teacher's model config from its config.json; the plan also takes a Hub id whose
     architecture is built in (no download)."""
-    path = cfg.teacher.path
+    path = teacher.path
     if planning and not os.path.isdir(path) and hub_architecture(path) is not None:
         return hub_architecture(path)
     try:
@@ -75,72 +75,76 @@ def first_vocabulary_difference(student: Any, teacher: Any) -> Optional[tuple[in
     return None
 
 
-def check_teacher_tokenizer(cfg: RunConfig, student_tokenizer: Any) -> None:
+def check_teacher_tokenizer(teacher: TeacherConfig, student_tokenizer: Any) -> None:
     """The teacher scores the student's token ids, so both must mean the same token by each id."""
     try:
-        teacher_tokenizer = load_tokenizer(resolve_model_dir(cfg.teacher.path))
+        teacher_tokenizer = load_tokenizer(resolve_model_dir(teacher.path))
     except (OSError, ValueError) as exc:
         raise teacher_error(exc, "point teacher.path at an HF model directory with tokenizer files") from None
     diff = first_vocabulary_difference(student_tokenizer, teacher_tokenizer)
     if diff is not None:
         token_id, ours, theirs = diff
-        raise UserError(f"teacher.path {cfg.teacher.path!r}: the teacher's tokenizer differs from the student's "
+        raise UserError(f"teacher.path {teacher.path!r}: the teacher's tokenizer differs from the student's "
                         f"first at id {token_id} (student {ours!r}, teacher {theirs!r}); the teacher scores the "
                         "student's token ids, so use a teacher with the student's tokenizer (the same model family)")
-    qcfg = teacher_architecture(cfg)
+    qcfg = teacher_architecture(teacher)
     try:
         qcfg.check_tokenizer_fits(len(student_tokenizer), "use a teacher whose embedding covers the tokenizer")
     except ValueError as exc:
         raise teacher_error(exc, "or pick another teacher") from None
 
 
-def teacher_rules(cfg: RunConfig, strategy: Any) -> list:
+def teacher_rules(teacher: TeacherConfig, strategy: Any) -> list:
     """The policy's parameter rules (sharded), or every logical axis on no mesh axis (replicated)."""
-    if cfg.teacher.placement == "sharded":
+    if teacher.placement == "sharded":
         return list(strategy.param_rules)
     return [(name, None) for name, _ in strategy.param_rules]
 
 
-def prepare_teacher_model(cfg: RunConfig, model: Any, mesh: Mesh, strategy: Any) -> Any:
-    """`model` with the policy's activation sharding and attention for the teacher's dtype."""
+def prepare_teacher_model(teacher: TeacherConfig, attention: str, model: Any, mesh: Mesh, strategy: Any) -> Any:
+    """`model` with the policy's activation sharding and `attention` (model.attention) for the teacher's dtype."""
     model.set_activation_sharding(mesh, strategy.activation_rules)
     try:
-        model.set_attention(resolve_attention(cfg.model.attention, cfg.teacher.dtype, mesh.devices.flat[0].platform))
+        model.set_attention(resolve_attention(attention, teacher.dtype, mesh.devices.flat[0].platform))
     except ValueError as exc:
         raise UserError(f"model.attention for the teacher: {exc}; or set teacher.dtype=bfloat16") from None
     return model
 
 
-def load_teacher(cfg: RunConfig, mesh: Mesh, strategy: Any, loss_impl: Any) -> Teacher:
-    """The teacher's weights straight onto the mesh in teacher.dtype (frozen: only run forward)."""
+def load_teacher(teacher: TeacherConfig, model_cfg: ModelConfig, mesh: Mesh, strategy: Any, loss_impl: Any,
+                 temperature: float) -> Teacher:
+    """The teacher's weights straight onto the mesh in teacher.dtype (frozen: only run forward),
+    laid out (model.scan_layers) and attending (model.attention) as the policy does; it scores
+    at the sampling `temperature`."""
     try:
-        model = load_pretrained(cfg.teacher.path, dtype=cfg.teacher.dtype, mesh=mesh,
-                                rules=teacher_rules(cfg, strategy), scan_layers=cfg.model.scan_layers)
+        model = load_pretrained(teacher.path, dtype=teacher.dtype, mesh=mesh,
+                                rules=teacher_rules(teacher, strategy), scan_layers=model_cfg.scan_layers)
     except (OSError, ValueError) as exc:
         raise teacher_error(exc, "re-download or re-export the teacher") from None
-    model = prepare_teacher_model(cfg, model, mesh, strategy)
+    model = prepare_teacher_model(teacher, model_cfg.attention, model, mesh, strategy)
     graphdef, params = nnx.split(model)
-    return Teacher(model.config, graphdef, params, make_score(graphdef, loss_impl, cfg.rollout.temperature))
+    return Teacher(model.config, graphdef, params, make_score(graphdef, loss_impl, temperature))
 
 
-def abstract_teacher(cfg: RunConfig, mesh: Mesh, strategy: Any, loss_impl: Any) -> Teacher:
+def abstract_teacher(teacher: TeacherConfig, model_cfg: ModelConfig, mesh: Mesh, strategy: Any, loss_impl: Any,
+                     temperature: float) -> Teacher:
     """The plan's teacher: its params as sharded shapes only, placed as load_teacher places them."""
-    qcfg = teacher_architecture(cfg, planning=True)
-    model = prepare_teacher_model(cfg, abstract_model(qcfg, resolve_dtype(cfg.teacher.dtype), "none",
-                                                      cfg.model.scan_layers), mesh, strategy)
+    qcfg = teacher_architecture(teacher, planning=True)
+    model = prepare_teacher_model(teacher, model_cfg.attention, abstract_model(
+        qcfg, resolve_dtype(teacher.dtype), "none", model_cfg.scan_layers), mesh, strategy)
     graphdef, state = nnx.split(model)
-    shardings = param_shardings(state, mesh, teacher_rules(cfg, strategy))
+    shardings = param_shardings(state, mesh, teacher_rules(teacher, strategy))
     params = jax.tree.map(lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
                           state, shardings)
-    return Teacher(qcfg, graphdef, params, make_score(graphdef, loss_impl, cfg.rollout.temperature))
+    return Teacher(qcfg, graphdef, params, make_score(graphdef, loss_impl, temperature))
 
 
 class TeacherScoring:
     """The loop's side of distillation: scores a batch with the teacher and turns the scores
     into token-level advantages; `check(name, jitted, *args, **kw)` is the run's memory check."""
 
-    def __init__(self, teacher: Teacher, cfg: RunConfig, check: Callable[..., None]):
-        self.teacher, self.cfg, self.check = teacher, cfg.teacher, check
+    def __init__(self, teacher: Teacher, teacher_cfg: TeacherConfig, check: Callable[..., None]):
+        self.teacher, self.cfg, self.check = teacher, teacher_cfg, check
 
     def logps(self, input_ids, attention_mask, targets, width: int) -> jax.Array:
         """log q of every target token [N, C] float32, at the sampling temperature."""

@@ -69,7 +69,7 @@ def plan_command(cfg: RunConfig, registry: Registry, sweep: Optional[str] = None
     check_sweep_field(sweep)
     parsed = parse_target(target) if target is not None else None
     parsed = with_chip(parsed, chip) if parsed and chip else parsed
-    lengths = completion_lengths(cfg, expect_tokens)
+    lengths = completion_lengths(cfg.rollout.max_new_tokens, expect_tokens)
     with memory_minimizing_cpu_scheduler():
         capacity = device_capacity(capacity_gib, parsed)
         if sweep == "model.remat":
@@ -80,9 +80,9 @@ def plan_command(cfg: RunConfig, registry: Registry, sweep: Optional[str] = None
         return plan_once(inputs, capacity, parsed.generation if parsed else None, lengths)
 
 
-def completion_lengths(cfg: RunConfig, expect_tokens: Optional[int]) -> tuple[int, ...]:
-    """The completion lengths a projection is given for: the maximum, and the expected one if asked."""
-    most = cfg.rollout.max_new_tokens
+def completion_lengths(most: int, expect_tokens: Optional[int]) -> tuple[int, ...]:
+    """The completion lengths a projection is given for: the maximum (rollout.max_new_tokens), and
+    the expected one if asked."""
     if expect_tokens is not None and not 1 <= expect_tokens <= most:
         raise UserError(f"--expect-completion-tokens {expect_tokens} must be between 1 and rollout.max_new_tokens "
                         f"({most}); give the mean completion length you expect")

@@ -13,7 +13,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from grpo_core.config import RunConfig
+from grpo_core.config import ModelConfig, RunConfig
 from grpo_core.contracts import PlannableRollout, RolloutWidths
 from grpo_core.errors import UserError
 from grpo_core.models import QwenConfig, lora
@@ -91,29 +91,26 @@ def abstract_array(shape: tuple[int, ...], dtype: Any, sharding: NamedSharding) 
     return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
 
 
-def abstract_run_model(cfg: RunConfig, qcfg: QwenConfig, mesh: Mesh, strategy: Any,
-                       with_adapters: bool = False) -> tuple[nnx.GraphDef, Any]:
-    """(graphdef, abstract params) of the sharded model (with the LoRA adapters when asked),
-    built by shape evaluation only and sharded as build.build_model shards the real one."""
-    model = (abstract_lora_model(cfg, qcfg) if with_adapters
-             else abstract_model(qcfg, storage_dtype(cfg), cfg.model.remat, cfg.model.scan_layers))
+def abstract_run_model(model: nnx.Module, attention: str, mesh: Mesh, strategy: Any) -> tuple[nnx.GraphDef, Any]:
+    """(graphdef, abstract params) of `model` (built by shape evaluation only, with or without
+    LoRA adapters), sharded and attending (build.attention_impl) as build.build_model makes the real one."""
     model.set_activation_sharding(mesh, strategy.activation_rules)
-    model.set_attention(attention_impl(cfg, mesh))
+    model.set_attention(attention)
     graphdef, state = nnx.split(model)
     shardings = param_shardings(state, mesh, strategy.param_rules)
     return graphdef, jax.tree.map(lambda leaf, sharding: abstract_array(leaf.shape, leaf.dtype, sharding),
                                   state, shardings)
 
 
-def abstract_trained(cfg: RunConfig, qcfg: QwenConfig, mesh: Mesh, strategy: Any) -> tuple[PolicyModel, Any]:
+def abstract_trained(base: nnx.Module, adapted: Optional[nnx.Module], spec: Optional[lora.LoRASpec], attention: str,
+                     mesh: Mesh, strategy: Any, dtype: Any) -> tuple[PolicyModel, Any]:
     """(policy model, abstract trained params), as `policy.policy_model` decides for the run: a LoRA
-    run trains the adapters of the model with them, its base frozen (merged for the rollout, as the
-    run decides when it fits)."""
-    graphdef, params = abstract_run_model(cfg, qcfg, mesh, strategy)
-    spec, dtype = lora_spec(cfg), compute_dtype(cfg)
+    run (`spec`) trains the adapters of `adapted` (the base with them), its base frozen (merged for
+    the rollout, as the run decides when it fits)."""
+    graphdef, params = abstract_run_model(base, attention, mesh, strategy)
     if spec is None:
         return FullPolicy(graphdef, params, dtype), params
-    train_graphdef, state = abstract_run_model(cfg, qcfg, mesh, strategy, with_adapters=True)
+    train_graphdef, state = abstract_run_model(adapted, attention, mesh, strategy)
     policy = LoRAPolicy(spec, graphdef, train_graphdef, params, fingerprint={}, merge=None, compute_dtype=dtype)
     return policy, lora.split_adapters(state)[0]
 
@@ -137,14 +134,14 @@ def abstract_key(mesh: Mesh) -> jax.ShapeDtypeStruct:
     return abstract_array(key.shape, key.dtype, replicated(mesh))
 
 
-def plan_architecture(cfg: RunConfig) -> QwenConfig:
+def plan_architecture(model_cfg: ModelConfig) -> QwenConfig:
     """A local model dir or the built-in table for `model.path`, the config's
     `model.architecture` (sized to the tokenizer) otherwise."""
-    path = cfg.model.path
+    path = model_cfg.path
     if path is None:
-        return model_config(cfg, build_tokenizer(cfg))
+        return model_config(model_cfg, build_tokenizer(model_cfg))
     if os.path.isdir(path):
-        return model_config(cfg, None)
+        return model_config(model_cfg, None)
     known = hub_architecture(path)
     if known is None:
         raise UserError(f"model.path {path!r} is not a local directory and its architecture is not built in "
@@ -171,23 +168,27 @@ def target_layout(devices: list) -> ProcessLayout:
 def abstract_run(cfg: RunConfig, registry: Registry, devices: Optional[list] = None,
                  qcfg: Optional[QwenConfig] = None) -> BuiltRun:
     """The run's abstract twin on `devices` (default: this host's) for model config `qcfg`
-    (default: `plan_architecture(cfg)`): the same plugins and jitted functions, on a model and
+    (default: `plan_architecture(cfg.model)`): the same plugins and jitted functions, on a model and
     optimizer state of shapes only (no weights, tokenizer or data)."""
     layout = setup_processes(cfg.mesh) if devices is None else target_layout(devices)
     resolved = build_mesh_from_config(cfg.mesh, registry.mesh, devices)
     mesh = resolved.mesh
-    qcfg = plan_architecture(cfg) if qcfg is None else qcfg
-    check_lengths(cfg, qcfg)
+    qcfg = plan_architecture(cfg.model) if qcfg is None else qcfg
+    check_lengths(cfg.rollout, cfg.eval, qcfg)
     local_prompt_count(cfg.rollout.prompts_per_step, layout.process_count)  # the prompts split over the hosts
-    preflight(cfg, mesh, qcfg, devices)
-    policy, params = abstract_trained(cfg, qcfg, mesh, resolved.strategy)
+    preflight(cfg.rollout, cfg.train, mesh, qcfg, devices)
+    spec = lora_spec(cfg)
+    base = abstract_model(qcfg, storage_dtype(cfg), cfg.model.remat, cfg.model.scan_layers)
+    policy, params = abstract_trained(base, None if spec is None else abstract_lora_model(cfg, qcfg), spec,
+                                      attention_impl(cfg.model, mesh), mesh, resolved.strategy, compute_dtype(cfg))
     plugins, optimizer = build_plugins(cfg, registry, mesh), run_optimizer(cfg)
     state = TrainState(params, abstract_opt_state(optimizer[1], params, mesh), abstract_key(mesh))
-    teacher = abstract_teacher(cfg, mesh, resolved.strategy, plugins.loss_impl) if cfg.teacher.path else None
+    teacher = (abstract_teacher(cfg.teacher, cfg.model, mesh, resolved.strategy, plugins.loss_impl,
+                                cfg.rollout.temperature) if cfg.teacher.path else None)
     # stop ids change no buffer: the plan needs no tokenizer for them; the rollout is decided
     # later, against the planned capacity (phases.decide_lora_rollout)
     return assemble(cfg, RunPlace(registry, layout, mesh, qcfg, policy), state, plugins, optimizer,
-                    (sampling_params(cfg, ()), sampling_params(cfg, (), for_eval=True)), teacher=teacher)
+                    (sampling_params(cfg.rollout, ()), sampling_params(cfg.rollout, (), cfg.eval)), teacher=teacher)
 
 
 def build_plan_inputs(cfg: RunConfig, registry: Registry, target: Optional[Target] = None) -> PlanInputs:
@@ -221,7 +222,7 @@ def train_widths(inputs: PlanInputs) -> tuple[int, int]:
 def abstract_update_batch(inputs: PlanInputs) -> UpdateBatch:
     """The widest UpdateBatch of a step, as the loop builds it (see loop.Trainer.update_batch)."""
     cfg, mesh = inputs.run.cfg, inputs.run.mesh
-    rows, (prompt_w, completion_w) = rows_per_step(cfg), train_widths(inputs)
+    rows, (prompt_w, completion_w) = rows_per_step(cfg.rollout), train_widths(inputs)
     tokens = lambda dtype, width: abstract_array((rows, width), dtype, train_batch_sharding(mesh))  # noqa: E731
     return UpdateBatch(
         input_ids=tokens(jnp.int32, prompt_w + completion_w), attention_mask=tokens(jnp.int32, prompt_w + completion_w),

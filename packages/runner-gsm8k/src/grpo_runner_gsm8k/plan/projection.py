@@ -23,6 +23,7 @@ import dataclasses
 from dataclasses import asdict, dataclass
 from typing import Optional
 
+from grpo_core.config import ModelConfig
 from grpo_core.models import QwenConfig
 
 from grpo_runner_gsm8k.build import attention_impl, micro_batches, rows_per_step
@@ -73,11 +74,11 @@ def kernel_attention_flops(inputs: PlanInputs, phase: PhaseMemory) -> float:
     run, cfg = inputs.run, inputs.run.cfg
     passes = {"log-probs": 1.0, TEACHER_PHASE: 1.0,
               "train step": SPLASH_TRAIN_PASSES + (cfg.model.remat != "none")}.get(phase.name, 0.0)
-    if not passes or not phase.cost.custom_calls or attention_impl(cfg, run.mesh) not in KERNEL_ATTENTION:
+    if not passes or not phase.cost.custom_calls or attention_impl(cfg.model, run.mesh) not in KERNEL_ATTENTION:
         return 0.0
     padded = -(-sum(train_widths(inputs)) // 128) * 128  # splash pads the sequence to 128s
     model = run.teacher.qcfg if phase.name == TEACHER_PHASE else run.qcfg
-    return passes * attention_flops(model, rows_per_step(cfg), padded) / run.mesh.size
+    return passes * attention_flops(model, rows_per_step(cfg.rollout), padded) / run.mesh.size
 
 
 def phase_time(inputs: PlanInputs, chip: Generation, phase: PhaseMemory) -> PhaseTime:
@@ -118,10 +119,10 @@ class Projection:
         return self.model_update_flops / (update * self.chip.peak_tflops * 1e12 * self.chips)
 
 
-def model_update_passes(cfg) -> int:
+def model_update_passes(model_cfg: ModelConfig) -> int:
     """Forward passes worth of model FLOPs in an update: forward + a backward of twice that, or,
     for a frozen (LoRA) base, a backward of activation gradients only (adapters left out)."""
-    return 2 if cfg.model.lora.rank else 3
+    return 2 if model_cfg.lora.rank else 3
 
 
 def project(inputs: PlanInputs, chip: Generation, phases: list[PhaseMemory]) -> Optional[Projection]:
@@ -130,9 +131,9 @@ def project(inputs: PlanInputs, chip: Generation, phases: list[PhaseMemory]) -> 
         return None
     cfg, mesh = inputs.run.cfg, inputs.run.mesh
     prompt_w, completion_w = train_widths(inputs)
-    rows = rows_per_step(cfg)
-    model = model_update_passes(cfg) * forward_flops(inputs.run.qcfg, rows, prompt_w + completion_w, completion_w)
-    return Projection(chip, mesh.size, rows, micro_batches(cfg, mesh), cfg.train.ppo_epochs,
+    rows = rows_per_step(cfg.rollout)
+    model = model_update_passes(cfg.model) * forward_flops(inputs.run.qcfg, rows, prompt_w + completion_w, completion_w)
+    return Projection(chip, mesh.size, rows, micro_batches(cfg.rollout, cfg.train, mesh), cfg.train.ppo_epochs,
                       {p.name: phase_time(inputs, chip, p) for p in phases}, model)
 
 

@@ -11,12 +11,12 @@ from grpo_core.config import RunConfig
 from grpo_core.errors import UserError
 from grpo_core.registry import Registry
 
-from grpo_runner_gsm8k.plan.abstract import build_plan_inputs
+from grpo_runner_gsm8k.plan.abstract import PlanInputs, build_plan_inputs
 from grpo_runner_gsm8k.costs.capacity import GIB, Capacity
 from grpo_runner_gsm8k.costs.memory import EXIT_DOES_NOT_FIT, PhaseMemory, peak
 from grpo_runner_gsm8k.plan.phases import decide_lora_rollout, fixed_phases, train_phase
 from grpo_runner_gsm8k.plan.projection import phase_time
-from grpo_runner_gsm8k.tpu_target import Target
+from grpo_runner_gsm8k.tpu_target import Generation, Target
 
 REMAT_POLICIES = ("none", "dots", "full")
 
@@ -25,12 +25,11 @@ def with_remat(cfg: RunConfig, policy: str) -> RunConfig:
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, remat=policy))
 
 
-def remat_trial(cfg: RunConfig, registry: Registry, target: Target,
-                policy: str) -> tuple[PhaseMemory, Optional[float]]:
-    """(train step memory, projected update seconds or None when the compiler refused it)."""
-    inputs = build_plan_inputs(with_remat(cfg, policy), registry, target)
-    phase = train_phase(inputs, cfg.train.micro_batch_size_per_device)
-    return phase, None if phase.cost is None else phase_time(inputs, target.generation, phase).seconds
+def remat_trial(inputs: PlanInputs, chip: Generation) -> tuple[PhaseMemory, Optional[float]]:
+    """(train step memory, projected update seconds on `chip`, or None when the compiler refused it)
+    of the plan `inputs` built with one remat policy."""
+    phase = train_phase(inputs, inputs.run.cfg.train.micro_batch_size_per_device)
+    return phase, None if phase.cost is None else phase_time(inputs, chip, phase).seconds
 
 
 def sweep_remat(cfg: RunConfig, registry: Registry, target: Optional[Target], capacity: Capacity) -> int:
@@ -42,7 +41,7 @@ def sweep_remat(cfg: RunConfig, registry: Registry, target: Optional[Target], ca
           f"rollout peak {rollout.total / GIB:.3f} GiB; update time projected (lower bound, not a measurement)")
     tried = {}
     for policy in REMAT_POLICIES:
-        phase, seconds = remat_trial(cfg, registry, target, policy)
+        phase, seconds = remat_trial(build_plan_inputs(with_remat(cfg, policy), registry, target), target.generation)
         fits = seconds is not None and max(phase.total, rollout.total) <= capacity.bytes
         tried[policy] = {"train_step_gib": round(phase.total / GIB, 4), "update_seconds": seconds, "fits": fits}
         print(f"  model.remat={policy}: train step {phase.total / GIB:.3f} GiB, update "

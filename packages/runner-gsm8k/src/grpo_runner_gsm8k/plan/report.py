@@ -31,9 +31,9 @@ def table_lines(phases: list[PhaseMemory]) -> list[str]:
 def header_lines(inputs: PlanInputs) -> list[str]:
     cfg, mesh, q = inputs.run.cfg, inputs.run.mesh, inputs.run.qcfg
     params = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(inputs.params))
-    rows, (prompt_w, completion_w) = rows_per_step(cfg), train_widths(inputs)
+    rows, (prompt_w, completion_w) = rows_per_step(cfg.rollout), train_widths(inputs)
     data_devices = batch_shard_count(mesh, TRAIN_BATCH_AXES)
-    micro = micro_batches(cfg, mesh)
+    micro = micro_batches(cfg.rollout, cfg.train, mesh)
     return [
         f"model: {q.model_type}, {trained_line(inputs, params)}, {cfg.model.dtype} "
         f"compute, {cfg.train.moment_dtype} moments, remat={cfg.model.remat}; mesh "

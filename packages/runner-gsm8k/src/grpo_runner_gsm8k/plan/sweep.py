@@ -24,7 +24,7 @@ SWEEP_FIELDS = ("micro_batch_size_per_device", "model.remat")
 def micro_batch_candidates(inputs: PlanInputs) -> list[int]:
     """Valid micro_batch_size_per_device values: divisors of the rows each data device holds."""
     mesh = inputs.run.mesh
-    per_device = rows_per_step(inputs.run.cfg) // batch_shard_count(mesh, TRAIN_BATCH_AXES)
+    per_device = rows_per_step(inputs.run.cfg.rollout) // batch_shard_count(mesh, TRAIN_BATCH_AXES)
     return [size for size in range(1, per_device + 1) if per_device % size == 0]
 
 
