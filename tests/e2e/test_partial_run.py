@@ -24,7 +24,7 @@ def test_partial_steps_train_complete_groups_and_count_every_prompt_once(trainer
     trainer.run()
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     trained = sum(r["train-rollout/groups"] for r in records)
-    waiting = len(trainer.partial.pool.groups)
+    waiting = len(trainer.sampler.pool.groups)
     assert trainer.built.inputs.task.state()["position"] == trained + waiting
     for r in records:
         assert r["train-rollout/groups"] == 4 and r["train-rollout/rounds"] >= 1
@@ -33,11 +33,11 @@ def test_partial_steps_train_complete_groups_and_count_every_prompt_once(trainer
         assert r["train-other/mismatch_ratio_mean"] is not None
     assert max(r["train-rollout/staleness_max"] for r in records) >= 1  # some tokens were carried
     saved = json.loads((tmp_path / "run" / "checkpoints" / "4" / "meta" / "metadata").read_text())
-    assert saved["carried"] == trainer.partial.pool.state()
+    assert saved["carried"] == trainer.sampler.state()
 
 
 def test_eval_leaves_the_carried_rows_and_the_data_position_alone(trainer):
     trainer.step()
-    before, position = trainer.partial.pool.state(), trainer.built.inputs.task.state()
+    before, position = trainer.sampler.state(), trainer.built.inputs.task.state()
     assert "eval/accuracy" in trainer.evaluate()
-    assert trainer.partial.pool.state() == before and trainer.built.inputs.task.state() == position
+    assert trainer.sampler.state() == before and trainer.built.inputs.task.state() == position

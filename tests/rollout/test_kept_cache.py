@@ -13,7 +13,6 @@ import pytest
 from grpo_core.contracts import Policy
 from grpo_core.models import QwenConfig, init_from_config
 from grpo_core.models.attention import KVCache
-from grpo_core.rollout_records import DecodeTally
 from grpo_rollout import JaxRollout, JaxRolloutOptions, SamplingParams
 from grpo_rollout.kept_cache import compact
 from grpo_rollout.partial import PartialPool
@@ -49,7 +48,7 @@ def run_pool(model, steps: int, restore_at: int, kv_cache: str = "across_steps")
         if version == restore_at:
             pool.restore(json.loads(json.dumps(pool.state())))
             restored = len(rounds)
-        groups += pool.step(generate, draw, jax.random.key(version), version, DecodeTally(), max_groups=2)[0]
+        groups += pool.step(generate, draw, jax.random.key(version), version, max_groups=2)[0]
     return groups, rounds, starts, restored
 
 

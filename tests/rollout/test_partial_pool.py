@@ -52,7 +52,7 @@ def drawer():
 def run_steps(pool, steps, generate, draw, first_version=0):
     taken = []
     for version in range(first_version, first_version + steps):
-        groups, _ = pool.step(generate, draw, jax.random.key(version), version, DecodeTally(), max_groups=2)
+        groups, _ = pool.step(generate, draw, jax.random.key(version), version, max_groups=2)
         taken.append(groups)
     return taken
 
@@ -87,8 +87,10 @@ def test_carried_rows_continue_from_their_tokens_and_record_the_version_of_each(
     generate, calls = fake_generate(stop_p=0.0)  # nothing stops: rows run to MAX_NEW over 4 rounds
     draw, _ = drawer()
     pool = PartialPool(N, N, BUDGET, MAX_NEW)
-    (group,), stats = pool.step(generate, draw, jax.random.key(0), 7, DecodeTally(), max_groups=1)
+    (group,), stats = pool.step(generate, draw, jax.random.key(0), 7, max_groups=1)
     assert stats.rounds == 4 and [len(c[0]) for c in calls] == [1, 4, 7, 10]  # prompt + tokens so far
+    # 4 slots x 3 decode steps x 4 rounds paid for; 3 + 3 + 3 + 1 tokens kept per row
+    assert stats.decode == DecodeTally(decode_steps=12, slot_steps=48, sampled_tokens=40)
     row = group.rows[0]
     assert len(row.tokens) == MAX_NEW and not row.finished and set(row.versions) == {7}
     assert calls[-1][0] == group.prompt + row.tokens[:9]
@@ -98,11 +100,10 @@ def test_rows_older_than_max_staleness_restart_from_their_prompt():
     generate, calls = fake_generate(stop_p=0.0)
     draw, _ = drawer()
     pool = PartialPool(N, N, 1, 3, max_staleness=1)
-    tally = DecodeTally()
     pool.fill(draw)
     for version in range(3):  # one token per version: the rows' first token is 2 versions old at version 2
         restarted = pool.restart_stale(version)
-        pool.decode_round(generate, jax.random.key(version), version, tally)
+        pool.decode_round(generate, jax.random.key(version), version)
     assert restarted == N
     assert all(row.versions == [2] and row.restarts == 1 for row in pool.groups[0].rows)
 
@@ -132,7 +133,7 @@ def test_a_quantile_budget_follows_the_trained_lengths_in_powers_of_two():
     assert pool.round_budget() == 8  # nothing trained yet: the cap
     widths = []
     for version in range(12):
-        pool.step(generate, draw, jax.random.key(version), version, DecodeTally(), max_groups=2)
+        pool.step(generate, draw, jax.random.key(version), version, max_groups=2)
         lengths = np.asarray(pool.recent_lengths)
         assert len(lengths) == min(SLOTS, 2 * N * (version + 1))  # the last `slots` trained rows
         median = float(np.quantile(lengths, 0.5))

@@ -54,7 +54,7 @@ def test_one_step_with_the_calculator(variant, tiny_config, small_run):
     registry = default_registry()
     cfg = tiny_config(*small_run(1), *MULTI_TURN, *VARIANTS[variant], registry=registry)
     trainer = Trainer(build_run(cfg, registry))
-    turns = trainer.multi_turn.turns
+    turns = trainer.sampler.turns
     turns.backend = FirstRowCalls(turns.backend, trainer.built.inputs.tokenizer)
     metrics = trainer.run()
     assert trainer.state.step == 1
@@ -80,7 +80,7 @@ def test_prompts_offer_the_tools_and_are_checked_with_them_at_start(tiny_config,
     overrides = [*small_run(1), *MULTI_TURN, f"model.tokenizer={tmp_path / 'tokenizer'}"]
     trainer = Trainer(build_run(tiny_config(*overrides, "rollout.max_prompt_length=64", registry=registry), registry))
     examples = trainer.built.inputs.task.train_batch(2)
-    prompts = [tokenizer.decode(ids, skip_special_tokens=False) for ids in trainer.multi_turn.prompt_ids(examples)]
+    prompts = [tokenizer.decode(ids, skip_special_tokens=False) for ids in trainer.sampler.prompt_ids(examples)]
     assert all(p.startswith("<|im_start|>system\nTools: calculator<|im_end|>") for p in prompts)
     with pytest.raises(UserError, match=r"tokens with the tools offered, more than rollout.max_prompt_length=40"):
         Trainer(build_run(tiny_config(*overrides, registry=registry), registry))

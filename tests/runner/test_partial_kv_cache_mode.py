@@ -7,7 +7,7 @@ import pytest
 
 from grpo_core.errors import UserError
 from grpo_rollout import JaxRollout
-from grpo_runner_gsm8k.partial_step import kv_cache_mode
+from grpo_runner_gsm8k.samplers.partial import kv_cache_mode
 
 
 class ReprefillOnly:

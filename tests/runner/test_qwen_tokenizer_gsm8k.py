@@ -15,7 +15,8 @@ import pytest
 
 from grpo_core.config_io import load_config, plugin_options
 from grpo_core.registry import default_registry
-from grpo_runner_gsm8k.build import prompt_token_ids, sampling_params, stop_token_ids
+from grpo_runner_gsm8k.build import sampling_params, stop_token_ids
+from grpo_runner_gsm8k.tokens import prompt_token_ids
 from grpo_runner_gsm8k.scoring import score
 from grpo_runner_gsm8k.tasks.gsm8k import Gsm8kOptions, Gsm8kTask, final_answer, read_jsonl
 
@@ -58,8 +59,8 @@ def test_every_gsm8k_prompt_fits_the_presets_max_prompt_length(preset, tokenizer
     task = preset_task(cfg)
     examples = task.train_examples() + task.test_examples()
     assert len(examples) == 8_792
-    lengths = [len(row) for row in prompt_token_ids(tokenizer, task.use_chat_template, examples,
-                                                    system_prompt=system_prompt_of(cfg), max_length=10**6)]
+    lengths = [len(row) for row in prompt_token_ids(tokenizer, examples, use_chat_template=task.use_chat_template,
+                                                    system_prompt=system_prompt_of(cfg), max_prompt_length=10**6)]
     with capsys.disabled():
         print(f"\n{preset.name}: longest prompt {max(lengths)} tokens, max_prompt_length "
               f"{cfg.rollout.max_prompt_length}")

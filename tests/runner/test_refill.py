@@ -4,11 +4,9 @@ import numpy as np
 import pytest
 
 from grpo_core.contracts import CompletionText
-from grpo_core.rollout_records import RolloutResult
-from grpo_runner_gsm8k.refill import (Sampled, merge_results, merge_scores, needs_more, pick_groups,
-                                      refill_metrics)
+from grpo_core.rollout_records import RolloutResult, Sampled, Scores
 from grpo_runner_gsm8k.rewards import OverlongOptions, overlong_penalty, overlong_reward
-from grpo_runner_gsm8k.scoring import Scores
+from grpo_runner_gsm8k.samplers.refill import merge_results, merge_scores, needs_more, pick_groups, refill_metrics
 
 N = 2  # samples per prompt
 

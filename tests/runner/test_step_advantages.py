@@ -10,7 +10,7 @@ from grpo_core.config import LossConfig
 from grpo_core.registry import default_registry
 from grpo_losses import compute_advantages
 from grpo_runner_gsm8k.advantages import step_advantages
-from grpo_runner_gsm8k.refill import informative
+from grpo_runner_gsm8k.samplers.refill import informative
 from grpo_runner_gsm8k.scoring import Scores
 
 

@@ -3,11 +3,10 @@ function, task, advantage estimator), typed, so that a plugin package providing 
 `grpo-core` alone. A spec's factory (`grpo_core.specs`) builds the object a protocol here
 describes; members a plugin may leave out are their own protocols, checked with `isinstance`.
 
-The multi-turn kinds, `Tool` and `Environment`, live in `grpo_core.multi_turn` and are
-importable from here like the others.
+The multi-turn kinds (`Tool`, `Environment`: grpo_core.multi_turn) and the `StepSampler` the loop drives
+(grpo_core.step_samplers) live in their own modules and are importable from here like the others.
 
-The built-in implementations are in grpo_losses, grpo_meshes, grpo_rollout and
-grpo_runner_gsm8k; the examples in `examples/hooks/` implement each from scratch.
+Built-in implementations: grpo_losses, grpo_meshes, grpo_rollout, grpo_runner_gsm8k; `examples/hooks/` has each anew.
 """
 
 from __future__ import annotations
@@ -21,7 +20,8 @@ from jax.sharding import Mesh, NamedSharding
 
 from grpo_core.advantage_records import AdvantageResult, AdvantageSetup, StepRewards
 from grpo_core.multi_turn import Environment, EnvironmentStep, Tool, ToolError  # noqa: F401 (re-exported)
-from grpo_core.rollout_records import RolloutResult, TrainBatch
+from grpo_core.rollout_records import RolloutResult, Sampled, Scores, TrainBatch  # noqa: F401 (re-exported)
+from grpo_core.step_samplers import CarryingSampler, StepSampler, loaded  # noqa: F401 (re-exported)
 
 Array = jax.Array
 

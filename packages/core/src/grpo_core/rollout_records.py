@@ -1,9 +1,11 @@
-"""What a rollout returns, and the trimmed training batch built from it."""
+"""What a rollout returns, the trimmed training batch built from it, and the scored groups a
+step sampler returns (`Sampled`, see grpo_core.step_samplers)."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -107,6 +109,23 @@ def trim_batch(result: RolloutResult, bucket: int = DEFAULT_TRIM_BUCKET) -> Trai
     )
 
 
+class Scores(NamedTuple):
+    """The rewards of a step's rows: weighted total, unweighted per-function values, failure counts."""
+
+    total: np.ndarray                 # [N] float32, sum of weight * per_fn
+    per_fn: dict[str, np.ndarray]     # name -> [N] float32
+    errors: dict[str, int]            # name -> samples whose reward could not be computed
+
+
+class Sampled(NamedTuple):
+    """The groups a step trains on (what a `StepSampler` returns first): the prompts' examples,
+    the rollout of their rows (group g is rows g*n .. g*n+n-1) and the rows' scores."""
+
+    examples: list
+    result: RolloutResult
+    scores: Scores
+
+
 # ---- waste of a rollout: what the decode loop ran against what it kept ----------------
 @dataclass
 class DecodeTally:
@@ -131,6 +150,17 @@ class DecodeTally:
         """A rollout that decodes until its last row stops: max(lengths) decode steps."""
         lengths = np.asarray(lengths)
         self.add(lengths.shape[0], int(lengths.max(initial=0)), int(lengths.sum()))
+
+    @classmethod
+    def synchronous(cls, lengths: np.ndarray) -> "DecodeTally":
+        """The tally of one synchronous rollout of rows with these completion lengths."""
+        tally = cls()
+        tally.add_synchronous(lengths)
+        return tally
+
+    def __add__(self, other: "DecodeTally") -> "DecodeTally":
+        return DecodeTally(self.decode_steps + other.decode_steps, self.slot_steps + other.slot_steps,
+                           self.sampled_tokens + other.sampled_tokens)
 
 
 def waste_metrics(tally: DecodeTally, kept_lengths: np.ndarray, prefix: str = "train-rollout/") -> dict:

@@ -89,28 +89,31 @@ def interleaved(args, sides: dict) -> dict[str, dict[str, Any]]:
         for name, one_step in sides.items():
             timed = step >= args.warmup
             start = time.perf_counter()
-            tokens = one_step(step, tallies[name] if timed else DecodeTally())
+            tokens, work = one_step(step)
             if timed:
                 seconds[name] += time.perf_counter() - start
                 kept[name] += tokens
+                tallies[name] += work
     return {name: side_record(tallies[name], kept[name], seconds[name], args.steps) for name in sides}
 
 
 def synchronous_stepper(args, rollout, sampling, jax):
-    """step(index, tally) -> completion tokens kept: fresh prompts, every row to its end."""
+    """step(index) -> (completion tokens kept, decode work): fresh prompts, every row to its end."""
+    from grpo_core.rollout_records import DecodeTally
+
     _, prompt = prompt_source(args)
 
-    def one_step(step: int, tally) -> int:
+    def one_step(step: int) -> tuple[int, DecodeTally]:
         result = rollout.generate([prompt() for _ in range(args.batch // args.n)], jax.random.key(step), sampling)
         lengths = np.asarray(result.lengths)
-        tally.add_synchronous(lengths)
-        return int(lengths.sum())
+        return int(lengths.sum()), DecodeTally.synchronous(lengths)
     return one_step
 
 
 def partial_stepper(args, rollout, round_sampling, jax, kv_cache: str):
-    """step(index, tally) -> completion tokens kept: the complete groups of one partial step
+    """step(index) -> (completion tokens kept, decode work): the complete groups of one partial step
     (carried rows re-prefilled, or continued from their kept KV cache: rollout.partial.kv_cache)."""
+    from grpo_core.rollout_records import DecodeTally
     from grpo_rollout.partial import PartialPool
 
     draw, _ = prompt_source(args)
@@ -124,9 +127,9 @@ def partial_stepper(args, rollout, round_sampling, jax, kv_cache: str):
     pool = PartialPool(args.batch, args.n, args.partial_budget, args.new_tokens,
                        budget_quantile=args.partial_quantile, kv_cache=kv_cache)
 
-    def one_step(step: int, tally) -> int:
-        groups, _ = pool.step(generate, draw, jax.random.key(step), step, tally, args.batch // args.n)
-        return sum(len(row.tokens) for group in groups for row in group.rows)
+    def one_step(step: int) -> tuple[int, DecodeTally]:
+        groups, stats = pool.step(generate, draw, jax.random.key(step), step, args.batch // args.n)
+        return sum(len(row.tokens) for group in groups for row in group.rows), stats.decode
     return one_step
 
 

@@ -74,8 +74,11 @@ class CarriedGroup:
 
 @dataclass(frozen=True)
 class RoundStats:
+    """What one `PartialPool.step` did: rows restarted, rounds run and their decode work."""
+
     restarted: int = 0
     rounds: int = 0
+    decode: DecodeTally = field(default_factory=DecodeTally)
 
 
 class PartialPool:
@@ -95,20 +98,20 @@ class PartialPool:
         self.next_group = 0
 
     # ---- one training step ------------------------------------------------------------
-    def step(self, generate: Generate, draw: Draw, key: Any, version: int, tally: DecodeTally,
+    def step(self, generate: Generate, draw: Draw, key: Any, version: int,
              max_groups: int) -> tuple[list[CarriedGroup], RoundStats]:
         """Rounds of at most `budget` decode steps until `max_groups` groups are complete; returns
         those groups (oldest first), which leave the pool. Every step trains as many groups as a
         synchronous step would; rows still running when they are complete are carried."""
-        restarted = 0
+        restarted, decode = 0, DecodeTally()
         if self.kv_cache == "within_step":  # new weights: every carried row is prefilled under them
             self.cached = [False] * len(self.slots)
         for round_index in itertools.count():
             self.fill(draw)
             restarted += self.restart_stale(version)
-            self.decode_round(generate, jax.random.fold_in(key, round_index), version, tally)
+            decode += self.decode_round(generate, jax.random.fold_in(key, round_index), version)
             if sum(group.complete for group in self.groups.values()) >= max_groups:
-                return self.take_complete(max_groups), RoundStats(restarted, round_index + 1)
+                return self.take_complete(max_groups), RoundStats(restarted, round_index + 1, decode)
         raise AssertionError("unreachable")
 
     def fill(self, draw: Draw) -> None:
@@ -148,8 +151,9 @@ class PartialPool:
         length = float(np.quantile(np.asarray(self.recent_lengths), self.budget_quantile))
         return min(self.budget, 1 << max(0, math.ceil(math.log2(max(length, 1.0)))))
 
-    def decode_round(self, generate: Generate, key: Any, version: int, tally: DecodeTally) -> None:
-        """Every slot decodes up to `round_budget()` tokens from its prompt + tokens so far."""
+    def decode_round(self, generate: Generate, key: Any, version: int) -> DecodeTally:
+        """Every slot decodes up to `round_budget()` tokens from its prompt + tokens so far;
+        returns the round's decode work."""
         owners = list(self.slots)
         prefixes = [self.groups[g].prompt + self.row((g, k)).tokens for g, k in owners]
         result = generate(prefixes, key, self.round_budget(), list(self.cached))
@@ -158,7 +162,9 @@ class PartialPool:
         tokens, logps = np.asarray(result.completion_ids), np.asarray(result.sampler_logps)
         kept = [self.extend(self.row(o), tokens[i, :lengths[i]], logps[i, :lengths[i]], bool(finished[i]), version)
                 for i, o in enumerate(owners)]
-        tally.add(len(owners), int(lengths.max(initial=0)), sum(kept))
+        work = DecodeTally()
+        work.add(len(owners), int(lengths.max(initial=0)), sum(kept))
+        return work
 
     def extend(self, row: CarriedRow, tokens: np.ndarray, logps: np.ndarray, stopped: bool, version: int) -> int:
         """Appends a round's tokens (no more than max_new_tokens in all); returns how many."""

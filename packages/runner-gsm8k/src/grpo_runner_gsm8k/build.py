@@ -32,7 +32,7 @@ from grpo_runner_gsm8k.adapters import check_lora_fits
 from grpo_runner_gsm8k.multihost import local_prompt_count
 from grpo_runner_gsm8k.multi_turn_inputs import check_multi_turn_inputs
 from grpo_runner_gsm8k.teacher import check_teacher_tokenizer
-from grpo_runner_gsm8k.tasks.base import render_prompt
+from grpo_runner_gsm8k.tokens import prompt_token_ids
 
 
 def _input_error(key: str, exc: Exception, fix: str) -> UserError:
@@ -180,22 +180,6 @@ def check_lengths(rollout: RolloutConfig, eval_cfg: EvalConfig, qcfg: QwenConfig
                         f"{qcfg.max_position_embeddings}; lower {new_tokens_key} or rollout.max_prompt_length")
 
 
-def prompt_token_ids(tokenizer: Any, use_chat_template: bool, examples: list, *, system_prompt: Optional[str],
-                     max_length: int) -> list[list[int]]:
-    """Token ids of the rendered prompts (task.system_prompt first); one longer than
-    `max_length` (rollout.max_prompt_length) is a UserError."""
-    try:
-        texts = [render_prompt(tokenizer, ex, system_prompt, use_chat_template) for ex in examples]
-    except ValueError as exc:  # a tokenizer without a chat template
-        raise _input_error("task.options.use_chat_template", exc, "or use a tokenizer with a chat template") from None
-    ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
-    for ex, row in zip(examples, ids):
-        if len(row) > max_length:
-            raise UserError(f"prompt of example {ex.id or ex.question[:40]!r} has {len(row)} tokens, more than "
-                            f"rollout.max_prompt_length={max_length}; raise rollout.max_prompt_length")
-    return ids
-
-
 def prompts_to_check(eval_cfg: EvalConfig, task: Any, prompts_per_process: int) -> list:
     """The whole train split when the task can list it (`train_examples()`, a finite data set),
     else the first train batch (the task's position is left unchanged); plus the eval questions."""
@@ -215,8 +199,8 @@ def check_prompts(tokenizer: Any, task: Any, examples: list, *, system_prompt: O
     """Renders and tokenizes every prompt the run can see (`prompts_to_check`), so a prompt format
     or length that cannot work fails before the run starts, not mid-run; returns the token ids by
     example id (the run reuses them instead of tokenizing again)."""
-    ids = prompt_token_ids(tokenizer, task.use_chat_template, examples, system_prompt=system_prompt,
-                           max_length=max_length)
+    ids = prompt_token_ids(tokenizer, examples, use_chat_template=task.use_chat_template, system_prompt=system_prompt,
+                           max_prompt_length=max_length)
     return {ex.id: row for ex, row in zip(examples, ids) if ex.id}
 
 

@@ -16,13 +16,12 @@ from typing import Callable
 
 import jax
 
-from grpo_core.contracts import Example
-from grpo_core.rollout_records import DecodeTally
+from grpo_core.contracts import Example, Policy
 from grpo_rollout.partial import PartialPool, groups_result
 
-from grpo_runner_gsm8k.build import prompt_token_ids
-from grpo_runner_gsm8k.evaluation import Sample, decode_completions, grade_all
-from grpo_runner_gsm8k.partial_step import kv_cache_mode, round_generator
+from grpo_runner_gsm8k.evaluation import Sample, grade_all
+from grpo_runner_gsm8k.samplers.partial import kv_cache_mode, round_generator
+from grpo_runner_gsm8k.tokens import decode_completions, run_prompt_ids
 
 FILLER = -1  # the position of a filler row's question
 
@@ -44,13 +43,11 @@ def stream_questions(run, weights, task, examples: list[Example], key, sampling,
     n, max_new = sampling.n, sampling.max_new_tokens
     mode = kv_cache_mode(run.cfg, run.rollout)
     pool = PartialPool(slot_questions * n, n, max(1, -(-max_new // 4)), max_new, kv_cache=mode)
-    generate = round_generator(run, weights, sampling, mode)
-    draw = _drawer(prompt_token_ids(run.inputs.tokenizer, task.use_chat_template, examples,
-                                    system_prompt=run.cfg.task.system_prompt,
-                                    max_length=run.cfg.rollout.max_prompt_length))
-    left, tally = len(examples), DecodeTally()
+    generate = round_generator(run, Policy(run.policy_graphdef, weights, run.qcfg), sampling, mode)
+    draw = _drawer(run_prompt_ids(run, task.use_chat_template, examples))
+    left = len(examples)
     for round_index in itertools.count():
-        groups, _ = pool.step(generate, draw, jax.random.fold_in(key, round_index), 0, tally, 1)
+        groups, _ = pool.step(generate, draw, jax.random.fold_in(key, round_index), 0, 1)
         groups += pool.take_complete(len(pool.groups))
         real = [g for g in groups if g.example["position"] != FILLER]
         if real:

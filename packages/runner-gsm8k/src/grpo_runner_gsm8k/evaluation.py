@@ -17,14 +17,16 @@ from grpo_core.contracts import CompletionText, Example, Policy
 from grpo_core.errors import UserError
 from grpo_core.registry import Registry
 from grpo_core.rollout_records import RolloutResult
+from grpo_core.step_samplers import loaded
 from grpo_rollout.decode import batch_spec_axes
 
 from grpo_runner_gsm8k.answers import extract_answer
-from grpo_runner_gsm8k.build import from_plugin, prompt_token_ids
+from grpo_runner_gsm8k.build import from_plugin
 from grpo_runner_gsm8k.eval_metrics import breakdown, check_k, ks_up_to, summarize
 from grpo_runner_gsm8k.grading import Graded, normalize_answer
-from grpo_runner_gsm8k.multihost import gather_objects, host_array
+from grpo_runner_gsm8k.multihost import gather_objects
 from grpo_runner_gsm8k.scoring import score
+from grpo_runner_gsm8k.tokens import decode_completions, run_prompt_ids
 
 
 @runtime_checkable
@@ -51,23 +53,12 @@ class Sample(NamedTuple):
     correct: bool
 
 
-def decode_completions(tokenizer, result: RolloutResult) -> list[CompletionText]:
-    ids = host_array(result.completion_ids)
-    mask = host_array(result.completion_mask).astype(bool)
-    texts = tokenizer.batch_decode([row[m].tolist() for row, m in zip(ids, mask)], skip_special_tokens=True)
-    lengths, finished = host_array(result.lengths), host_array(result.finished)
-    return [CompletionText(text, int(n), ids.shape[1], bool(done)) for text, n, done in zip(texts, lengths, finished)]
-
-
 def rollout_prompts(run, weights, prompts: list[list[int]], key, sampling) -> RolloutResult:
     """One rollout of token-id prompts with `weights` (compute dtype) loaded into the backend
     for its duration only: the update that follows needs that memory."""
-    run.rollout.load_weights(Policy(run.policy_graphdef, weights, run.qcfg))
-    try:
-        return run.rollout.generate(prompts, key, sampling, pad_token_id=run.inputs.tokenizer.pad_token_id,
-                                    batch_sharding=run.rollout_sharding)
-    finally:
-        run.rollout.release_weights()
+    with loaded(run.rollout, Policy(run.policy_graphdef, weights, run.qcfg)) as backend:
+        return backend.generate(prompts, key, sampling, pad_token_id=run.inputs.tokenizer.pad_token_id,
+                                batch_sharding=run.rollout_sharding)
 
 
 def _answer_text(answer: Fraction | str | None) -> str | None:
@@ -105,8 +96,7 @@ def sample_questions(run, weights, task, examples: list[Example], key, sampling)
     the last example up to a size the mesh splits evenly; the padding is not graded."""
     multiple = question_multiple(run, sampling.n)
     padded = examples + [examples[-1]] * (-len(examples) % multiple)
-    prompts = prompt_token_ids(run.inputs.tokenizer, task.use_chat_template, padded,
-                               system_prompt=run.cfg.task.system_prompt, max_length=run.cfg.rollout.max_prompt_length)
+    prompts = run_prompt_ids(run, task.use_chat_template, padded)
     completions = decode_completions(run.inputs.tokenizer, rollout_prompts(run, weights, prompts, key, sampling))
     n = sampling.n
     completions = completions[:len(examples) * n]
@@ -151,8 +141,7 @@ def checked_eval_tasks(run, registry: Registry) -> dict[str, Any]:
     """`eval_tasks` with every test prompt tokenized once, so one that is too long fails before training."""
     tasks = eval_tasks(run.cfg.eval.tasks, registry, run.cfg.task.seed)
     for task in tasks.values():
-        prompt_token_ids(run.inputs.tokenizer, task.use_chat_template, task.test_examples(run.cfg.eval.num_questions),
-                         system_prompt=run.cfg.task.system_prompt, max_length=run.cfg.rollout.max_prompt_length)
+        run_prompt_ids(run, task.use_chat_template, task.test_examples(run.cfg.eval.num_questions))
     return tasks
 
 

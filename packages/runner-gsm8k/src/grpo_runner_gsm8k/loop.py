@@ -1,8 +1,9 @@
 """The GRPO loop: rollout -> rewards -> advantages -> update -> eval -> log.
 
-One step: P prompts x K samples are rolled out with the current policy, scored,
-turned into group-relative advantages, and used for `train.ppo_epochs` updates,
-each accumulating exact gradients over micro-batches (see step.py).
+One step: the run's step sampler (grpo_runner_gsm8k.samplers) rolls out P prompts x K
+samples with the current policy and scores them; the rewards are turned into
+group-relative advantages and used for `train.ppo_epochs` updates, each accumulating
+exact gradients over micro-batches (see step.py).
 """
 
 from __future__ import annotations
@@ -15,66 +16,38 @@ import numpy as np
 
 from grpo_core.config import RunConfig
 from grpo_core.config_io import config_to_dict
-from grpo_core.errors import UserError
+from grpo_core.contracts import CarryingSampler, Policy
 from grpo_core.registry import Registry
 from grpo_meshes import train_batch_sharding
-from grpo_core.rollout_records import DecodeTally, RolloutResult, waste_metrics
+from grpo_core.rollout_records import RolloutResult
 
 from grpo_runner_gsm8k.advantages import step_advantages
-from grpo_runner_gsm8k.build import prompt_token_ids
 from grpo_runner_gsm8k.checkpoint import TrainState
-from grpo_runner_gsm8k.evaluation import decode_completions, rollout_prompts, training_eval
+from grpo_runner_gsm8k.evaluation import training_eval
 from grpo_runner_gsm8k.loss_inputs import loss_inputs
 from grpo_runner_gsm8k.metrics import MetricsLogger
 from grpo_runner_gsm8k.operations import Operations
 from grpo_runner_gsm8k.train_metrics import memory_metrics, objective_metrics
-from grpo_runner_gsm8k.multihost import gather_objects, host_array
-from grpo_runner_gsm8k.multi_turn_step import multi_turn_sampler
-from grpo_runner_gsm8k.partial_step import PartialSampler
+from grpo_runner_gsm8k.multihost import host_array
 from grpo_runner_gsm8k.preemption import StopRequest
-from grpo_runner_gsm8k.refill import Sampled, merge_results, merge_scores, needs_more, pick_groups, refill_metrics
 from grpo_runner_gsm8k.run import BuiltRun, build_run
-from grpo_runner_gsm8k.scoring import score
 from grpo_runner_gsm8k.step import UpdateBatch, update_advantages
 
 
 EVAL_STREAM = 0x45564C  # folded into train.seed's key for eval sampling, apart from the training stream
 
 
-def tokenize_prompts(run: BuiltRun, examples: list) -> list[list[int]]:
-    """Token ids of the prompts: from the ids checked at start where there are, else tokenized now."""
-    inputs = run.inputs
-    unseen = [ex for ex in examples if ex.id not in inputs.prompt_ids]
-    fresh = iter(prompt_token_ids(inputs.tokenizer, inputs.task.use_chat_template, unseen,
-                                  system_prompt=run.cfg.task.system_prompt, max_length=run.cfg.rollout.max_prompt_length)
-                 if unseen else ())
-    return [inputs.prompt_ids[ex.id] if ex.id in inputs.prompt_ids else next(fresh) for ex in examples]
-
-
-def rollout(run: BuiltRun, weights, examples: list, key, sampling) -> RolloutResult:
-    """One rollout of the examples' prompts with `weights` (see evaluation.rollout_prompts)."""
-    return rollout_prompts(run, weights, tokenize_prompts(run, examples), key, sampling)
-
-
 class Trainer:
     """Runs the steps of a built run; `run()` is the whole job."""
 
     def __init__(self, built: BuiltRun):
-        """`built` is a training run (`build_run(..., training=True)`); its lock is released if
-        what is made here fails."""
+        """`built` is a training run (`build_run(..., training=True)`): operations and step sampler made."""
         self.built = built
-        try:
-            self.multi_turn = multi_turn_sampler(self.built, self.registry)
-            self.teacher_metrics: dict = {}
-            self.step_times: deque = deque(maxlen=10)  # seconds of the last steps, for the average metric
-            self.train_sharding = train_batch_sharding(self.built.mesh)
-            self.row_sharding = train_batch_sharding(self.built.mesh, ndim=1)
-            self.partial = (PartialSampler(self.built, tokenize_prompts, decode_completions)
-                            if self.cfg.rollout.partial.enabled else None)
-            self.restore_carried()
-        except BaseException:
-            self.ops.lock.release()
-            raise
+        self.sampler = built.sampler
+        self.teacher_metrics: dict = {}
+        self.step_times: deque = deque(maxlen=10)  # seconds of the last steps, for the average metric
+        self.train_sharding = train_batch_sharding(built.mesh)
+        self.row_sharding = train_batch_sharding(built.mesh, ndim=1)
 
     @property
     def cfg(self) -> RunConfig:
@@ -113,18 +86,18 @@ class Trainer:
         start = time.monotonic()
         self.state.key, key = jax.random.split(self.state.key)
         weights = self.forward_params(self.state.params)
-        times = {"rollout_s": 0.0, "reward_s": 0.0}
-        tally = DecodeTally()
-        (_, result, scores), sampling_metrics = self.sample_step(weights, key, times, tally)
+        policy = Policy(self.built.policy_graphdef, weights, self.built.qcfg)
+        (_, result, scores), sampling_metrics, timings = self.sampler.sample(policy, key, self.state.step)
 
-        reward_start = time.monotonic()
+        advantage_start = time.monotonic()
         advantages = step_advantages(self.built.inputs.estimator, scores, self.cfg.rollout.n,
                                      self.cfg.loss.dynamic_sampling)
-        times["reward_s"] += time.monotonic() - reward_start
+        times = {"rollout_s": 0.0, "reward_s": 0.0, **timings}
+        times["reward_s"] += time.monotonic() - advantage_start  # advantages count as reward work
 
         update_start = time.monotonic()
         batch = self.update_batch(result, advantages, weights)
-        del weights  # freed before the update, which casts the masters inside its own jit
+        del weights, policy  # freed before the update, which casts the masters inside its own jit
         train_metrics = self.run_updates(batch)
         update_s = time.monotonic() - update_start
 
@@ -133,53 +106,7 @@ class Trainer:
         self.step_times.append(step_s)
         metrics = self.step_metrics(result, scores, advantages, train_metrics,
                                     dict(**times, update_s=update_s, step_s=step_s))
-        return {**metrics, **sampling_metrics, **waste_metrics(tally, host_array(result.lengths)), **self.teacher_metrics}
-
-    def sample_step(self, weights, key, times: dict, tally: DecodeTally) -> tuple[Sampled, dict]:
-        """The groups this step trains on, and the metrics of how they were sampled."""
-        if self.multi_turn is not None:
-            return self.multi_turn.sample(weights, key, times, tally)
-        if self.partial is None:
-            return self.sample_batch(weights, key, times, tally)
-        sampled, _, metrics = self.partial.sample(weights, key, self.state.step, times, tally)
-        return sampled, metrics
-
-    def scored_rollout(self, weights, key, times: dict, tally: DecodeTally) -> Sampled:
-        """Fresh prompts from the task, rolled out with `weights` and scored; adds its seconds to
-        `times` and its decode work to `tally`."""
-        start = time.monotonic()
-        inputs = self.built.inputs
-        examples = gather_objects(inputs.task.train_batch(inputs.prompts_per_process))
-        result = rollout(self.built, weights, examples, key, self.built.sampling)
-        jax.block_until_ready(result.completion_ids)
-        tally.add_synchronous(host_array(result.lengths))
-        reward_start = time.monotonic()
-        answers = [ex.answer for ex in examples for _ in range(self.cfg.rollout.n)]
-        scores = score(inputs.rewards, decode_completions(inputs.tokenizer, result), answers)
-        times["rollout_s"] += reward_start - start
-        times["reward_s"] += time.monotonic() - reward_start
-        return Sampled(examples, result, scores)
-
-    def sample_batch(self, weights, key, times: dict, tally: DecodeTally) -> tuple[Sampled, dict]:
-        """The step's rollout batch and the refill metrics ({} unless dynamic sampling refills,
-        see refill.py)."""
-        rounds = [self.scored_rollout(weights, key, times, tally)]
-        loss, n, want = self.cfg.loss, self.cfg.rollout.n, self.cfg.rollout.prompts_per_step
-        if not (loss.dynamic_sampling and loss.dynamic_sampling_mode == "refill"):
-            return rounds[0], {}
-        while needs_more(rounds, n, want, loss.max_extra_rollouts):
-            self.state.key, key = jax.random.split(self.state.key)
-            rounds.append(self.scored_rollout(weights, key, times, tally))
-        picks = pick_groups(rounds, n, want)
-        result = self.on_train_devices(merge_results([r.result for r in rounds], picks, n))
-        examples = [rounds[i].examples[g] for i, g in picks]
-        scores = merge_scores([r.scores for r in rounds], picks, n)
-        return Sampled(examples, result, scores), refill_metrics(rounds, picks, n)
-
-    def on_train_devices(self, result: RolloutResult) -> RolloutResult:
-        """A host-side result placed like the update batch (host values: the same on every process)."""
-        return jax.tree.map(lambda x: jax.device_put(x, self.train_sharding if x.ndim == 2 else self.row_sharding),
-                            result)
+        return {**metrics, **sampling_metrics, **self.teacher_metrics}
 
     def update_batch(self, result: RolloutResult, advantages, weights) -> UpdateBatch:
         """The update's inputs; `weights` (the rollout's compute-dtype params) score old log-probs."""
@@ -263,19 +190,10 @@ class Trainer:
 
     # ---- checkpoints ---------------------------------------------------------------
     def save(self) -> None:
-        if self.partial is not None:  # the carried rows are run state, saved with the step's params
-            self.state.carried = self.partial.pool.state()
+        if isinstance(self.sampler, CarryingSampler):  # the carried rows are run state, saved with the step's params
+            self.state.carried = self.sampler.state()
         self.checkpoints.save(self.state, self.built.inputs.task.state(), self.built.qcfg.to_hf_dict(),
                               config_to_dict(self.cfg), lora_base=self.built.policy.fingerprint)
-
-    def restore_carried(self) -> None:
-        """The rows a restored checkpoint carried into its next step, back in the partial sampler's pool."""
-        if self.partial is None or self.state.carried is None:
-            return
-        try:
-            self.partial.pool.restore(self.state.carried)
-        except ValueError as exc:
-            raise UserError(f"checkpoint {self.checkpoints.directory / str(self.state.step)}: {exc}") from None
 
     # ---- the job -----------------------------------------------------------------
     def run(self) -> dict:

@@ -10,27 +10,22 @@ plugin registry, so the runner needs no tool package of its own.
 from __future__ import annotations
 
 import time
-from typing import Any, Optional
+from typing import Any
 
 from grpo_core.config import MultiTurnConfig
 from grpo_core.config_io import plugin_options
 from grpo_core.contracts import ConversationText, Policy
 from grpo_core.errors import UserError
-from grpo_core.rollout_records import DecodeTally
+from grpo_core.rollout_records import DecodeTally, Sampled, waste_metrics
+from grpo_core.step_samplers import loaded
 from grpo_core.tool_calls import ToolRunner
 
 from grpo_runner_gsm8k.build import prompts_to_check
 from grpo_runner_gsm8k.multi_turn_inputs import row_budget
 from grpo_runner_gsm8k.multi_turn_rollout import CALL_END, MultiTurnRollout, single_token_id, turn_sampling
-from grpo_runner_gsm8k.multihost import gather_objects
-from grpo_runner_gsm8k.refill import Sampled
+from grpo_runner_gsm8k.multihost import gather_objects, host_array
 from grpo_runner_gsm8k.scoring import score
 from grpo_runner_gsm8k.trajectory import Trajectory, trajectory_metrics, trajectory_result
-
-
-def multi_turn_sampler(run: Any, registry: Any) -> Optional["MultiTurnSampler"]:
-    """The run's multi-turn sampler, or None when rollout.multi_turn is off."""
-    return MultiTurnSampler(run, registry) if run.cfg.rollout.multi_turn.enabled else None
 
 
 def build_tools(multi: MultiTurnConfig, registry: Any) -> list:
@@ -46,7 +41,8 @@ def build_tools(multi: MultiTurnConfig, registry: Any) -> list:
 
 
 class MultiTurnSampler:
-    """Owns the run's tools; `sample` gives one step's rows, scored."""
+    """Owns the run's tools; `sample` gives one step's rows, scored (a `StepSampler`, made by
+    grpo_runner_gsm8k.samplers.step_sampler)."""
 
     def __init__(self, run: Any, registry: Any):
         multi, tokenizer = run.cfg.rollout.multi_turn, run.inputs.tokenizer
@@ -85,24 +81,22 @@ class MultiTurnSampler:
         fresh = iter(self.render(unseen))
         return [self.checked[ex.id] if ex.id in self.checked else next(fresh) for ex in examples]
 
-    def sample(self, weights: Any, key: Any, times: dict, tally: DecodeTally) -> tuple[Sampled, dict]:
-        """(this step's rows scored, the tool metrics of the step)."""
+    def sample(self, policy: Policy, key: Any, step: int) -> tuple[Sampled, dict, dict[str, float]]:
+        """(this step's rows scored, the tool and decode-waste metrics of the step, its seconds)."""
         start = time.monotonic()
         run, n = self.run, self.run.cfg.rollout.n
         examples = gather_objects(run.inputs.task.train_batch(run.inputs.prompts_per_process))
         prompts = self.prompt_ids(examples)
-        run.rollout.load_weights(Policy(run.policy_graphdef, weights, run.qcfg))
-        try:
-            rows = self.turns.rollout(prompts, n, key, tally)
-        finally:
-            run.rollout.release_weights()
+        work = DecodeTally()  # summed over the turns by the turn loop
+        with loaded(run.rollout, policy):
+            rows = self.turns.rollout(prompts, n, key, work)
         reward_start = time.monotonic()
         result = trajectory_result(rows, n, self.turns.budget, run.inputs.tokenizer.pad_token_id)
         answers = [ex.answer for ex in examples for _ in range(n)]
         scores = score(run.inputs.rewards, conversation_texts(run.inputs.tokenizer, rows, self.turns.budget), answers)
-        times["rollout_s"] += reward_start - start
-        times["reward_s"] += time.monotonic() - reward_start
-        return Sampled(examples, result, scores), trajectory_metrics(rows)
+        seconds = {"rollout_s": reward_start - start, "reward_s": time.monotonic() - reward_start}
+        metrics = {**trajectory_metrics(rows), **waste_metrics(work, host_array(result.lengths))}
+        return Sampled(examples, result, scores), metrics, seconds
 
 
 def conversation_texts(tokenizer: Any, rows: list[Trajectory], budget: int) -> list[ConversationText]:

@@ -19,7 +19,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from grpo_core.config import RunConfig
-from grpo_core.contracts import MeshAwareLoss, Policy, RolloutBackend, RolloutShapes, SamplingParams
+from grpo_core.contracts import MeshAwareLoss, Policy, RolloutBackend, RolloutShapes, SamplingParams, StepSampler
 from grpo_core.models import QwenConfig
 from grpo_core.models.qwen import resolve_dtype
 from grpo_core.registry import Registry
@@ -28,11 +28,12 @@ from grpo_meshes import ProcessLayout, build_mesh_from_config, rollout_batch_sha
 from grpo_runner_gsm8k.adapters import storage_dtype
 from grpo_runner_gsm8k.build import (Inputs, build_model, check_inputs, from_plugin, micro_batches, preflight,
                                      sampling_params, stop_token_ids, with_micro_batch_size)
-from grpo_runner_gsm8k.checkpoint import TrainState
+from grpo_runner_gsm8k.checkpoint import Resume, TrainState
 from grpo_runner_gsm8k.loss_inputs import LogpSources
 from grpo_runner_gsm8k.operations import Operations, build_operations, start_point
 from grpo_runner_gsm8k.optim import build_optimizer, learning_rate_schedule
 from grpo_runner_gsm8k.policy import PolicyModel, policy_model
+from grpo_runner_gsm8k.samplers import restore_carried, step_sampler
 from grpo_runner_gsm8k.step import make_score, make_update
 from grpo_runner_gsm8k.teacher import Teacher, load_teacher
 
@@ -61,6 +62,8 @@ class BuiltRun:
     inputs: tokenizer, task, rewards and checked prompt ids; None in the plan's abstract run.
     teacher: the distillation teacher (`teacher.path`; see grpo_runner_gsm8k.teacher), else None.
     ops:    a training run's operations (grpo_runner_gsm8k.operations); None for eval and the plan.
+    sampler: a training run's step sampler (grpo_runner_gsm8k.samplers), its carried rows restored
+            from the checkpoint; None for eval and the plan.
     """
 
     cfg: RunConfig
@@ -81,6 +84,7 @@ class BuiltRun:
     inputs: Optional[Inputs] = None
     teacher: Optional[Teacher] = None
     ops: Optional[Operations] = None
+    sampler: Optional[StepSampler] = None
 
     @property
     def rollout(self) -> RolloutBackend:
@@ -184,14 +188,28 @@ def build_run(cfg: RunConfig, registry: Registry, resume: bool = False, *, train
     policy, params = policy_model(cfg, model, mesh, strategy.param_rules, compute_dtype(cfg))
     plugins, optimizer = build_plugins(cfg, registry, mesh), run_optimizer(cfg)
     state = TrainState(params, init_opt_state(optimizer[1], params, mesh), jax.random.key(cfg.train.seed))
-    teacher = load_teacher(cfg.teacher, cfg.model, mesh, strategy, plugins.loss_impl, cfg.rollout.temperature) if cfg.teacher.path else None
+    teacher = (load_teacher(cfg.teacher, cfg.model, mesh, strategy, plugins.loss_impl, cfg.rollout.temperature)
+               if cfg.teacher.path else None)
     place = RunPlace(registry, layout, mesh, qcfg, policy)
     stop = stop_token_ids(cfg.rollout, inputs.tokenizer)
     samplings = (sampling_params(cfg.rollout, stop), sampling_params(cfg.rollout, stop, cfg.eval))
     # the train state and the teacher are resident now: the policy settles how the rollout sees it
     policy.choose_rollout(plugins.rollout, rollout_shapes_for(cfg, place, samplings[0]), list(mesh.local_devices))
     built = assemble(cfg, place, state, plugins, optimizer, samplings, inputs, teacher)
-    return dataclasses.replace(built, ops=build_operations(built, resume_from)) if training else built
+    return with_training_parts(built, resume_from) if training else built
+
+
+def with_training_parts(built: BuiltRun, resume_from: Optional[Resume]) -> BuiltRun:
+    """`built` with its operations (the lock taken, the state restored) and its step sampler (the
+    carried rows restored); the lock is released if the sampler cannot be made."""
+    built = dataclasses.replace(built, ops=build_operations(built, resume_from))
+    try:
+        sampler = step_sampler(built, built.registry)
+        restore_carried(sampler, built.state, built.ops.checkpoints.directory)
+    except BaseException:
+        built.ops.lock.release()
+        raise
+    return dataclasses.replace(built, sampler=sampler)
 
 
 def rollout_shapes_for(cfg: RunConfig, place: RunPlace, sampling: SamplingParams) -> Callable[..., RolloutShapes]:

@@ -5,22 +5,15 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any, Mapping, NamedTuple, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 from grpo_core.contracts import RewardFn
+from grpo_core.rollout_records import Scores
 
 from grpo_runner_gsm8k.rewards import check_pairs
 
 logger = logging.getLogger(__name__)
-
-
-class Scores(NamedTuple):
-    """Result of `score`: weighted total, unweighted per-function values, failure counts."""
-
-    total: np.ndarray                 # [N] float32, sum of weight * per_fn
-    per_fn: dict[str, np.ndarray]     # name -> [N] float32
-    errors: dict[str, int]            # name -> samples whose reward could not be computed
 
 
 def _as_rewards(values: Any, expected: int) -> np.ndarray:

@@ -19,7 +19,7 @@ from grpo_runner_gsm8k.costs.memory import PhaseMemory
 from grpo_runner_gsm8k.costs.roofline import decode_seconds
 from grpo_runner_gsm8k.plan.abstract import (PlanInputs, abstract_key, abstract_update_batch, per_device_bytes,
                                              plannable)
-from grpo_runner_gsm8k.partial_step import kv_cache_mode
+from grpo_runner_gsm8k.samplers.partial import kv_cache_mode
 from grpo_runner_gsm8k.run import with_rollout_decided
 from grpo_runner_gsm8k.teacher import TEACHER_PHASE
 

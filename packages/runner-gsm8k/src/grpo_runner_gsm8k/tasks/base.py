@@ -8,19 +8,7 @@ import numpy as np
 
 from grpo_core.contracts import Example
 
-
-def render_prompt(tokenizer: Any, example: Example, system_prompt: str | None = None,
-                  use_chat_template: bool = True) -> str:
-    """The prompt text to tokenize: the chat template with the generation prompt
-    appended, or (`use_chat_template=False`) the system prompt and question joined
-    by a newline, for tokenizers without a template."""
-    if not use_chat_template:
-        return f"{system_prompt}\n{example.question}" if system_prompt else example.question
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError(f"tokenizer {type(tokenizer).__name__} has no chat template; set the task option "
-                         f"use_chat_template: false to use the raw question as the prompt")
-    return tokenizer.apply_chat_template(example.messages(system_prompt), add_generation_prompt=True,
-                                         tokenize=False)
+from grpo_runner_gsm8k.tokens import render_prompt  # noqa: F401 (re-exported: the prompt text of a task)
 
 
 def check_process(process_index: int, process_count: int) -> None:

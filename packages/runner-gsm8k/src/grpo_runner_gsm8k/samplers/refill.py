@@ -12,28 +12,56 @@ are discarded, as in DAPO.
 Every decision reads host values that are identical on every process (the gathered
 rewards), so every process draws, rolls out and selects alike. The task's data
 position advances by every prompt drawn and is saved with the checkpoint, so a
-resumed run draws exactly the prompts the uninterrupted one would.
+resumed run draws exactly the prompts the uninterrupted one would. Extra rollout i
+samples with the step's key folded with i, so the step's randomness is its key alone.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any
 
+import jax
 import numpy as np
 
 from grpo_core.advantage_records import zero_std_groups
-from grpo_core.rollout_records import RolloutResult
+from grpo_core.contracts import Policy
+from grpo_core.rollout_records import DecodeTally, RolloutResult, Sampled, Scores, waste_metrics
+from grpo_meshes import train_batch_sharding
 
 from grpo_runner_gsm8k.multihost import host_array
-from grpo_runner_gsm8k.scoring import Scores
+from grpo_runner_gsm8k.samplers.plain import scored_rollout
 
 
-class Sampled(NamedTuple):
-    """One rollout of the step with its scores (host values)."""
+class RefillSampler:
+    """Rollouts until `prompts_per_step` groups are informative or the extra rollouts run out
+    (`StepSampler`)."""
 
-    examples: list
-    result: RolloutResult
-    scores: Scores
+    def __init__(self, run: Any):
+        self.run = run
+        self.train_sharding = train_batch_sharding(run.mesh)
+        self.row_sharding = train_batch_sharding(run.mesh, ndim=1)
+
+    def sample(self, policy: Policy, key: jax.Array, step: int) -> tuple[Sampled, dict[str, Any], dict[str, float]]:
+        loss, n, want = self.run.cfg.loss, self.run.cfg.rollout.n, self.run.cfg.rollout.prompts_per_step
+        rounds: list[Sampled] = []
+        work, seconds = DecodeTally(), {"rollout_s": 0.0, "reward_s": 0.0}
+        while not rounds or needs_more(rounds, n, want, loss.max_extra_rollouts):
+            round_key = jax.random.fold_in(key, len(rounds)) if rounds else key
+            sampled, round_work, round_seconds = scored_rollout(self.run, policy, round_key)
+            rounds.append(sampled)
+            work = work + round_work
+            seconds = {name: seconds[name] + round_seconds[name] for name in seconds}
+        picks = pick_groups(rounds, n, want)
+        result = self.on_train_devices(merge_results([r.result for r in rounds], picks, n))
+        examples = [rounds[i].examples[g] for i, g in picks]
+        scores = merge_scores([r.scores for r in rounds], picks, n)
+        metrics = {**refill_metrics(rounds, picks, n), **waste_metrics(work, host_array(result.lengths))}
+        return Sampled(examples, result, scores), metrics, seconds
+
+    def on_train_devices(self, result: RolloutResult) -> RolloutResult:
+        """A host-side result placed like the update batch (host values: the same on every process)."""
+        return jax.tree.map(lambda x: jax.device_put(x, self.train_sharding if x.ndim == 2 else self.row_sharding),
+                            result)
 
 
 def informative(scores: Scores, n: int) -> np.ndarray:
