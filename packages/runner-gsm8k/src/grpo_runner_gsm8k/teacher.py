@@ -141,6 +141,7 @@ class TeacherScoring:
 
     def __init__(self, teacher: Teacher, cfg: RunConfig, check: Callable[..., None]):
         self.teacher, self.cfg, self.check = teacher, cfg.teacher, check
+        self.baseline_group_size = cfg.rollout.n if cfg.teacher.baseline == "leave_one_out" else None
 
     def logps(self, input_ids, attention_mask, targets, width: int) -> jax.Array:
         """log q of every target token [N, C] float32, at the sampling temperature."""
@@ -154,5 +155,5 @@ class TeacherScoring:
         student's log-probs (see that module for why the sampler's)."""
         teacher_logp = self.logps(input_ids, attention_mask, targets, width)
         advantages = distillation_advantages(row_advantages, sampler_logp, teacher_logp, mask, self.cfg.coef,
-                                             self.cfg.use_task_reward)
+                                             self.cfg.use_task_reward, self.baseline_group_size)
         return advantages, {"train-other/distill_reverse_kl": float(mean_reverse_kl(sampler_logp, teacher_logp, mask))}
