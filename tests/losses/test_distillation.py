@@ -102,3 +102,42 @@ def test_expected_gradient_is_the_reverse_kl_gradient(impl):
         expected = expected + pi[token] * grad
     exact = coef * jax.grad(reverse_kl)(head)
     np.testing.assert_allclose(expected, exact, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(exact))))
+
+
+def test_leave_one_out_baseline_worked_by_hand():
+    """Groups of 2 rows: each row's baseline is the mean d over the other row's completion tokens."""
+    student = jnp.asarray([[1.0, 3.0], [2.0, 50.0], [4.0, 0.0], [9.0, 9.0]])
+    teacher = jnp.zeros((4, 2))
+    mask = jnp.asarray([[1.0, 1.0], [1.0, 0.0], [1.0, 1.0], [0.0, 0.0]])  # row 3 is masked out
+    rows = jnp.asarray([0.5, 0.5, -1.0, 0.0])
+    # baselines: row 0 <- row 1's (2); row 1 <- row 0's (1 + 3) / 2; row 2 <- none (0); row 3 <- row 2's
+    alone = distillation_advantages(rows, student, teacher, mask, 1.0, False, baseline_group_size=2)
+    np.testing.assert_array_equal(alone, [[1.0, -1.0], [0.0, 0.0], [-4.0, 0.0], [0.0, 0.0]])
+    added = distillation_advantages(rows, student, teacher, mask, 1.0, True, baseline_group_size=2)
+    np.testing.assert_array_equal(added, [[1.5, -0.5], [0.5, 0.0], [-5.0, -1.0], [0.0, 0.0]])
+
+
+def test_leave_one_out_baseline_keeps_the_expected_gradient():
+    """A group of two one-token rows at one prompt: summed over every pair of sampled tokens
+    (y1, y2) with probability pi(y1) pi(y2), the gradient with the baseline equals the gradient
+    without it (both coef x grad KL(pi || q)): the baseline adds no bias."""
+    hidden, head, teacher_head, _, _ = tiny_batch(2)
+    hidden, coef, mask = jnp.repeat(hidden[:1, :1], 2, axis=0), 0.3, jnp.ones((2, 1))  # [2, 1, H]: one prompt
+    pi = jax.nn.softmax(jnp.einsum("h,hv->v", hidden[0, 0], head) / TEMPERATURE)
+
+    def expected_gradient(group_size):
+        total = jnp.zeros_like(head)
+        for first in range(VOCAB):
+            for second in range(VOCAB):
+                targets = jnp.asarray([[first], [second]])
+                advantages = distillation_advantages(jnp.zeros(2), log_probs(hidden, head, targets),
+                                                     log_probs(hidden, teacher_head, targets), mask, coef, False,
+                                                     baseline_group_size=group_size)
+                grad = jax.grad(lambda w: grpo_loss(IMPLS["jax"], hidden, w, targets, mask, advantages, None, None,
+                                                    LossConfig(), temperature=TEMPERATURE).numerator)(head)
+                total = total + pi[first] * pi[second] * grad
+        return total
+
+    without, with_baseline = expected_gradient(None), expected_gradient(2)
+    np.testing.assert_allclose(with_baseline, without, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(without))))
+    assert float(jnp.max(jnp.abs(without))) > 1e-3  # the gradient compared is not trivially zero

@@ -80,7 +80,8 @@ def test_the_printed_config_of_a_run_without_teacher_loads_back(tiny_config_path
     (["loss.dynamic_sampling=true"], "set loss.dynamic_sampling=false or teacher.use_task_reward=true"),
     (["teacher.coef=0"], "teacher.coef = 0.0 is out of range: must be > 0.0"),
     (["teacher.placement=everywhere"], "teacher.placement"),
-], ids=["dynamic-sampling-alone", "coef-zero", "placement"])
+    (["teacher.baseline=leave_one_out", "rollout.n=1"], "set rollout.n >= 2 or teacher.baseline=none"),
+], ids=["dynamic-sampling-alone", "coef-zero", "placement", "baseline-without-group"])
 def test_bad_teacher_settings_exit_2(tiny_config_path, models, capsys, overrides, hint):
     argv = ["--config", tiny_config_path, "--print-config", f"teacher.path={models['teacher']}", *overrides]
     assert main(argv) == 2

@@ -279,6 +279,11 @@ class TeacherConfig:
         1.0, "Weight c of the per-token advantage -c * (logp_student - logp_teacher), a reverse-KL estimate.", gt=0.0)
     use_task_reward: bool = setting(
         False, "false = the distillation advantage alone; true = added to the task's per-row advantage.")
+    # none: the sources' estimator as is; leave_one_out removes the large common part of d_t (a
+    # random-init student starts ~6 nats from its teacher) that only adds variance.
+    baseline: Literal["none", "leave_one_out"] = setting(
+        "none", "Subtracted from d_t: none, or leave_one_out = the mean d_t over the completion tokens of the other "
+        "rows of the prompt's group (unbiased, lower variance; needs rollout.n >= 2).")
 
 
 @dataclass(frozen=True)

@@ -27,3 +27,6 @@ def check_teacher(cfg: RunConfig) -> None:
         raise ConfigError("loss.dynamic_sampling with teacher.use_task_reward = false: dynamic sampling drops groups "
                           "by their task rewards, which distillation alone does not train on; set "
                           "loss.dynamic_sampling=false or teacher.use_task_reward=true")
+    if cfg.teacher.path and cfg.teacher.baseline == "leave_one_out" and cfg.rollout.n < 2:
+        raise ConfigError(f"teacher.baseline = 'leave_one_out' with rollout.n = {cfg.rollout.n}: the baseline is the mean "
+                          "over the other rows of a prompt's group; set rollout.n >= 2 or teacher.baseline=none")

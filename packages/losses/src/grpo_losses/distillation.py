@@ -8,7 +8,13 @@ temperature). Per completion token t:
     A_t   = -c * d_t                       (distillation alone)
     A_t   = A_row - c * d_t                (teacher.use_task_reward: added to the task's advantage)
 
-and A_t = 0 outside the completion mask. d_t is a one-sample estimate of the per-token reverse
+and A_t = 0 outside the completion mask. With `teacher.baseline: leave_one_out`, d_t is replaced
+by d_t - b_i, where b_i is the mean of d over the completion tokens of the other K - 1 rows of row
+i's group (the K samples of its prompt). b_i does not depend on row i's own tokens, so the
+expected gradient is unchanged (E[b grad log pi] = 0, the baseline argument of Williams 1992 and
+the leave-one-out of Kool et al. 2019); it removes the part of d_t common to the group.
+
+d_t is a one-sample estimate of the per-token reverse
 KL(pi || q) at the prefix the student itself reached (Agarwal et al. 2024, "On-policy
 distillation of language models: learning from self-generated mistakes" (GKD), with the
 reverse KL as the divergence; Thinking Machines, "On-Policy Distillation", 2025, which uses the
@@ -26,6 +32,8 @@ epoch the loop runs none for old log-probs).
 
 from __future__ import annotations
 
+from typing import Optional
+
 import jax
 import jax.numpy as jnp
 
@@ -37,11 +45,26 @@ def reverse_kl_tokens(student_logp: Array, teacher_logp: Array, mask: Array) -> 
     return jnp.where(mask > 0, student_logp.astype(jnp.float32) - teacher_logp.astype(jnp.float32), 0.0)
 
 
+def leave_one_out_baseline(kl_tokens: Array, mask: Array, group_size: int) -> Array:
+    """b [B, 1]: the mean of `kl_tokens` over the completion tokens of the other rows of each row's
+    group (rows i*K .. i*K + K - 1); 0 where those rows have no completion token."""
+    mask = mask.astype(jnp.float32)
+    sums, counts = jnp.sum(kl_tokens * mask, axis=1), jnp.sum(mask, axis=1)  # [B]
+    group_sums = jnp.repeat(sums.reshape(-1, group_size).sum(axis=1), group_size)
+    group_counts = jnp.repeat(counts.reshape(-1, group_size).sum(axis=1), group_size)
+    others = group_counts - counts
+    return jnp.where(others > 0, (group_sums - sums) / jnp.maximum(others, 1.0), 0.0)[:, None]
+
+
 def distillation_advantages(row_advantages: Array, student_logp: Array, teacher_logp: Array, mask: Array,
-                            coef: float, use_task_reward: bool) -> Array:
+                            coef: float, use_task_reward: bool, baseline_group_size: Optional[int] = None) -> Array:
     """A_t [B, T] of the module doc from the task's advantages (per row [B], broadcast over the
-    tokens, or already per token [B, T]) and log-probs [B, T]."""
-    token = -coef * reverse_kl_tokens(student_logp, teacher_logp, mask)
+    tokens, or already per token [B, T]) and log-probs [B, T]; `baseline_group_size` K subtracts the
+    leave-one-out baseline of groups of K consecutive rows (None: no baseline)."""
+    kl_tokens = reverse_kl_tokens(student_logp, teacher_logp, mask)
+    if baseline_group_size is not None:
+        kl_tokens = kl_tokens - leave_one_out_baseline(kl_tokens, mask, baseline_group_size)
+    token = -coef * kl_tokens
     if use_task_reward:
         task = row_advantages.astype(jnp.float32)
         token = token + (task if task.ndim == 2 else task[:, None])

@@ -82,7 +82,7 @@ def _locked_operations(run: Any, resume_from: Optional[Resume], memory: MemoryGu
     cfg, state = run.cfg, run.state
     reference = run.policy.reference(state.params) if run.logps.reference else None
     # the teacher is its own frozen model, never the reference (LoRA's base without adapters)
-    teacher = None if run.teacher is None else TeacherScoring(run.teacher, cfg.teacher, memory.check)
+    teacher = None if run.teacher is None else TeacherScoring(run.teacher, cfg.teacher, cfg.rollout.n, memory.check)
     checkpoints = Checkpointer(run_dir, cfg.checkpoint)
     if resume_from is not None:
         restore(run, checkpoints, resume_from)

@@ -143,8 +143,10 @@ class TeacherScoring:
     """The loop's side of distillation: scores a batch with the teacher and turns the scores
     into token-level advantages; `check(name, jitted, *args, **kw)` is the run's memory check."""
 
-    def __init__(self, teacher: Teacher, teacher_cfg: TeacherConfig, check: Callable[..., None]):
+    def __init__(self, teacher: Teacher, teacher_cfg: TeacherConfig, group_size: int, check: Callable[..., None]):
+        """group_size: rollout.n, the rows of one prompt's group (for teacher.baseline)."""
         self.teacher, self.cfg, self.check = teacher, teacher_cfg, check
+        self.baseline_group_size = group_size if teacher_cfg.baseline == "leave_one_out" else None
 
     def logps(self, input_ids, attention_mask, targets, width: int) -> jax.Array:
         """log q of every target token [N, C] float32, at the sampling temperature."""
@@ -158,5 +160,5 @@ class TeacherScoring:
         student's log-probs (see that module for why the sampler's)."""
         teacher_logp = self.logps(input_ids, attention_mask, targets, width)
         advantages = distillation_advantages(row_advantages, sampler_logp, teacher_logp, mask, self.cfg.coef,
-                                             self.cfg.use_task_reward)
+                                             self.cfg.use_task_reward, self.baseline_group_size)
         return advantages, {"train-other/distill_reverse_kl": float(mean_reverse_kl(sampler_logp, teacher_logp, mask))}
