@@ -275,10 +275,15 @@ class KeptCacheRollout(Protocol):
     can only re-prefill, and a run asking for more says so."""
 
     def generate_round(self, prefixes: Sequence[Sequence[int]], cached: Sequence[bool], key: jax.Array,
-                       sampling: SamplingParams, *, pad_token_id: int = 0, batch_sharding: Any = None) -> RolloutResult:
+                       sampling: SamplingParams, *, pad_token_id: int = 0, batch_sharding: Any = None,
+                       kept_tokens: Sequence[int] | None = None, live: Sequence[bool] | None = None) -> RolloutResult:
         """One round of at most sampling.max_new_tokens tokens per slot: slot i continues its row of the
         previous round from the kept cache when cached[i] (only its last token, not yet fed, goes in),
-        else its prefix (prompt plus tokens so far) is admitted."""
+        else its prefix (prompt plus tokens so far) is admitted. kept_tokens[i]: how many of a cached
+        prefix's tokens the kept cache holds (default all but the last); the ones after them, but the
+        last, are appended to the cache first (a multi-turn row's tool turn). live[i] False: slot i
+        samples nothing this round and its cache stays as it is. key: one key, or one per slot [N]
+        (a slot's tokens then depend on its own key only, whichever slots share the round)."""
 
     def release_kept_cache(self) -> None:
         """Frees the kept cache; the next round admits every slot."""

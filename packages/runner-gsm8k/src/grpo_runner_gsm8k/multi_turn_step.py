@@ -13,7 +13,7 @@ import time
 from typing import Any, Optional
 
 from grpo_core.config_io import plugin_options
-from grpo_core.contracts import ConversationText, Policy
+from grpo_core.contracts import ConversationText, KeptCacheRollout, Policy
 from grpo_core.errors import UserError
 from grpo_core.rollout_records import DecodeTally
 from grpo_core.tool_calls import ToolRunner
@@ -44,19 +44,30 @@ def build_tools(cfg: Any, registry: Any) -> list:
     return tools
 
 
+def keeps_caches(mode: str, backend: Any, backend_name: str) -> bool:
+    """rollout.multi_turn.kv_cache resolved for this backend (auto: kept when it keeps caches)."""
+    keeps = isinstance(backend, KeptCacheRollout)
+    if mode == "kept" and not keeps:
+        raise UserError(f"rollout.multi_turn.kv_cache=kept: the rollout backend {backend_name!r} has no "
+                        "generate_round (rounds on a kept KV cache); set rollout.multi_turn.kv_cache=reprefill")
+    return keeps if mode == "auto" else mode == "kept"
+
+
 class MultiTurnSampler:
     """Owns the run's tools; `sample` gives one step's rows, scored."""
 
     def __init__(self, run: Any, registry: Any):
         multi, tokenizer = run.cfg.rollout.multi_turn, run.inputs.tokenizer
         self.run = run
+        kv_cache = keeps_caches(multi.kv_cache, run.rollout, run.cfg.rollout.backend)
         call_end = single_token_id(tokenizer, CALL_END)  # checked at load (check_multi_turn_inputs)
         self.runner = ToolRunner(build_tools(run.cfg, registry), timeout_seconds=multi.call_timeout_s)
         self.turns = MultiTurnRollout(
             backend=run.rollout, tokenizer=tokenizer, runner=self.runner,
             sampling=turn_sampling(run.sampling, call_end), call_end_id=call_end, max_turns=multi.max_turns,
             budget=row_budget(run.cfg),
-            pad_token_id=tokenizer.pad_token_id, batch_sharding=run.rollout_sharding)
+            pad_token_id=tokenizer.pad_token_id, batch_sharding=run.rollout_sharding,
+            kv_cache=kv_cache)
         # Every prompt the run can see, rendered with the tools, so one too long fails now, not mid-run.
         examples = prompts_to_check(run.cfg, run.inputs.task, run.inputs.prompts_per_process)
         try:
