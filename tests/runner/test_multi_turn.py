@@ -148,3 +148,31 @@ def test_result_masks_texts_and_metrics(tokenizer, runner):
     assert (metrics["train-tools/calls"], metrics["train-tools/errors"], metrics["train-tools/timeouts"]) == (2, 1, 0)
     assert metrics["train-tools/turns_max"] == 2 and metrics["train-tools/call_rate"] == 0.5
     assert metrics["train-tools/masked_tokens"] == int((result.completion_mask - result.loss_mask).sum()) > 0
+
+
+def test_the_estimator_sees_each_rows_turns_and_each_tokens_turn(runner):
+    from grpo_core.advantage_records import AdvantageResult
+    from grpo_runner_gsm8k.advantages import step_advantages
+    from grpo_runner_gsm8k.scoring import Scores
+    from grpo_runner_gsm8k.trajectory import episode_arrays
+
+    tokenizer = _char()
+    _, rows = _rollout(tokenizer, runner)
+    episodes = episode_arrays(rows, 400)
+    assert episodes["turns"].tolist() == [2, 1, 2, 1] and episodes["tool_calls"].tolist() == [1, 0, 1, 0]
+    assert episodes["tool_errors"].tolist() == [0, 0, 1, 0] and episodes["tool_timeouts"].tolist() == [0] * 4
+    mul = rows[0]
+    first = mul.trained.index(0)  # the tool turn starts where the first turn's tokens end
+    second = first + mul.trained[first:].index(1)
+    assert episodes["token_turn"][0, :len(mul.ids)].tolist() == [0] * first + [-1] * (second - first) + [1] * (
+        len(mul.ids) - second)
+    assert (episodes["token_turn"][0, len(mul.ids):] == -1).all()
+    seen = []
+
+    def estimator(rewards):
+        seen.append(rewards.episodes)
+        return AdvantageResult(np.zeros(4, np.float32), {})
+
+    total = np.array([1.0, 0.0, 0.0, 1.0], np.float32)
+    step_advantages(estimator, Scores(total, {}, {}, episodes), group_size=2, dynamic_sampling=False)
+    assert seen[0] is episodes

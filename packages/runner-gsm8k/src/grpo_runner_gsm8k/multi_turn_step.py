@@ -24,7 +24,7 @@ from grpo_runner_gsm8k.multi_turn_rollout import CALL_END, MultiTurnRollout, sin
 from grpo_runner_gsm8k.multihost import gather_objects
 from grpo_runner_gsm8k.refill import Sampled
 from grpo_runner_gsm8k.scoring import score
-from grpo_runner_gsm8k.trajectory import Trajectory, trajectory_metrics, trajectory_result
+from grpo_runner_gsm8k.trajectory import Trajectory, episode_arrays, trajectory_metrics, trajectory_result
 
 
 def multi_turn_sampler(run: Any, registry: Any) -> Optional["MultiTurnSampler"]:
@@ -110,6 +110,7 @@ class MultiTurnSampler:
         result = trajectory_result(rows, n, self.turns.budget, run.inputs.tokenizer.pad_token_id)
         answers = [ex.answer for ex in examples for _ in range(n)]
         scores = score(run.inputs.rewards, conversation_texts(run.inputs.tokenizer, rows, self.turns.budget), answers)
+        scores = scores._replace(episodes=episode_arrays(rows, self.turns.budget))
         times["rollout_s"] += reward_start - start
         times["reward_s"] += time.monotonic() - reward_start
         return Sampled(examples, result, scores), trajectory_metrics(rows)

@@ -21,6 +21,7 @@ class Scores(NamedTuple):
     total: np.ndarray                 # [N] float32, sum of weight * per_fn
     per_fn: dict[str, np.ndarray]     # name -> [N] float32
     errors: dict[str, int]            # name -> samples whose reward could not be computed
+    episodes: Mapping[str, np.ndarray] = {}  # a multi-turn rollout's per-row turns (StepRewards.episodes)
 
 
 def _as_rewards(values: Any, expected: int) -> np.ndarray:

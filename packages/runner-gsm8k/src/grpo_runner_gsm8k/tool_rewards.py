@@ -5,14 +5,16 @@ A random model almost never writes a whole call, so an all-or-nothing reward giv
 group no variance to learn from. This one counts what a row's first turn has of a call and
 what the call gave, and returns `points / 7`:
 
-    1-5. the call's five parts, found in order, anything between them:
-         `<tool_call>`, the fixed text `{"name": "calculator", "arguments": {"expression": "`,
-         an expression (digits and + - * / ( ) . ^ %), `"}}`, `</tool_call>`
+    1-4. the call's first four parts, found in order, anything between them: `<tool_call>`,
+         the fixed text `{"name": "calculator", "arguments": {"expression": "`, an
+         expression (digits and + - * / ( ) . ^ %), `"}}`
+    5.   `</tool_call>` after `<tool_call>` (with or without the parts between)
     6.   the call is exactly those parts, with only whitespace around the fixed text
     7.   a tool response holds the reference answer (the call computed the right thing)
 
-Each part is rewarded on its own before the call is whole, so the parts are learned side by
-side rather than one after the other. Correctness of the final answer is the `correctness`
+Each part is rewarded before the call is whole, so the parts are learned side by side rather
+than one after the other (a reward for the closing tag only after all the other parts would
+teach the model never to close early, and then never to close at all). Correctness of the final answer is the `correctness`
 reward's job; a config weighs the two.
 """
 
@@ -28,7 +30,11 @@ from grpo_runner_gsm8k.rewards import check_pairs
 
 CALL_PARTS = (r"<tool_call>", r'\{"name":\s*"calculator",\s*"arguments":\s*\{"expression":\s*"',
               r"[0-9+\-*/().^% ]+", r'"\}\}', r"</tool_call>")
-IN_ORDER = [re.compile(r".*?".join(CALL_PARTS[:count]), re.S) for count in range(1, len(CALL_PARTS) + 1)]
+# Parts 1-4 count when found after all the parts before them; the closing tag when found after
+# the opening one: a call closed early then still earns it, and the parts in between are
+# learned as insertions into a call that already closes.
+IN_ORDER = [*(re.compile(r".*?".join(CALL_PARTS[:count]), re.S) for count in range(1, len(CALL_PARTS))),
+            re.compile(CALL_PARTS[0] + r".*?" + CALL_PARTS[-1], re.S)]
 WHOLE_CALL = re.compile(r"\s*".join(CALL_PARTS[:2]) + "".join(CALL_PARTS[2:4]) + r"\s*" + CALL_PARTS[4])
 POINTS = len(CALL_PARTS) + 2
 
@@ -40,7 +46,8 @@ class CalculatorCallOptions:
 
 def call_points(conversation: str) -> int:
     """Points 1-6 of the module doc: the call's parts found in order, and whether it is exact."""
-    found = sum(pattern.search(conversation) is not None for pattern in IN_ORDER)
+    found = sum(pattern.search(conversation) is not None for pattern in IN_ORDER[:-1])
+    found += IN_ORDER[-1].search(conversation) is not None
     return found + (found == len(CALL_PARTS) and WHOLE_CALL.match(conversation) is not None)
 
 

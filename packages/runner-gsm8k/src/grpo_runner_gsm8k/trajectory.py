@@ -4,7 +4,8 @@ A trajectory is one completion: the tokens the model sampled, turn after turn, w
 chat template's tokens of each tool turn appended between them (token in, token out).
 Sampled tokens carry loss mask 1 and their sampler log-probs; tool-turn tokens carry loss
 mask 0 and log-prob 0: they are attended to but never trained on, in no denominator, no
-entropy selection and no KL.
+entropy selection and no KL. The advantage estimators see each row's turns and tool calls, and
+the turn of each token (`episode_arrays`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ class Trajectory:
     ids: list[int] = field(default_factory=list)
     trained: list[int] = field(default_factory=list)
     logps: list[float] = field(default_factory=list)
+    token_turns: list[int] = field(default_factory=list)  # each token's assistant turn (0, 1, ..), -1 tool turns
     answer_start: int = 0
     turns: int = 0
     tool_calls: int = 0
@@ -47,6 +49,7 @@ class Trajectory:
         self.ids += [int(t) for t in ids[:keep]]
         self.trained += [1] * keep
         self.logps += [float(p) for p in logps[:keep]]
+        self.token_turns += [self.turns - 1] * keep
         return keep == len(ids)
 
     def add_tool_turn(self, ids: Sequence[int], outcomes: Sequence[ToolOutcome], budget: int) -> bool:
@@ -61,6 +64,7 @@ class Trajectory:
         self.ids += [int(t) for t in ids]
         self.trained += [0] * len(ids)
         self.logps += [0.0] * len(ids)
+        self.token_turns += [-1] * len(ids)
         return True
 
     def stop(self, finished: bool) -> None:
@@ -110,3 +114,15 @@ def trajectory_metrics(rows: Sequence[Trajectory], prefix: str = "train-tools/")
             f"{prefix}timeouts": sum(row.tool_timeouts for row in rows),
             f"{prefix}seconds": float(sum(row.tool_seconds for row in rows)),
             f"{prefix}masked_tokens": int(masked.sum()), f"{prefix}masked_tokens_per_row": float(masked.mean())}
+
+
+def episode_arrays(rows: Sequence[Trajectory], width: int) -> dict[str, np.ndarray]:
+    """What the advantage estimators receive of each row's episode (`StepRewards.episodes`):
+    turns, tool_calls, tool_errors, tool_timeouts [N] int32; token_turn [N, width] int32, the
+    assistant turn (0, 1, ...) of each completion token, -1 on tool-turn tokens and padding."""
+    token_turn = np.full((len(rows), width), -1, np.int32)
+    for i, row in enumerate(rows):
+        token_turn[i, :len(row.token_turns)] = row.token_turns
+    counts = {name: np.array([getattr(row, name) for row in rows], np.int32)
+              for name in ("turns", "tool_calls", "tool_errors", "tool_timeouts")}
+    return {**counts, "token_turn": token_turn}
