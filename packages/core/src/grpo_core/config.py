@@ -137,6 +137,10 @@ class MultiTurnConfig:
         "and `</tool_call>` as one token.")
     tools: list = setting([], "Tool plugin names offered to the policy (through the chat template's tools=).")
     tool_options: dict = setting({}, "Options of each offered tool, by name (validated by the tool's plugin).")
+    environment: Optional[str] = setting(
+        None, "Environment plugin name: one per row, it opens the conversation (reset) and answers each "
+        "assistant turn that calls no tool (step), until it is done; null = none.")
+    environment_options: dict = setting({}, "Options of the environment (validated by its plugin).")
     max_turns: int = setting(4, "Assistant turns per row at most; a row that still calls a tool then stops.", ge=1)
     # null keeps the update's completion width at rollout.max_new_tokens, as without tools.
     max_total_tokens: Optional[int] = setting(

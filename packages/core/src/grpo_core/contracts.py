@@ -392,14 +392,18 @@ class ConversationText(CompletionText):
     """A multi-turn completion as reward functions receive it: the `str` is the final answer
     (the text the model wrote after its last tool turn), so single-turn rewards grade the
     answer, not the tools' responses. conversation: the whole trajectory decoded, tool turns
-    and template tokens included; turns: assistant turns; tool_calls: calls made."""
+    and template tokens included; turns: assistant turns; tool_calls: calls made; environment:
+    the row's environment's `reward_info()` at the end of its episode ({} without one)."""
 
     conversation: str
     turns: int
     tool_calls: int
+    environment: dict
 
     def __new__(cls, final_answer: str, num_tokens: int, max_tokens: int, finished: bool, *,
-                conversation: str = "", turns: int = 1, tool_calls: int = 0) -> "ConversationText":
+                conversation: str = "", turns: int = 1, tool_calls: int = 0,
+                environment: dict | None = None) -> "ConversationText":
         value = super().__new__(cls, final_answer, num_tokens, max_tokens, finished)
         value.conversation, value.turns, value.tool_calls = conversation, turns, tool_calls
+        value.environment = dict(environment or {})
         return value

@@ -70,9 +70,13 @@ class MultiTurnRollout:
     template_kwargs: dict = dataclasses.field(default_factory=dict)
     kv_cache: bool = False  # continue on the backend's kept caches (grpo_runner_gsm8k.multi_turn_kept)
 
-    def rollout(self, prompts: Sequence[Sequence[int]], n: int, key: jax.Array, tally: DecodeTally) -> list[Trajectory]:
-        """n rows per prompt (rows p*n .. p*n+n-1 share prompt p), each run to its end."""
+    def rollout(self, prompts: Sequence[Sequence[int]], n: int, key: jax.Array, tally: DecodeTally,
+                environments: Sequence[Any] | None = None) -> list[Trajectory]:
+        """n rows per prompt (rows p*n .. p*n+n-1 share prompt p), each run to its end;
+        environments: one per row, already reset (their opening messages are the prompts)."""
         rows = [Trajectory(list(prompt)) for prompt in prompts for _ in range(n)]
+        for row, environment in zip(rows, environments or ()):
+            row.environment = environment
         if self.kv_cache:
             try:
                 KeptCacheTurns(self, rows, len(rows) + -len(rows) % data_shards(self.batch_sharding)).run(key, tally)
@@ -109,7 +113,10 @@ class MultiTurnRollout:
         if not row.add_sampled(turn_ids, turn_logps, self.budget):
             row.stop(finished=False)  # out of completion tokens
         elif not (stopped and turn_ids and turn_ids[-1] == self.call_end_id):
-            row.stop(finished=stopped)
+            if stopped and row.environment is not None:
+                self.environment_turn(row, turn_ids, last)
+            else:
+                row.stop(finished=stopped)
         else:
             calls = parse_tool_calls(self.tokenizer.decode(turn_ids, skip_special_tokens=False))
             if not calls:  # a closing tag without a call: the model ended its turn
@@ -125,6 +132,18 @@ class MultiTurnRollout:
         pending = [(row, self.runner.submit(calls)) for row, calls in calling]
         for row, future in pending:
             self.append_tool_turn(row, future.result())
+
+    def environment_turn(self, row: Trajectory, turn_ids: list, last: bool) -> None:
+        """The row's environment answers the turn the model ended: the episode ends, or its
+        messages are appended and the row goes on (while it has turns left)."""
+        answer = row.environment.step(self.tokenizer.decode(turn_ids, skip_special_tokens=True))
+        if answer.done or row.environment.done or not answer.messages or last:
+            row.stop(finished=answer.done or row.environment.done)
+            return
+        appended = append_turn_ids(self.tokenizer, row.prompt + row.ids, list(answer.messages),
+                                   tools=self.runner.offered(), template_kwargs=self.template_kwargs)
+        if not row.add_tool_turn(appended, [], self.budget):
+            row.stop(finished=False)
 
     def append_tool_turn(self, row: Trajectory, outcomes: list) -> None:
         """The template's tokens of the tool turn answering `outcomes`, appended to the row."""

@@ -53,8 +53,17 @@ def keeps_caches(mode: str, backend: Any, backend_name: str) -> bool:
     return keeps if mode == "auto" else mode == "kept"
 
 
+def build_environment(cfg: Any, registry: Any) -> tuple[Any, Any]:
+    """(the environment's spec, its options), or (None, None) without one (checked at load)."""
+    multi = cfg.rollout.multi_turn
+    if multi.environment is None:
+        return None, None
+    spec = registry.environment(str(multi.environment))
+    return spec, plugin_options(spec.options, multi.environment_options, "rollout.multi_turn.environment_options")
+
+
 class MultiTurnSampler:
-    """Owns the run's tools; `sample` gives one step's rows, scored."""
+    """Owns the run's tools (and environment spec); `sample` gives one step's rows, scored."""
 
     def __init__(self, run: Any, registry: Any):
         multi, tokenizer = run.cfg.rollout.multi_turn, run.inputs.tokenizer
@@ -68,19 +77,24 @@ class MultiTurnSampler:
             budget=row_budget(run.cfg),
             pad_token_id=tokenizer.pad_token_id, batch_sharding=run.rollout_sharding,
             kv_cache=kv_cache)
-        # Every prompt the run can see, rendered with the tools, so one too long fails now, not mid-run.
-        examples = prompts_to_check(run.cfg, run.inputs.task, run.inputs.prompts_per_process)
+        self.environment, self.environment_options = build_environment(run.cfg, registry)
+        # Every prompt the run can see, rendered with the tools, so one too long fails now, not mid-run
+        # (an environment writes its rows' prompts as it starts them: checked then).
+        examples = [] if self.environment else prompts_to_check(run.cfg, run.inputs.task,
+                                                                 run.inputs.prompts_per_process)
         try:
             self.checked = {ex.id: ids for ex, ids in zip(examples, self.render(examples)) if ex.id}
         except UserError:
             self.runner.close()
             raise
 
-    def render(self, examples: list) -> list[list[int]]:
-        """The examples' prompts rendered with the offered tools; too long is a UserError."""
+    def render(self, examples: list, openings: list | None = None) -> list[list[int]]:
+        """The examples' prompts (or an environment's `openings`, one per example) rendered with
+        the offered tools; too long is a UserError."""
         tokenizer, cfg = self.run.inputs.tokenizer, self.run.cfg
-        texts = [tokenizer.apply_chat_template(ex.messages(cfg.task.system_prompt), tools=self.runner.offered(),
-                                               add_generation_prompt=True, tokenize=False) for ex in examples]
+        openings = openings or [ex.messages(cfg.task.system_prompt) for ex in examples]
+        texts = [tokenizer.apply_chat_template(messages, tools=self.runner.offered(), add_generation_prompt=True,
+                                               tokenize=False) for messages in openings]
         ids = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
         for ex, row in zip(examples, ids):
             if len(row) > cfg.rollout.max_prompt_length:
@@ -88,6 +102,15 @@ class MultiTurnSampler:
                                 f"tools offered, more than rollout.max_prompt_length={cfg.rollout.max_prompt_length}; "
                                 "raise rollout.max_prompt_length")
         return [list(row) for row in ids]
+
+    def start_rows(self, examples: list, n: int) -> tuple[list[list[int]], list | None]:
+        """(each row's prompt ids, each row's environment reset on its example, or None)."""
+        if self.environment is None:
+            return [ids for ids in self.prompt_ids(examples) for _ in range(n)], None
+        repeated = [ex for ex in examples for _ in range(n)]
+        environments = [self.environment.factory(self.environment_options) for _ in repeated]
+        openings = [environment.reset(ex) for environment, ex in zip(environments, repeated)]
+        return self.render(repeated, openings), environments
 
     def prompt_ids(self, examples: list) -> list[list[int]]:
         """Token ids of the prompts: those checked at start where there are, else rendered now."""
@@ -100,10 +123,10 @@ class MultiTurnSampler:
         start = time.monotonic()
         run, n = self.run, self.run.cfg.rollout.n
         examples = gather_objects(run.inputs.task.train_batch(run.inputs.prompts_per_process))
-        prompts = self.prompt_ids(examples)
+        prompts, environments = self.start_rows(examples, n)
         run.rollout.load_weights(Policy(run.policy_graphdef, weights, run.qcfg))
         try:
-            rows = self.turns.rollout(prompts, n, key, tally)
+            rows = self.turns.rollout(prompts, 1, key, tally, environments)
         finally:
             run.rollout.release_weights()
         reward_start = time.monotonic()
@@ -121,5 +144,6 @@ def conversation_texts(tokenizer: Any, rows: list[Trajectory], budget: int) -> l
     answers = tokenizer.batch_decode([row.answer_ids for row in rows], skip_special_tokens=True)
     conversations = tokenizer.batch_decode([row.ids for row in rows], skip_special_tokens=False)
     return [ConversationText(answer, sum(row.trained), budget, row.finished, conversation=conversation,
-                             turns=row.turns, tool_calls=row.tool_calls)
+                             turns=row.turns, tool_calls=row.tool_calls,
+                             environment=row.environment.reward_info() if row.environment is not None else None)
             for answer, conversation, row in zip(answers, conversations, rows)]

@@ -1,21 +1,23 @@
-"""`calculator_call`: a partial-credit reward for writing a calculator call and using its
-answer (the tiny tool config, configs/tiny_tools.yaml).
+"""Rewards of multi-turn runs: `environment` gives a value of each row's environment's reward
+information; `calculator_call` is a partial-credit reward for writing a calculator call and
+using its answer (the tiny tool config, configs/tiny_tools.yaml).
 
 A random model almost never writes a whole call, so an all-or-nothing reward gives a GRPO
-group no variance to learn from. This one counts what a row's first turn has of a call and
-what the call gave, and returns `points / 7`:
+group no variance to learn from. This one counts what a row's conversation has of a call and
+what the call gave, and returns `points / 11`. The call's five parts are `<tool_call>`, the
+fixed text `{"name": "calculator", "arguments": {"expression": "`, an expression (digits and
++ - * / ( ) . ^ % and spaces), `"}}` and `</tool_call>`:
 
-    1-4. the call's first four parts, found in order, anything between them: `<tool_call>`,
-         the fixed text `{"name": "calculator", "arguments": {"expression": "`, an
-         expression (digits and + - * / ( ) . ^ %), `"}}`
-    5.   `</tool_call>` after `<tool_call>` (with or without the parts between)
-    6.   the call is exactly those parts, with only whitespace around the fixed text
-    7.   a tool response holds the reference answer (the call computed the right thing)
+    1-5.  each part found in order after the ones before it, anything between them (the
+          closing tag counts when found after the opening one, whatever lies between);
+    6-10. each part that follows the ones before it with only whitespace between, from the
+          start of the completion (10: the call is exact);
+    11.   a tool response holds the reference answer (the call computed the right thing).
 
-Each part is rewarded before the call is whole, so the parts are learned side by side rather
-than one after the other (a reward for the closing tag only after all the other parts would
-teach the model never to close early, and then never to close at all). Correctness of the final answer is the `correctness`
-reward's job; a config weighs the two.
+Points 1-5 let the parts be learned side by side (a reward for the closing tag only after all
+the other parts teaches the model never to close early, and then never to close at all);
+points 6-10 then reward removing what lies between them, front to back. Correctness of the
+final answer is the `correctness` reward's job; a config weighs the two.
 """
 
 from __future__ import annotations
@@ -24,19 +26,16 @@ import re
 from dataclasses import dataclass
 
 from grpo_core import RewardSpec
+from grpo_core.config import setting
 from grpo_core.contracts import RewardFn
 
 from grpo_runner_gsm8k.rewards import check_pairs
 
-CALL_PARTS = (r"<tool_call>", r'\{"name":\s*"calculator",\s*"arguments":\s*\{"expression":\s*"',
-              r"[0-9+\-*/().^% ]+", r'"\}\}', r"</tool_call>")
-# Parts 1-4 count when found after all the parts before them; the closing tag when found after
-# the opening one: a call closed early then still earns it, and the parts in between are
-# learned as insertions into a call that already closes.
-IN_ORDER = [*(re.compile(r".*?".join(CALL_PARTS[:count]), re.S) for count in range(1, len(CALL_PARTS))),
-            re.compile(CALL_PARTS[0] + r".*?" + CALL_PARTS[-1], re.S)]
-WHOLE_CALL = re.compile(r"\s*".join(CALL_PARTS[:2]) + "".join(CALL_PARTS[2:4]) + r"\s*" + CALL_PARTS[4])
-POINTS = len(CALL_PARTS) + 2
+CALL_PARTS = tuple(re.compile(part) for part in (
+    r"<tool_call>", r'\{"name":\s*"calculator",\s*"arguments":\s*\{"expression":\s*"', r"[0-9+\-*/().^% ]+",
+    r'"\}\}', r"</tool_call>"))
+SPACE = re.compile(r"\s*")
+POINTS = 2 * len(CALL_PARTS) + 1
 
 
 @dataclass(frozen=True)
@@ -44,11 +43,28 @@ class CalculatorCallOptions:
     """The `calculator_call` reward has no options."""
 
 
-def call_points(conversation: str) -> int:
-    """Points 1-6 of the module doc: the call's parts found in order, and whether it is exact."""
-    found = sum(pattern.search(conversation) is not None for pattern in IN_ORDER[:-1])
-    found += IN_ORDER[-1].search(conversation) is not None
-    return found + (found == len(CALL_PARTS) and WHOLE_CALL.match(conversation) is not None)
+def parts_in_order(text: str) -> int:
+    """Points 1-5: parts 1-4 found one after another (leftmost each), then the closing tag
+    anywhere after the opening one."""
+    position, found = 0, 0
+    for part in CALL_PARTS[:-1]:
+        match = part.search(text, position)
+        if match is None:
+            break
+        position, found = match.end(), found + 1
+    opening = CALL_PARTS[0].search(text)
+    return found + (opening is not None and CALL_PARTS[-1].search(text, opening.end()) is not None)
+
+
+def parts_in_a_row(text: str) -> int:
+    """Points 6-10: the parts that follow one another from the start, whitespace between."""
+    position = 0
+    for found, part in enumerate(CALL_PARTS):
+        match = part.match(text, SPACE.match(text, position).end())
+        if match is None:
+            return found
+        position = match.end()
+    return len(CALL_PARTS)
 
 
 def answered_by_tool(conversation: str, answer: str) -> bool:
@@ -58,7 +74,7 @@ def answered_by_tool(conversation: str, answer: str) -> bool:
 
 
 def calculator_call_reward(options: CalculatorCallOptions) -> RewardFn:
-    """`fn(completions, answers)` -> points / 7 (see the module doc); completions must be
+    """`fn(completions, answers)` -> points / 11 (see the module doc); completions must be
     `grpo_core.contracts.ConversationText` (a multi-turn run's)."""
     del options
 
@@ -74,13 +90,36 @@ def _credit(completion: str, answer: str) -> float:
     if conversation is None:
         raise TypeError("the calculator_call reward grades whole conversations: enable rollout.multi_turn "
                         f"(got a {type(completion).__name__}, not a ConversationText)")
-    points = call_points(conversation)
-    if points == len(CALL_PARTS) + 1 and answered_by_tool(conversation, answer):
-        points += 1
-    return points / POINTS
+    exact = parts_in_a_row(conversation)
+    answered = exact == len(CALL_PARTS) and answered_by_tool(conversation, answer)
+    return (parts_in_order(conversation) + exact + answered) / POINTS
+
+
+@dataclass(frozen=True)
+class EnvironmentRewardOptions:
+    """Options of the `environment` reward."""
+
+    key: str = setting("reward", "The name, in the environment's reward_info(), of the value to give.")
+
+
+def environment_reward(options: EnvironmentRewardOptions) -> RewardFn:
+    """`fn(completions, answers)` -> each row's environment's `reward_info()[key]` at the end of
+    its episode (0 when the environment gave no such value)."""
+
+    def environment(completions: list[str], answers: list[str]) -> list[float]:
+        check_pairs(completions, answers)
+        infos = [getattr(completion, "environment", None) for completion in completions]
+        if any(info is None for info in infos):
+            raise TypeError("the environment reward needs rollout.multi_turn.environment (its completions are "
+                            "grpo_core.contracts.ConversationText)")
+        return [float(info.get(options.key, 0.0)) for info in infos]
+
+    return environment
 
 
 TOOL_REWARD_SPECS = [
     RewardSpec("calculator_call", calculator_call_reward, CalculatorCallOptions,
                "Partial credit for the stages of a calculator call, up to its response holding the answer"),
+    RewardSpec("environment", environment_reward, EnvironmentRewardOptions,
+               "The value `key` of each row's environment's reward information (rollout.multi_turn.environment)"),
 ]

@@ -11,7 +11,7 @@ the turn of each token (`episode_arrays`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -37,6 +37,7 @@ class Trajectory:
     tool_seconds: float = 0.0
     done: bool = False
     finished: bool = False
+    environment: Any = None  # the row's Environment, when the run has one
 
     def room(self, budget: int) -> int:
         return budget - len(self.ids)
@@ -53,8 +54,9 @@ class Trajectory:
         return keep == len(ids)
 
     def add_tool_turn(self, ids: Sequence[int], outcomes: Sequence[ToolOutcome], budget: int) -> bool:
-        """Counts the turn's calls and appends its template tokens; False (nothing appended)
-        when they do not fit the row's budget."""
+        """Counts the turn's calls and appends its template tokens (a tool turn, or an
+        environment's messages with no outcomes); False (nothing appended) when they do not
+        fit the row's budget."""
         self.tool_calls += len(outcomes)
         self.tool_errors += sum(outcome.status == "error" for outcome in outcomes)
         self.tool_timeouts += sum(outcome.status == "timeout" for outcome in outcomes)
@@ -119,10 +121,14 @@ def trajectory_metrics(rows: Sequence[Trajectory], prefix: str = "train-tools/")
 def episode_arrays(rows: Sequence[Trajectory], width: int) -> dict[str, np.ndarray]:
     """What the advantage estimators receive of each row's episode (`StepRewards.episodes`):
     turns, tool_calls, tool_errors, tool_timeouts [N] int32; token_turn [N, width] int32, the
-    assistant turn (0, 1, ...) of each completion token, -1 on tool-turn tokens and padding."""
+    assistant turn (0, 1, ...) of each completion token, -1 on tool-turn tokens and padding;
+    env/<name> [N] float32, the environment's reward information (0 where a row has none)."""
     token_turn = np.full((len(rows), width), -1, np.int32)
     for i, row in enumerate(rows):
         token_turn[i, :len(row.token_turns)] = row.token_turns
     counts = {name: np.array([getattr(row, name) for row in rows], np.int32)
               for name in ("turns", "tool_calls", "tool_errors", "tool_timeouts")}
-    return {**counts, "token_turn": token_turn}
+    infos = [row.environment.reward_info() if row.environment is not None else {} for row in rows]
+    environment = {f"env/{name}": np.array([float(info.get(name, 0.0)) for info in infos], np.float32)
+                   for name in sorted({name for info in infos for name in info})}
+    return {**counts, "token_turn": token_turn, **environment}
