@@ -35,6 +35,7 @@ CALL_PARTS = tuple(re.compile(part) for part in (
     r"<tool_call>", r'\{"name":\s*"calculator",\s*"arguments":\s*\{"expression":\s*"', r"[0-9+\-*/().^% ]+",
     r'"\}\}', r"</tool_call>"))
 SPACE = re.compile(r"\s*")
+NEXT_ASSISTANT_TURN = "<|im_start|>assistant"
 POINTS = 2 * len(CALL_PARTS) + 1
 
 
@@ -68,9 +69,11 @@ def parts_in_a_row(text: str) -> int:
 
 
 def answered_by_tool(conversation: str, answer: str) -> bool:
-    """A complete call was made and the text after it holds the answer as a whole number."""
+    """The tool turn after the first call (up to the next assistant turn, ChatML's
+    `<|im_start|>assistant`) holds the answer as a whole number."""
     after_call = conversation.split("</tool_call>", 1)[1] if "</tool_call>" in conversation else ""
-    return re.search(rf"(?<![0-9.]){re.escape(answer.strip())}(?![0-9.])", after_call) is not None
+    tool_turn = after_call.split(NEXT_ASSISTANT_TURN, 1)[0]
+    return re.search(rf"(?<![0-9.]){re.escape(answer.strip())}(?![0-9.])", tool_turn) is not None
 
 
 def calculator_call_reward(options: CalculatorCallOptions) -> RewardFn:
