@@ -3,8 +3,9 @@ information; `calculator_call` is a partial-credit reward for writing a calculat
 using its answer (the tiny tool config, configs/tiny_tools.yaml).
 
 A random model almost never writes a whole call, so an all-or-nothing reward gives a GRPO
-group no variance to learn from. This one counts what a row's conversation has of a call and
-what the call gave, and returns `points / 11`. The call's five parts are `<tool_call>`, the
+group no variance to learn from. This one counts what a row's first turn (up to its first
+`</tool_call>`, or its first `<|im_end|>`) has of a call and what the call gave, and returns
+`points / 11`. The call's five parts are `<tool_call>`, the
 fixed text `{"name": "calculator", "arguments": {"expression": "`, an expression (digits and
 + - * / ( ) . ^ % and spaces), `"}}` and `</tool_call>`:
 
@@ -17,7 +18,9 @@ fixed text `{"name": "calculator", "arguments": {"expression": "`, an expression
 Points 1-5 let the parts be learned side by side (a reward for the closing tag only after all
 the other parts teaches the model never to close early, and then never to close at all);
 points 6-10 then reward removing what lies between them, front to back. Correctness of the
-final answer is the `correctness` reward's job; a config weighs the two.
+final answer is the `correctness` reward's job; a config weighs the two. Only the first turn
+is graded for the parts: otherwise the digits of a tool's error message and a second call
+would make up for a call without an expression.
 """
 
 from __future__ import annotations
@@ -93,9 +96,17 @@ def _credit(completion: str, answer: str) -> float:
     if conversation is None:
         raise TypeError("the calculator_call reward grades whole conversations: enable rollout.multi_turn "
                         f"(got a {type(completion).__name__}, not a ConversationText)")
-    exact = parts_in_a_row(conversation)
+    turn = first_turn(conversation)
+    exact = parts_in_a_row(turn)
     answered = exact == len(CALL_PARTS) and answered_by_tool(conversation, answer)
-    return (parts_in_order(conversation) + exact + answered) / POINTS
+    return (parts_in_order(turn) + exact + answered) / POINTS
+
+
+def first_turn(conversation: str) -> str:
+    """The conversation up to its first `</tool_call>` (kept), else up to its first `<|im_end|>`."""
+    if "</tool_call>" in conversation:
+        return conversation.split("</tool_call>", 1)[0] + "</tool_call>"
+    return conversation.split("<|im_end|>", 1)[0]
 
 
 @dataclass(frozen=True)
