@@ -274,16 +274,11 @@ class KeptCacheRollout(Protocol):
     between rounds (rollout.partial.kv_cache within_step / across_steps); a backend without it
     can only re-prefill, and a run asking for more says so."""
 
-    def generate_round(self, prefixes: Sequence[Sequence[int]], cached: Sequence[bool], key: jax.Array,
-                       sampling: SamplingParams, *, pad_token_id: int = 0, batch_sharding: Any = None,
-                       kept_tokens: Sequence[int] | None = None, live: Sequence[bool] | None = None) -> RolloutResult:
-        """One round of at most sampling.max_new_tokens tokens per slot: slot i continues its row of the
-        previous round from the kept cache when cached[i] (only its last token, not yet fed, goes in),
-        else its prefix (prompt plus tokens so far) is admitted. kept_tokens[i]: how many of a cached
-        prefix's tokens the kept cache holds (default all but the last); the ones after them, but the
-        last, are appended to the cache first (a multi-turn row's tool turn). live[i] False: slot i
-        samples nothing this round and its cache stays as it is. key: one key, or one per slot [N]
-        (a slot's tokens then depend on its own key only, whichever slots share the round)."""
+    def generate_round(self, prefixes: Sequence[Sequence[int]], cached: Sequence[bool], key: jax.Array, sampling: SamplingParams,
+                       *, pad_token_id: int = 0, batch_sharding: Any = None, kept_tokens: Sequence[int] | None = None,
+                       live: Sequence[bool] | None = None) -> RolloutResult:
+        """At most sampling.max_new_tokens tokens per slot: slot i continues on its kept cache (holding kept_tokens[i]
+        of its prefix, default all but the last) when cached[i], else is admitted; live[i] False: it samples nothing."""
 
     def release_kept_cache(self) -> None:
         """Frees the kept cache; the next round admits every slot."""
@@ -389,21 +384,17 @@ class CompletionText(str):
 
 
 class ConversationText(CompletionText):
-    """A multi-turn completion as reward functions receive it: the `str` is the final answer
-    (the text the model wrote after its last tool turn), so single-turn rewards grade the
-    answer, not the tools' responses. conversation: the whole trajectory decoded, tool turns
-    and template tokens included; turns: assistant turns; tool_calls: calls made; environment:
-    the row's environment's `reward_info()` at the end of its episode ({} without one)."""
+    """A multi-turn completion for the rewards: the `str` is the final answer (after the last tool turn);
+    conversation: the whole trajectory decoded (tool turns, template tokens); turns: assistant turns;
+    tool_calls: calls made; environment: the row's environment's reward_info() ({} without one)."""
 
     conversation: str
     turns: int
     tool_calls: int
     environment: dict
 
-    def __new__(cls, final_answer: str, num_tokens: int, max_tokens: int, finished: bool, *,
-                conversation: str = "", turns: int = 1, tool_calls: int = 0,
-                environment: dict | None = None) -> "ConversationText":
+    def __new__(cls, final_answer: str, num_tokens: int, max_tokens: int, finished: bool, *, conversation: str = "",
+                turns: int = 1, tool_calls: int = 0, environment: dict | None = None) -> "ConversationText":
         value = super().__new__(cls, final_answer, num_tokens, max_tokens, finished)
-        value.conversation, value.turns, value.tool_calls = conversation, turns, tool_calls
-        value.environment = dict(environment or {})
+        value.conversation, value.turns, value.tool_calls, value.environment = conversation, turns, tool_calls, environment or {}
         return value

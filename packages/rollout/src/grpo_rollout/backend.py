@@ -155,13 +155,11 @@ class JaxRollout:
                        sampling: SamplingParams, *, pad_token_id: int = 0,
                        batch_sharding: NamedSharding | None = None, kept_tokens: Sequence[int] | None = None,
                        live: Sequence[bool] | None = None) -> RolloutResult:
-        """One partial-rollout round of at most `sampling.max_new_tokens` tokens per slot on the KV
-        cache kept from the previous round (grpo_rollout.kept_cache). prefixes: each slot's prompt
-        plus tokens so far; cached[i]: slot i continues its row of the previous round, whose cache
-        holds kept_tokens[i] of its tokens (default all but the last; the others but the last are
-        appended first), otherwise the prefix is admitted. live[i] False: slot i samples nothing
-        and keeps its cache. key: one key, or one per slot. The slots' cache is kept for the next
-        round."""
+        """One round of at most `sampling.max_new_tokens` tokens per slot on the KV cache kept from the
+        previous round (grpo_rollout.kept_cache). prefixes: each slot's prompt plus tokens so far; cached[i]:
+        slot i continues on its cache, which holds kept_tokens[i] of them (default all but the last; the others
+        but the last are run in first), else the prefix is admitted. live[i] False: slot i samples nothing and
+        keeps its cache. key: one key, or one per slot. The slots' cache is kept for the next round."""
         if self._weights is None:
             raise RuntimeError("JaxRollout.generate_round without weights: call load_weights(policy) first.")
         if any(cached) and (self._kept is None or self._kept.mask.shape[0] != len(prefixes)):
