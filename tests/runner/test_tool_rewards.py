@@ -24,9 +24,10 @@ def points(conversation: str, answer: str = "408") -> float:
     (f"<tool_call>\n{FIXED}12*34\"}}}}</tool_call>", 5 + 5),  # exact, the answer not seen
     (f"<tool_call>\n{FIXED}12*34\"}}}}\n</tool_call>{RESPONSE}It is 408.", 5 + 5 + 1),
     (f"<tool_call>{FIXED}1\"}}}}</tool_call>{RESPONSE.replace('408', '1')}408", 5 + 5),  # 408 not from a tool
+    (f"<tool_call>{FIXED}{FIXED}\"}}}}</tool_call>", 3 + 2),  # no digit: no expression (the fixed text has spaces)
     # only the first turn is graded: an error's digits and a second call do not complete an empty call
     (f"<tool_call>{FIXED}\"}}}}</tool_call>{RESPONSE.replace('408', 'Error: at character 54')}<tool_call>{FIXED}1\"}}}}"
-     "</tool_call>", 4 + 2),
+     "</tool_call>", 3 + 2),
 ])
 def test_calculator_call_points(conversation, expected):
     assert points(conversation) == pytest.approx(expected)

@@ -6,8 +6,8 @@ A random model almost never writes a whole call, so an all-or-nothing reward giv
 group no variance to learn from. This one counts what a row's first turn (up to its first
 `</tool_call>`, or its first `<|im_end|>`) has of a call and what the call gave, and returns
 `points / 11`. The call's five parts are `<tool_call>`, the
-fixed text `{"name": "calculator", "arguments": {"expression": "`, an expression (digits and
-+ - * / ( ) . ^ % and spaces), `"}}` and `</tool_call>`:
+fixed text `{"name": "calculator", "arguments": {"expression": "`, an expression (a digit, with
+digits, + - * / ( ) . ^ % and spaces around it), `"}}` and `</tool_call>`:
 
     1-5.  each part found in order after the ones before it, anything between them (the
           closing tag counts when found after the opening one, whatever lies between);
@@ -34,8 +34,10 @@ from grpo_core.contracts import RewardFn
 
 from grpo_runner_gsm8k.rewards import check_pairs
 
+# At least one digit: the fixed text's own spaces are no expression (a model wrote it twice for one).
+EXPRESSION = r"[+\-*/().^% ]*[0-9][0-9+\-*/().^% ]*"
 CALL_PARTS = tuple(re.compile(part) for part in (
-    r"<tool_call>", r'\{"name":\s*"calculator",\s*"arguments":\s*\{"expression":\s*"', r"[0-9+\-*/().^% ]+",
+    r"<tool_call>", r'\{"name":\s*"calculator",\s*"arguments":\s*\{"expression":\s*"', EXPRESSION,
     r'"\}\}', r"</tool_call>"))
 SPACE = re.compile(r"\s*")
 NEXT_ASSISTANT_TURN = "<|im_start|>assistant"
