@@ -219,6 +219,12 @@ CATALOGUE = [
                                            "task.options={digits: 1, operations: '+', use_chat_template: true}",
                                            "rollout.max_prompt_length=40"),
         "the tokenizer encodes '</tool_call>' as 12 tokens", "model.tokenizer=char-tools"),
+    Bad("multi-turn-unknown-environment", ("rollout.multi_turn.enabled=true", "rollout.multi_turn.environment=guess"),
+        "rollout.multi_turn.environment: unknown environment 'guess'", "available"),
+    Bad("multi-turn-environment-options-alone", ("rollout.multi_turn.enabled=true", "rollout.multi_turn.tools=[calculator]",
+                                                 "rollout.multi_turn.environment_options={max_guesses: 2}"),
+        "rollout.multi_turn.environment_options is set but rollout.multi_turn.environment is null",
+        "name the environment or remove its options"),
 ]
 
 

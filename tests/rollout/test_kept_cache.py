@@ -101,3 +101,47 @@ def test_continuing_a_slot_without_a_kept_cache_is_refused(model):
     rollout.load_weights(Policy.of(model))
     with pytest.raises(ValueError, match="none is kept"):
         rollout.generate_round([[1, 2], [3]], [True, False], jax.random.key(0), SamplingParams(max_new_tokens=2, n=1))
+
+
+def test_tokens_appended_to_a_kept_cache_and_rows_that_sit_out(model):
+    """Multi-turn use: after round 1, rows 0 and 1 get host tokens appended (a tool turn) and
+    continue on their kept cache; row 2 sits out round 2 (live False) and continues in round 3;
+    row 3 continues plainly. Every sampled token's log-prob is the full forward's, and a row's
+    tokens with its own key do not depend on which rows share its round."""
+    rollout = JaxRollout(JaxRolloutOptions(prompt_buckets=(4, 8, 16, 32)))
+    rollout.load_weights(Policy.of(model))
+    sampling = SamplingParams(max_new_tokens=4, n=1, temperature=TEMPERATURE)
+    keys = jax.random.split(jax.random.key(5), 4)
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12], [13, 14], [15, 16, 17, 18]]
+    rows = [list(p) for p in prompts]
+    trained = [[] for _ in rows]  # (position, log-prob) of each sampled token
+
+    def one_round(cached, kept, live, round_keys):
+        result = rollout.generate_round(rows, cached, round_keys, sampling, kept_tokens=kept, live=live)
+        lengths = np.asarray(result.lengths)
+        for i in range(len(rows)):
+            assert lengths[i] == (4 if live[i] else 0)
+            sampled = np.asarray(result.completion_ids)[i, :lengths[i]].tolist()
+            trained[i] += [(len(rows[i]) + j, p) for j, p in enumerate(np.asarray(result.sampler_logps)[i, :lengths[i]])]
+            rows[i] += sampled
+        return np.asarray(result.completion_ids)
+
+    one_round([False] * 4, None, [True] * 4, keys)
+    kept = [len(row) - 1 for row in rows]
+    rows[0] += [20, 21, 22]
+    rows[1] += [23]
+    second = one_round([True] * 4, kept, [True, True, False, True], jax.random.split(jax.random.key(6), 4))
+    one_round([True] * 4, None, [False, False, True, False], keys)
+    hidden = model(*map(jnp.asarray, left_pad(rows, 0, (32,))))
+    ids, _ = left_pad(rows, 0, (32,))
+    logp = np.asarray(jax.nn.log_softmax(model.logits(hidden) / TEMPERATURE, axis=-1))
+    for i, row in enumerate(rows):
+        offset = ids.shape[1] - len(row)
+        expected = [logp[i, offset + position - 1, row[position]] for position, _ in trained[i]]
+        np.testing.assert_allclose([p for _, p in trained[i]], expected, atol=1e-5)  # f32 forward vs cached decode
+    # Row 3's second round again, alone in slot 0 with its key, admitted afresh: the same tokens.
+    rollout.release_kept_cache()
+    alone = [prompts[3] + rows[3][len(prompts[3]):len(prompts[3]) + 4], [1], [1], [1]]
+    slot_keys = jnp.stack([jax.random.split(jax.random.key(6), 4)[3]] + list(keys[1:]))
+    result = rollout.generate_round(alone, [False] * 4, slot_keys, sampling, live=[True, False, False, False])
+    assert np.asarray(result.completion_ids)[0].tolist() == second[3].tolist()

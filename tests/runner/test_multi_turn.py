@@ -148,3 +148,73 @@ def test_result_masks_texts_and_metrics(tokenizer, runner):
     assert (metrics["train-tools/calls"], metrics["train-tools/errors"], metrics["train-tools/timeouts"]) == (2, 1, 0)
     assert metrics["train-tools/turns_max"] == 2 and metrics["train-tools/call_rate"] == 0.5
     assert metrics["train-tools/masked_tokens"] == int((result.completion_mask - result.loss_mask).sum()) > 0
+
+
+def test_the_estimator_sees_each_rows_turns_and_each_tokens_turn(runner):
+    from grpo_core.advantage_records import AdvantageResult
+    from grpo_runner_gsm8k.advantages import step_advantages
+    from grpo_runner_gsm8k.scoring import Scores
+    from grpo_runner_gsm8k.trajectory import episode_arrays
+
+    tokenizer = _char()
+    _, rows = _rollout(tokenizer, runner)
+    episodes = episode_arrays(rows, 400)
+    assert episodes["turns"].tolist() == [2, 1, 2, 1] and episodes["tool_calls"].tolist() == [1, 0, 1, 0]
+    assert episodes["tool_errors"].tolist() == [0, 0, 1, 0] and episodes["tool_timeouts"].tolist() == [0] * 4
+    mul = rows[0]
+    first = mul.trained.index(0)  # the tool turn starts where the first turn's tokens end
+    second = first + mul.trained[first:].index(1)
+    assert episodes["token_turn"][0, :len(mul.ids)].tolist() == [0] * first + [-1] * (second - first) + [1] * (
+        len(mul.ids) - second)
+    assert (episodes["token_turn"][0, len(mul.ids):] == -1).all()
+    seen = []
+
+    def estimator(rewards):
+        seen.append(rewards.episodes)
+        return AdvantageResult(np.zeros(4, np.float32), {})
+
+    total = np.array([1.0, 0.0, 0.0, 1.0], np.float32)
+    step_advantages(estimator, Scores(total, {}, {}, episodes), group_size=2, dynamic_sampling=False)
+    assert seen[0] is episodes
+
+
+class Guess:
+    """An environment: "Higher." until the model writes 7, then done."""
+
+    def __init__(self):
+        self.solved, self.steps = False, 0
+
+    def step(self, text):
+        from grpo_core.contracts import EnvironmentStep
+
+        self.steps, self.solved = self.steps + 1, "7" in text
+        return EnvironmentStep(done=True) if self.solved else EnvironmentStep(messages=({"role": "user",
+                                                                                         "content": "Higher."},))
+
+    @property
+    def done(self):
+        return self.solved
+
+    def reward_info(self):
+        return {"solved": float(self.solved), "steps": float(self.steps)}
+
+
+def test_an_environment_answers_each_turn_until_it_is_done(runner, monkeypatch):
+    from grpo_runner_gsm8k.trajectory import episode_arrays
+
+    tokenizer = _char()
+    monkeypatch.setitem(SCRIPTS, "guess", ["3", "7"])
+    turns, _ = _rollout(tokenizer, runner)
+    prompt = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": "Q:guess"}],
+                                                            add_generation_prompt=True, tokenize=False))
+    environments = [Guess(), Guess()]
+    rows = turns.rollout([prompt, prompt], 1, jax.random.key(0), DecodeTally(), environments)
+    first = turns.backend.turn_ids(prompt)
+    hint = append_turn_ids(tokenizer, prompt + first, [{"role": "user", "content": "Higher."}])
+    assert rows[0].ids == first + hint + turns.backend.turn_ids(prompt + first + hint)
+    assert rows[0].trained == [1] * len(first) + [0] * len(hint) + [1] * (len(rows[0].ids) - len(first) - len(hint))
+    assert rows[0].finished and rows[0].turns == 2 and rows[0].tool_calls == 0
+    assert environments[0].reward_info() == {"solved": 1.0, "steps": 2.0}
+    assert episode_arrays(rows, 400)["env/solved"].tolist() == [1.0, 1.0]
+    texts = conversation_texts(tokenizer, rows, 400)
+    assert texts[0].environment == {"solved": 1.0, "steps": 2.0} and str(texts[0]) == "7"

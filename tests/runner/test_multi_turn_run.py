@@ -17,7 +17,9 @@ MULTI_TURN = ["model.tokenizer=char-tools", "task.options={digits: 1, operations
               "rollout.max_prompt_length=40", "rollout.max_new_tokens=8", "rollout.multi_turn.enabled=true",
               "rollout.multi_turn.tools=[calculator]", "rollout.multi_turn.max_total_tokens=112",
               "rollout.multi_turn.max_turns=3", "model.architecture.max_position_embeddings=192",
-              "loss.entropy_coef=0.01"]
+              "loss.entropy_coef=0.01",
+              # the scripted call replaces sampled tokens, which a kept cache would not hold: re-prefill
+              "rollout.multi_turn.kv_cache=reprefill"]
 
 
 class FirstRowCalls:

@@ -11,7 +11,7 @@ picks the rows the loss trains on (`kept_rows`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping, NamedTuple
 
 import numpy as np
@@ -50,11 +50,16 @@ class StepRewards:
     per_fn: reward function name -> [N] float32 unweighted rewards (keys as task.rewards).
     keep:   [N] float32, 1 on rows the step trains on, 0 on rows dynamic sampling masks
             (`kept_rows`); statistics over the step use the kept rows only.
+    episodes: what a multi-turn rollout knows of each row's turns (empty otherwise): turns,
+            tool_calls, tool_errors, tool_timeouts [N] int32; token_turn [N, T] int32, the
+            assistant turn (0, 1, ...) of each completion token, -1 on tool-turn tokens and
+            padding (T the rollout's completion width).
     """
 
     total: Any
     per_fn: Mapping[str, Any]
     keep: Any
+    episodes: Mapping[str, Any] = field(default_factory=dict)
 
 
 class AdvantageResult(NamedTuple):

@@ -63,7 +63,8 @@ class ModelConfig:
         "(vocab_size defaults to the tokenizer's size).")
     tokenizer: Optional[str] = setting(
         None, "Tokenizer directory or Hub id; null = `path` (filled in at load); 'char' builds the character "
-        "tokenizer; 'char-tools' the same with Qwen's tool tokens (<tool_call>, </tool_call>) added.")
+        "tokenizer; 'char-tools' the same with Qwen's tool tokens (<tool_call>, </tool_call>) added; "
+        "'char-calculator' also with a calculator call's fixed text as two tokens (configs/tiny_tools.yaml).")
     dtype: Literal["float32", "bfloat16"] = setting(
         "float32", "Compute dtype of every forward and backward pass (norms and softmax always run in float32).")
     # float32 masters keep updates of lr ~1e-6 that a bfloat16 weight rounds away.
@@ -136,6 +137,10 @@ class MultiTurnConfig:
         "and `</tool_call>` as one token.")
     tools: list = setting([], "Tool plugin names offered to the policy (through the chat template's tools=).")
     tool_options: dict = setting({}, "Options of each offered tool, by name (validated by the tool's plugin).")
+    environment: Optional[str] = setting(
+        None, "Environment plugin name: one per row, it opens the conversation (reset) and answers each "
+        "assistant turn that calls no tool (step), until it is done; null = none.")
+    environment_options: dict = setting({}, "Options of the environment (validated by its plugin).")
     max_turns: int = setting(4, "Assistant turns per row at most; a row that still calls a tool then stops.", ge=1)
     # null keeps the update's completion width at rollout.max_new_tokens, as without tools.
     max_total_tokens: Optional[int] = setting(
@@ -143,6 +148,11 @@ class MultiTurnConfig:
         "rollout.max_new_tokens of them); null = rollout.max_new_tokens.", ge=1)
     call_timeout_s: float = setting(30.0, "Wall-clock seconds of one tool call; past it the model reads a "
                                     "timeout error.", gt=0.0)
+    kv_cache: Literal["auto", "kept", "reprefill"] = setting(
+        "auto", "kept = each row continues on its KV cache after a tool turn (only the tool turn's tokens are "
+        "run in) and rows waiting on a tool hold up no other row; reprefill = every turn prefills the whole "
+        "conversation again, once every call of the turn has returned; auto = kept when the rollout backend "
+        "keeps caches (generate_round).")
 
 
 @dataclass(frozen=True)

@@ -274,11 +274,11 @@ class KeptCacheRollout(Protocol):
     between rounds (rollout.partial.kv_cache within_step / across_steps); a backend without it
     can only re-prefill, and a run asking for more says so."""
 
-    def generate_round(self, prefixes: Sequence[Sequence[int]], cached: Sequence[bool], key: jax.Array,
-                       sampling: SamplingParams, *, pad_token_id: int = 0, batch_sharding: Any = None) -> RolloutResult:
-        """One round of at most sampling.max_new_tokens tokens per slot: slot i continues its row of the
-        previous round from the kept cache when cached[i] (only its last token, not yet fed, goes in),
-        else its prefix (prompt plus tokens so far) is admitted."""
+    def generate_round(self, prefixes: Sequence[Sequence[int]], cached: Sequence[bool], key: jax.Array, sampling: SamplingParams,
+                       *, pad_token_id: int = 0, batch_sharding: Any = None, kept_tokens: Sequence[int] | None = None,
+                       live: Sequence[bool] | None = None) -> RolloutResult:
+        """At most sampling.max_new_tokens tokens per slot: slot i continues on its kept cache (holding kept_tokens[i]
+        of its prefix, default all but the last) when cached[i], else is admitted; live[i] False: it samples nothing."""
 
     def release_kept_cache(self) -> None:
         """Frees the kept cache; the next round admits every slot."""
@@ -384,17 +384,17 @@ class CompletionText(str):
 
 
 class ConversationText(CompletionText):
-    """A multi-turn completion as reward functions receive it: the `str` is the final answer
-    (the text the model wrote after its last tool turn), so single-turn rewards grade the
-    answer, not the tools' responses. conversation: the whole trajectory decoded, tool turns
-    and template tokens included; turns: assistant turns; tool_calls: calls made."""
+    """A multi-turn completion for the rewards: the `str` is the final answer (after the last tool turn);
+    conversation: the whole trajectory decoded (tool turns, template tokens); turns: assistant turns;
+    tool_calls: calls made; environment: the row's environment's reward_info() ({} without one)."""
 
     conversation: str
     turns: int
     tool_calls: int
+    environment: dict
 
-    def __new__(cls, final_answer: str, num_tokens: int, max_tokens: int, finished: bool, *,
-                conversation: str = "", turns: int = 1, tool_calls: int = 0) -> "ConversationText":
+    def __new__(cls, final_answer: str, num_tokens: int, max_tokens: int, finished: bool, *, conversation: str = "",
+                turns: int = 1, tool_calls: int = 0, environment: dict | None = None) -> "ConversationText":
         value = super().__new__(cls, final_answer, num_tokens, max_tokens, finished)
-        value.conversation, value.turns, value.tool_calls = conversation, turns, tool_calls
+        value.conversation, value.turns, value.tool_calls, value.environment = conversation, turns, tool_calls, environment or {}
         return value

@@ -13,9 +13,13 @@ def check_multi_turn(cfg: Any) -> None:
     multi = cfg.rollout.multi_turn
     if not multi.enabled:
         return
-    if not multi.tools:
-        raise ConfigError("rollout.multi_turn.enabled with rollout.multi_turn.tools = []: offer at least one tool, "
-                          "e.g. rollout.multi_turn.tools=[calculator]")
+    if not multi.tools and multi.environment is None:
+        raise ConfigError("rollout.multi_turn.enabled with rollout.multi_turn.tools = [] and no environment: offer "
+                          "at least one tool, e.g. rollout.multi_turn.tools=[calculator], or set "
+                          "rollout.multi_turn.environment")
+    if multi.environment_options and multi.environment is None:
+        raise ConfigError("rollout.multi_turn.environment_options is set but rollout.multi_turn.environment is null; "
+                          "name the environment or remove its options")
     for name in multi.tool_options:
         if name not in multi.tools:
             raise ConfigError(f"rollout.multi_turn.tool_options.{name} configures a tool that rollout.multi_turn.tools "
@@ -41,3 +45,9 @@ def check_tools(cfg: Any, registry: Any, plugin_options: Any) -> None:
         except PluginError as exc:
             raise ConfigError(f"rollout.multi_turn.tools: {exc}") from None
         plugin_options(spec.options, multi.tool_options.get(name, {}), f"rollout.multi_turn.tool_options.{name}")
+    if multi.environment is not None:
+        try:
+            spec = registry.environment(str(multi.environment))
+        except PluginError as exc:
+            raise ConfigError(f"rollout.multi_turn.environment: {exc}") from None
+        plugin_options(spec.options, multi.environment_options, "rollout.multi_turn.environment_options")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Mapping, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -115,6 +115,7 @@ class Scores(NamedTuple):
     total: np.ndarray                 # [N] float32, sum of weight * per_fn
     per_fn: dict[str, np.ndarray]     # name -> [N] float32
     errors: dict[str, int]            # name -> samples whose reward could not be computed
+    episodes: Mapping[str, np.ndarray] = {}  # a multi-turn rollout's per-row turns (StepRewards.episodes)
 
 
 class Sampled(NamedTuple):

@@ -20,6 +20,9 @@ UNK = "<|unk|>"
 SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END, UNK)
 # Qwen2.5 / Qwen3 write tool calls between these; a multi-turn turn stops at the closing one.
 TOOL_CALL_TOKENS = ("<tool_call>", "</tool_call>")
+# The fixed text of a calculator call, one token each (as a BPE vocabulary holds it in a few):
+# a tiny character-level model then writes a call in 9 tokens instead of 70 characters.
+CALCULATOR_CALL_TOKENS = ('{"name": "calculator", "arguments": {"expression": "', '"}}')
 
 # Qwen2.5-style ChatML, without the default system prompt.
 CHATML_TEMPLATE = (

@@ -17,7 +17,7 @@ from jax.sharding import NamedSharding
 from grpo_rollout.decode import (batch_sharding_of_rank, batch_spec_axes, cache_shardings, decode, prefill,
                                  rollout_graphdef)
 from grpo_rollout.collectives import decode_traffic_note
-from grpo_rollout.kept_cache import admission_batch, admit, compact, kept_width, round_start
+from grpo_rollout.kept_cache import admission_batch, admit, compact, kept_counts, kept_width, round_start
 from grpo_rollout.gather import (AutoDecoders, bytes_beyond_arguments, candidate_layouts, fastest_layout,
                                  gather_refused_note, has_sharded_weights, layout_static)
 from grpo_rollout.prompts import DEFAULT_PROMPT_BUCKETS, bucket_length, fit_to_bucket, left_pad, repeat_samples
@@ -153,12 +153,13 @@ class JaxRollout:
 
     def generate_round(self, prefixes: Sequence[Sequence[int]], cached: Sequence[bool], key: jax.Array,
                        sampling: SamplingParams, *, pad_token_id: int = 0,
-                       batch_sharding: NamedSharding | None = None) -> RolloutResult:
-        """One partial-rollout round of at most `sampling.max_new_tokens` tokens per slot on the KV
-        cache kept from the previous round (grpo_rollout.kept_cache). prefixes: each slot's prompt
-        plus tokens so far; cached[i]: slot i continues its row of the previous round (only its
-        last token is fed), otherwise the prefix is admitted. The slots' cache is kept for the next
-        round."""
+                       batch_sharding: NamedSharding | None = None, kept_tokens: Sequence[int] | None = None,
+                       live: Sequence[bool] | None = None) -> RolloutResult:
+        """One round of at most `sampling.max_new_tokens` tokens per slot on the KV cache kept from the
+        previous round (grpo_rollout.kept_cache). prefixes: each slot's prompt plus tokens so far; cached[i]:
+        slot i continues on its cache, which holds kept_tokens[i] of them (default all but the last; the others
+        but the last are run in first), else the prefix is admitted. live[i] False: slot i samples nothing and
+        keeps its cache. key: one key, or one per slot. The slots' cache is kept for the next round."""
         if self._weights is None:
             raise RuntimeError("JaxRollout.generate_round without weights: call load_weights(policy) first.")
         if any(cached) and (self._kept is None or self._kept.mask.shape[0] != len(prefixes)):
@@ -167,19 +168,24 @@ class JaxRollout:
         check_batch_divisible(len(prefixes), 1, batch_sharding)
         static = self.static_args(self._graphdef, self._weights, dataclasses.replace(sampling, n=1), pad_token_id,
                                   batch_sharding)
-        cache = self._round_cache(prefixes, cached, sampling.max_new_tokens, pad_token_id, batch_sharding, static)
+        counts = kept_counts(prefixes, cached, kept_tokens)
+        cache = self._round_cache(prefixes, cached, counts, sampling.max_new_tokens, pad_token_id, batch_sharding,
+                                  static)
         last = np.array([[p[-1]] for p in prefixes], np.int32)  # [N, 1]: each slot's next token to feed
-        state = round_start(place(last[:, 0], batch_sharding), sampling.max_new_tokens, pad_token_id, batch_sharding)
+        rows_live = None if live is None else place(np.asarray(live, bool), batch_sharding)
+        state = round_start(place(last[:, 0], batch_sharding), sampling.max_new_tokens, pad_token_id, batch_sharding,
+                            rows_live)
         self._check_round_memory(cache, state, key, static)
         cache, state = self.decoder(self._weights, cache, state, key, static)(self._weights, cache, state, key)
         self._kept = cache
         return finish(last, np.ones_like(last), state, static["params"])
 
-    def _round_cache(self, prefixes, cached, budget: int, pad_token_id: int, batch_sharding, static) -> Any:
-        """The slots' cache compacted and with the admitted prefixes written, room for `budget` tokens."""
+    def _round_cache(self, prefixes, cached, counts, budget: int, pad_token_id: int, batch_sharding, static) -> Any:
+        """The slots' cache compacted and with the admitted and appended tokens written, room for
+        `budget` tokens."""
         buckets = self.options.prompt_buckets
-        ids, mask = admission_batch(prefixes, cached, pad_token_id, buckets)
-        base = kept_width(prefixes, cached, buckets)
+        ids, mask = admission_batch(prefixes, counts, pad_token_id, buckets)
+        base = kept_width(counts, buckets)
         cache = self._kept
         if cache is None:
             model = nnx.merge(self._graphdef, self._weights)

@@ -61,7 +61,10 @@ def is_stop(tokens: jax.Array, stop_ids: tuple[int, ...]) -> jax.Array:
 
 def step_uniforms(key: jax.Array, step: jax.Array, rows: int) -> jax.Array:
     """[rows] uniforms of one step; a function of (key, step) only, so the same seed
-    reproduces a rollout whatever the sharding (threefry is partitionable)."""
+    reproduces a rollout whatever the sharding (threefry is partitionable). key: one key, or
+    one per row, a typed key array [rows] (each row's uniform then depends on its own key only)."""
+    if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key) and key.ndim == 1:
+        return jax.vmap(lambda row_key: jax.random.uniform(jax.random.fold_in(row_key, step), (), jnp.float32))(key)
     return jax.random.uniform(jax.random.fold_in(key, step), (rows,), jnp.float32)
 
 

@@ -8,7 +8,9 @@ write index for all rows, positions counted from the mask), so a round is:
     compact:  every kept row's visible slots move, in order, to end at slot `base`
               (a per-row gather); admitted rows are emptied
     admit:    the admitted rows' prefixes go to slots [base, base + A) in one masked forward
-              (kept rows feed masked pads there: invisible)
+              (kept rows feed masked pads there: invisible), as do the tokens appended to a kept
+              row (a multi-turn row's tool turn): positions count the visible slots, so they
+              continue the row's sequence
     decode:   the usual loop writes [base + A, base + A + budget), starting from each
               row's last token
 
@@ -60,26 +62,42 @@ def admit(weights, cache, ids, mask, *, graphdef, params, pad_id, cache_dtype=No
     return constrain_cache(cache, batch_sharding)
 
 
-def round_start(last: jax.Array, budget: int, pad_id: int, batch_sharding=None) -> LoopState:
-    """The decode loop's state at a round's start: every row feeds `last` [N] first."""
+def round_start(last: jax.Array, budget: int, pad_id: int, batch_sharding=None, live: jax.Array | None = None
+                ) -> LoopState:
+    """The decode loop's state at a round's start: every live row feeds `last` [N] first; a row
+    not live starts done (it feeds nothing, so its cache stays as it is)."""
     rows = last.shape[0]
-    return LoopState(step=jnp.zeros((), jnp.int32), last=last, done=jnp.zeros((rows,), jnp.bool_),
+    done = jnp.zeros((rows,), jnp.bool_) if live is None else ~live
+    return LoopState(step=jnp.zeros((), jnp.int32), last=last, done=done,
                      lengths=jnp.zeros((rows,), jnp.int32),
                      tokens=constrain(jnp.full((rows, budget), pad_id, jnp.int32), batch_sharding),
                      logps=constrain(jnp.zeros((rows, budget), jnp.float32), batch_sharding))
 
 
-def kept_width(prefixes: Sequence[Sequence[int]], cached: Sequence[bool], buckets: Sequence[int]) -> int:
-    """Slots the kept rows need (their prefix but the last token), rounded up to a bucket; 0 without any."""
-    longest = max((len(p) - 1 for p, kept in zip(prefixes, cached) if kept), default=0)
+def kept_counts(prefixes: Sequence[Sequence[int]], cached: Sequence[bool],
+                kept_tokens: Sequence[int] | None = None) -> list[int]:
+    """Tokens of each prefix in the kept cache: kept_tokens (default all but the last) where
+    cached, 0 where admitted."""
+    counts = [len(p) - 1 for p in prefixes] if kept_tokens is None else [int(k) for k in kept_tokens]
+    for p, kept, count in zip(prefixes, cached, counts):
+        if kept and not 0 <= count < len(p):
+            raise ValueError(f"a cached slot holds {count} tokens of its {len(p)}-token prefix; it must hold "
+                             "fewer (the last token is fed by the decode)")
+    return [count if kept else 0 for kept, count in zip(cached, counts)]
+
+
+def kept_width(counts: Sequence[int], buckets: Sequence[int]) -> int:
+    """Slots the kept rows need (their kept tokens), rounded up to a bucket; 0 without any."""
+    longest = max(counts, default=0)
     return bucket_length(longest, buckets) if longest else 0
 
 
-def admission_batch(prefixes: Sequence[Sequence[int]], cached: Sequence[bool], pad_id: int,
+def admission_batch(prefixes: Sequence[Sequence[int]], counts: Sequence[int], pad_id: int,
                     buckets: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
-    """(ids, mask) [N, A]: each admitted row's prefix but its last token, left-padded; kept rows all
-    padding. A = 0 when no admitted row has more than one token."""
-    heads = [list(p[:-1]) if not kept else [] for p, kept in zip(prefixes, cached)]
+    """(ids, mask) [N, A]: the tokens of each prefix after its kept ones but its last (an admitted
+    row's whole prefix but the last; a kept row's appended turn), left-padded; A = 0 when no row
+    has any."""
+    heads = [list(p[count:-1]) for p, count in zip(prefixes, counts)]
     longest = max(len(h) for h in heads)
     width = bucket_length(longest, buckets) if longest else 0
     ids = np.full((len(heads), width), pad_id, np.int32)

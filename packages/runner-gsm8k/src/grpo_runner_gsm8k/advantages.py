@@ -30,7 +30,7 @@ def step_advantages(estimator: AdvantageEstimator, scores: Scores, group_size: i
                     dynamic_sampling: bool) -> StepAdvantages:
     """The advantages of one step's rows (see module doc)."""
     keep = kept_rows(scores.total, group_size, dynamic_sampling)
-    computed = estimator(StepRewards(scores.total, scores.per_fn, keep))
+    computed = estimator(StepRewards(scores.total, scores.per_fn, keep, scores.episodes))
     advantages = np.asarray(computed.advantages, np.float32).reshape(-1)
     if advantages.shape != keep.shape:
         raise ValueError(f"the advantage estimator returned {advantages.size} advantages for {keep.size} rows; "

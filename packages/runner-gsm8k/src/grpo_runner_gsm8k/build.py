@@ -25,7 +25,7 @@ from grpo_core.models.config import architecture_keys
 from grpo_core.models.hf_io import resolve_model_dir
 from grpo_core.registry import Registry
 from grpo_core.sharding import shard_model
-from grpo_core.tokenizer import TOOL_CALL_TOKENS, build_char_tokenizer, load_tokenizer
+from grpo_core.tokenizer import CALCULATOR_CALL_TOKENS, TOOL_CALL_TOKENS, build_char_tokenizer, load_tokenizer
 from grpo_meshes import TRAIN_BATCH_AXES, ModelDims, batch_shard_count, validate_plan
 
 from grpo_runner_gsm8k.adapters import check_lora_fits
@@ -68,10 +68,15 @@ def check_contract(kind: str, name: str, built: Any) -> None:
                     f"which grpo_core.contracts.{protocol.__name__} requires; implement them in the plugin")
 
 
+# model.tokenizer names of the in-process character tokenizers and their extra special tokens.
+CHAR_TOKENIZERS = {"char": (), "char-tools": TOOL_CALL_TOKENS,
+                   "char-calculator": (*TOOL_CALL_TOKENS, *CALCULATOR_CALL_TOKENS)}
+
+
 def build_tokenizer(model_cfg: ModelConfig) -> Any:
     source = model_cfg.tokenizer  # model.path when null in the file (filled in at load)
-    if source in ("char", "char-tools"):
-        return build_char_tokenizer(extra_special_tokens=TOOL_CALL_TOKENS if source == "char-tools" else ())
+    if source in CHAR_TOKENIZERS:
+        return build_char_tokenizer(extra_special_tokens=CHAR_TOKENIZERS[source])
     if source is None:
         raise UserError("model.tokenizer and model.path are both null: set model.tokenizer to 'char' "
                         "or to a tokenizer directory / Hub id")

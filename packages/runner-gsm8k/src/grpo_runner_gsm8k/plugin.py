@@ -6,6 +6,7 @@ from grpo_core import CommandSpec, RewardSpec, TaskSpec, hookimpl
 from grpo_runner_gsm8k.commands import COMMAND_SPECS
 from grpo_runner_gsm8k.math_rewards import MATH_REWARD_SPECS
 from grpo_runner_gsm8k.rewards import REWARD_SPECS
+from grpo_runner_gsm8k.tool_rewards import TOOL_REWARD_SPECS
 from grpo_runner_gsm8k.tasks import TASK_SPECS
 
 
@@ -16,7 +17,7 @@ def grpo_tasks() -> list[TaskSpec]:
 
 @hookimpl
 def grpo_rewards() -> list[RewardSpec]:
-    return list(REWARD_SPECS) + list(MATH_REWARD_SPECS)
+    return list(REWARD_SPECS) + list(MATH_REWARD_SPECS) + list(TOOL_REWARD_SPECS)
 
 
 @hookimpl

@@ -200,16 +200,17 @@ def build_run(cfg: RunConfig, registry: Registry, resume: bool = False, *, train
 
 
 def with_training_parts(built: BuiltRun, resume_from: Optional[Resume]) -> BuiltRun:
-    """`built` with its operations (the lock taken, the state restored) and its step sampler (the
-    carried rows restored); the lock is released if the sampler cannot be made."""
-    built = dataclasses.replace(built, ops=build_operations(built, resume_from))
+    """`built` with its step sampler (made first: its checks fail before the run directory is
+    touched) and its operations (the lock taken, the state and the carried rows restored; the
+    lock is released if the rows cannot be restored)."""
+    sampler = step_sampler(built, built.registry)
+    built = dataclasses.replace(built, ops=build_operations(built, resume_from), sampler=sampler)
     try:
-        sampler = step_sampler(built, built.registry)
         restore_carried(sampler, built.state, built.ops.checkpoints.directory)
     except BaseException:
         built.ops.lock.release()
         raise
-    return dataclasses.replace(built, sampler=sampler)
+    return built
 
 
 def rollout_shapes_for(cfg: RunConfig, place: RunPlace, sampling: SamplingParams) -> Callable[..., RolloutShapes]:

@@ -4,13 +4,14 @@ A trajectory is one completion: the tokens the model sampled, turn after turn, w
 chat template's tokens of each tool turn appended between them (token in, token out).
 Sampled tokens carry loss mask 1 and their sampler log-probs; tool-turn tokens carry loss
 mask 0 and log-prob 0: they are attended to but never trained on, in no denominator, no
-entropy selection and no KL.
+entropy selection and no KL. The advantage estimators see each row's turns and tool calls, and
+the turn of each token (`episode_arrays`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -27,6 +28,7 @@ class Trajectory:
     ids: list[int] = field(default_factory=list)
     trained: list[int] = field(default_factory=list)
     logps: list[float] = field(default_factory=list)
+    token_turns: list[int] = field(default_factory=list)  # each token's assistant turn (0, 1, ..), -1 tool turns
     answer_start: int = 0
     turns: int = 0
     tool_calls: int = 0
@@ -35,6 +37,7 @@ class Trajectory:
     tool_seconds: float = 0.0
     done: bool = False
     finished: bool = False
+    environment: Any = None  # the row's Environment, when the run has one
 
     def room(self, budget: int) -> int:
         return budget - len(self.ids)
@@ -47,11 +50,13 @@ class Trajectory:
         self.ids += [int(t) for t in ids[:keep]]
         self.trained += [1] * keep
         self.logps += [float(p) for p in logps[:keep]]
+        self.token_turns += [self.turns - 1] * keep
         return keep == len(ids)
 
     def add_tool_turn(self, ids: Sequence[int], outcomes: Sequence[ToolOutcome], budget: int) -> bool:
-        """Counts the turn's calls and appends its template tokens; False (nothing appended)
-        when they do not fit the row's budget."""
+        """Counts the turn's calls and appends its template tokens (a tool turn, or an
+        environment's messages with no outcomes); False (nothing appended) when they do not
+        fit the row's budget."""
         self.tool_calls += len(outcomes)
         self.tool_errors += sum(outcome.status == "error" for outcome in outcomes)
         self.tool_timeouts += sum(outcome.status == "timeout" for outcome in outcomes)
@@ -61,6 +66,7 @@ class Trajectory:
         self.ids += [int(t) for t in ids]
         self.trained += [0] * len(ids)
         self.logps += [0.0] * len(ids)
+        self.token_turns += [-1] * len(ids)
         return True
 
     def stop(self, finished: bool) -> None:
@@ -110,3 +116,19 @@ def trajectory_metrics(rows: Sequence[Trajectory], prefix: str = "train-tools/")
             f"{prefix}timeouts": sum(row.tool_timeouts for row in rows),
             f"{prefix}seconds": float(sum(row.tool_seconds for row in rows)),
             f"{prefix}masked_tokens": int(masked.sum()), f"{prefix}masked_tokens_per_row": float(masked.mean())}
+
+
+def episode_arrays(rows: Sequence[Trajectory], width: int) -> dict[str, np.ndarray]:
+    """What the advantage estimators receive of each row's episode (`StepRewards.episodes`):
+    turns, tool_calls, tool_errors, tool_timeouts [N] int32; token_turn [N, width] int32, the
+    assistant turn (0, 1, ...) of each completion token, -1 on tool-turn tokens and padding;
+    env/<name> [N] float32, the environment's reward information (0 where a row has none)."""
+    token_turn = np.full((len(rows), width), -1, np.int32)
+    for i, row in enumerate(rows):
+        token_turn[i, :len(row.token_turns)] = row.token_turns
+    counts = {name: np.array([getattr(row, name) for row in rows], np.int32)
+              for name in ("turns", "tool_calls", "tool_errors", "tool_timeouts")}
+    infos = [row.environment.reward_info() if row.environment is not None else {} for row in rows]
+    environment = {f"env/{name}": np.array([float(info.get(name, 0.0)) for info in infos], np.float32)
+                   for name in sorted({name for info in infos for name in info})}
+    return {**counts, "token_turn": token_turn, **environment}
