@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -14,8 +13,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from grpo_rollout.decode import (batch_sharding_of_rank, batch_spec_axes, cache_shardings, decode, group_sharding,
-                                 prefill, prefill_shared, rollout_graphdef)
+from grpo_rollout.decode import (batch_sharding_of_rank, cache_shardings, check_batch_divisible, decode,
+                                 group_sharding, place, prefill, prefill_shared, rollout_graphdef)
 from grpo_rollout.collectives import decode_traffic_note
 from grpo_rollout.kept_cache import admission_batch, admit, compact, kept_width, round_start
 from grpo_rollout.gather import (AutoDecoders, bytes_beyond_arguments, candidate_layouts, fastest_layout,
@@ -382,26 +381,6 @@ def abstract_outputs(compiled: Any) -> Any:
     """The outputs of a compiled function as sharded ShapeDtypeStructs."""
     return jax.tree.map(lambda info, sharding: jax.ShapeDtypeStruct(info.shape, info.dtype, sharding=sharding),
                         compiled.out_info, compiled.output_shardings)
-
-
-def check_batch_divisible(rows: int, n: int, batch_sharding: NamedSharding | None) -> None:
-    """The rollout batch must split evenly over the devices of its batch axes."""
-    axes = batch_spec_axes(batch_sharding)
-    if axes is None:
-        return
-    axes = (axes,) if isinstance(axes, str) else tuple(axes)
-    shards = math.prod(batch_sharding.mesh.shape[a] for a in axes)
-    if rows % shards:
-        raise ValueError(
-            f"rollout batch of {rows} rows ({rows // n} prompts x n={n}) cannot be split over the "
-            f"{shards} devices of mesh axes {axes}; make prompts_per_step * n a multiple of {shards}.")
-
-
-def place(array: np.ndarray, batch_sharding: NamedSharding | None) -> jax.Array:
-    """A host array of rows onto the devices, split like the batch."""
-    if batch_sharding is None:
-        return jnp.asarray(array)
-    return jax.device_put(array, batch_sharding_of_rank(batch_sharding, np.ndim(array)))
 
 
 def finish(ids: jax.Array, mask: jax.Array, state, sampling: SamplingParams) -> RolloutResult:

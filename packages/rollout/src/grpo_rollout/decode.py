@@ -18,6 +18,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx, struct
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -97,6 +98,26 @@ def cache_shardings(cache, batch_sharding: NamedSharding):
     kv = NamedSharding(mesh, PartitionSpec(None, axes))
     return cache.replace(k=kv, v=kv, mask=NamedSharding(mesh, PartitionSpec(axes)),
                          index=NamedSharding(mesh, PartitionSpec()))
+
+
+def check_batch_divisible(rows: int, n: int, batch_sharding: NamedSharding | None) -> None:
+    """The rollout batch must split evenly over the devices of its batch axes."""
+    axes = batch_spec_axes(batch_sharding)
+    if axes is None:
+        return
+    axes = (axes,) if isinstance(axes, str) else tuple(axes)
+    shards = math.prod(batch_sharding.mesh.shape[a] for a in axes)
+    if rows % shards:
+        raise ValueError(
+            f"rollout batch of {rows} rows ({rows // n} prompts x n={n}) cannot be split over the "
+            f"{shards} devices of mesh axes {axes}; make prompts_per_step * n a multiple of {shards}.")
+
+
+def place(array: np.ndarray, batch_sharding: NamedSharding | None) -> jax.Array:
+    """A host array of rows onto the devices, split like the batch."""
+    if batch_sharding is None:
+        return jnp.asarray(array)
+    return jax.device_put(array, batch_sharding_of_rank(batch_sharding, np.ndim(array)))
 
 
 def group_sharding(batch_sharding: NamedSharding | None, groups: int) -> NamedSharding | None:
