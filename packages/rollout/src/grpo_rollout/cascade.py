@@ -97,12 +97,14 @@ def shared_decode_forward(model, tokens: jax.Array, live: jax.Array, cache: Shar
     own = cache.completion.with_new_tokens(live[:, None])
     own_visible = own.visibility(1)[:, 0]  # [B, Sc]
     prompt = cache.prompt
-    cos, sin = rope_tables(positions, model.config.head_dim, model.config.rope_theta)
+    # q and k are made from the replicated residual: the rope tables are made replicated once per
+    # token and pinned so in every layer (split by rows, XLA gathered them again in each layer)
+    cos, sin = rope_tables(layout.replicated(positions), model.config.head_dim, model.config.rope_theta)
     x = layout.embed(model.embed_tokens.embedding[...], tokens[:, None])  # [B, 1, H]
 
     def step(layer, i, carry):
         x, own = carry
-        q, k, v = layer.self_attn.project_qkv(layer.input_layernorm(x), cos, sin)
+        q, k, v = layer.self_attn.project_qkv(layer.input_layernorm(x), layout.replicated(cos), layout.replicated(sin))
         q, k, v = layout.rows(layout.split(q, 2)), layout.rows(k), layout.rows(v)
         own = own.write_layer(i, k, v)
         attended = layout.rows(cascade_attention(
