@@ -9,6 +9,8 @@ Rows are left-padded, so all rows write the same cache slot each step; a finishe
 feeds mask 0, which keeps its slot invisible. The prompt pass is the model's own
 forward; decode steps run `grpo_rollout.attention.decode_forward` (the model's modules
 and cache with a single-query GQA attention) unless the backend asks for the model's.
+`prefill_shared` runs each prompt once for its n samples into a `cascade.SharedCache`, which the
+same `decode` then reads with `cascade.shared_decode_forward` (the prompt's cache once per group).
 """
 
 from __future__ import annotations
