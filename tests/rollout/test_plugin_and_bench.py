@@ -39,6 +39,17 @@ def test_bench_prints_one_json_line(capsys):
     assert record["length_p50"] == record["length_p90"] == record["length_max"] == 3
 
 
+def test_bench_compares_shared_and_repeated_prompts_in_one_line(capsys):
+    """2 prompts x n=2, greedy: both sides decode the same rows (same lengths, EOS suppressed)."""
+    flags = ["--vocab", "96", "--hidden", "32", "--intermediate", "64", "--layers", "1", "--batch", "4",
+             "--prompt-len", "4", "--new-tokens", "3", "--repeats", "1", "--compare-shared", "--n", "2", "--greedy"]
+    assert bench.main(flags) == 0
+    record = json.loads(capsys.readouterr().out.strip())
+    repeated, shared = record["repeated_prompts"], record["shared_prompts"]
+    assert repeated["generated_tokens"] == shared["generated_tokens"] == 12
+    assert record["n"] == 2 and record["decode_speedup"] > 0 and record["tokens_per_s_speedup"] > 0
+
+
 @pytest.mark.parametrize("quantile", [[], ["--partial-quantile", "0.5"]], ids=["fixed", "quantile"])
 def test_partial_bench_compares_both_sides_on_the_same_rows(capsys, quantile):
     flags = ["--vocab", "96", "--hidden", "32", "--intermediate", "64", "--layers", "1", "--batch", "8", "--n", "4",

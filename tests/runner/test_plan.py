@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 from grpo_core.registry import default_registry
-from grpo_rollout.decode import prefill
+from grpo_rollout.decode import group_sharding, prefill_shared
 from grpo_runner_gsm8k import plan
 from grpo_runner_gsm8k.plan.phases import PhaseRecorder, kept_cache_bytes, rollout_shapes, train_phase
 from grpo_runner_gsm8k.cli import main
@@ -110,9 +110,11 @@ def test_the_plan_lowers_the_update_and_scoring_the_run_executes(plan_config, dt
     recorder = PhaseRecorder(None, 0)
     inputs.run.rollout.compile_phases(shapes, recorder)
     static = run.rollout.static_args(run.policy.policy_graphdef, weights, run.sampling, pad, run.rollout_sharding)
-    prompts = jax.ShapeDtypeStruct((batch.advantages.shape[0], plan.prompt_bucket(inputs)), jnp.int32,
-                                   sharding=run.rollout_sharding)
-    run_prefill = prefill.lower(abstract(weights), prompts, prompts, shapes.key, **static).compile().as_text()
+    phase = run.rollout.prefill_phase(run.sampling)  # shared prompts: one prefill row per prompt
+    rows = batch.advantages.shape[0] // (run.sampling.n if phase is prefill_shared else 1)
+    sharding = group_sharding(run.rollout_sharding, rows) if phase is prefill_shared else run.rollout_sharding
+    prompts = jax.ShapeDtypeStruct((rows, plan.prompt_bucket(inputs)), jnp.int32, sharding=sharding)
+    run_prefill = phase.lower(abstract(weights), prompts, prompts, shapes.key, **static).compile().as_text()
     assert recorder.compiled["rollout prefill"].as_text() == run_prefill
     assert "rollout decode" in recorder.compiled
 

@@ -49,7 +49,9 @@ def projected(tmp_path_factory):
     return inputs, projection
 
 ROWS, PROMPT, NEW = 32, 16, 17
-SLOTS = PROMPT + NEW - 1  # the cache holds the prompt and every sampled token but the last
+SLOTS = PROMPT + NEW - 1  # a row attends over its prompt and every sampled token but the last
+PROMPTS = ROWS // 4  # rollout.n=4: rollout.options.shared_prompt caches each prompt once per group
+CACHED_SLOTS = PROMPTS * PROMPT + ROWS * (NEW - 1)  # (row, slot) pairs held: prompts once, completions per row
 
 
 def weight_count(q) -> int:
@@ -60,8 +62,8 @@ def weight_count(q) -> int:
 
 
 def cache_bytes(q) -> int:
-    """bfloat16 K and V of every layer, slot and row, all devices."""
-    return 2 * q.num_hidden_layers * ROWS * SLOTS * q.num_key_value_heads * q.head_dim * 2
+    """bfloat16 K and V of every layer and cached (row, slot), all devices."""
+    return 2 * q.num_hidden_layers * CACHED_SLOTS * q.num_key_value_heads * q.head_dim * 2
 
 
 def dense_forward_flops(q, rows: int, width: int, slots: int, head_columns: int) -> float:
@@ -74,8 +76,9 @@ def dense_forward_flops(q, rows: int, width: int, slots: int, head_columns: int)
 def test_prefill_is_the_count_by_hand(projected):
     inputs, projection = projected
     q, prefill = inputs.run.qcfg, projection.phases["rollout prefill"]
-    assert prefill.flops == pytest.approx(dense_forward_flops(q, ROWS, PROMPT, SLOTS, 1) / DEVICES, rel=0.05)
-    # reads its weight shards, writes the cache
+    # each prompt once, attending over its own slots; its logits serve its n rows
+    assert prefill.flops == pytest.approx(dense_forward_flops(q, PROMPTS, PROMPT, PROMPT, 1) / DEVICES, rel=0.05)
+    # reads its weight shards, writes the prompts' cache and the rows' empty completion cache
     assert prefill.hbm_bytes == pytest.approx((weight_count(q) * 2 + cache_bytes(q)) / DEVICES, rel=0.05)
 
 

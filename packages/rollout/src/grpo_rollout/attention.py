@@ -41,12 +41,14 @@ def decode_forward(model, tokens: jax.Array, live: jax.Array, cache, layout: Act
     positions = cache.lengths()[:, None]  # [B, 1]: real tokens so far = this token's position
     cache = cache.with_new_tokens(live[:, None])
     visible = cache.visibility(1)[:, 0]  # [B, S]
-    cos, sin = rope_tables(positions, model.config.head_dim, model.config.rope_theta)
+    # q and k are made from the replicated residual: the rope tables are made replicated once per
+    # token and pinned so in every layer (split by rows, XLA gathered them again in each layer)
+    cos, sin = rope_tables(layout.replicated(positions), model.config.head_dim, model.config.rope_theta)
     x = layout.embed(model.embed_tokens.embedding[...], tokens[:, None])  # [B, 1, H]
 
     def step(layer, i, carry):
         x, cache = carry
-        q, k, v = layer.self_attn.project_qkv(layer.input_layernorm(x), cos, sin)
+        q, k, v = layer.self_attn.project_qkv(layer.input_layernorm(x), layout.replicated(cos), layout.replicated(sin))
         q, k, v = layout.rows(layout.split(q, 2)), layout.rows(k), layout.rows(v)
         cache = cache.write_layer(i, k, v)
         attended = layout.rows(decode_attention(q[:, 0], cache.k[i].astype(q.dtype), cache.v[i].astype(q.dtype),

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -14,8 +13,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from grpo_rollout.decode import (batch_sharding_of_rank, batch_spec_axes, cache_shardings, decode, prefill,
-                                 rollout_graphdef)
+from grpo_rollout.decode import (batch_sharding_of_rank, cache_shardings, check_batch_divisible, decode,
+                                 group_sharding, place, prefill, prefill_shared, rollout_graphdef)
 from grpo_rollout.collectives import decode_traffic_note
 from grpo_rollout.kept_cache import admission_batch, admit, compact, kept_counts, kept_width, round_start
 from grpo_rollout.gather import (AutoDecoders, bytes_beyond_arguments, candidate_layouts, fastest_layout,
@@ -52,6 +51,12 @@ class JaxRolloutOptions:
                       columns and vocabulary over the batch devices, so each device
                       reads ~1/D of them per token and only activations move
                       (grpo_rollout.model_parallel).
+    shared_prompt:    prefill each prompt once for its n samples and keep its KV cache once
+                      per group, the decode attending over it once per group (cascade
+                      attention, grpo_rollout.cascade): n times fewer prefill FLOPs and
+                      prompt-cache bytes, the same tokens. false repeats each prompt n
+                      times. Used with decode_attention=rollout and n > 1 by `generate`
+                      (partial-rollout rounds keep one cache row per slot).
     """
 
     prompt_buckets: list | tuple = DEFAULT_PROMPT_BUCKETS  # YAML gives a list; stored as a tuple
@@ -61,6 +66,7 @@ class JaxRolloutOptions:
     top_p_candidates: int = DEFAULT_TOP_P_CANDIDATES
     decode_attention: str = "rollout"
     gather_weights: bool | str = "auto"
+    shared_prompt: bool = True
 
     def __post_init__(self) -> None:
         buckets = tuple(sorted(int(b) for b in self.prompt_buckets))
@@ -141,15 +147,27 @@ class JaxRollout:
         """
         if self._weights is None:
             raise RuntimeError("JaxRollout.generate without weights: call load_weights(policy) first.")
-        ids, mask = fit_to_bucket(prompt_ids, prompt_mask, pad_token_id, self.options.prompt_buckets)
-        ids, mask = repeat_samples(ids, sampling.n), repeat_samples(mask, sampling.n)
+        prompts, prompt_mask = fit_to_bucket(prompt_ids, prompt_mask, pad_token_id, self.options.prompt_buckets)
+        ids, mask = repeat_samples(prompts, sampling.n), repeat_samples(prompt_mask, sampling.n)
         check_batch_divisible(ids.shape[0], sampling.n, batch_sharding)
         ids, mask = place(ids, batch_sharding), place(mask, batch_sharding)
         static = self.static_args(self._graphdef, self._weights, sampling, pad_token_id, batch_sharding)
-        self._check_memory(ids, mask, key, static)
-        cache, state = prefill(self._weights, ids, mask, key, **static)
+        first = self.prefill_phase(sampling)
+        if first is prefill_shared:
+            prompts = place(prompts, group_sharding(batch_sharding, len(prompts)))
+            prompt_mask = place(prompt_mask, group_sharding(batch_sharding, len(prompts)))
+        else:
+            prompts, prompt_mask = ids, mask
+        self._check_memory(prompts, prompt_mask, key, static)
+        cache, state = first(self._weights, prompts, prompt_mask, key, **static)
         _, state = self.decoder(self._weights, cache, state, key, static)(self._weights, cache, state, key)
         return finish(ids, mask, state, sampling)
+
+    def prefill_phase(self, sampling: SamplingParams) -> Callable[..., Any]:
+        """`prefill_shared` (the prompts [P, Tp] once each) where `shared_prompt` applies, else
+        `prefill` (the prompts repeated n times, [P * n, Tp])."""
+        shared = self.options.shared_prompt and self.options.decode_attention == "rollout" and sampling.n > 1
+        return prefill_shared if shared else prefill
 
     def generate_round(self, prefixes: Sequence[Sequence[int]], cached: Sequence[bool], key: jax.Array,
                        sampling: SamplingParams, *, pad_token_id: int = 0,
@@ -214,7 +232,7 @@ class JaxRollout:
         if self.memory_check is None or signature in self._checked:
             return
         weights = self._weights
-        prefill_compiled = prefill.lower(weights, ids, mask, key, **static).compile()
+        prefill_compiled = self.prefill_phase(static["params"]).lower(weights, ids, mask, key, **static).compile()
         self.memory_check("rollout prefill", prefill_compiled)
         cache, state = abstract_outputs(prefill_compiled)
         decoder = self.decoder(weights, cache, state, key, static)
@@ -262,10 +280,12 @@ class JaxRollout:
             self._compile_kept_round(shapes, compiler, static)
             return
         width = self.widths(shapes.max_prompt_length, shapes.sampling.max_new_tokens).prompt
-        prompts = jax.ShapeDtypeStruct((shapes.prompts * shapes.sampling.n, width), jnp.int32,
-                                       sharding=shapes.batch_sharding)
+        phase = self.prefill_phase(shapes.sampling)
+        rows = shapes.prompts * (1 if phase is prefill_shared else shapes.sampling.n)
+        sharding = group_sharding(shapes.batch_sharding, rows) if phase is prefill_shared else shapes.batch_sharding
+        prompts = jax.ShapeDtypeStruct((rows, width), jnp.int32, sharding=sharding)
         args = (weights, prompts, prompts, key)
-        first = compiler.compile("rollout prefill", lambda: prefill.lower(*args, **static).compile(), args)
+        first = compiler.compile("rollout prefill", lambda: phase.lower(*args, **static).compile(), args)
         if first is not None:  # decode's inputs are prefill's outputs
             cache, state = abstract_outputs(first)
             self._compile_decode(compiler, (weights, cache, state, key), static)
@@ -367,26 +387,6 @@ def abstract_outputs(compiled: Any) -> Any:
     """The outputs of a compiled function as sharded ShapeDtypeStructs."""
     return jax.tree.map(lambda info, sharding: jax.ShapeDtypeStruct(info.shape, info.dtype, sharding=sharding),
                         compiled.out_info, compiled.output_shardings)
-
-
-def check_batch_divisible(rows: int, n: int, batch_sharding: NamedSharding | None) -> None:
-    """The rollout batch must split evenly over the devices of its batch axes."""
-    axes = batch_spec_axes(batch_sharding)
-    if axes is None:
-        return
-    axes = (axes,) if isinstance(axes, str) else tuple(axes)
-    shards = math.prod(batch_sharding.mesh.shape[a] for a in axes)
-    if rows % shards:
-        raise ValueError(
-            f"rollout batch of {rows} rows ({rows // n} prompts x n={n}) cannot be split over the "
-            f"{shards} devices of mesh axes {axes}; make prompts_per_step * n a multiple of {shards}.")
-
-
-def place(array: np.ndarray, batch_sharding: NamedSharding | None) -> jax.Array:
-    """A host array of rows onto the devices, split like the batch."""
-    if batch_sharding is None:
-        return jnp.asarray(array)
-    return jax.device_put(array, batch_sharding_of_rank(batch_sharding, np.ndim(array)))
 
 
 def finish(ids: jax.Array, mask: jax.Array, state, sampling: SamplingParams) -> RolloutResult:

@@ -8,6 +8,7 @@ prompt 32, 128 new tokens, EOS suppressed, multinomial sampling at T=1.
 
     grpo-bench rollout                       # or: python -m grpo_rollout.bench
     grpo-bench rollout --compare-hf --repeats 3
+    grpo-bench rollout --compare-shared --n 8 --prompt-len 256             # shared vs repeated prompts
     grpo-bench rollout --eos 0 --stop-p 0.03125 --new-tokens 256 --partial-budget 24   # partial vs synchronous
 """
 
@@ -77,6 +78,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add_partial_args(p.add_argument_group("partial rollouts (grpo_rollout.bench_partial)"))
     run.add_argument("--engine", choices=("jax", "hf"), default="jax")
     run.add_argument("--compare-hf", action="store_true", help="also time transformers generate")
+    run.add_argument("--compare-shared", action="store_true",
+                     help="time batch / --n prompts of --n samples with each prompt repeated and shared "
+                          "(rollout.options.shared_prompt), in one run")
     run.add_argument("--threads", type=int, default=0, help="torch threads for --engine hf (0: all cores)")
     return p.parse_args(argv)
 
@@ -87,33 +91,38 @@ def random_prompts(args: argparse.Namespace) -> np.ndarray:
 
 
 # ---- jax ---------------------------------------------------------------------------------
-def bench_jax(args: argparse.Namespace) -> dict[str, Any]:
+def bench_jax(args: argparse.Namespace, shared: bool | None = None) -> dict[str, Any]:
+    """shared None: `batch` distinct prompts; else batch / n prompts of n samples each, every prompt
+    repeated n times (False) or prefilled once for its group (True, grpo_rollout.cascade)."""
     import jax
     from flax import nnx
 
-    from grpo_rollout.backend import JaxRollout, JaxRolloutOptions, finish
-    from grpo_rollout.decode import decode, prefill
+    from grpo_rollout.backend import JaxRollout, JaxRolloutOptions
+    from grpo_rollout.decode import decode, prefill, prefill_shared
     from grpo_core.contracts import SamplingParams
 
     model = bench_model(args)
+    n = 1 if shared is None else args.n
     sampling = SamplingParams(
         max_new_tokens=args.new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-        greedy=args.greedy, stop_token_ids=() if args.eos is None else (args.eos,))
+        greedy=args.greedy, stop_token_ids=() if args.eos is None else (args.eos,), n=n)
     graphdef, weights = nnx.split(model)
-    rollout = JaxRollout(JaxRolloutOptions(decode_attention=args.decode_attention))
+    rollout = JaxRollout(JaxRolloutOptions(decode_attention=args.decode_attention, shared_prompt=bool(shared)))
     static = rollout.static_args(graphdef, weights, sampling, 0, None)
-    ids = jax.numpy.asarray(random_prompts(args))
+    prompts = random_prompts(args)[: args.batch // n]
+    ids = jax.numpy.asarray(prompts if shared else np.repeat(prompts, n, axis=0))
     mask = jax.numpy.ones_like(ids)
     key = jax.random.key(args.seed)
-    temp_bytes = compiled_temp_bytes(prefill, decode, weights, ids, mask, key, static)
+    first = prefill_shared if shared else prefill
+    temp_bytes = compiled_temp_bytes(first, decode, weights, ids, mask, key, static)
 
     def run_once():
         start = time.perf_counter()
-        cache, state = jax.block_until_ready(prefill(weights, ids, mask, key, **static))
+        cache, state = jax.block_until_ready(first(weights, ids, mask, key, **static))
         middle = time.perf_counter()
         _, state = jax.block_until_ready(decode(weights, cache, state, key, **static))
         end = time.perf_counter()
-        lengths = np.asarray(finish(ids, mask, state, sampling).lengths)
+        lengths = np.asarray(state.lengths)
         return middle - start, end - middle, int(lengths.sum()), int(state.step), lengths
 
     run_once()  # compile + warm-up
@@ -210,6 +219,13 @@ def main(argv: list[str] | None = None) -> int:
         from grpo_rollout.bench_partial import run_bench
 
         print(json.dumps({**run_bench(args), **shape_fields(args)}))
+        return 0
+    if args.compare_shared:
+        repeated, shared = bench_jax(args, shared=False), bench_jax(args, shared=True)
+        print(json.dumps({"repeated_prompts": repeated, "shared_prompts": shared, "n": args.n,
+                          "decode_speedup": repeated["decode_ms_per_token"] / shared["decode_ms_per_token"],
+                          "tokens_per_s_speedup": shared["tokens_per_s"] / repeated["tokens_per_s"],
+                          **shape_fields(args)}))
         return 0
     result = bench_jax(args)
     result.update(shape_fields(args))

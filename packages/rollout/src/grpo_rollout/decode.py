@@ -9,20 +9,26 @@ Rows are left-padded, so all rows write the same cache slot each step; a finishe
 feeds mask 0, which keeps its slot invisible. The prompt pass is the model's own
 forward; decode steps run `grpo_rollout.attention.decode_forward` (the model's modules
 and cache with a single-query GQA attention) unless the backend asks for the model's.
+`prefill_shared` runs each prompt once for its n samples into a `cascade.SharedCache`, which the
+same `decode` then reads with `cascade.shared_decode_forward` (the prompt's cache once per group).
 """
 
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx, struct
 from jax.sharding import NamedSharding, PartitionSpec
 
 from grpo_rollout.attention import decode_forward
+from grpo_rollout.cascade import SharedCache, shared_decode_forward
 from grpo_rollout.model_parallel import ActivationLayout, model_parallel_weights
 from grpo_core.contracts import SamplingParams
+from grpo_core.sharding import as_tuple
 from grpo_rollout.sampling import DEFAULT_TOP_P_CANDIDATES, sample_next
 
 
@@ -99,8 +105,43 @@ def cache_shardings(cache, batch_sharding: NamedSharding):
                          index=NamedSharding(mesh, PartitionSpec()))
 
 
+def check_batch_divisible(rows: int, n: int, batch_sharding: NamedSharding | None) -> None:
+    """The rollout batch must split evenly over the devices of its batch axes."""
+    axes = batch_spec_axes(batch_sharding)
+    if axes is None:
+        return
+    axes = (axes,) if isinstance(axes, str) else tuple(axes)
+    shards = math.prod(batch_sharding.mesh.shape[a] for a in axes)
+    if rows % shards:
+        raise ValueError(
+            f"rollout batch of {rows} rows ({rows // n} prompts x n={n}) cannot be split over the "
+            f"{shards} devices of mesh axes {axes}; make prompts_per_step * n a multiple of {shards}.")
+
+
+def place(array: np.ndarray, batch_sharding: NamedSharding | None) -> jax.Array:
+    """A host array of rows onto the devices, split like the batch."""
+    if batch_sharding is None:
+        return jnp.asarray(array)
+    return jax.device_put(array, batch_sharding_of_rank(batch_sharding, np.ndim(array)))
+
+
+def group_sharding(batch_sharding: NamedSharding | None, groups: int) -> NamedSharding | None:
+    """The sharding of per-prompt arrays [P, ...] beside a batch of P * n rows: split like the batch
+    when its devices divide P (each device then holds whole groups), else replicated."""
+    if batch_sharding is None:
+        return None
+    axes = batch_spec_axes(batch_sharding)
+    if axes is not None and groups % math.prod(batch_sharding.mesh.shape[a] for a in as_tuple(axes)):
+        return NamedSharding(batch_sharding.mesh, PartitionSpec())
+    return batch_sharding
+
+
 def constrain_cache(cache, batch_sharding):
-    """k/v [L, B, S, KV, D] and mask [B, S]: batch dimension sharded."""
+    """k/v [L, B, S, KV, D] and mask [B, S]: batch dimension sharded (a SharedCache: its
+    completion part like the batch, its prompt part by `group_sharding`)."""
+    if isinstance(cache, SharedCache):
+        prompt = constrain_cache(cache.prompt, group_sharding(batch_sharding, cache.prompt.mask.shape[0]))
+        return cache.replace(prompt=prompt, completion=constrain_cache(cache.completion, batch_sharding))
     return cache.replace(k=constrain(cache.k, batch_sharding, 1), v=constrain(cache.v, batch_sharding, 1),
                          mask=constrain(cache.mask, batch_sharding, 0))
 
@@ -143,6 +184,34 @@ def prefill(weights, prompt_ids, prompt_mask, key, *, graphdef, params: Sampling
     cache = constrain_cache(model.init_cache(rows, width + params.max_new_tokens - 1, cache_dtype), batch_sharding)
     hidden, cache = model(prompt_ids, attention_mask=prompt_mask, cache=cache)  # [N, Tp, H]
     logits = model.logits(hidden[:, -1:])[:, 0]  # [N, V]; left padding: last column is real
+    state = first_token(logits, key, params, pad_id, batch_sharding, block, top_p_candidates)
+    return constrain_cache(cache, batch_sharding), state
+
+
+@functools.partial(jax.jit, static_argnames=PHASE_STATIC_ARGS)
+def prefill_shared(weights, prompt_ids, prompt_mask, key, *, graphdef, params: SamplingParams, pad_id: int,
+                   cache_dtype=None, batch_sharding=None, block=None, top_p_candidates=DEFAULT_TOP_P_CANDIDATES,
+                   attention="rollout", gather_weights=False, model_parallel=False):
+    """`prefill` with each of the P prompts [P, Tp] run once for its params.n samples: returns
+    (SharedCache with the prompts' cache and room for Tn - 1 tokens per row, LoopState of the
+    P * n rows at step 1); rows p*n .. p*n+n-1 sample from prompt p's logits."""
+    del attention, model_parallel
+    model = nnx.merge(graphdef, rollout_weights(weights, batch_sharding, gather_weights))
+    groups, width = prompt_ids.shape
+    rows = groups * params.n
+    prompts = group_sharding(batch_sharding, groups)
+    cache = constrain_cache(model.init_cache(groups, width, cache_dtype), prompts)
+    hidden, cache = model(prompt_ids, attention_mask=prompt_mask, cache=cache)  # [P, Tp, H]
+    logits = jnp.repeat(model.logits(hidden[:, -1:])[:, 0], params.n, axis=0)  # [P * n, V]
+    own = model.init_cache(rows, max(params.max_new_tokens - 1, 1), cache_dtype)  # one slot keeps shapes non-empty
+    shared = constrain_cache(SharedCache(prompt=cache, completion=own), batch_sharding)
+    return shared, first_token(constrain(logits, batch_sharding), key, params, pad_id, batch_sharding, block,
+                               top_p_candidates)
+
+
+def first_token(logits, key, params: SamplingParams, pad_id: int, batch_sharding, block, top_p_candidates) -> LoopState:
+    """The LoopState at step 1: completion column 0 sampled from the prompts' last logits [N, V]."""
+    rows = logits.shape[0]
     sampled, logps = sample_next(logits, step_uniforms(key, 0, rows), params, block=block,
                                  top_p_candidates=top_p_candidates)
     start = LoopState(
@@ -153,7 +222,7 @@ def prefill(weights, prompt_ids, prompt_mask, key, *, graphdef, params: Sampling
         tokens=constrain(jnp.full((rows, params.max_new_tokens), pad_id, jnp.int32), batch_sharding),
         logps=constrain(jnp.zeros((rows, params.max_new_tokens), jnp.float32), batch_sharding),
     )
-    return constrain_cache(cache, batch_sharding), start.record(sampled, logps, params, pad_id)
+    return start.record(sampled, logps, params, pad_id)
 
 
 @functools.partial(jax.jit, static_argnames=PHASE_STATIC_ARGS, donate_argnames=("cache", "state"))
@@ -183,7 +252,9 @@ def decode(weights, cache, state: LoopState, key, *, graphdef, params: SamplingP
     def one_token(carry):
         cache, s = carry
         model = nnx.merge(graphdef, weights)
-        if attention == "rollout":
+        if isinstance(cache, SharedCache):
+            hidden, cache = shared_decode_forward(model, s.last, ~s.done, cache, layout)  # [N, 1, H]
+        elif attention == "rollout":
             hidden, cache = decode_forward(model, s.last, ~s.done, cache, layout)  # [N, 1, H]
         else:
             hidden, cache = model(s.last[:, None], attention_mask=~s.done[:, None], cache=cache)

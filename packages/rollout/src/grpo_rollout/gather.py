@@ -125,7 +125,7 @@ class AutoDecoders:
         self.projector: Optional[Projector] = None
 
     def get(self, weights, cache, state, key, static: dict[str, Any]) -> Optional[Callable[..., Any]]:
-        signature = (cache.k.shape, state.tokens.shape, tuple(sorted(static.items(), key=lambda kv: kv[0])))
+        signature = (tuple(leaf.shape for leaf in jax.tree.leaves(cache)), state.tokens.shape, tuple(sorted(static.items(), key=lambda kv: kv[0])))
         if signature not in self._by_signature:  # decided once: no tree walk per rollout
             sharding = static.get("batch_sharding")
             sharded = sharding is not None and has_sharded_weights(weights)  # else nothing to gather
@@ -145,7 +145,7 @@ class AutoDecoders:
 
     @staticmethod
     def _compile_if_fits(weights, cache, state, key, static, sharding: NamedSharding) -> Optional[Callable[..., Any]]:
-        shape = f"{state.tokens.shape[0]} rows x {cache.k.shape[2]} cache slots"
+        shape = f"{state.tokens.shape[0]} rows x {cache.max_len} cache slots"
         spare = spare_device_bytes(list(sharding.mesh.local_devices))
         if not every_process(spare is not None):
             print(f"rollout: gather_weights=auto: sharded weights for the decode of {shape} "
