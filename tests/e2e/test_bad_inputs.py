@@ -341,7 +341,7 @@ RESUME_CASES = [
 
 @pytest.fixture(scope="module")
 def trained_run(tmp_path_factory, one_step) -> Path:
-    pytest.importorskip("grpo_runner_gsm8k.checkpoint")
+    pytest.importorskip("grpo_runner_gsm8k.operations.checkpoint")
     run_dir = tmp_path_factory.mktemp("trained") / "run"
     assert main(one_step(run_dir)) == 0
     return run_dir
@@ -363,7 +363,7 @@ def test_refused_resume_exits_2_and_changes_nothing(case, trained_run, one_step,
 
 
 def test_resume_without_a_checkpoint_exits_2(tmp_path, one_step, capsys):
-    pytest.importorskip("grpo_runner_gsm8k.checkpoint")
+    pytest.importorskip("grpo_runner_gsm8k.operations.checkpoint")
     case = Bad("resume-without-checkpoint", (), "--resume: no complete checkpoint in", "run without --resume to start")
     assert main(one_step(tmp_path / "run", "--resume")) == 2
     _assert_one_line(capsys.readouterr().err, case)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 MAX_TAKERS = 8
 CONFIG_LOADING_MODULES = {"grpo_core/config_io.py", "grpo_core/config_teacher.py"}
-CONFIG_LOADING_FUNCTIONS = {("grpo_runner_gsm8k/build.py", "check_inputs")}
+CONFIG_LOADING_FUNCTIONS = {("grpo_runner_gsm8k/assembly/build.py", "check_inputs")}
 
 
 def names_run_config(annotation: ast.expr | None) -> bool:
@@ -96,6 +96,6 @@ def test_every_way_of_writing_the_annotation_is_found(tmp_path):
     (tmp_path / "core" / "src" / "grpo_core").mkdir(parents=True)
     (tmp_path / "core" / "src" / "grpo_core" / "config_io.py").write_text("def load(cfg: RunConfig): ...\n")
     assert config_takers(tmp_path) == [
-        "grpo_runner_gsm8k/build.py:2 other", "grpo_runner_gsm8k/run.py:3 bare", "grpo_runner_gsm8k/run.py:4 quoted",
-        "grpo_runner_gsm8k/run.py:5 optional", "grpo_runner_gsm8k/run.py:6 dotted",
-        "grpo_runner_gsm8k/run.py:8 Built.method"]
+        "grpo_runner_gsm8k/assembly/build.py:2 other", "grpo_runner_gsm8k/assembly/run.py:3 bare", "grpo_runner_gsm8k/assembly/run.py:4 quoted",
+        "grpo_runner_gsm8k/assembly/run.py:5 optional", "grpo_runner_gsm8k/assembly/run.py:6 dotted",
+        "grpo_runner_gsm8k/assembly/run.py:8 Built.method"]

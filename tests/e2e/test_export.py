@@ -13,7 +13,7 @@ from grpo_core.config_io import load_config
 from grpo_core.models import load_pretrained
 from grpo_core.registry import default_registry
 from grpo_runner_gsm8k.cli import main as grpo_run
-from grpo_runner_gsm8k.export import load_policy
+from grpo_runner_gsm8k.commands.export import load_policy
 
 STEPS = 2
 PROMPTS = ["<|im_start|>user\n3+4=<|im_end|>\n", "2+5="]

@@ -18,8 +18,8 @@ from typing import Callable
 
 import pytest
 
-from grpo_runner_gsm8k.checkpoint import complete_steps
-from grpo_runner_gsm8k.export import load_policy
+from grpo_runner_gsm8k.operations.checkpoint import complete_steps
+from grpo_runner_gsm8k.commands.export import load_policy
 
 pytestmark = pytest.mark.slow
 

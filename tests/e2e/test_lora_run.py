@@ -14,7 +14,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from grpo_core.models.peft_io import ADAPTER_WEIGHTS
-from grpo_runner_gsm8k.export import saved_lora
+from grpo_runner_gsm8k.commands.export import saved_lora
 
 pytestmark = pytest.mark.slow
 

@@ -17,7 +17,7 @@ from typing import Callable
 
 import numpy as np
 import pytest
-from grpo_runner_gsm8k.checkpoint import checkpoint_dir, complete_steps
+from grpo_runner_gsm8k.operations.checkpoint import checkpoint_dir, complete_steps
 from grpo_runner_gsm8k.tasks.arithmetic import ArithmeticOptions, ArithmeticTask
 
 # 8 prompts: 4 per process
@@ -226,7 +226,8 @@ def test_sigterm_to_one_process_stops_both_after_the_same_step_with_one_checkpoi
 FAIL_ON_ONE = """
 import sys, jax
 from grpo_core.errors import UserError
-from grpo_runner_gsm8k import cli, loop
+from grpo_runner_gsm8k import cli
+from grpo_runner_gsm8k import loop
 def run(self):
     if jax.process_index() == 1:
         raise UserError("process 1 fails alone")

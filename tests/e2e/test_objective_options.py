@@ -16,7 +16,7 @@ from flax import nnx
 
 from grpo_core.registry import default_registry
 from grpo_runner_gsm8k.cli import main
-from grpo_runner_gsm8k.export import load_policy
+from grpo_runner_gsm8k.commands.export import load_policy
 
 MISMATCH = ["train-other/mismatch_kl", "train-other/mismatch_ratio_mean", "train-other/mismatch_ratio_max",
             "train-other/mismatch_rejected_frac"]

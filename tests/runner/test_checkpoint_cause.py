@@ -2,7 +2,7 @@
 
 import errno
 
-from grpo_runner_gsm8k.checkpoint import cause_of
+from grpo_runner_gsm8k.operations.checkpoint import cause_of
 
 
 def chained(outer: Exception, inner: BaseException) -> Exception:

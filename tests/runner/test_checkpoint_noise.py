@@ -7,7 +7,7 @@ import gc
 import logging
 import warnings
 
-from grpo_runner_gsm8k.orbax_noise import drop_unretrieved_save_tasks
+from grpo_runner_gsm8k.operations.orbax_noise import drop_unretrieved_save_tasks
 
 ORBAX_TASK = ("Task exception was never retrieved\nfuture: <Task finished name='Task-1201' coro=<async_serialize_"
               "from_host.<locals>.write_fragment() done, defined at .../orbax/checkpoint/_src/serialization/"

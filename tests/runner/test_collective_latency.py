@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 from grpo_rollout.gather import fastest_layout
 from grpo_runner_gsm8k.costs.roofline import call_seconds, decode_seconds, phase_cost, roofline, setup_seconds
-from grpo_runner_gsm8k.tpu_target import GENERATIONS, parse_target, with_chip
+from grpo_runner_gsm8k.costs.tpu_target import GENERATIONS, parse_target, with_chip
 
 V6E = GENERATIONS["v6e"]
 

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from grpo_runner_gsm8k import loop, memory_check
+from grpo_runner_gsm8k import loop
+from grpo_runner_gsm8k.operations import memory_check
 from grpo_runner_gsm8k.cli import main
 
 LOG = re.compile(r"traceback, config and versions in (\S+crash-\S+\.log);")

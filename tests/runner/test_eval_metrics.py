@@ -5,7 +5,7 @@ from math import comb
 import pytest
 
 from grpo_core.errors import UserError
-from grpo_runner_gsm8k.eval_metrics import (breakdown, greedy_accuracy, ks_up_to, maj_at_k, majority_index,
+from grpo_runner_gsm8k.evaluation.metrics import (breakdown, greedy_accuracy, ks_up_to, maj_at_k, majority_index,
                                             mean_at_n, pass_at_k, summarize)
 
 

@@ -6,8 +6,8 @@ import pytest
 
 from grpo_core.contracts import CompletionText
 from grpo_core.errors import UserError
-from grpo_runner_gsm8k.eval_store import SampleStore
-from grpo_runner_gsm8k.evaluation import Sample
+from grpo_runner_gsm8k.evaluation.store import SampleStore
+from grpo_runner_gsm8k.evaluation.evaluate import Sample
 
 SETTINGS = {"task": "t", "n": 2, "greedy": False}
 

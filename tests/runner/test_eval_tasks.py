@@ -10,7 +10,7 @@ from grpo_core.registry import default_registry
 from grpo_runner_gsm8k.tasks import BoxedMathOptions, CountdownOptions, CountdownTask
 from grpo_runner_gsm8k.tasks.boxed_math import BOXED_INSTRUCTION, CompetitionOptions, Math500Options, preset
 from grpo_runner_gsm8k.tasks.countdown import check_countdown, decode_answer, evaluate_expression
-from grpo_runner_gsm8k.math_rewards import CountdownRewardOptions, countdown_reward
+from grpo_runner_gsm8k.tasks.math_rewards import CountdownRewardOptions, countdown_reward
 
 MATH500 = Path(__file__).resolve().parents[3] / "shared/data/math500/test.jsonl"
 

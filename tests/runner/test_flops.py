@@ -1,5 +1,5 @@
 """`grpo-bench flops`: compiled matmul FLOPs of the update and of one decode step
-against the analytic count (module doc of grpo_runner_gsm8k.flops)."""
+against the analytic count (module doc of grpo_runner_gsm8k.commands.flops)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import json
 import pytest
 from grpo_core.models import QwenConfig
 from grpo_core.registry import default_registry
-from grpo_runner_gsm8k import flops
+from grpo_runner_gsm8k.commands import flops
 from grpo_runner_gsm8k.costs import flops as counts
 
 # a vocabulary large against the hidden size, as in real models: the LM head dominates

@@ -22,7 +22,7 @@ from grpo_core.config import RunConfig
 from grpo_core.config_io import section_type
 from grpo_core.errors import UserError
 from grpo_core.registry import default_registry
-from grpo_runner_gsm8k.build import from_plugin
+from grpo_runner_gsm8k.assembly.build import from_plugin
 from grpo_runner_gsm8k.cli import main
 
 CONFIG_EXAMPLES, OVERRIDE_EXAMPLES, JSONL_EXAMPLES = 120, 120, 80

@@ -1,4 +1,4 @@
-"""`grpo-bench gpu` (grpo_runner_gsm8k.gpu_acceptance): on CPU it runs the shrunken shapes, reports
+"""`grpo-bench gpu` (grpo_runner_gsm8k.commands.gpu_acceptance): on CPU it runs the shrunken shapes, reports
 the GPU-only parts as skipped and prints exactly one JSON line; its full shapes are the 0.5B
 one-GPU preset's."""
 
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from grpo_core.config_io import read_yaml
 from grpo_core.models.config import PRESETS
-from grpo_runner_gsm8k.gpu_acceptance import PHASES, SHAPES
+from grpo_runner_gsm8k.commands.gpu_acceptance import PHASES, SHAPES
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -36,7 +36,7 @@ def test_full_shapes_are_the_one_gpu_preset():
 @pytest.mark.slow
 def test_cpu_run_prints_one_json_line_with_gpu_parts_skipped():
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
-    done = subprocess.run([sys.executable, "-m", "grpo_runner_gsm8k.gpu_acceptance"], capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-m", "grpo_runner_gsm8k.commands.gpu_acceptance"], capture_output=True, text=True,
                           env=env, cwd=REPO, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     [line] = done.stdout.strip().splitlines()

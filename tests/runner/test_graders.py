@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from grpo_runner_gsm8k.answers import last_boxed
-from grpo_runner_gsm8k.grading import TimedVerifier, grade_boxed, normalize_answer
+from grpo_runner_gsm8k.tasks.answers import last_boxed
+from grpo_runner_gsm8k.tasks.grading import TimedVerifier, grade_boxed, normalize_answer
 
 MATH500 = Path(__file__).resolve().parents[3] / "shared/data/math500/test.jsonl"
 

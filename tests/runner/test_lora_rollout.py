@@ -13,7 +13,7 @@ from flax import nnx
 from grpo_core.models import QwenConfig, init_from_config
 from grpo_core.sharding import shard_model
 from grpo_meshes import MeshStrategy
-from grpo_runner_gsm8k import adapters as lora_run
+from grpo_runner_gsm8k.assembly import adapters as lora_run
 
 QCFG = QwenConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=8, tie_word_embeddings=True)
@@ -75,7 +75,7 @@ def test_the_run_decides_its_rollout_by_the_compiled_merged_decode_and_trains_ei
     """The run compiles the merged copy's decode for its batch and weighs it (with the copy)
     against the devices' spare memory; the per-token run also scores its reference (beta > 0)."""
     from grpo_core.registry import default_registry
-    from grpo_runner_gsm8k import adapters
+    from grpo_runner_gsm8k.assembly import adapters
     from grpo_runner_gsm8k.loop import Trainer, build_run
 
     measured = []

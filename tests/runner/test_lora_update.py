@@ -18,7 +18,7 @@ from grpo_core.models import init_from_config
 from grpo_core.models import lora
 from grpo_core.sharding import param_shardings, shard_model
 from grpo_losses import FusedLogps, FusedOptions, PallasLogps, PallasOptions, ReferenceLogps, grpo_loss
-from grpo_runner_gsm8k.step import make_update
+from grpo_runner_gsm8k.training.step import make_update
 
 
 def _step_tests():

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from grpo_core.config_io import load_config
-from grpo_runner_gsm8k.loss_inputs import LogpSources, loss_inputs
+from grpo_runner_gsm8k.training.loss_inputs import LogpSources, loss_inputs
 
 SAMPLER, WEIGHTS, REFERENCE = "sampler log-probs", "rollout weights", "reference weights"
 

@@ -1,4 +1,4 @@
-"""The multi-turn sampler's turn loop (grpo_runner_gsm8k.multi_turn_rollout) with a scripted
+"""The multi-turn sampler's turn loop (grpo_runner_gsm8k.samplers.multi_turn_rollout) with a scripted
 backend: a row that calls a tool and then answers, one that answers at once, one whose call
 names no such tool, one cut by its token budget. Checked: the trajectory's ids are exactly
 the sampled ids plus the template's ids of each tool turn, the loss mask and log-probs, the
@@ -16,9 +16,9 @@ from grpo_core.contracts import SamplingParams
 from grpo_core.rollout_records import DecodeTally, RolloutResult
 from grpo_core.tokenizer import TOOL_CALL_TOKENS, build_char_tokenizer
 from grpo_core.tool_calls import ToolRunner, parse_tool_calls, response_messages
-from grpo_runner_gsm8k.multi_turn_rollout import CALL_END, MultiTurnRollout, single_token_id, turn_sampling
-from grpo_runner_gsm8k.multi_turn_step import conversation_texts
-from grpo_runner_gsm8k.trajectory import trajectory_metrics, trajectory_result
+from grpo_runner_gsm8k.samplers.multi_turn_rollout import CALL_END, MultiTurnRollout, single_token_id, turn_sampling
+from grpo_runner_gsm8k.samplers.multi_turn_step import conversation_texts
+from grpo_runner_gsm8k.samplers.trajectory import trajectory_metrics, trajectory_result
 
 QWEN3 = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "qwen3-tokenizer"
 LOGP = -0.5  # every scripted token's sampler log-prob
@@ -152,9 +152,9 @@ def test_result_masks_texts_and_metrics(tokenizer, runner):
 
 def test_the_estimator_sees_each_rows_turns_and_each_tokens_turn(runner):
     from grpo_core.advantage_records import AdvantageResult
-    from grpo_runner_gsm8k.advantages import step_advantages
-    from grpo_runner_gsm8k.scoring import Scores
-    from grpo_runner_gsm8k.trajectory import episode_arrays
+    from grpo_runner_gsm8k.training.advantages import step_advantages
+    from grpo_runner_gsm8k.training.scoring import Scores
+    from grpo_runner_gsm8k.samplers.trajectory import episode_arrays
 
     tokenizer = _char()
     _, rows = _rollout(tokenizer, runner)
@@ -200,7 +200,7 @@ class Guess:
 
 
 def test_an_environment_answers_each_turn_until_it_is_done(runner, monkeypatch):
-    from grpo_runner_gsm8k.trajectory import episode_arrays
+    from grpo_runner_gsm8k.samplers.trajectory import episode_arrays
 
     tokenizer = _char()
     monkeypatch.setitem(SCRIPTS, "guess", ["3", "7"])

@@ -1,4 +1,4 @@
-"""Multi-turn rows on kept KV caches (grpo_runner_gsm8k.multi_turn_kept) against the re-prefill
+"""Multi-turn rows on kept KV caches (grpo_runner_gsm8k.samplers.multi_turn_kept) against the re-prefill
 loop, with a tiny random model on the real backend. Greedy, both give the same tokens and
 log-probs; and a row whose tool has not returned holds up no other row.
 
@@ -18,7 +18,7 @@ from grpo_core.models import QwenConfig, init_from_config
 from grpo_core.rollout_records import DecodeTally
 from grpo_core.tool_calls import ToolRunner
 from grpo_rollout import JaxRollout, JaxRolloutOptions
-from grpo_runner_gsm8k.multi_turn_rollout import MultiTurnRollout, turn_sampling
+from grpo_runner_gsm8k.samplers.multi_turn_rollout import MultiTurnRollout, turn_sampling
 
 TOOL_TURN = [40, 41, 42, 43]  # the tokens every tool turn appends
 # One shared ending, so that greedy continuations share tokens and several rows "call".

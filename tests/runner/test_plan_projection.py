@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 from grpo_core.registry import default_registry
-from grpo_runner_gsm8k import plan, tpu_target
+from grpo_runner_gsm8k import plan
+from grpo_runner_gsm8k.costs import tpu_target
 from grpo_runner_gsm8k.costs import flops
 from grpo_runner_gsm8k.costs.roofline import phase_cost
 from grpo_runner_gsm8k.plan.projection import project, projection_json

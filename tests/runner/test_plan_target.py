@@ -13,7 +13,8 @@ import jax
 import pytest
 from grpo_core.errors import UserError
 from grpo_core.registry import default_registry
-from grpo_runner_gsm8k import plan, tpu_target
+from grpo_runner_gsm8k import plan
+from grpo_runner_gsm8k.costs import tpu_target
 from grpo_runner_gsm8k.cli import main
 
 pytest.importorskip("libtpu")

@@ -1,4 +1,4 @@
-"""The policy model (grpo_runner_gsm8k.policy) against a direct computation: the full-parameter
+"""The policy model (grpo_runner_gsm8k.assembly.policy) against a direct computation: the full-parameter
 model's forward weights are the masters cast to the compute dtype (or the masters themselves
 when stored so) and its reference is a separate copy of them; the LoRA model's merged forward
 weights are grpo_core.models.lora.merged_state of base and adapters; the abstract forward
@@ -13,7 +13,7 @@ from grpo_core.models import QwenConfig, init_from_config, lora
 from grpo_core.models.precision import cast_floating
 from grpo_core.sharding import per_device_bytes, shard_model
 from grpo_meshes import MeshStrategy
-from grpo_runner_gsm8k.policy import FullPolicy, policy_model
+from grpo_runner_gsm8k.assembly.policy import FullPolicy, policy_model
 
 QCFG = QwenConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=8, tie_word_embeddings=True)

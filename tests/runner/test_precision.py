@@ -12,8 +12,8 @@ from grpo_core.config import LossConfig, TrainConfig
 from grpo_core.models import QwenConfig, init_from_config
 from grpo_core.models.precision import compute_params, update_ratio
 from grpo_losses import FusedLogps, FusedOptions
-from grpo_runner_gsm8k.optim import build_optimizer, learning_rate_schedule
-from grpo_runner_gsm8k.step import UpdateBatch, make_update
+from grpo_runner_gsm8k.assembly.optim import build_optimizer, learning_rate_schedule
+from grpo_runner_gsm8k.training.step import UpdateBatch, make_update
 
 ROWS, PROMPT, COMPLETION = 16, 4, 8
 QCFG = QwenConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

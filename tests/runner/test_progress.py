@@ -4,7 +4,7 @@ import io
 from pathlib import Path
 
 from grpo_core.config import LoggingConfig
-from grpo_runner_gsm8k.metrics import Progress
+from grpo_runner_gsm8k.operations.metrics import Progress
 
 
 def test_tiny_run_prints_at_most_30_lines_with_the_default():

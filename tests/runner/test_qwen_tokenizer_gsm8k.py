@@ -15,9 +15,9 @@ import pytest
 
 from grpo_core.config_io import load_config, plugin_options
 from grpo_core.registry import default_registry
-from grpo_runner_gsm8k.build import sampling_params, stop_token_ids
+from grpo_runner_gsm8k.assembly.build import sampling_params, stop_token_ids
 from grpo_runner_gsm8k.tokens import prompt_token_ids
-from grpo_runner_gsm8k.scoring import score
+from grpo_runner_gsm8k.training.scoring import score
 from grpo_runner_gsm8k.tasks.gsm8k import Gsm8kOptions, Gsm8kTask, final_answer, read_jsonl
 
 REPO = Path(__file__).resolve().parents[2]

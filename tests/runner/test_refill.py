@@ -5,7 +5,7 @@ import pytest
 
 from grpo_core.contracts import CompletionText
 from grpo_core.rollout_records import RolloutResult, Sampled, Scores
-from grpo_runner_gsm8k.rewards import OverlongOptions, overlong_penalty, overlong_reward
+from grpo_runner_gsm8k.tasks.rewards import OverlongOptions, overlong_penalty, overlong_reward
 from grpo_runner_gsm8k.samplers.refill import merge_results, merge_scores, needs_more, pick_groups, refill_metrics
 
 N = 2  # samples per prompt

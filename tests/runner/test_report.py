@@ -6,7 +6,7 @@ import matplotlib.image
 import pytest
 
 from grpo_runner_gsm8k.cli import main
-from grpo_runner_gsm8k.report import build_figure, read_metrics
+from grpo_runner_gsm8k.commands.report import build_figure, read_metrics
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -94,7 +94,7 @@ def test_out_in_a_missing_directory_exits_2(tmp_path, capsys):
 
 
 def test_eval_tasks_and_the_pass_at_k_plot(tmp_path, capsys):
-    from grpo_runner_gsm8k.eval_report import eval_summaries, pass_at_k_figure
+    from grpo_runner_gsm8k.commands.pass_at_k_plot import eval_summaries, pass_at_k_figure
 
     run_dir = tmp_path / "run"
     _write_run(run_dir, [{**_record(5), "eval/countdown/greedy_accuracy": 0.25, "eval/countdown/by/level/1/x": 1.0}])

@@ -6,9 +6,9 @@ from fractions import Fraction
 import numpy as np
 import pytest
 
-from grpo_runner_gsm8k.answers import extract_answer, is_correct, parse_number
-from grpo_runner_gsm8k.rewards import CorrectnessOptions, FormatOptions, correctness_reward, format_reward
-from grpo_runner_gsm8k.scoring import score
+from grpo_runner_gsm8k.tasks.answers import extract_answer, is_correct, parse_number
+from grpo_runner_gsm8k.tasks.rewards import CorrectnessOptions, FormatOptions, correctness_reward, format_reward
+from grpo_runner_gsm8k.training.scoring import score
 
 
 @pytest.mark.parametrize("completion, expected", [

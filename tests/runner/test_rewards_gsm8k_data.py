@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from grpo_runner_gsm8k.rewards import CorrectnessOptions, correctness_reward
+from grpo_runner_gsm8k.tasks.rewards import CorrectnessOptions, correctness_reward
 from grpo_runner_gsm8k.tasks import final_answer
 
 DATA = Path(__file__).resolve().parents[3] / "shared/data/gsm8k"

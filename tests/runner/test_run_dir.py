@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from grpo_runner_gsm8k.build import prepare_run_dir
+from grpo_runner_gsm8k.assembly.build import prepare_run_dir
 
 
 def config(run_dir) -> SimpleNamespace:

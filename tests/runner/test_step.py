@@ -14,8 +14,8 @@ from grpo_core.models import QwenConfig, init_from_config
 from grpo_core.sharding import freeze_rules, shard_model
 from grpo_losses import FusedLogps, FusedOptions
 from grpo_meshes import MeshStrategy, train_batch_sharding
-from grpo_runner_gsm8k.build import build_model
-from grpo_runner_gsm8k.step import (UpdateBatch, accumulates_in_backward, apply_finite_update, make_update,
+from grpo_runner_gsm8k.assembly.build import build_model
+from grpo_runner_gsm8k.training.step import (UpdateBatch, accumulates_in_backward, apply_finite_update, make_update,
                                     update_advantages)
 
 ROWS, PROMPT, COMPLETION = 16, 4, 12

@@ -9,9 +9,9 @@ from grpo_core.advantage_records import AdvantageSetup
 from grpo_core.config import LossConfig
 from grpo_core.registry import default_registry
 from grpo_losses import compute_advantages
-from grpo_runner_gsm8k.advantages import step_advantages
+from grpo_runner_gsm8k.training.advantages import step_advantages
 from grpo_runner_gsm8k.samplers.refill import informative
-from grpo_runner_gsm8k.scoring import Scores
+from grpo_runner_gsm8k.training.scoring import Scores
 
 
 def scores(total) -> Scores:

@@ -10,7 +10,7 @@ import pytest
 
 from grpo_core.contracts import CarryingSampler, Sampled, Scores, StepSampler, loaded
 from grpo_core.registry import default_registry
-from grpo_runner_gsm8k.samplers import MultiTurnSampler, PartialSampler, PlainSampler, RefillSampler, step_sampler
+from grpo_runner_gsm8k.samplers.factory import MultiTurnSampler, PartialSampler, PlainSampler, RefillSampler, step_sampler
 
 
 @pytest.mark.parametrize("sampler", [PlainSampler, RefillSampler, PartialSampler, MultiTurnSampler])
@@ -64,7 +64,7 @@ class RowIndexSampler:
 
 def test_a_third_party_sampler_drives_one_training_step(tiny_config, small_run):
     from grpo_runner_gsm8k.loop import Trainer
-    from grpo_runner_gsm8k.run import build_run
+    from grpo_runner_gsm8k.assembly.run import build_run
 
     registry = default_registry()
     trainer = Trainer(build_run(tiny_config(*small_run(1), "rollout.max_new_tokens=2", registry=registry), registry))

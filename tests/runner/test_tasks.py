@@ -8,7 +8,7 @@ import pytest
 
 from grpo_core.config_io import plugin_options
 from grpo_runner_gsm8k import plugin
-from grpo_runner_gsm8k.answers import is_correct
+from grpo_runner_gsm8k.tasks.answers import is_correct
 from grpo_runner_gsm8k.tasks import (
     ArithmeticOptions, ArithmeticTask, EpochOrder, Example, Gsm8kOptions, Gsm8kTask, Task,
     final_answer, render_prompt)

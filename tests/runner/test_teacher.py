@@ -20,7 +20,7 @@ from grpo_core.models.hf_io import abstract_model, export_pretrained
 from grpo_core.registry import default_registry
 from grpo_core.tokenizer import DEFAULT_CHARS, build_char_tokenizer
 from grpo_runner_gsm8k.cli import main
-from grpo_runner_gsm8k.teacher import TEACHER_PHASE
+from grpo_runner_gsm8k.assembly.teacher import TEACHER_PHASE
 
 TINY = {"model_type": "qwen2", "hidden_size": 64, "intermediate_size": 192, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64, "tie_word_embeddings": True}
@@ -168,7 +168,7 @@ def test_a_lora_student_keeps_its_base_as_reference_and_distills_from_the_teache
 
 def test_a_checkpoint_saved_before_the_teacher_section_resumes_without_a_teacher(tiny_config):
     from grpo_core.config_io import config_to_dict
-    from grpo_runner_gsm8k.checkpoint import Resume, check_compatible
+    from grpo_runner_gsm8k.operations.checkpoint import Resume, check_compatible
 
     cfg = tiny_config()
     saved = config_to_dict(cfg)

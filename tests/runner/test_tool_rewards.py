@@ -3,7 +3,7 @@
 import pytest
 
 from grpo_core.contracts import CompletionText, ConversationText
-from grpo_runner_gsm8k.tool_rewards import (CalculatorCallOptions, EnvironmentRewardOptions, calculator_call_reward,
+from grpo_runner_gsm8k.tasks.tool_rewards import (CalculatorCallOptions, EnvironmentRewardOptions, calculator_call_reward,
                                             environment_reward)
 
 FIXED = '{"name": "calculator", "arguments": {"expression": "'

@@ -276,7 +276,7 @@ class LossConfig:
 
 @dataclass(frozen=True)
 class TeacherConfig:
-    """On-policy distillation: a frozen teacher scores every sampled token (see grpo_runner_gsm8k.teacher)."""
+    """On-policy distillation: a frozen teacher scores every sampled token (see grpo_runner_gsm8k.assembly.teacher)."""
 
     path: Optional[str] = setting(
         None, "HF model directory or Hub id of the teacher; null = no teacher. Its tokenizer must be the student's.")

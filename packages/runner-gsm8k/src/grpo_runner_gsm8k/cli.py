@@ -22,10 +22,10 @@ import traceback
 import warnings
 
 from grpo_core.errors import UserError
-from grpo_runner_gsm8k import orbax_noise
+from grpo_runner_gsm8k.operations import orbax_noise
 from grpo_runner_gsm8k.environ import environment, unset
-from grpo_runner_gsm8k.crash import CONTEXT, begin, report_crash
-from grpo_runner_gsm8k.preemption import Stopped
+from grpo_runner_gsm8k.operations.crash import CONTEXT, begin, report_crash
+from grpo_runner_gsm8k.operations.preemption import Stopped
 
 EXIT_SIGINT = 128 + 2
 
@@ -97,7 +97,7 @@ def _train_command(argv: list[str]) -> int:
     if args.print_config:
         from grpo_core.config_io import config_to_yaml
         from grpo_core.registry import default_registry
-        from grpo_runner_gsm8k.build import check_inputs
+        from grpo_runner_gsm8k.assembly.build import check_inputs
 
         check_inputs(cfg, default_registry())  # every check a run makes before device work
 

@@ -21,17 +21,17 @@ from grpo_core.registry import Registry
 from grpo_meshes import train_batch_sharding
 from grpo_core.rollout_records import RolloutResult
 
-from grpo_runner_gsm8k.advantages import step_advantages
-from grpo_runner_gsm8k.checkpoint import TrainState
-from grpo_runner_gsm8k.evaluation import training_eval
-from grpo_runner_gsm8k.loss_inputs import loss_inputs
-from grpo_runner_gsm8k.metrics import MetricsLogger
-from grpo_runner_gsm8k.operations import Operations
-from grpo_runner_gsm8k.train_metrics import memory_metrics, objective_metrics
+from grpo_runner_gsm8k.training.advantages import step_advantages
+from grpo_runner_gsm8k.operations.checkpoint import TrainState
+from grpo_runner_gsm8k.evaluation.evaluate import training_eval
+from grpo_runner_gsm8k.training.loss_inputs import loss_inputs
+from grpo_runner_gsm8k.operations.metrics import MetricsLogger
+from grpo_runner_gsm8k.assembly.operations import Operations
+from grpo_runner_gsm8k.training.train_metrics import memory_metrics, objective_metrics
 from grpo_runner_gsm8k.multihost import host_array
-from grpo_runner_gsm8k.preemption import StopRequest
-from grpo_runner_gsm8k.run import BuiltRun, build_run
-from grpo_runner_gsm8k.step import UpdateBatch, update_advantages
+from grpo_runner_gsm8k.operations.preemption import StopRequest
+from grpo_runner_gsm8k.assembly.run import BuiltRun, build_run
+from grpo_runner_gsm8k.training.step import UpdateBatch, update_advantages
 
 
 EVAL_STREAM = 0x45564C  # folded into train.seed's key for eval sampling, apart from the training stream
@@ -78,7 +78,7 @@ class Trainer:
         return self.ops.reference
 
     def forward_params(self, params):
-        """`params` as rollout, scoring and eval take them (see grpo_runner_gsm8k.policy)."""
+        """`params` as rollout, scoring and eval take them (see grpo_runner_gsm8k.assembly.policy)."""
         return self.built.policy.forward_params(params)
 
     # ---- one step -------------------------------------------------------------

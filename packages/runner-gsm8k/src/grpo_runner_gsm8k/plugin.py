@@ -3,10 +3,10 @@ like any plugin."""
 
 from grpo_core import CommandSpec, RewardSpec, TaskSpec, hookimpl
 
-from grpo_runner_gsm8k.commands import COMMAND_SPECS
-from grpo_runner_gsm8k.math_rewards import MATH_REWARD_SPECS
-from grpo_runner_gsm8k.rewards import REWARD_SPECS
-from grpo_runner_gsm8k.tool_rewards import TOOL_REWARD_SPECS
+from grpo_runner_gsm8k.commands.builtin import COMMAND_SPECS
+from grpo_runner_gsm8k.tasks.math_rewards import MATH_REWARD_SPECS
+from grpo_runner_gsm8k.tasks.rewards import REWARD_SPECS
+from grpo_runner_gsm8k.tasks.tool_rewards import TOOL_REWARD_SPECS
 from grpo_runner_gsm8k.tasks import TASK_SPECS
 
 

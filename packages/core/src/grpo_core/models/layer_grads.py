@@ -6,14 +6,14 @@ accumulator, while a stacked compute-dtype copy of the weights stays alive for t
 forward and backward loops: per layer, three parameter-sized buffers besides the layer
 input. Here the float32 accumulator rides along the forward carry unchanged; its
 cotangent is the backward carry, seeded with the accumulator itself (see
-`grpo_runner_gsm8k.step`), and each layer's backward adds its weight gradient to its own
+`grpo_runner_gsm8k.training.step`), and each layer's backward adds its weight gradient to its own
 slice in place. Each layer casts its own float32 slice to the compute dtype. A layer's
 backward recomputes its forward from its input (full remat); its input is the only
 activation the forward loop keeps.
 
 TPU compiler, Qwen2.5-3B on v6e-8 (3 rows x 2560 tokens per micro-batch, 4 micro-batches):
 train-step temp 8.72 GiB with jax.grad, 6.46 GiB with this, 4.76 GiB once the cast also
-stays per layer (`_weights_at`) and the optimizer writes in place (grpo_runner_gsm8k.step).
+stays per layer (`_weights_at`) and the optimizer writes in place (grpo_runner_gsm8k.training.step).
 """
 
 from __future__ import annotations

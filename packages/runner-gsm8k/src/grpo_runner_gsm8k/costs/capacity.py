@@ -10,7 +10,7 @@ import jax
 
 from grpo_core.errors import UserError
 
-from grpo_runner_gsm8k.tpu_target import HBM_SOURCE, Generation, Target
+from grpo_runner_gsm8k.costs.tpu_target import HBM_SOURCE, Generation, Target
 
 
 GIB = float(1 << 30)

@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 from grpo_core.hlo import HloModule, Instruction, shape_bytes
 
-from grpo_runner_gsm8k.tpu_target import Generation
+from grpo_runner_gsm8k.costs.tpu_target import Generation
 
 
 @dataclass(frozen=True)

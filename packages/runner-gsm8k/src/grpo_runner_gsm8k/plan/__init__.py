@@ -38,7 +38,7 @@ from grpo_runner_gsm8k.plan.projection import project, projection_json, projecti
 from grpo_runner_gsm8k.plan.remat import sweep_remat
 from grpo_runner_gsm8k.plan.scheduler import memory_minimizing_cpu_scheduler
 from grpo_runner_gsm8k.plan.sweep import check_sweep_field, largest_fitting, micro_batch_candidates, sweep_micro_batch
-from grpo_runner_gsm8k.tpu_target import Generation, parse_target, with_chip
+from grpo_runner_gsm8k.costs.tpu_target import Generation, parse_target, with_chip
 
 __all__ = ["EXIT_DOES_NOT_FIT", "GIB", "Capacity", "PlanInputs", "abstract_run_model", "abstract_update_batch",
            "build_plan_inputs", "compile_rollout", "compile_update", "largest_fitting", "micro_batch_candidates",

@@ -23,16 +23,16 @@ from grpo_core.registry import Registry
 from grpo_core.sharding import param_shardings, per_device_bytes
 from grpo_meshes import ProcessLayout, build_mesh_from_config, setup_processes, train_batch_sharding
 
-from grpo_runner_gsm8k.adapters import LoRAPolicy, abstract_lora_model, lora_spec, storage_dtype
-from grpo_runner_gsm8k.build import (attention_impl, build_tokenizer, check_lengths, model_config, preflight,
+from grpo_runner_gsm8k.assembly.adapters import LoRAPolicy, abstract_lora_model, lora_spec, storage_dtype
+from grpo_runner_gsm8k.assembly.build import (attention_impl, build_tokenizer, check_lengths, model_config, preflight,
                                      rows_per_step, sampling_params)
-from grpo_runner_gsm8k.checkpoint import TrainState
+from grpo_runner_gsm8k.operations.checkpoint import TrainState
 from grpo_runner_gsm8k.multihost import local_prompt_count
-from grpo_runner_gsm8k.policy import FullPolicy, PolicyModel
-from grpo_runner_gsm8k.run import BuiltRun, RunPlace, assemble, build_plugins, compute_dtype, run_optimizer
-from grpo_runner_gsm8k.step import UpdateBatch
-from grpo_runner_gsm8k.teacher import abstract_teacher
-from grpo_runner_gsm8k.tpu_target import Target, describe, target_devices
+from grpo_runner_gsm8k.assembly.policy import FullPolicy, PolicyModel
+from grpo_runner_gsm8k.assembly.run import BuiltRun, RunPlace, assemble, build_plugins, compute_dtype, run_optimizer
+from grpo_runner_gsm8k.training.step import UpdateBatch
+from grpo_runner_gsm8k.assembly.teacher import abstract_teacher
+from grpo_runner_gsm8k.costs.tpu_target import Target, describe, target_devices
 
 
 @dataclass(frozen=True)

@@ -13,15 +13,15 @@ from grpo_core.errors import UserError
 from grpo_core.contracts import Policy, RolloutShapes
 from grpo_rollout.gather import spare_bytes
 
-from grpo_runner_gsm8k.adapters import decode_needs
+from grpo_runner_gsm8k.assembly.adapters import decode_needs
 from grpo_runner_gsm8k.costs.capacity import Capacity
 from grpo_runner_gsm8k.costs.memory import PhaseMemory
 from grpo_runner_gsm8k.costs.roofline import decode_seconds
 from grpo_runner_gsm8k.plan.abstract import (PlanInputs, abstract_key, abstract_update_batch, per_device_bytes,
                                              plannable)
 from grpo_runner_gsm8k.samplers.partial import kv_cache_mode
-from grpo_runner_gsm8k.run import with_rollout_decided
-from grpo_runner_gsm8k.teacher import TEACHER_PHASE
+from grpo_runner_gsm8k.assembly.run import with_rollout_decided
+from grpo_runner_gsm8k.assembly.teacher import TEACHER_PHASE
 
 
 # The TPU compiler refuses a program whose buffers exceed the chip's HBM, giving the size.

@@ -26,13 +26,13 @@ from typing import Optional
 from grpo_core.config import ModelConfig
 from grpo_core.models import QwenConfig
 
-from grpo_runner_gsm8k.build import attention_impl, micro_batches, rows_per_step
+from grpo_runner_gsm8k.assembly.build import attention_impl, micro_batches, rows_per_step
 from grpo_runner_gsm8k.costs.flops import forward_flops
 from grpo_runner_gsm8k.plan.abstract import PlanInputs, train_widths
 from grpo_runner_gsm8k.costs.memory import PhaseMemory
 from grpo_runner_gsm8k.costs.roofline import PhaseCost, call_seconds, setup_seconds
-from grpo_runner_gsm8k.teacher import TEACHER_PHASE
-from grpo_runner_gsm8k.tpu_target import Generation
+from grpo_runner_gsm8k.assembly.teacher import TEACHER_PHASE
+from grpo_runner_gsm8k.costs.tpu_target import Generation
 
 KERNEL_ATTENTION = ("splash", "cudnn")  # custom calls: their FLOPs are not in the HLO
 # The forward kernel's 2 matmuls per block, then the backward's dq and dkv kernels: 7 more, as both

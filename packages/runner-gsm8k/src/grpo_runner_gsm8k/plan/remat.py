@@ -16,7 +16,7 @@ from grpo_runner_gsm8k.costs.capacity import GIB, Capacity
 from grpo_runner_gsm8k.costs.memory import EXIT_DOES_NOT_FIT, PhaseMemory, peak
 from grpo_runner_gsm8k.plan.phases import decide_lora_rollout, fixed_phases, train_phase
 from grpo_runner_gsm8k.plan.projection import phase_time
-from grpo_runner_gsm8k.tpu_target import Generation, Target
+from grpo_runner_gsm8k.costs.tpu_target import Generation, Target
 
 REMAT_POLICIES = ("none", "dots", "full")
 

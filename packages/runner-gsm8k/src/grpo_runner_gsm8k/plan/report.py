@@ -9,7 +9,7 @@ import jax
 
 from grpo_meshes import TRAIN_BATCH_AXES, batch_shard_count
 
-from grpo_runner_gsm8k.build import micro_batches, rows_per_step
+from grpo_runner_gsm8k.assembly.build import micro_batches, rows_per_step
 from grpo_runner_gsm8k.costs.capacity import GIB
 from grpo_runner_gsm8k.plan.abstract import PlanInputs, per_device_bytes, prompt_bucket, train_widths
 from grpo_runner_gsm8k.costs.memory import PhaseMemory

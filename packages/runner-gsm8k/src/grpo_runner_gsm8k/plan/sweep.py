@@ -10,7 +10,7 @@ from typing import Callable, Optional
 from grpo_core.errors import UserError
 from grpo_meshes import TRAIN_BATCH_AXES, batch_shard_count
 
-from grpo_runner_gsm8k.build import rows_per_step
+from grpo_runner_gsm8k.assembly.build import rows_per_step
 from grpo_runner_gsm8k.costs.capacity import GIB, Capacity
 from grpo_runner_gsm8k.costs.memory import EXIT_DOES_NOT_FIT, PhaseMemory, does_not_fit_message, peak
 from grpo_runner_gsm8k.plan.abstract import PlanInputs

@@ -1,48 +1,10 @@
 """The built-in step samplers (`grpo_core.step_samplers.StepSampler`), one per way a step's
-groups are sampled, and `step_sampler`, which picks the run's by its config:
+groups are sampled, and `factory.step_sampler`, which picks the run's by its config:
 
-  multi-turn  rollout.multi_turn.enabled      tool-using rows (grpo_runner_gsm8k.multi_turn_step)
+  multi-turn  rollout.multi_turn.enabled      tool-using rows (grpo_runner_gsm8k.samplers.multi_turn_step)
   partial     rollout.partial.enabled         a pool of decode slots, rows carried across steps
   refill      loss.dynamic_sampling_mode=refill  extra rollouts until enough groups are informative
   plain       otherwise                       one rollout, every row to its end
 
 The config allows at most one of the first three (checked when it loads).
 """
-
-from __future__ import annotations
-
-from pathlib import Path
-from typing import Any
-
-from grpo_core.errors import UserError
-from grpo_core.step_samplers import CarryingSampler, StepSampler
-
-from grpo_runner_gsm8k.multi_turn_step import MultiTurnSampler
-from grpo_runner_gsm8k.samplers.partial import PartialSampler
-from grpo_runner_gsm8k.samplers.plain import PlainSampler
-from grpo_runner_gsm8k.samplers.refill import RefillSampler
-
-
-def step_sampler(run: Any, registry: Any) -> StepSampler:
-    """The step sampler of the built `run` (the registry supplies a multi-turn run's tools)."""
-    rollout, loss = run.cfg.rollout, run.cfg.loss
-    if rollout.multi_turn.enabled:
-        return MultiTurnSampler(run, registry)
-    if rollout.partial.enabled:
-        return PartialSampler(run)
-    if loss.dynamic_sampling and loss.dynamic_sampling_mode == "refill":
-        return RefillSampler(run)
-    return PlainSampler(run)
-
-
-def restore_carried(sampler: StepSampler, state: Any, checkpoints: Path) -> None:
-    """The rows a restored checkpoint (`state.carried`) carried into its next step, back in the sampler."""
-    if not isinstance(sampler, CarryingSampler) or state.carried is None:
-        return
-    try:
-        sampler.restore(state.carried)
-    except ValueError as exc:
-        raise UserError(f"checkpoint {checkpoints / str(state.step)}: {exc}") from None
-
-
-__all__ = ["MultiTurnSampler", "PartialSampler", "PlainSampler", "RefillSampler", "restore_carried", "step_sampler"]

@@ -17,7 +17,7 @@ from grpo_core.rollout_records import DecodeTally, Sampled, Scores, waste_metric
 from grpo_core.step_samplers import loaded
 
 from grpo_runner_gsm8k.multihost import gather_objects, host_array
-from grpo_runner_gsm8k.scoring import score
+from grpo_runner_gsm8k.training.scoring import score
 from grpo_runner_gsm8k.tokens import decode_completions, tokenize_prompts
 
 

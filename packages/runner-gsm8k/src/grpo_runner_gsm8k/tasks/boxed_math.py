@@ -18,7 +18,7 @@ from grpo_core.config import setting
 from grpo_core.contracts import Example
 from grpo_core.errors import UserError
 
-from grpo_runner_gsm8k.grading import Graded, TimedVerifier, grade_boxed
+from grpo_runner_gsm8k.tasks.grading import Graded, TimedVerifier, grade_boxed
 from grpo_runner_gsm8k.tasks.base import EpochOrder, check_process, shard_of
 from grpo_runner_gsm8k.tasks.gsm8k import _BLANK, _parse_jsonl_line, _read_parquet
 

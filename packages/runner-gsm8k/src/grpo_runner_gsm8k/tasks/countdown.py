@@ -20,8 +20,8 @@ import numpy as np
 from grpo_core.config import setting
 from grpo_core.contracts import Example
 
-from grpo_runner_gsm8k.answers import last_boxed
-from grpo_runner_gsm8k.grading import Graded
+from grpo_runner_gsm8k.tasks.answers import last_boxed
+from grpo_runner_gsm8k.tasks.grading import Graded
 from grpo_runner_gsm8k.tasks.base import TRAIN_STREAM, GeneratedTask
 
 MAX_DRAWS = 1000  # redraws allowed to find a target within range

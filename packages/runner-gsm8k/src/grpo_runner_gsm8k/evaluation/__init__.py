@@ -1,0 +1,1 @@
+"""Evaluation shared by training (`eval.every_steps`) and `grpo-run eval`: sampling, metrics, store, stream."""

@@ -1,0 +1,172 @@
+"""Evaluation shared by training (`eval.every_steps`) and `grpo-run eval`: n samples per
+question from the run's rollout backend on its mesh, each graded by the task's own grader
+(`GradedTask.grade`; tasks without one are judged by `eval.reward`), then summarised by
+`eval_metrics` (mean@n, pass@k, maj@k, greedy accuracy, breakdowns by the task's fields).
+"""
+
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+from typing import Any, NamedTuple, Protocol, Sequence, runtime_checkable
+
+import jax
+import numpy as np
+from grpo_core.config import EvalConfig
+from grpo_core.contracts import CompletionText, Example, Policy
+from grpo_core.errors import UserError
+from grpo_core.registry import Registry
+from grpo_core.rollout_records import RolloutResult
+from grpo_core.step_samplers import loaded
+from grpo_rollout.decode import batch_spec_axes
+
+from grpo_runner_gsm8k.tasks.answers import extract_answer
+from grpo_runner_gsm8k.assembly.build import from_plugin
+from grpo_runner_gsm8k.evaluation.metrics import breakdown, check_k, ks_up_to, summarize
+from grpo_runner_gsm8k.tasks.grading import Graded, normalize_answer
+from grpo_runner_gsm8k.multihost import gather_objects
+from grpo_runner_gsm8k.training.scoring import score
+from grpo_runner_gsm8k.tokens import decode_completions, run_prompt_ids
+
+
+@runtime_checkable
+class GradedTask(Protocol):
+    """A task that grades its own completions (the boxed-math family, countdown)."""
+
+    def grade(self, completion: str, reference: str) -> Graded:
+        """The completion's extracted, normalised answer and whether it is right."""
+
+
+@runtime_checkable
+class FieldedTask(Protocol):
+    """A task whose examples carry fields eval results are broken down by (MATH's subject, level)."""
+
+    def example_fields(self, example_id: str) -> dict[str, Any]:
+        """The breakdown fields of one example."""
+
+
+class Sample(NamedTuple):
+    """One graded completion of one question."""
+
+    completion: CompletionText
+    answer: str | None
+    correct: bool
+
+
+def rollout_prompts(run, weights, prompts: list[list[int]], key, sampling) -> RolloutResult:
+    """One rollout of token-id prompts with `weights` (compute dtype) loaded into the backend
+    for its duration only: the update that follows needs that memory."""
+    with loaded(run.rollout, Policy(run.policy_graphdef, weights, run.qcfg)) as backend:
+        return backend.generate(prompts, key, sampling, pad_token_id=run.inputs.tokenizer.pad_token_id,
+                                batch_sharding=run.rollout_sharding)
+
+
+def _answer_text(answer: Fraction | str | None) -> str | None:
+    return None if answer is None else normalize_answer(str(answer))
+
+
+def reward_grades(run, completions: Sequence[CompletionText], references: Sequence[str]) -> list[Graded]:
+    """Verdicts of `eval.reward` (at least `eval.pass_threshold`), answers as the correctness reward reads them."""
+    cfg = run.cfg
+    judge = cfg.eval.reward
+    judged = score({judge: (run.inputs.rewards[judge][0], 1.0)}, completions, references)
+    fallback = cfg.task.reward_options.get("correctness", {}).get("fallback", "final_line")
+    return [Graded(_answer_text(extract_answer(c, fallback)), bool(total >= cfg.eval.pass_threshold))
+            for c, total in zip(completions, judged.total)]
+
+
+def grade_all(run, task, completions: Sequence[CompletionText], references: Sequence[str]) -> list[Graded]:
+    if isinstance(task, GradedTask):
+        return [task.grade(c, r) for c, r in zip(completions, references)]
+    return reward_grades(run, completions, references)
+
+
+def question_multiple(run, n: int) -> int:
+    """The fewest questions whose rows (questions x n) split evenly over the devices of the
+    rollout's batch axes."""
+    sharding = run.rollout_sharding
+    axes = batch_spec_axes(sharding)
+    axes = () if axes is None else ((axes,) if isinstance(axes, str) else tuple(axes))
+    shards = math.prod(sharding.mesh.shape[a] for a in axes)
+    return shards // math.gcd(shards, n)
+
+
+def sample_questions(run, weights, task, examples: list[Example], key, sampling) -> list[list[Sample]]:
+    """`sampling.n` graded samples of each example, in sampling order. The batch is padded with
+    the last example up to a size the mesh splits evenly; the padding is not graded."""
+    multiple = question_multiple(run, sampling.n)
+    padded = examples + [examples[-1]] * (-len(examples) % multiple)
+    prompts = run_prompt_ids(run, task.use_chat_template, padded)
+    completions = decode_completions(run.inputs.tokenizer, rollout_prompts(run, weights, prompts, key, sampling))
+    n = sampling.n
+    completions = completions[:len(examples) * n]
+    references = [ex.answer for ex in examples for _ in range(n)]
+    grades = grade_all(run, task, completions, references)
+    samples = [Sample(c, g.answer, g.correct) for c, g in zip(completions, grades)]
+    return [samples[q * n:(q + 1) * n] for q in range(len(examples))]
+
+
+def eval_ks(eval_cfg: EvalConfig) -> list[int]:
+    """The k of pass@k and maj@k: `eval.k`, else 1, 2, 4, ... up to eval.n."""
+    ks = list(getattr(eval_cfg, "k", None) or ks_up_to(eval_cfg.n))
+    for k in ks:
+        check_k(int(k), eval_cfg.n)
+    return sorted({int(k) for k in ks})
+
+
+def question_metrics(task, examples: list[Example], samples: list[list[Sample]], greedy: bool,
+                     ks: list[int]) -> dict[str, Any]:
+    """The summary of one task's questions, with a breakdown by its fields when it has any."""
+    verdicts = [[s.correct for s in question] for question in samples]
+    answers = [[s.answer for s in question] for question in samples]
+    out: dict[str, Any] = summarize(verdicts, answers, greedy, ks)
+    if isinstance(task, FieldedTask):
+        fields = [task.example_fields(ex.id) for ex in examples]
+        if any(fields):
+            out["by"] = breakdown(verdicts, answers, fields, greedy, ks)
+    return out
+
+
+def eval_tasks(tasks: dict, registry: Registry, seed: int) -> dict[str, Any]:
+    """The tasks of `eval.tasks` (name -> options), seeded with task.seed, built whole on every
+    process (all processes pass the same questions to the rollout)."""
+    tasks = tasks or {}
+    if not isinstance(tasks, dict):
+        raise UserError(f"eval.tasks must map task names to options, got {tasks!r}; e.g. eval.tasks={{math500: {{}}}}")
+    return {name: from_plugin(registry, "task", name, options or {}, f"eval.tasks.{name}", seed=seed)
+            for name, options in tasks.items()}
+
+
+def checked_eval_tasks(run, registry: Registry) -> dict[str, Any]:
+    """`eval_tasks` with every test prompt tokenized once, so one that is too long fails before training."""
+    tasks = eval_tasks(run.cfg.eval.tasks, registry, run.cfg.task.seed)
+    for task in tasks.values():
+        run_prompt_ids(run, task.use_chat_template, task.test_examples(run.cfg.eval.num_questions))
+    return tasks
+
+
+def training_eval(run, weights, extra_tasks: dict[str, Any], key, ks: list[int]) -> dict[str, float]:
+    """Training's eval: the training task's first-sample accuracy (and pass@n), then every task
+    of eval.tasks as eval/<task>/<metric>, each with its own key."""
+    task, sampling = run.inputs.task, run.eval_sampling
+    examples = gather_objects(task.test_examples(run.cfg.eval.num_questions))
+    samples = sample_questions(run, weights, task, examples, key, sampling)
+    out = {"eval/accuracy": float(np.mean([question[0].correct for question in samples]))}
+    if sampling.n > 1:
+        out[f"eval/pass@{sampling.n}"] = float(np.mean([any(s.correct for s in q) for q in samples]))
+    for index, (name, extra) in enumerate(extra_tasks.items(), 1):
+        examples = extra.test_examples(run.cfg.eval.num_questions)
+        samples = sample_questions(run, weights, extra, examples, jax.random.fold_in(key, index), sampling)
+        out.update(flat_metrics(f"eval/{name}", question_metrics(extra, examples, samples, sampling.greedy, ks)))
+    return out
+
+
+def flat_metrics(prefix: str, summary: dict[str, Any]) -> dict[str, float]:
+    """`summary` as `<prefix>/<metric>` scalars (breakdowns as `<prefix>/by/<field>/<value>/<metric>`)."""
+    out = {}
+    for key, value in summary.items():
+        if isinstance(value, dict):
+            out.update(flat_metrics(f"{prefix}/{key}", value))
+        else:
+            out[f"{prefix}/{key}"] = value
+    return out

@@ -1,0 +1,144 @@
+"""The step's rollout batch from multi-turn, tool-using rollouts (rollout.multi_turn; the
+turn loop is grpo_runner_gsm8k.samplers.multi_turn_rollout).
+
+Prompts are rendered with the offered tools (the chat template's `tools=`). Rewards receive
+a `ConversationText` per row: the final answer (the text after the last tool turn) as the
+string, the whole conversation as `.conversation`. Tools are looked up by name in the
+plugin registry, so the runner needs no tool package of its own.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from grpo_core.config import MultiTurnConfig
+from grpo_core.config_io import plugin_options
+from grpo_core.contracts import ConversationText, KeptCacheRollout, Policy
+from grpo_core.errors import UserError
+from grpo_core.rollout_records import DecodeTally, Sampled, waste_metrics
+from grpo_core.step_samplers import loaded
+from grpo_core.tool_calls import ToolRunner
+
+from grpo_runner_gsm8k.assembly.build import prompts_to_check
+from grpo_runner_gsm8k.samplers.multi_turn_inputs import row_budget
+from grpo_runner_gsm8k.samplers.multi_turn_rollout import CALL_END, MultiTurnRollout, single_token_id, turn_sampling
+from grpo_runner_gsm8k.multihost import gather_objects, host_array
+from grpo_runner_gsm8k.training.scoring import score
+from grpo_runner_gsm8k.samplers.trajectory import Trajectory, episode_arrays, trajectory_metrics, trajectory_result
+
+
+def build_tools(multi: MultiTurnConfig, registry: Any) -> list:
+    """The tools rollout.multi_turn offers, each built once from its plugin (names and options
+    checked at load)."""
+    tools = []
+    for name in multi.tools:
+        spec = registry.tool(str(name))
+        options = plugin_options(spec.options, multi.tool_options.get(name, {}),
+                                 f"rollout.multi_turn.tool_options.{name}")
+        tools.append(spec.factory(options))
+    return tools
+
+
+def keeps_caches(mode: str, backend: Any, backend_name: str) -> bool:
+    """rollout.multi_turn.kv_cache resolved for this backend (auto: kept when it keeps caches)."""
+    keeps = isinstance(backend, KeptCacheRollout)
+    if mode == "kept" and not keeps:
+        raise UserError(f"rollout.multi_turn.kv_cache=kept: the rollout backend {backend_name!r} has no "
+                        "generate_round (rounds on a kept KV cache); set rollout.multi_turn.kv_cache=reprefill")
+    return keeps if mode == "auto" else mode == "kept"
+
+
+def build_environment(cfg: Any, registry: Any) -> tuple[Any, Any]:
+    """(the environment's spec, its options), or (None, None) without one (checked at load)."""
+    multi = cfg.rollout.multi_turn
+    if multi.environment is None:
+        return None, None
+    spec = registry.environment(str(multi.environment))
+    return spec, plugin_options(spec.options, multi.environment_options, "rollout.multi_turn.environment_options")
+
+
+class MultiTurnSampler:
+    """Owns the run's tools; `sample` gives one step's rows, scored (a `StepSampler`, made by
+    grpo_runner_gsm8k.samplers.factory.step_sampler)."""
+
+    def __init__(self, run: Any, registry: Any):
+        multi, tokenizer = run.cfg.rollout.multi_turn, run.inputs.tokenizer
+        self.run = run
+        kv_cache = keeps_caches(multi.kv_cache, run.rollout, run.cfg.rollout.backend)
+        call_end = single_token_id(tokenizer, CALL_END)  # checked at load (check_multi_turn_inputs)
+        self.runner = ToolRunner(build_tools(run.cfg.rollout.multi_turn, registry), timeout_seconds=multi.call_timeout_s)
+        self.turns = MultiTurnRollout(
+            backend=run.rollout, tokenizer=tokenizer, runner=self.runner,
+            sampling=turn_sampling(run.sampling, call_end), call_end_id=call_end, max_turns=multi.max_turns,
+            budget=row_budget(run.cfg.rollout),
+            pad_token_id=tokenizer.pad_token_id, batch_sharding=run.rollout_sharding,
+            kv_cache=kv_cache)
+        self.environment, self.environment_options = build_environment(run.cfg, registry)
+        # Every prompt the run can see, rendered with the tools, so one too long fails now, not mid-run
+        # (an environment writes its rows' prompts as it starts them: checked then).
+        examples = [] if self.environment else prompts_to_check(run.cfg.eval, run.inputs.task,
+                                                                 run.inputs.prompts_per_process)
+        try:
+            self.checked = {ex.id: ids for ex, ids in zip(examples, self.render(examples)) if ex.id}
+        except UserError:
+            self.runner.close()
+            raise
+
+    def render(self, examples: list, openings: list | None = None) -> list[list[int]]:
+        """The examples' prompts (or an environment's `openings`, one per example) rendered with
+        the offered tools; too long is a UserError."""
+        tokenizer, cfg = self.run.inputs.tokenizer, self.run.cfg
+        openings = openings or [ex.messages(cfg.task.system_prompt) for ex in examples]
+        texts = [tokenizer.apply_chat_template(messages, tools=self.runner.offered(), add_generation_prompt=True,
+                                               tokenize=False) for messages in openings]
+        ids = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
+        for ex, row in zip(examples, ids):
+            if len(row) > cfg.rollout.max_prompt_length:
+                raise UserError(f"prompt of example {ex.id or ex.question[:40]!r} has {len(row)} tokens with the "
+                                f"tools offered, more than rollout.max_prompt_length={cfg.rollout.max_prompt_length}; "
+                                "raise rollout.max_prompt_length")
+        return [list(row) for row in ids]
+
+    def start_rows(self, examples: list, n: int) -> tuple[list[list[int]], list | None]:
+        """(each row's prompt ids, each row's environment reset on its example, or None)."""
+        if self.environment is None:
+            return [ids for ids in self.prompt_ids(examples) for _ in range(n)], None
+        repeated = [ex for ex in examples for _ in range(n)]
+        environments = [self.environment.factory(self.environment_options) for _ in repeated]
+        openings = [environment.reset(ex) for environment, ex in zip(environments, repeated)]
+        return self.render(repeated, openings), environments
+
+    def prompt_ids(self, examples: list) -> list[list[int]]:
+        """Token ids of the prompts: those checked at start where there are, else rendered now."""
+        unseen = [ex for ex in examples if ex.id not in self.checked]
+        fresh = iter(self.render(unseen))
+        return [self.checked[ex.id] if ex.id in self.checked else next(fresh) for ex in examples]
+
+    def sample(self, policy: Policy, key: Any, step: int) -> tuple[Sampled, dict, dict[str, float]]:
+        """(this step's rows scored, the tool and decode-waste metrics of the step, its seconds)."""
+        start = time.monotonic()
+        run, n = self.run, self.run.cfg.rollout.n
+        examples = gather_objects(run.inputs.task.train_batch(run.inputs.prompts_per_process))
+        prompts, environments = self.start_rows(examples, n)
+        work = DecodeTally()  # summed over the turns by the turn loop
+        with loaded(run.rollout, policy):
+            rows = self.turns.rollout(prompts, 1, key, work, environments)
+        reward_start = time.monotonic()
+        result = trajectory_result(rows, n, self.turns.budget, run.inputs.tokenizer.pad_token_id)
+        answers = [ex.answer for ex in examples for _ in range(n)]
+        scores = score(run.inputs.rewards, conversation_texts(run.inputs.tokenizer, rows, self.turns.budget), answers)
+        scores = scores._replace(episodes=episode_arrays(rows, self.turns.budget))
+        seconds = {"rollout_s": reward_start - start, "reward_s": time.monotonic() - reward_start}
+        metrics = {**trajectory_metrics(rows), **waste_metrics(work, host_array(result.lengths))}
+        return Sampled(examples, result, scores), metrics, seconds
+
+
+def conversation_texts(tokenizer: Any, rows: list[Trajectory], budget: int) -> list[ConversationText]:
+    """What the rewards receive of each row: the final answer, and the whole conversation."""
+    answers = tokenizer.batch_decode([row.answer_ids for row in rows], skip_special_tokens=True)
+    conversations = tokenizer.batch_decode([row.ids for row in rows], skip_special_tokens=False)
+    return [ConversationText(answer, sum(row.trained), budget, row.finished, conversation=conversation,
+                             turns=row.turns, tool_calls=row.tool_calls,
+                             environment=row.environment.reward_info() if row.environment is not None else None)
+            for answer, conversation, row in zip(answers, conversations, rows)]
