@@ -16,7 +16,7 @@ from jax.sharding import Mesh
 
 from grpo_core.advantage_records import AdvantageSetup
 from grpo_core.config import EvalConfig, LoggingConfig, ModelConfig, RolloutConfig, RunConfig, TrainConfig
-from grpo_core.contracts import ListableTask, RolloutBackend, SamplingParams, Task
+from grpo_core.contracts import RolloutBackend, SamplingParams, Task
 from grpo_core.config_io import plugin_options
 from grpo_core.errors import UserError
 from grpo_core.models import QwenConfig, init_from_config, load_pretrained
@@ -32,6 +32,7 @@ from grpo_runner_gsm8k.assembly.adapters import check_lora_fits
 from grpo_runner_gsm8k.multihost import local_prompt_count
 from grpo_runner_gsm8k.samplers.multi_turn_inputs import check_multi_turn_inputs
 from grpo_runner_gsm8k.assembly.teacher import check_teacher_tokenizer
+from grpo_runner_gsm8k.tasks.base import prompts_to_check
 from grpo_runner_gsm8k.tokens import prompt_token_ids
 
 
@@ -183,20 +184,6 @@ def check_lengths(rollout: RolloutConfig, eval_cfg: EvalConfig, qcfg: QwenConfig
         raise UserError(f"rollout.max_prompt_length + {new_tokens_key} = {rollout.max_prompt_length} + "
                         f"{new_tokens} = {longest} exceeds the model's max_position_embeddings "
                         f"{qcfg.max_position_embeddings}; lower {new_tokens_key} or rollout.max_prompt_length")
-
-
-def prompts_to_check(eval_cfg: EvalConfig, task: Any, prompts_per_process: int) -> list:
-    """The whole train split when the task can list it (`train_examples()`, a finite data set),
-    else the first train batch (the task's position is left unchanged); plus the eval questions."""
-    if isinstance(task, ListableTask):
-        examples = list(task.train_examples())
-    else:
-        position = task.state()
-        examples = task.train_batch(prompts_per_process)
-        task.restore(position)
-    if eval_cfg.every_steps:
-        examples += task.test_examples(eval_cfg.num_questions)
-    return examples
 
 
 def check_prompts(tokenizer: Any, task: Any, examples: list, *, system_prompt: Optional[str],

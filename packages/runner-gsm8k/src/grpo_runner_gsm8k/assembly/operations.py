@@ -18,7 +18,8 @@ from grpo_core.contracts import MemoryCheckedRollout, ProjectingRollout
 from grpo_runner_gsm8k.assembly.build import check_run_dir, prepare_run_dir
 from grpo_runner_gsm8k.operations.checkpoint import Checkpointer, Resume, resume_point
 from grpo_runner_gsm8k.costs.roofline import decode_seconds
-from grpo_runner_gsm8k.evaluation.evaluate import checked_eval_tasks, eval_ks
+from grpo_runner_gsm8k.assembly.eval_tasks import checked_eval_tasks
+from grpo_runner_gsm8k.evaluation.evaluate import eval_ks
 from grpo_runner_gsm8k.operations.lock import RunDirLock
 from grpo_runner_gsm8k.operations.memory_check import MemoryGuard
 from grpo_runner_gsm8k.operations.metrics import MetricsLogger, truncate_metrics

@@ -31,7 +31,8 @@ from grpo_core.registry import default_registry
 from grpo_runner_gsm8k.cli import ArgumentParser
 from grpo_runner_gsm8k.cli import _remember_run as remember_run
 from grpo_runner_gsm8k.evaluation.store import SampleStore
-from grpo_runner_gsm8k.evaluation.evaluate import (Sample, eval_ks, eval_tasks, question_metrics, question_multiple,
+from grpo_runner_gsm8k.assembly.eval_tasks import eval_tasks
+from grpo_runner_gsm8k.evaluation.evaluate import (Sample, eval_ks, question_metrics, question_multiple,
                                           sample_questions)
 from grpo_runner_gsm8k.multihost import gather_objects
 

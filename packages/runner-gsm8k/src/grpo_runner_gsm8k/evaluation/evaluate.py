@@ -14,14 +14,11 @@ import jax
 import numpy as np
 from grpo_core.config import EvalConfig
 from grpo_core.contracts import CompletionText, Example, Policy
-from grpo_core.errors import UserError
-from grpo_core.registry import Registry
 from grpo_core.rollout_records import RolloutResult
 from grpo_core.step_samplers import loaded
 from grpo_rollout.decode import batch_spec_axes
 
 from grpo_runner_gsm8k.tasks.answers import extract_answer
-from grpo_runner_gsm8k.assembly.build import from_plugin
 from grpo_runner_gsm8k.evaluation.metrics import breakdown, check_k, ks_up_to, summarize
 from grpo_runner_gsm8k.tasks.grading import Graded, normalize_answer
 from grpo_runner_gsm8k.multihost import gather_objects
@@ -125,24 +122,6 @@ def question_metrics(task, examples: list[Example], samples: list[list[Sample]],
         if any(fields):
             out["by"] = breakdown(verdicts, answers, fields, greedy, ks)
     return out
-
-
-def eval_tasks(tasks: dict, registry: Registry, seed: int) -> dict[str, Any]:
-    """The tasks of `eval.tasks` (name -> options), seeded with task.seed, built whole on every
-    process (all processes pass the same questions to the rollout)."""
-    tasks = tasks or {}
-    if not isinstance(tasks, dict):
-        raise UserError(f"eval.tasks must map task names to options, got {tasks!r}; e.g. eval.tasks={{math500: {{}}}}")
-    return {name: from_plugin(registry, "task", name, options or {}, f"eval.tasks.{name}", seed=seed)
-            for name, options in tasks.items()}
-
-
-def checked_eval_tasks(run, registry: Registry) -> dict[str, Any]:
-    """`eval_tasks` with every test prompt tokenized once, so one that is too long fails before training."""
-    tasks = eval_tasks(run.cfg.eval.tasks, registry, run.cfg.task.seed)
-    for task in tasks.values():
-        run_prompt_ids(run, task.use_chat_template, task.test_examples(run.cfg.eval.num_questions))
-    return tasks
 
 
 def training_eval(run, weights, extra_tasks: dict[str, Any], key, ks: list[int]) -> dict[str, float]:

@@ -20,10 +20,10 @@ from grpo_core.rollout_records import DecodeTally, Sampled, waste_metrics
 from grpo_core.step_samplers import loaded
 from grpo_core.tool_calls import ToolRunner
 
-from grpo_runner_gsm8k.assembly.build import prompts_to_check
 from grpo_runner_gsm8k.samplers.multi_turn_inputs import row_budget
 from grpo_runner_gsm8k.samplers.multi_turn_rollout import CALL_END, MultiTurnRollout, single_token_id, turn_sampling
 from grpo_runner_gsm8k.multihost import gather_objects, host_array
+from grpo_runner_gsm8k.tasks.base import prompts_to_check
 from grpo_runner_gsm8k.training.scoring import score
 from grpo_runner_gsm8k.samplers.trajectory import Trajectory, episode_arrays, trajectory_metrics, trajectory_result
 

@@ -6,7 +6,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from grpo_core.contracts import Example
+from grpo_core.config import EvalConfig
+from grpo_core.contracts import Example, ListableTask
 
 from grpo_runner_gsm8k.tokens import render_prompt  # noqa: F401 (re-exported: the prompt text of a task)
 
@@ -126,3 +127,17 @@ class GeneratedTask:
             raise ValueError(f"cannot resume the {self.name} stream from {state!r} with seed={self.seed}, "
                              f"process_count={self.process_count}; resume with the original settings")
         self.position = int(state["position"])
+
+
+def prompts_to_check(eval_cfg: EvalConfig, task: Any, prompts_per_process: int) -> list:
+    """The whole train split when the task can list it (`train_examples()`, a finite data set),
+    else the first train batch (the task's position is left unchanged); plus the eval questions."""
+    if isinstance(task, ListableTask):
+        examples = list(task.train_examples())
+    else:
+        position = task.state()
+        examples = task.train_batch(prompts_per_process)
+        task.restore(position)
+    if eval_cfg.every_steps:
+        examples += task.test_examples(eval_cfg.num_questions)
+    return examples

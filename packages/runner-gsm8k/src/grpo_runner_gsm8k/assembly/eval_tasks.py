@@ -1,0 +1,29 @@
+"""The tasks of `eval.tasks`, built from their plugins and checked once at start."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from grpo_core.errors import UserError
+from grpo_core.registry import Registry
+
+from grpo_runner_gsm8k.assembly.build import from_plugin
+from grpo_runner_gsm8k.tokens import run_prompt_ids
+
+
+def eval_tasks(tasks: dict, registry: Registry, seed: int) -> dict[str, Any]:
+    """The tasks of `eval.tasks` (name -> options), seeded with task.seed, built whole on every
+    process (all processes pass the same questions to the rollout)."""
+    tasks = tasks or {}
+    if not isinstance(tasks, dict):
+        raise UserError(f"eval.tasks must map task names to options, got {tasks!r}; e.g. eval.tasks={{math500: {{}}}}")
+    return {name: from_plugin(registry, "task", name, options or {}, f"eval.tasks.{name}", seed=seed)
+            for name, options in tasks.items()}
+
+
+def checked_eval_tasks(run, registry: Registry) -> dict[str, Any]:
+    """`eval_tasks` with every test prompt tokenized once, so one that is too long fails before training."""
+    tasks = eval_tasks(run.cfg.eval.tasks, registry, run.cfg.task.seed)
+    for task in tasks.values():
+        run_prompt_ids(run, task.use_chat_template, task.test_examples(run.cfg.eval.num_questions))
+    return tasks
