@@ -4,8 +4,8 @@ the section it reads (`cfg.rollout`, `cfg.loss`, ...) or plain values, so its si
 it depends on.
 
 A taker is a function with a parameter annotated `RunConfig` (bare, quoted, `Optional[...]` or
-`grpo_core.config.RunConfig`). Not counted, as config loading: grpo_core's config_io and
-config_teacher, the runner's config-load checks (`build.check_inputs`, also run by
+`grpo_core.config.RunConfig`). Not counted, as config loading: grpo_core's config_io,
+config_teacher and config_notes, the runner's config-load checks (`build.check_inputs`, also run by
 `--print-config`), and functions that return a changed copy of the config (`-> RunConfig`), which
 need all of it."""
 
@@ -15,7 +15,8 @@ import ast
 from pathlib import Path
 
 MAX_TAKERS = 8
-CONFIG_LOADING_MODULES = {"grpo_core/config_io.py", "grpo_core/config_teacher.py"}
+# config_notes runs inside config_io.load_config: its checks are part of loading the config
+CONFIG_LOADING_MODULES = {"grpo_core/config_io.py", "grpo_core/config_teacher.py", "grpo_core/config_notes.py"}
 CONFIG_LOADING_FUNCTIONS = {("grpo_runner_gsm8k/assembly/build.py", "check_inputs")}
 
 
@@ -82,8 +83,8 @@ def test_at_most_8_functions_outside_config_loading_take_a_run_config(repo_root)
 
 def test_every_way_of_writing_the_annotation_is_found(tmp_path):
     source = tmp_path / "runner" / "src" / "grpo_runner_gsm8k"
-    source.mkdir(parents=True)
-    (source / "run.py").write_text(
+    (source / "assembly").mkdir(parents=True)
+    (source / "assembly" / "run.py").write_text(
         "from typing import Optional\nimport grpo_core.config\n"
         "def bare(cfg: RunConfig): ...\n"
         "def quoted(x, *, cfg: 'RunConfig'): ...\n"
@@ -92,10 +93,10 @@ def test_every_way_of_writing_the_annotation_is_found(tmp_path):
         "class Built:\n    def method(self, cfg: RunConfig): ...\n"
         "def derived(cfg: RunConfig) -> RunConfig: ...\n"
         "def section(rollout: RolloutConfig, cfg=None): ...\n")
-    (source / "build.py").write_text("def check_inputs(cfg: RunConfig): ...\ndef other(cfg: RunConfig): ...\n")
+    (source / "assembly" / "build.py").write_text("def check_inputs(cfg: RunConfig): ...\ndef other(cfg: RunConfig): ...\n")
     (tmp_path / "core" / "src" / "grpo_core").mkdir(parents=True)
     (tmp_path / "core" / "src" / "grpo_core" / "config_io.py").write_text("def load(cfg: RunConfig): ...\n")
     assert config_takers(tmp_path) == [
-        "grpo_runner_gsm8k/assembly/build.py:2 other", "grpo_runner_gsm8k/assembly/run.py:3 bare", "grpo_runner_gsm8k/assembly/run.py:4 quoted",
-        "grpo_runner_gsm8k/assembly/run.py:5 optional", "grpo_runner_gsm8k/assembly/run.py:6 dotted",
+        "grpo_runner_gsm8k/assembly/build.py:2 other", "grpo_runner_gsm8k/assembly/run.py:3 bare",
+        "grpo_runner_gsm8k/assembly/run.py:4 quoted", "grpo_runner_gsm8k/assembly/run.py:5 optional", "grpo_runner_gsm8k/assembly/run.py:6 dotted",
         "grpo_runner_gsm8k/assembly/run.py:8 Built.method"]

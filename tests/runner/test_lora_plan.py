@@ -23,7 +23,7 @@ def _count(tree) -> int:
 def test_r16_adapters_and_their_adam_state_are_under_2_percent_of_full_on_3b(repo_root):
     cfg = load_config(repo_root / "configs" / "gsm8k_qwen25_3b_v6e8.yaml", ["model.lora.rank=16"])
     qcfg = hub_architecture(cfg.model.path)
-    adapters, base = lora.split_adapters(nnx.state(abstract_lora_model(cfg, qcfg)))
+    adapters, base = lora.split_adapters(nnx.state(abstract_lora_model(cfg.model, qcfg)))
     # every projection of 36 layers: r * (fan_in + fan_out) each
     per_layer = sum(16 * (math.prod(i) + math.prod(o)) for i, o in lora.layer_shapes(qcfg).values())
     assert _count(adapters) == 36 * per_layer == 29_933_568

@@ -25,7 +25,7 @@ def lora_setup(tiny_config):
     cfg = tiny_config("model.lora.rank=4", "model.lora.rslora=true")
     mesh = FSDP8.build_mesh()
     model = shard_model(init_from_config(QCFG, seed=0), mesh, FSDP8.param_rules)
-    run, adapters = lora_run.setup_lora(cfg, model, mesh, FSDP8.param_rules, jnp.float32)
+    run, adapters = lora_run.setup_lora(cfg.model, model, mesh, FSDP8.param_rules, jnp.float32)
     rng = np.random.default_rng(0)
     adapters = jax.tree.map(lambda x: jax.device_put(jnp.asarray(rng.normal(0, 0.1, x.shape), x.dtype), x.sharding),
                             adapters)

@@ -18,7 +18,8 @@ class ReprefillOnly:
 
 
 def cfg(mode: str):
-    return SimpleNamespace(rollout=SimpleNamespace(backend="third_party", partial=SimpleNamespace(kv_cache=mode)))
+    """The rollout section, as much of it as the mode reads."""
+    return SimpleNamespace(backend="third_party", partial=SimpleNamespace(kv_cache=mode))
 
 
 @pytest.mark.parametrize("mode", ["reprefill", "within_step", "across_steps"])

@@ -23,7 +23,7 @@ FSDP8 = MeshStrategy("fsdp8", (1, 8, 1))
 def built_policy(cfg, compute_dtype):
     mesh = FSDP8.build_mesh()
     model = shard_model(init_from_config(QCFG, seed=0), mesh, FSDP8.param_rules)
-    return policy_model(cfg, model, mesh, FSDP8.param_rules, compute_dtype)
+    return policy_model(cfg.model, model, mesh, FSDP8.param_rules, compute_dtype)
 
 
 def abstract(tree):

@@ -21,7 +21,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from grpo_core.config import RunConfig
+from grpo_core.config import LoRAConfig, ModelConfig
 from grpo_core.contracts import PlannableRollout, RolloutShapes
 from grpo_core.errors import UserError
 from grpo_core.models import init_from_config, load_pretrained, lora, peft_io
@@ -30,31 +30,31 @@ from grpo_core.sharding import param_shardings, per_device_bytes
 from grpo_rollout.gather import GATHER_HEADROOM, GIB, bytes_beyond_arguments, every_process, spare_device_bytes
 
 
-def lora_spec(cfg: RunConfig) -> Optional[lora.LoRASpec]:
-    """The run's adapters, or None for a full-parameter run."""
-    c = cfg.model.lora
-    if c.rank is None:
+def lora_spec(lora_cfg: LoRAConfig) -> Optional[lora.LoRASpec]:
+    """The run's adapters (model.lora), or None for a full-parameter run."""
+    if lora_cfg.rank is None:
         return None
-    return lora.LoRASpec(c.rank, c.alpha, lora.resolve_targets(c.target_modules), c.rslora)
+    return lora.LoRASpec(lora_cfg.rank, lora_cfg.alpha, lora.resolve_targets(lora_cfg.target_modules),
+                         lora_cfg.rslora)
 
 
-def check_lora_fits(cfg: RunConfig, qcfg: Any) -> None:
+def check_lora_fits(lora_cfg: LoRAConfig, qcfg: Any) -> None:
     """model.lora.rank against the targets' dims, and model.lora.init_from against the model
     and model.lora (before any device work)."""
-    spec = lora_spec(cfg)
+    spec = lora_spec(lora_cfg)
     if spec is None:
         return
     try:
         lora.check_rank_fits(spec, lora.layer_shapes(qcfg))
     except ValueError as exc:
         raise UserError(f"model.lora.rank: {exc}; lower model.lora.rank or drop that target") from None
-    if cfg.model.lora.init_from:
-        peft_adapters(cfg, qcfg, spec)
+    if lora_cfg.init_from:
+        peft_adapters(lora_cfg, qcfg, spec)
 
 
-def peft_adapters(cfg: RunConfig, qcfg: Any, spec: lora.LoRASpec) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+def peft_adapters(lora_cfg: LoRAConfig, qcfg: Any, spec: lora.LoRASpec) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """The arrays of the PEFT directory model.lora.init_from, which must fit the model and model.lora."""
-    where = cfg.model.lora.init_from
+    where = lora_cfg.init_from
     try:
         theirs, arrays = peft_io.load_peft(where, qcfg)
     except (OSError, ValueError, KeyError, TypeError) as exc:
@@ -68,9 +68,9 @@ def peft_adapters(cfg: RunConfig, qcfg: Any, spec: lora.LoRASpec) -> dict[str, t
     return arrays
 
 
-def storage_dtype(cfg: RunConfig) -> str:
+def storage_dtype(model_cfg: ModelConfig) -> str:
     """Where the model's weights are stored: a LoRA base is frozen in the compute dtype."""
-    return cfg.model.dtype if cfg.model.lora.rank is not None else cfg.model.param_dtype
+    return model_cfg.dtype if model_cfg.lora.rank is not None else model_cfg.param_dtype
 
 
 # ---- base fingerprint ------------------------------------------------------------------
@@ -90,12 +90,12 @@ def _leaf_checksum(x: jax.Array) -> jax.Array:
     return jnp.sum((bits.astype(jnp.uint32) + 1) * (index * _MIX + 40503), dtype=jnp.uint32)
 
 
-def base_fingerprint(cfg: RunConfig, qcfg: Any, base: nnx.State) -> dict:
+def base_fingerprint(model_cfg: ModelConfig, qcfg: Any, base: nnx.State) -> dict:
     """What identifies a base: its source, its HF config and a checksum of its weights."""
     digest = hashlib.sha256(json.dumps(qcfg.to_hf_dict(), sort_keys=True).encode())
     for path, variable in sorted(nnx.to_flat_state(base), key=lambda kv: tuple(map(str, kv[0]))):
         digest.update(f"{'.'.join(map(str, path))}:{int(_leaf_checksum(variable.get_value()))};".encode())
-    return {"source": cfg.model.path or f"random init (seed {cfg.model.seed})", "dtype": cfg.model.dtype,
+    return {"source": model_cfg.path or f"random init (seed {model_cfg.seed})", "dtype": model_cfg.dtype,
             "checksum": digest.hexdigest()[:16]}
 
 
@@ -249,22 +249,22 @@ def merged_decode_needs(policy: LoRAPolicy, rollout: Any, shapes_for: ShapesFor)
     return None if keeper.decode is None else decode_needs(keeper.decode, per_device_bytes(policy.base))
 
 
-def setup_lora(cfg: RunConfig, model: nnx.Module, mesh: Mesh, rules: Any,
+def setup_lora(model_cfg: ModelConfig, model: nnx.Module, mesh: Mesh, rules: Any,
                compute_dtype: Any) -> tuple[LoRAPolicy, nnx.State]:
     """Attaches the adapters to `model` (a base frozen in the compute dtype); returns the run's
     policy model and the initial adapters (float32, sharded by the kernels' logical axes)."""
-    spec = lora_spec(cfg)
+    spec = lora_spec(model_cfg.lora)
     base_graphdef, base = nnx.split(model)
-    lora.add_adapters(model, spec, jax.random.key(cfg.model.seed))
+    lora.add_adapters(model, spec, jax.random.key(model_cfg.seed))
     train_graphdef, state = nnx.split(model)
     adapters, _ = lora.split_adapters(state)
-    if cfg.model.lora.init_from:
-        adapters = lora.with_adapter_arrays(adapters, peft_adapters(cfg, model.config, spec))
+    if model_cfg.lora.init_from:
+        adapters = lora.with_adapter_arrays(adapters, peft_adapters(model_cfg.lora, model.config, spec))
     adapters = jax.device_put(adapters, param_shardings(adapters, mesh, rules))
     shardings = jax.tree.map(lambda x: x.sharding, base)
     merge = jax.jit(lambda b, a: lora.merged_state(b, a, spec), out_shardings=shardings)
-    policy = LoRAPolicy(spec, base_graphdef, train_graphdef, base, base_fingerprint(cfg, model.config, base), merge,
-                        compute_dtype)
+    fingerprint = base_fingerprint(model_cfg, model.config, base)
+    policy = LoRAPolicy(spec, base_graphdef, train_graphdef, base, fingerprint, merge, compute_dtype)
     return policy, adapters
 
 
@@ -285,31 +285,31 @@ class SavedAdapters:
         return {t: (np.asarray(a), np.asarray(b)) for t, (a, b) in lora.adapter_arrays(self.adapters, self.spec).items()}
 
 
-def base_model(cfg: RunConfig, qcfg: Any) -> nnx.Module:
+def base_model(model_cfg: ModelConfig, qcfg: Any) -> nnx.Module:
     """A LoRA run's base, rebuilt from its config on the default device."""
-    if cfg.model.path:
+    if model_cfg.path:
         try:
-            return load_pretrained(cfg.model.path, dtype=cfg.model.dtype)
+            return load_pretrained(model_cfg.path, dtype=model_cfg.dtype)
         except (OSError, ValueError) as exc:
-            raise UserError(f"the run's base model.path {cfg.model.path!r} cannot be loaded ({exc}); the adapters "
+            raise UserError(f"the run's base model.path {model_cfg.path!r} cannot be loaded ({exc}); the adapters "
                             "need the base they were trained on") from None
-    return init_from_config(qcfg, seed=cfg.model.seed, dtype=cfg.model.dtype)
+    return init_from_config(qcfg, seed=model_cfg.seed, dtype=model_cfg.dtype)
 
 
-def saved_base(cfg: RunConfig, qcfg: Any, fingerprint: Optional[dict],
+def saved_base(model_cfg: ModelConfig, qcfg: Any, fingerprint: Optional[dict],
                where: Any) -> tuple[nnx.GraphDef, nnx.State]:
     """A LoRA run's base rebuilt from its config, refused when it is not the base of the
     checkpoint at `where` (whose saved base `fingerprint` is given)."""
-    graphdef, base = nnx.split(base_model(cfg, qcfg))
-    check_same_base(fingerprint, base_fingerprint(cfg, qcfg, base), where)
+    graphdef, base = nnx.split(base_model(model_cfg, qcfg))
+    check_same_base(fingerprint, base_fingerprint(model_cfg, qcfg, base), where)
     return graphdef, base
 
 
-def abstract_lora_model(cfg: RunConfig, qcfg: Any) -> nnx.Module:
+def abstract_lora_model(model_cfg: ModelConfig, qcfg: Any) -> nnx.Module:
     """The run's base with its adapters, ShapeDtypeStruct leaves only (for the memory plan)."""
     def build() -> nnx.Module:
-        model = init_from_config(qcfg, dtype=cfg.model.dtype, remat=cfg.model.remat, scan_layers=cfg.model.scan_layers)
-        lora.add_adapters(model, lora_spec(cfg), jax.random.key(cfg.model.seed))
+        model = init_from_config(qcfg, dtype=model_cfg.dtype, remat=model_cfg.remat, scan_layers=model_cfg.scan_layers)
+        lora.add_adapters(model, lora_spec(model_cfg.lora), jax.random.key(model_cfg.seed))
         return model
 
     return nnx.eval_shape(build)

@@ -249,7 +249,7 @@ def check_inputs(cfg: RunConfig, registry: Registry, process_index: int = 0,
     tokenizer = build_tokenizer(cfg.model)
     qcfg = model_config(cfg.model, tokenizer)
     check_tokenizer_fits(qcfg, tokenizer)
-    check_lora_fits(cfg, qcfg)
+    check_lora_fits(cfg.model.lora, qcfg)
     check_lengths(cfg.rollout, cfg.eval, qcfg)
     if cfg.teacher.path:
         check_teacher_tokenizer(cfg.teacher, tokenizer)

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
-from grpo_core.config import RunConfig
+from grpo_core.config import ModelConfig
 from grpo_core.models.precision import abstract_compute_params, compute_params, needs_cast
 from grpo_core.sharding import per_device_bytes
 
@@ -74,11 +74,11 @@ class FullPolicy:
 PolicyModel = Union[FullPolicy, LoRAPolicy]
 
 
-def policy_model(cfg: RunConfig, model: nnx.Module, mesh: Mesh, rules: Any,
+def policy_model(model_cfg: ModelConfig, model: nnx.Module, mesh: Mesh, rules: Any,
                  compute_dtype: Any) -> tuple[PolicyModel, nnx.State]:
     """The run's policy model and its initial trained params: the model's params, or (model.lora.rank
     set) float32 adapters attached to the model, whose params become the frozen base."""
-    if lora_spec(cfg) is None:
+    if lora_spec(model_cfg.lora) is None:
         graphdef, params = nnx.split(model)
         return FullPolicy(graphdef, params, compute_dtype), params
-    return setup_lora(cfg, model, mesh, rules, compute_dtype)
+    return setup_lora(model_cfg, model, mesh, rules, compute_dtype)

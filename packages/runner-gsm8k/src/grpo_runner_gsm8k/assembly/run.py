@@ -18,7 +18,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from grpo_core.config import RunConfig
+from grpo_core.config import LossConfig, ModelConfig, RolloutConfig, RunConfig, TrainConfig
 from grpo_core.contracts import MeshAwareLoss, Policy, RolloutBackend, RolloutShapes, SamplingParams, StepSampler
 from grpo_core.models import QwenConfig
 from grpo_core.models.qwen import resolve_dtype
@@ -92,7 +92,7 @@ class BuiltRun:
 
     @property
     def compute_dtype(self) -> Any:
-        return compute_dtype(self.cfg)
+        return compute_dtype(self.cfg.model)
 
     @property
     def policy_graphdef(self) -> nnx.GraphDef:
@@ -106,32 +106,33 @@ class BuiltRun:
     def with_micro_batch_size(self, size: int) -> "BuiltRun":
         """The same run with `train.micro_batch_size_per_device = size` (a new update)."""
         cfg = with_micro_batch_size(self.cfg, size)
-        return dataclasses.replace(self, cfg=cfg, update=make_run_update(cfg, self.mesh, self.policy,
-                                                                        self.plugins.loss_impl, self.optimizer))
+        update = make_run_update(cfg.loss, cfg.rollout, cfg.train, self.mesh, self.policy, self.plugins.loss_impl,
+                                 self.optimizer)
+        return dataclasses.replace(self, cfg=cfg, update=update)
 
 
-def compute_dtype(cfg: RunConfig) -> Any:
+def compute_dtype(model_cfg: ModelConfig) -> Any:
     """The dtype every forward and backward pass runs in (model.dtype)."""
-    return resolve_dtype(cfg.model.dtype)
+    return resolve_dtype(model_cfg.dtype)
 
 
-def make_run_update(cfg: RunConfig, mesh: Mesh, policy: PolicyModel, loss_impl: Any,
-                    optimizer: optax.GradientTransformation) -> Callable[..., Any]:
-    return make_update(policy.train_graphdef, loss_impl, cfg.loss, optimizer, cfg.rollout.temperature,
-                       micro_batches(cfg.rollout, cfg.train, mesh), compute_dtype(cfg))
+def make_run_update(loss: LossConfig, rollout: RolloutConfig, train: TrainConfig, mesh: Mesh, policy: PolicyModel,
+                    loss_impl: Any, optimizer: optax.GradientTransformation) -> Callable[..., Any]:
+    """The jitted update of the policy's trained params, in the policy's compute dtype (model.dtype)."""
+    return make_update(policy.train_graphdef, loss_impl, loss, optimizer, rollout.temperature,
+                       micro_batches(rollout, train, mesh), policy.compute_dtype)
 
 
-def make_run_score(cfg: RunConfig, policy: PolicyModel, loss_impl: Any) -> Callable[..., jax.Array]:
+def make_run_score(policy: PolicyModel, loss_impl: Any, temperature: float) -> Callable[..., jax.Array]:
     """The scoring forward of the policy's weights as the rollout sees them (decided by then)."""
-    return make_score(policy.policy_graphdef, loss_impl, cfg.rollout.temperature)
+    return make_score(policy.policy_graphdef, loss_impl, temperature)
 
 
-def build_plugins(cfg: RunConfig, registry: Registry, mesh: Mesh) -> Plugins:
-    loss_impl = from_plugin(registry, "loss", cfg.loss.impl, cfg.loss.options, "loss.options")
+def build_plugins(loss: LossConfig, rollout: RolloutConfig, registry: Registry, mesh: Mesh) -> Plugins:
+    loss_impl = from_plugin(registry, "loss", loss.impl, loss.options, "loss.options")
     if isinstance(loss_impl, MeshAwareLoss):  # pallas: shard_map, Mosaic
         loss_impl = loss_impl.on_mesh(mesh)
-    return Plugins(loss_impl, from_plugin(registry, "rollout", cfg.rollout.backend, cfg.rollout.options,
-                                          "rollout.options"))
+    return Plugins(loss_impl, from_plugin(registry, "rollout", rollout.backend, rollout.options, "rollout.options"))
 
 
 def init_opt_state(optimizer: optax.GradientTransformation, params: Any, mesh: Mesh) -> Any:
@@ -162,15 +163,15 @@ def assemble(cfg: RunConfig, place: RunPlace, state: TrainState, plugins: Plugin
     return BuiltRun(
         cfg=cfg, registry=place.registry, layout=place.layout, mesh=place.mesh, qcfg=place.qcfg, policy=policy,
         state=state, plugins=plugins, lr_schedule=lr_schedule, optimizer=transform,
-        update=make_run_update(cfg, place.mesh, policy, plugins.loss_impl, transform),
-        score=make_run_score(cfg, policy, plugins.loss_impl),
+        update=make_run_update(cfg.loss, cfg.rollout, cfg.train, place.mesh, policy, plugins.loss_impl, transform),
+        score=make_run_score(policy, plugins.loss_impl, cfg.rollout.temperature),
         logps=LogpSources.from_config(cfg.train, cfg.rollout, cfg.loss),
         sampling=samplings[0], eval_sampling=samplings[1], inputs=inputs, teacher=teacher)
 
 
-def run_optimizer(cfg: RunConfig) -> tuple[optax.Schedule, optax.GradientTransformation]:
-    lr_schedule = learning_rate_schedule(cfg.train)
-    return lr_schedule, build_optimizer(cfg.train, lr_schedule, cfg.train.moment_dtype)
+def run_optimizer(train: TrainConfig) -> tuple[optax.Schedule, optax.GradientTransformation]:
+    lr_schedule = learning_rate_schedule(train)
+    return lr_schedule, build_optimizer(train, lr_schedule, train.moment_dtype)
 
 
 def build_run(cfg: RunConfig, registry: Registry, resume: bool = False, *, training: bool = True) -> BuiltRun:
@@ -184,9 +185,9 @@ def build_run(cfg: RunConfig, registry: Registry, resume: bool = False, *, train
     mesh, strategy = resolved.mesh, resolved.strategy
     qcfg, inputs = check_inputs(cfg, registry, layout.process_index, layout.process_count)
     preflight(cfg.rollout, cfg.train, mesh, qcfg)
-    model = build_model(cfg.model, qcfg, mesh, strategy, storage_dtype(cfg))
-    policy, params = policy_model(cfg, model, mesh, strategy.param_rules, compute_dtype(cfg))
-    plugins, optimizer = build_plugins(cfg, registry, mesh), run_optimizer(cfg)
+    model = build_model(cfg.model, qcfg, mesh, strategy, storage_dtype(cfg.model))
+    policy, params = policy_model(cfg.model, model, mesh, strategy.param_rules, compute_dtype(cfg.model))
+    plugins, optimizer = build_plugins(cfg.loss, cfg.rollout, registry, mesh), run_optimizer(cfg.train)
     state = TrainState(params, init_opt_state(optimizer[1], params, mesh), jax.random.key(cfg.train.seed))
     teacher = (load_teacher(cfg.teacher, cfg.model, mesh, strategy, plugins.loss_impl, cfg.rollout.temperature)
                if cfg.teacher.path else None)
@@ -194,7 +195,8 @@ def build_run(cfg: RunConfig, registry: Registry, resume: bool = False, *, train
     stop = stop_token_ids(cfg.rollout, inputs.tokenizer)
     samplings = (sampling_params(cfg.rollout, stop), sampling_params(cfg.rollout, stop, cfg.eval))
     # the train state and the teacher are resident now: the policy settles how the rollout sees it
-    policy.choose_rollout(plugins.rollout, rollout_shapes_for(cfg, place, samplings[0]), list(mesh.local_devices))
+    shapes_for = rollout_shapes_for(cfg.rollout, place, samplings[0])
+    policy.choose_rollout(plugins.rollout, shapes_for, list(mesh.local_devices))
     built = assemble(cfg, place, state, plugins, optimizer, samplings, inputs, teacher)
     return with_training_parts(built, resume_from) if training else built
 
@@ -213,12 +215,13 @@ def with_training_parts(built: BuiltRun, resume_from: Optional[Resume]) -> Built
     return built
 
 
-def rollout_shapes_for(cfg: RunConfig, place: RunPlace, sampling: SamplingParams) -> Callable[..., RolloutShapes]:
+def rollout_shapes_for(rollout: RolloutConfig, place: RunPlace,
+                       sampling: SamplingParams) -> Callable[..., RolloutShapes]:
     """(graphdef, weights) -> one rollout batch of the run for those weights (compiled, never run)."""
     def shapes(graphdef: nnx.GraphDef, weights: nnx.State) -> RolloutShapes:
-        return RolloutShapes(policy=Policy(graphdef, weights, place.qcfg), prompts=cfg.rollout.prompts_per_step,
-                             max_prompt_length=cfg.rollout.max_prompt_length, sampling=sampling,
-                             batch_sharding=rollout_batch_sharding(place.mesh, cfg.rollout.sharding),
+        return RolloutShapes(policy=Policy(graphdef, weights, place.qcfg), prompts=rollout.prompts_per_step,
+                             max_prompt_length=rollout.max_prompt_length, sampling=sampling,
+                             batch_sharding=rollout_batch_sharding(place.mesh, rollout.sharding),
                              key=jax.random.key(0))
 
     return shapes
@@ -228,4 +231,5 @@ def with_rollout_decided(built: BuiltRun, decode_needs: Optional[int], spare: Op
     """The plan's twin once its policy has decided the rollout against the planned capacity
     (policy.decide_rollout, the run's rule), scoring the weights as the rollout then sees them."""
     built.policy.decide_rollout(decode_needs, spare)
-    return dataclasses.replace(built, score=make_run_score(built.cfg, built.policy, built.plugins.loss_impl))
+    score = make_run_score(built.policy, built.plugins.loss_impl, built.cfg.rollout.temperature)
+    return dataclasses.replace(built, score=score)

@@ -94,7 +94,7 @@ def load_policy(run_dir: Path, step: int) -> tuple[QwenModel, Any]:
 def saved_adapters(saved: Resume, run: BuiltRun) -> SavedAdapters:
     """A LoRA checkpoint's adapters and base (refused when the base is not the one they were trained on)."""
     with jax.default_device(_host_device()):
-        base_graphdef, base = saved_base(run.cfg, run.qcfg, saved.meta.get("lora_base"), saved.where)
+        base_graphdef, base = saved_base(run.cfg.model, run.qcfg, saved.meta.get("lora_base"), saved.where)
     return SavedAdapters(run.policy.adapter_spec, base_graphdef, base, saved.params(run.state.params))
 
 

@@ -41,7 +41,7 @@ def stream_questions(run, weights, task, examples: list[Example], key, sampling,
     """Samples `sampling.n` completions of every example through `slot_questions x n` slots;
     calls `on_done(positions, samples)` with each round's completed questions, graded."""
     n, max_new = sampling.n, sampling.max_new_tokens
-    mode = kv_cache_mode(run.cfg, run.rollout)
+    mode = kv_cache_mode(run.cfg.rollout, run.rollout)
     pool = PartialPool(slot_questions * n, n, max(1, -(-max_new // 4)), max_new, kv_cache=mode)
     generate = round_generator(run, Policy(run.policy_graphdef, weights, run.qcfg), sampling, mode)
     draw = _drawer(run_prompt_ids(run, task.use_chat_template, examples))

@@ -177,11 +177,12 @@ def abstract_run(cfg: RunConfig, registry: Registry, devices: Optional[list] = N
     check_lengths(cfg.rollout, cfg.eval, qcfg)
     local_prompt_count(cfg.rollout.prompts_per_step, layout.process_count)  # the prompts split over the hosts
     preflight(cfg.rollout, cfg.train, mesh, qcfg, devices)
-    spec = lora_spec(cfg)
-    base = abstract_model(qcfg, storage_dtype(cfg), cfg.model.remat, cfg.model.scan_layers)
-    policy, params = abstract_trained(base, None if spec is None else abstract_lora_model(cfg, qcfg), spec,
-                                      attention_impl(cfg.model, mesh), mesh, resolved.strategy, compute_dtype(cfg))
-    plugins, optimizer = build_plugins(cfg, registry, mesh), run_optimizer(cfg)
+    spec = lora_spec(cfg.model.lora)
+    base = abstract_model(qcfg, storage_dtype(cfg.model), cfg.model.remat, cfg.model.scan_layers)
+    policy, params = abstract_trained(base, None if spec is None else abstract_lora_model(cfg.model, qcfg), spec,
+                                      attention_impl(cfg.model, mesh), mesh, resolved.strategy,
+                                      compute_dtype(cfg.model))
+    plugins, optimizer = build_plugins(cfg.loss, cfg.rollout, registry, mesh), run_optimizer(cfg.train)
     state = TrainState(params, abstract_opt_state(optimizer[1], params, mesh), abstract_key(mesh))
     teacher = (abstract_teacher(cfg.teacher, cfg.model, mesh, resolved.strategy, plugins.loss_impl,
                                 cfg.rollout.temperature) if cfg.teacher.path else None)

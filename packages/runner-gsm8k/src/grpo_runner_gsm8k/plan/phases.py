@@ -100,7 +100,7 @@ def rollout_shapes(inputs: PlanInputs) -> RolloutShapes:
         # cache (new prompts admitted beside) or re-prefilled.
         prompts, sampling = prompts * rollout.n, dataclasses.replace(sampling, n=1, max_new_tokens=rollout.partial.budget)
         carried = prompt_length + rollout.max_new_tokens - 1
-        if kv_cache_mode(run.cfg, plannable(run)) == "reprefill":
+        if kv_cache_mode(run.cfg.rollout, plannable(run)) == "reprefill":
             prompt_length = carried
         else:
             kept_prefix = carried

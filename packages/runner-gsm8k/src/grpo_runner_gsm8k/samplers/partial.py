@@ -17,6 +17,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from grpo_core.config import RolloutConfig
 from grpo_core.contracts import Example, KeptCacheRollout, Policy
 from grpo_core.errors import UserError
 from grpo_core.rollout_records import RolloutResult, Sampled, waste_metrics
@@ -49,13 +50,13 @@ def round_generator(run: Any, policy: Policy, sampling, kv_cache: str):
     return one_round
 
 
-def kv_cache_mode(cfg, rollout) -> str:
+def kv_cache_mode(rollout_cfg: RolloutConfig, backend: Any) -> str:
     """rollout.partial.kv_cache resolved for this backend (auto: within_step when it keeps caches)."""
-    mode, keeps = cfg.rollout.partial.kv_cache, isinstance(rollout, KeptCacheRollout)
+    mode, keeps = rollout_cfg.partial.kv_cache, isinstance(backend, KeptCacheRollout)
     if mode == "auto":
         return "within_step" if keeps else "reprefill"
     if mode != "reprefill" and not keeps:
-        raise UserError(f"rollout.partial.kv_cache={mode}: the rollout backend {cfg.rollout.backend!r} has no "
+        raise UserError(f"rollout.partial.kv_cache={mode}: the rollout backend {rollout_cfg.backend!r} has no "
                         "generate_round (rounds on a kept KV cache); set rollout.partial.kv_cache=reprefill")
     return mode
 
@@ -69,7 +70,7 @@ class PartialSampler:
         self.run = run
         self.pool = PartialPool(cfg.prompts_per_step * cfg.n, cfg.n, cfg.partial.budget, cfg.max_new_tokens,
                                 cfg.partial.max_staleness, cfg.partial.budget_quantile,
-                                kv_cache_mode(run.cfg, run.rollout))
+                                kv_cache_mode(cfg, run.rollout))
         if cfg.partial.kv_cache == "auto":
             print(f"partial rollouts: carried rows continue by {self.pool.kv_cache} (rollout.partial.kv_cache=auto)")
 
