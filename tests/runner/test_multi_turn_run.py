@@ -84,5 +84,6 @@ def test_prompts_offer_the_tools_and_are_checked_with_them_at_start(tiny_config,
     examples = trainer.built.inputs.task.train_batch(2)
     prompts = [tokenizer.decode(ids, skip_special_tokens=False) for ids in trainer.sampler.prompt_ids(examples)]
     assert all(p.startswith("<|im_start|>system\nTools: calculator<|im_end|>") for p in prompts)
+    trainer.ops.lock.release()  # the same run directory is built again below
     with pytest.raises(UserError, match=r"tokens with the tools offered, more than rollout.max_prompt_length=40"):
         Trainer(build_run(tiny_config(*overrides, registry=registry), registry))
