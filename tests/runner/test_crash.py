@@ -81,8 +81,11 @@ def test_a_run_that_does_not_fit_exits_3_before_dispatch(tmp_path, one_step, mon
                     reason="this host has the ~75 GiB the rollout needs: it would fit")
 def test_rollout_n_100000_on_cpu_exits_3_instead_of_running_out_of_memory(tmp_path, tiny_config_path, capsys):
     """1.6 million rollout rows need tens of GiB per device: refused from the compiled prefill
-    (without the check XLA fails allocating them, with a traceback)."""
+    (without the check XLA fails allocating them, with a traceback). Each prompt repeated n times
+    (shared_prompt off), the prefill is the first phase too large; shared, the rollout of 1.6
+    million rows runs (slowly) and the train step is the one refused."""
     run_dir = tmp_path / "run"
-    assert main(["--config", tiny_config_path, "train.steps=1", "rollout.n=100000", f"logging.dir={run_dir}"]) == 3
+    assert main(["--config", tiny_config_path, "train.steps=1", "rollout.n=100000", "rollout.options.shared_prompt=false",
+                 f"logging.dir={run_dir}"]) == 3
     line = capsys.readouterr().err.strip().splitlines()[-1]
     assert line.startswith("grpo-run: error: rollout prefill needs ") and "lower rollout.prompts_per_step" in line
