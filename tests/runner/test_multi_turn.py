@@ -13,7 +13,7 @@ import pytest
 
 from grpo_core.chat_turns import append_turn_ids
 from grpo_core.contracts import SamplingParams
-from grpo_core.rollout_records import DecodeTally, RolloutResult
+from grpo_core.rollout_records import RolloutResult
 from grpo_core.tokenizer import TOOL_CALL_TOKENS, build_char_tokenizer
 from grpo_core.tool_calls import ToolRunner, parse_tool_calls, response_messages
 from grpo_runner_gsm8k.samplers.multi_turn_rollout import CALL_END, MultiTurnRollout, single_token_id, turn_sampling
@@ -101,7 +101,7 @@ def _rollout(tokenizer, runner, budget=400, max_turns=3):
     texts = [tokenizer.apply_chat_template([{"role": "user", "content": f"Q:{q}"}], tools=runner.offered(),
                                            add_generation_prompt=True, tokenize=False) for q in SCRIPTS]
     prompts = [tokenizer.encode(text, add_special_tokens=False) for text in texts]
-    return turns, turns.rollout(prompts, 1, jax.random.key(0), DecodeTally())
+    return turns, turns.rollout(prompts, 1, jax.random.key(0))[0]
 
 
 def test_trajectory_is_sampled_ids_plus_the_template_ids_of_the_tool_turn(tokenizer, runner):
@@ -208,7 +208,7 @@ def test_an_environment_answers_each_turn_until_it_is_done(runner, monkeypatch):
     prompt = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": "Q:guess"}],
                                                             add_generation_prompt=True, tokenize=False))
     environments = [Guess(), Guess()]
-    rows = turns.rollout([prompt, prompt], 1, jax.random.key(0), DecodeTally(), environments)
+    rows, _ = turns.rollout([prompt, prompt], 1, jax.random.key(0), environments)
     first = turns.backend.turn_ids(prompt)
     hint = append_turn_ids(tokenizer, prompt + first, [{"role": "user", "content": "Higher."}])
     assert rows[0].ids == first + hint + turns.backend.turn_ids(prompt + first + hint)

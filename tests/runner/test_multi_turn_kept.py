@@ -15,7 +15,6 @@ import pytest
 
 from grpo_core.contracts import Policy, SamplingParams
 from grpo_core.models import QwenConfig, init_from_config
-from grpo_core.rollout_records import DecodeTally
 from grpo_core.tool_calls import ToolRunner
 from grpo_rollout import JaxRollout, JaxRolloutOptions
 from grpo_runner_gsm8k.samplers.multi_turn_rollout import MultiTurnRollout, turn_sampling
@@ -100,7 +99,7 @@ def rollout(backend, call_end, *, kv_cache, tool):
     turns = FixedToolTurn(backend=backend, tokenizer=CallsOn(call_end), runner=runner, sampling=sampling,
                           call_end_id=call_end, max_turns=3, budget=40, kv_cache=kv_cache)
     try:
-        return turns, turns.rollout(PROMPTS, 1, jax.random.key(3), DecodeTally())
+        return turns, turns.rollout(PROMPTS, 1, jax.random.key(3))[0]
     finally:
         runner.close()
 

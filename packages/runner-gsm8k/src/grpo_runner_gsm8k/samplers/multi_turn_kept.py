@@ -49,17 +49,18 @@ class KeptCacheTurns:
         self.cached = [False] * slots
         self.pending: dict[int, futures.Future] = {}  # slot -> its row's tool calls
         self.rounds = 0
+        self.work = DecodeTally()  # summed over the rounds
 
-    def run(self, key: jax.Array, tally: DecodeTally) -> None:
-        """Rounds until every row is done."""
+    def run(self, key: jax.Array) -> DecodeTally:
+        """Rounds until every row is done; returns their decode work."""
         while True:
             ready = self.ready_rows()
             if ready:
-                self.decode_round(ready, key, tally)
+                self.decode_round(ready, key)
             elif self.pending:
                 futures.wait(list(self.pending.values()), return_when=futures.FIRST_COMPLETED)
             else:
-                return
+                return self.work
 
     def ready_rows(self) -> list[int]:
         """Appends the tool turns that have returned; the slots whose rows can decode now."""
@@ -75,7 +76,7 @@ class KeptCacheTurns:
             return self.rows[slot].prompt + self.rows[slot].ids
         return [self.turns.pad_token_id]
 
-    def decode_round(self, ready: list[int], key: jax.Array, tally: DecodeTally) -> None:
+    def decode_round(self, ready: list[int], key: jax.Array) -> None:
         """One assistant turn of each ready row on its kept cache; calls go to the runner."""
         turns, slots = self.turns, len(self.kept)
         prefixes = [self.prefix(slot) for slot in range(slots)]
@@ -89,7 +90,7 @@ class KeptCacheTurns:
             live=live.tolist())
         ids, logps = np.asarray(result.completion_ids), np.asarray(result.sampler_logps)
         lengths, finished = np.asarray(result.lengths), np.asarray(result.finished)
-        tally.add(len(ready), int(lengths.max(initial=0)), int(lengths[ready].sum()))
+        self.work.add(len(ready), int(lengths.max(initial=0)), int(lengths[ready].sum()))
         self.rounds += 1
         self.cached = cached
         for slot in ready:

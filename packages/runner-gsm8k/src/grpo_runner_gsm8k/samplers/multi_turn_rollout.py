@@ -70,29 +70,33 @@ class MultiTurnRollout:
     template_kwargs: dict = dataclasses.field(default_factory=dict)
     kv_cache: bool = False  # continue on the backend's kept caches (grpo_runner_gsm8k.samplers.multi_turn_kept)
 
-    def rollout(self, prompts: Sequence[Sequence[int]], n: int, key: jax.Array, tally: DecodeTally,
-                environments: Sequence[Any] | None = None) -> list[Trajectory]:
-        """n rows per prompt (rows p*n .. p*n+n-1 share prompt p), each run to its end;
-        environments: one per row, already reset (their opening messages are the prompts)."""
+    def rollout(self, prompts: Sequence[Sequence[int]], n: int, key: jax.Array,
+                environments: Sequence[Any] | None = None) -> tuple[list[Trajectory], DecodeTally]:
+        """n rows per prompt (rows p*n .. p*n+n-1 share prompt p), each run to its end, and the
+        decode work they took; environments: one per row, already reset (their opening messages
+        are the prompts)."""
         rows = [Trajectory(list(prompt)) for prompt in prompts for _ in range(n)]
         for row, environment in zip(rows, environments or ()):
             row.environment = environment
         if self.kv_cache:
             try:
-                KeptCacheTurns(self, rows, len(rows) + -len(rows) % data_shards(self.batch_sharding)).run(key, tally)
+                work = KeptCacheTurns(self, rows, len(rows) + -len(rows) % data_shards(self.batch_sharding)).run(key)
             finally:
                 self.backend.release_kept_cache()
-            return rows
+            return rows, work
+        work = DecodeTally()
         for turn in range(self.max_turns):
             active = [row for row in rows if not row.done]
             if not active:
                 break
-            calling = self.decode_turn(active, jax.random.fold_in(key, turn), tally, last=turn == self.max_turns - 1)
+            calling, turn_work = self.decode_turn(active, jax.random.fold_in(key, turn), last=turn == self.max_turns - 1)
+            work += turn_work
             self.tool_turn(calling)
-        return rows
+        return rows, work
 
-    def decode_turn(self, active: list[Trajectory], key: jax.Array, tally: DecodeTally, *, last: bool) -> list:
-        """One assistant turn of every active row; returns (row, calls) of the rows that go on."""
+    def decode_turn(self, active: list[Trajectory], key: jax.Array, *, last: bool) -> tuple[list, DecodeTally]:
+        """One assistant turn of every active row; returns (row, calls) of the rows that go on, and
+        the turn's decode work."""
         prefixes = [row.prompt + row.ids for row in active]
         shards = data_shards(self.batch_sharding)
         prefixes += [prefixes[0]] * (-len(prefixes) % shards)  # filler rows, discarded
@@ -100,13 +104,14 @@ class MultiTurnRollout:
                                        batch_sharding=self.batch_sharding)
         ids, logps = np.asarray(result.completion_ids), np.asarray(result.sampler_logps)
         lengths, finished = np.asarray(result.lengths), np.asarray(result.finished)
-        tally.add(len(prefixes), int(lengths.max(initial=0)), int(lengths.sum()))
+        work = DecodeTally()
+        work.add(len(prefixes), int(lengths.max(initial=0)), int(lengths.sum()))
         calling = []
         for i, row in enumerate(active):
             calls = self.end_turn(row, ids[i, :lengths[i]].tolist(), logps[i, :lengths[i]], bool(finished[i]), last)
             if calls:
                 calling.append((row, calls))
-        return calling
+        return calling, work
 
     def end_turn(self, row: Trajectory, turn_ids: list, turn_logps: Any, stopped: bool, last: bool) -> list:
         """Appends a row's sampled turn; returns the calls it goes on with ([] when the row stops)."""

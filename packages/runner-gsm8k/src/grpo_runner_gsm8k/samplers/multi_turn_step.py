@@ -16,7 +16,7 @@ from grpo_core.config import MultiTurnConfig
 from grpo_core.config_io import plugin_options
 from grpo_core.contracts import ConversationText, KeptCacheRollout, Policy
 from grpo_core.errors import UserError
-from grpo_core.rollout_records import DecodeTally, Sampled, waste_metrics
+from grpo_core.rollout_records import Sampled, waste_metrics
 from grpo_core.step_samplers import loaded
 from grpo_core.tool_calls import ToolRunner
 
@@ -121,9 +121,8 @@ class MultiTurnSampler:
         run, n = self.run, self.run.cfg.rollout.n
         examples = gather_objects(run.inputs.task.train_batch(run.inputs.prompts_per_process))
         prompts, environments = self.start_rows(examples, n)
-        work = DecodeTally()  # summed over the turns by the turn loop
         with loaded(run.rollout, policy):
-            rows = self.turns.rollout(prompts, 1, key, work, environments)
+            rows, work = self.turns.rollout(prompts, 1, key, environments)
         reward_start = time.monotonic()
         result = trajectory_result(rows, n, self.turns.budget, run.inputs.tokenizer.pad_token_id)
         answers = [ex.answer for ex in examples for _ in range(n)]
