@@ -280,3 +280,75 @@ def test_two_process_distillation_of_a_lora_student_ends_with_the_same_adapters(
     assert [r["step"] for r in records] == [1, 2]
     # a one-sample estimate per token, of either sign; two different models never agree exactly
     assert all(abs(r["train-other/distill_reverse_kl"]) > 1e-3 and np.isfinite(r["train-other/loss"]) for r in records)
+
+
+# Two steps of a tiny multi-turn run with the calculator (the kept-cache loop). A random model
+# hardly ever writes a call, so in each step's first round row 0 writes CALL instead of sampling
+# (admitted into its kept cache, so the cache holds what the row holds). The calculator answers
+# with its process's index: were the calls run on each process, the processes would append
+# different tool turns and end with different parameters.
+TOOLS_DRIVER = """
+import json, sys, jax, numpy as np
+from grpo_core.config_io import load_config
+from grpo_core.registry import default_registry
+from grpo_runner_gsm8k import loop
+from grpo_runner_gsm8k.multihost import host_array
+CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "12*34"}}</tool_call>'
+class FirstRoundCalls:
+    def __init__(self, backend, tokenizer):
+        self.backend, self.call, self.rounds = backend, tokenizer.encode(CALL, add_special_tokens=False), 0
+    def generate_round(self, prefixes, cached, key, sampling, *, live, **kwargs):
+        self.rounds += 1
+        if self.rounds > 1:
+            return self.backend.generate_round(prefixes, cached, key, sampling, live=live, **kwargs)
+        prefixes, live = [list(prefixes[0]) + self.call, *prefixes[1:]], [False, *live[1:]]
+        result = self.backend.generate_round(prefixes, cached, key, sampling, live=live, **kwargs)
+        fields = {name: host_array(getattr(result, name)).copy()
+                  for name in ("completion_ids", "sampler_logps", "lengths", "finished")}
+        fields["completion_ids"][0, :len(self.call)], fields["sampler_logps"][0, :len(self.call)] = self.call, -1.0
+        fields["lengths"][0], fields["finished"][0] = len(self.call), True
+        return result.replace(**fields)
+    def release_kept_cache(self):
+        self.rounds = 0
+        self.backend.release_kept_cache()
+class PerProcess:
+    def __init__(self, tool):
+        self.tool, self.name, self.description, self.parameters = tool, tool.name, tool.description, tool.parameters
+        self.runs = 0
+    def __call__(self, arguments):
+        self.runs += 1
+        return f"{self.tool(arguments)} from process {jax.process_index()}"
+cfg = load_config(sys.argv[1], sys.argv[2:], registry=default_registry())
+trainer = loop.Trainer(loop.build_run(cfg, default_registry()))
+turns, runner = trainer.sampler.turns, trainer.sampler.runner
+turns.backend = FirstRoundCalls(turns.backend, trainer.built.inputs.tokenizer)
+tool = runner.tools["calculator"] = PerProcess(runner.tools["calculator"])
+metrics = trainer.run()
+params = [np.asarray(jax.experimental.multihost_utils.process_allgather(x, tiled=True))
+          for x in jax.tree.leaves(trainer.state.params)]
+print("PARAMS", float(sum(np.abs(leaf).sum() for leaf in params)), flush=True)
+print("TOOLS", json.dumps({k: v for k, v in metrics.items() if k.startswith("train-tools/")}), flush=True)
+print("RUNS", tool.runs, flush=True)
+"""
+MULTI_TURN = ["model.tokenizer=char-calculator", "task.options={digits: 1, operations: '+', use_chat_template: true}",
+              "rollout.max_prompt_length=32", "rollout.max_new_tokens=16", "rollout.multi_turn.enabled=true",
+              "rollout.multi_turn.tools=[calculator]", "rollout.multi_turn.max_turns=2",
+              "rollout.multi_turn.max_total_tokens=64", "model.architecture.max_position_embeddings=128",
+              "eval.every_steps=0"]
+
+
+@pytest.mark.slow
+def test_two_process_multi_turn_run_runs_each_call_once_and_shares_its_outcome(tmp_path, tiny_config_path):
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, "-c", TOOLS_DRIVER, tiny_config_path, *RUN, *MULTI_TURN,
+                               f"logging.dir={tmp_path}", *distributed(port, i)], env=cpu_env(4),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    outs = finish(procs)
+    assert [int(printed(out, "RUNS")) for out in outs] == [2, 0]  # one call per step, run by process 0 only
+    sums = [float(printed(out, "PARAMS")) for out in outs]
+    assert sums[0] == sums[1]
+    tools = [json.loads(printed(out, "TOOLS")) for out in outs]
+    assert tools[0] == tools[1] and tools[0]["train-tools/calls"] == 1 and tools[0]["train-tools/errors"] == 0
+    assert tools[0]["train-tools/turns_max"] == 2 and tools[0]["train-tools/masked_tokens"] > 0
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2] and all(r["train-tools/calls"] == 1 for r in records)

@@ -33,6 +33,13 @@ MIXED = ("model.dtype=bfloat16",)  # float32 masters are the default param_dtype
 # rows of up to 8 tokens decoded 1 per round: steps carry rows into the next
 PARTIAL = ("rollout.max_new_tokens=8", "rollout.partial.enabled=true", "rollout.partial.budget=1",
            "loss.mismatch_correction=truncate")
+# tiny multi-turn rows with the calculator offered (tests/e2e/test_multihost_run.py's shape); by
+# re-prefill a turn waits for every call, so a step's rows do not depend on how long tools take
+MULTI_TURN = ("model.tokenizer=char-calculator", "task.options={digits: 1, operations: '+', use_chat_template: true}",
+              "rollout.max_prompt_length=32", "rollout.max_new_tokens=16", "rollout.multi_turn.enabled=true",
+              "rollout.multi_turn.tools=[calculator]", "rollout.multi_turn.max_turns=2",
+              "rollout.multi_turn.max_total_tokens=64", "model.architecture.max_position_embeddings=128",
+              "rollout.multi_turn.kv_cache=reprefill")
 RUN_TIMEOUT_S = 600
 ERROR_TIMEOUT_S = 120
 
@@ -147,6 +154,19 @@ def test_sigkill_then_resume_with_partial_rollouts_ends_bitwise_equal(tmp_path, 
     check_sigkill_resume(runs, reference, tmp_path, capsys, *PARTIAL)
     assert saved_meta(tmp_path / "killed", KILL_AFTER)["carried"]["groups"], "nothing was carried at the kill"
     assert saved_meta(tmp_path / "killed", STEPS)["carried"] == saved_meta(reference, STEPS)["carried"]
+
+
+def test_sigkill_then_resume_with_multi_turn_rollouts_ends_bitwise_equal(tmp_path, capsys, runs):
+    """A multi-turn step rolls every row out to its end, so a checkpoint never holds a row in
+    mid-conversation: the resumed run redoes the next step's rollout as the uninterrupted one did."""
+    reference = tmp_path / "uninterrupted"
+    runs.run_to_end(reference, *MULTI_TURN)
+    check_sigkill_resume(runs, reference, tmp_path, capsys, *MULTI_TURN)
+    reference_tools = [{k: v for k, v in r.items() if k.startswith("train-tools/") and k != "train-tools/seconds"}
+                       for r in logged_steps(reference)]
+    resumed_tools = [{k: v for k, v in r.items() if k.startswith("train-tools/") and k != "train-tools/seconds"}
+                     for r in logged_steps(tmp_path / "killed")]
+    assert resumed_tools == reference_tools and all(tools for tools in resumed_tools)
 
 
 def check_sigkill_resume(runs: Runs, uninterrupted: Path, tmp_path: Path, capsys, *overrides: str) -> None:

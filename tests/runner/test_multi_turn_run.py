@@ -87,3 +87,31 @@ def test_prompts_offer_the_tools_and_are_checked_with_them_at_start(tiny_config,
     trainer.ops.lock.release()  # the same run directory is built again below
     with pytest.raises(UserError, match=r"tokens with the tools offered, more than rollout.max_prompt_length=40"):
         Trainer(build_run(tiny_config(*overrides, registry=registry), registry))
+
+
+def test_refill_rolls_further_groups_out_turn_by_turn(tiny_config, small_run):
+    """loss.dynamic_sampling_mode: refill draws further prompts through the same multi-turn
+    rollout; the picked rows keep their loss masks (0 on tool-turn tokens) and per-turn
+    information, and the tool metrics count every rollout of the step."""
+    from grpo_runner_gsm8k.loop import Trainer, build_run
+    from grpo_runner_gsm8k.samplers.refill import RefillSampler
+
+    registry = default_registry()
+    refill = ["loss.dynamic_sampling=true", "loss.dynamic_sampling_mode=refill", "loss.max_extra_rollouts=1"]
+    trainer = Trainer(build_run(tiny_config(*small_run(1), *MULTI_TURN, *refill, registry=registry), registry))
+    assert isinstance(trainer.sampler, RefillSampler)
+    turns = trainer.sampler.rollouts.turns
+    turns.backend = FirstRowCalls(turns.backend, trainer.built.inputs.tokenizer)
+    sampled = []
+    sample = trainer.sampler.sample
+    trainer.sampler.sample = lambda *args: sampled.append(sample(*args)) or sampled[-1]
+    metrics = trainer.run()
+    # a random model's groups all score 0: the extra rollout is made, 4 + 4 prompts drawn
+    assert metrics["train-other/refill_extra_rollouts"] == 1 and metrics["train-other/refill_prompts_consumed"] == 8
+    assert metrics["train-tools/calls"] >= 1 and metrics["train-tools/turns_max"] >= 2
+    (batch, _, _), = sampled
+    result, token_turn = batch.result, batch.scores.episodes["token_turn"]
+    assert result.loss_mask is not None and token_turn.shape == result.loss_mask.shape == (16, 112)
+    assert np.array_equal(np.asarray(result.loss_mask) == 1, token_turn >= 0)  # sampled tokens only
+    assert ((np.asarray(result.completion_mask) == 1) & (token_turn < 0)).any()  # the called row's tool turn
+    assert math.isfinite(metrics["train-other/loss"])

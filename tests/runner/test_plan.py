@@ -202,3 +202,29 @@ def test_partial_rollouts_on_a_kept_cache_plan_its_widest_rounds(plan_config, ca
     held = kept_cache_bytes(inputs)
     assert held == (cache if kv_cache == "across_steps" else 0)
     assert train_phase(inputs, cfg.train.micro_batch_size_per_device).other == inputs.reference_bytes + held
+
+
+MULTI_TURN_PLAN = ("model.tokenizer=char-calculator", "task.options={digits: 1, operations: '+', use_chat_template: true}",
+                   "rollout.multi_turn.enabled=true", "rollout.multi_turn.tools=[calculator]",
+                   "rollout.multi_turn.max_total_tokens=40", "model.architecture.max_position_embeddings=128")
+
+
+@pytest.mark.parametrize("kv_cache", ["kept", "reprefill"])
+def test_multi_turn_rollouts_plan_their_widest_turn_and_an_update_over_every_turn(plan_config, capsys, kv_cache):
+    """A row's last turn starts from its prompt plus the row's budget but one token: prefilled
+    whole by re-prefill, kept (tool turns or prompts admitted beside) on kept caches. The update
+    is as wide as the whole trajectory (max_total_tokens), not one turn (max_new_tokens)."""
+    cfg = plan_config(*MULTI_TURN_PLAN, f"rollout.multi_turn.kv_cache={kv_cache}")
+    inputs = plan.build_plan_inputs(cfg, default_registry())
+    shapes, rollout = rollout_shapes(inputs), cfg.rollout
+    assert shapes.prompts == rollout.prompts_per_step * rollout.n and shapes.sampling.n == 1
+    assert shapes.sampling.max_new_tokens == rollout.max_new_tokens == 8  # one turn's tokens per round
+    longest = rollout.max_prompt_length + 40 - 1
+    planned = (longest, 40 - 1) if kv_cache == "kept" else (0, longest)
+    assert (shapes.kept_prefix, shapes.max_prompt_length) == planned
+    assert plan.train_widths(inputs)[1] == 40
+    assert plan.abstract_update_batch(inputs).targets.shape[1] == 40
+    assert plan.plan_command(cfg, default_registry(), capacity_gib=16.0) == 0
+    rollout_phases = ({"rollout admission of carried rows", "rollout compaction", "rollout admission", "rollout decode"}
+                      if kv_cache == "kept" else {"rollout prefill", "rollout decode"})
+    assert set(table_rows(capsys.readouterr().out)) == rollout_phases | {"train step"}

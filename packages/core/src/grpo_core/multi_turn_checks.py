@@ -24,14 +24,10 @@ def check_multi_turn(cfg: Any) -> None:
         if name not in multi.tools:
             raise ConfigError(f"rollout.multi_turn.tool_options.{name} configures a tool that rollout.multi_turn.tools "
                               f"does not offer ({', '.join(map(str, multi.tools))}); add it to tools or remove the options")
-    # Refill and partial rollouts merge and carry rows by RolloutResult fields this sampler
-    # does not fill in yet (the loss mask of tool tokens, conversations in flight).
+    # Partial rollouts would carry conversations in flight across steps, which nothing saves yet.
     if cfg.rollout.partial.enabled:
         raise ConfigError("rollout.multi_turn.enabled with rollout.partial.enabled: multi-turn rows cannot be "
                           "carried across steps yet; set rollout.partial.enabled=false")
-    if cfg.loss.dynamic_sampling and cfg.loss.dynamic_sampling_mode == "refill":
-        raise ConfigError("rollout.multi_turn.enabled with loss.dynamic_sampling_mode = 'refill': refilling "
-                          "multi-turn rollouts is not supported yet; set loss.dynamic_sampling_mode=mask")
 
 
 def check_tools(cfg: Any, registry: Any, plugin_options: Any) -> None:

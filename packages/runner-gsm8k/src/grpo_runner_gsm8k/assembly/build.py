@@ -255,7 +255,7 @@ def check_inputs(cfg: RunConfig, registry: Registry, process_index: int = 0,
         check_teacher_tokenizer(cfg.teacher, tokenizer)
     task = from_plugin(registry, "task", cfg.task.name, cfg.task.options, "task.options", seed=cfg.task.seed,
                        process_index=process_index, process_count=process_count)
-    check_multi_turn_inputs(cfg, tokenizer, task, qcfg.max_position_embeddings, process_count)
+    check_multi_turn_inputs(cfg, tokenizer, task, qcfg.max_position_embeddings)
     rewards = {name: (from_plugin(registry, "reward", name, cfg.task.reward_options.get(name, {}),
                                   f"task.reward_options.{name}"), float(weight))
                for name, weight in cfg.task.rewards.items()}

@@ -31,6 +31,7 @@ from grpo_runner_gsm8k.multihost import local_prompt_count
 from grpo_runner_gsm8k.assembly.policy import FullPolicy, PolicyModel
 from grpo_runner_gsm8k.assembly.run import BuiltRun, RunPlace, assemble, build_plugins, compute_dtype, run_optimizer
 from grpo_runner_gsm8k.training.step import UpdateBatch
+from grpo_runner_gsm8k.samplers.multi_turn_inputs import row_budget
 from grpo_runner_gsm8k.assembly.teacher import abstract_teacher
 from grpo_runner_gsm8k.costs.tpu_target import Target, describe, target_devices
 
@@ -202,9 +203,11 @@ def build_plan_inputs(cfg: RunConfig, registry: Registry, target: Optional[Targe
 
 
 def rollout_widths(inputs: PlanInputs) -> RolloutWidths:
+    """A multi-turn row's completion holds all its turns: it is the row's budget wide."""
     r = inputs.run.cfg.rollout
+    completion = row_budget(r) if r.multi_turn.enabled else r.max_new_tokens
     try:
-        return plannable(inputs.run).widths(r.max_prompt_length, r.max_new_tokens)
+        return plannable(inputs.run).widths(r.max_prompt_length, completion)
     except ValueError as exc:
         raise UserError(f"rollout.max_prompt_length: {exc}") from None
 

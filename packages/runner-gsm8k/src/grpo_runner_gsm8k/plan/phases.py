@@ -19,6 +19,8 @@ from grpo_runner_gsm8k.costs.memory import PhaseMemory
 from grpo_runner_gsm8k.costs.roofline import decode_seconds
 from grpo_runner_gsm8k.plan.abstract import (PlanInputs, abstract_key, abstract_update_batch, per_device_bytes,
                                              plannable)
+from grpo_runner_gsm8k.samplers.multi_turn_inputs import row_budget
+from grpo_runner_gsm8k.samplers.multi_turn_step import keeps_caches
 from grpo_runner_gsm8k.samplers.partial import kv_cache_mode
 from grpo_runner_gsm8k.assembly.run import with_rollout_decided
 from grpo_runner_gsm8k.assembly.teacher import TEACHER_PHASE
@@ -104,9 +106,25 @@ def rollout_shapes(inputs: PlanInputs) -> RolloutShapes:
             prompt_length = carried
         else:
             kept_prefix = carried
+    elif rollout.multi_turn.enabled:
+        prompts, sampling = prompts * rollout.n, dataclasses.replace(sampling, n=1)
+        prompt_length, kept_prefix = multi_turn_round(inputs)
     return RolloutShapes(policy=Policy(run.policy_graphdef, inputs.forward_params, run.qcfg), prompts=prompts,
                          max_prompt_length=prompt_length, sampling=sampling, batch_sharding=run.rollout_sharding,
                          key=abstract_key(run.mesh), kept_prefix=kept_prefix)
+
+
+def multi_turn_round(inputs: PlanInputs) -> tuple[int, int]:
+    """(prompt length, kept prefix) of a multi-turn rollout's widest turn (rollout.multi_turn):
+    a row's last turn starts from at most its prompt plus the row's budget (max_total_tokens)
+    but one token. By re-prefill that whole prefix is prefilled; on kept caches it is kept,
+    and beside it the widest admission is a prompt (the first round) or a tool turn, at
+    most the budget but one token (at least one sampled token precedes it)."""
+    run, rollout = inputs.run, inputs.run.cfg.rollout
+    longest = rollout.max_prompt_length + row_budget(rollout) - 1
+    if not keeps_caches(rollout.multi_turn.kv_cache, plannable(run), rollout.backend):
+        return longest, 0
+    return max(rollout.max_prompt_length, row_budget(rollout) - 1), longest
 
 
 def kept_cache_bytes(inputs: PlanInputs) -> int:

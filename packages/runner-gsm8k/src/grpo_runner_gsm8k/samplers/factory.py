@@ -17,11 +17,13 @@ from grpo_runner_gsm8k.samplers.refill import RefillSampler
 def step_sampler(run: Any, registry: Any) -> StepSampler:
     """The step sampler of the built `run` (the registry supplies a multi-turn run's tools)."""
     rollout, loss = run.cfg.rollout, run.cfg.loss
+    refill = loss.dynamic_sampling and loss.dynamic_sampling_mode == "refill"
     if rollout.multi_turn.enabled:
-        return MultiTurnSampler(run, registry)
+        multi_turn = MultiTurnSampler(run, registry)
+        return RefillSampler(run, multi_turn) if refill else multi_turn
     if rollout.partial.enabled:
         return PartialSampler(run)
-    if loss.dynamic_sampling and loss.dynamic_sampling_mode == "refill":
+    if refill:
         return RefillSampler(run)
     return PlainSampler(run)
 

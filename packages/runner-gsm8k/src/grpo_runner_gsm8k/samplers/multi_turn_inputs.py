@@ -12,16 +12,13 @@ from grpo_runner_gsm8k.samplers.multi_turn_rollout import CALL_END, single_token
 from grpo_runner_gsm8k.tasks.gsm8k_tools import SUGGESTED_TOOLS, Gsm8kToolsTask
 
 
-def check_multi_turn_inputs(cfg: Any, tokenizer: Any, task: Any, max_positions: int, process_count: int) -> None:
+def check_multi_turn_inputs(cfg: Any, tokenizer: Any, task: Any, max_positions: int) -> None:
     """What this sampler cannot run with, as a UserError (one line) before any device work."""
     if not cfg.rollout.multi_turn.enabled:
         if isinstance(task, Gsm8kToolsTask):
             raise UserError(f"task.name = {cfg.task.name!r} invites tool calls, but rollout.multi_turn.enabled is false; "
                             f"set rollout.multi_turn.enabled=true and rollout.multi_turn.tools=[{', '.join(SUGGESTED_TOOLS)}]")
         return
-    if process_count > 1:
-        raise UserError(f"rollout.multi_turn.enabled with {process_count} processes: every process would run the "
-                        "tools itself; run multi-turn rollouts in one process for now")
     if not task.use_chat_template:
         raise UserError("rollout.multi_turn.enabled with task.options.use_chat_template = false: tool turns are "
                         "rendered by the chat template; set task.options.use_chat_template=true (and use a "

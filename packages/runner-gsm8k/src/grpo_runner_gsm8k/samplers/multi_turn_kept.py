@@ -11,7 +11,9 @@ its next turn from there: the conversation is never prefilled again.
 A round starts as soon as one row is ready, with every row that is ready then: rows that wait
 on a tool hold up no other row. Which rows share a round therefore depends on how long the
 tools take; each row's sampling key is its own (the step's key folded with the row and its
-turn), so its tokens do not depend on which rows it shares a round with.
+turn), so its tokens do not depend on which rows it shares a round with. With several
+processes, process 0 alone runs the calls and decides which have returned
+(grpo_runner_gsm8k.samplers.shared_tools), so every process starts the same rounds.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from grpo_core.rollout_records import DecodeTally
 
+from grpo_runner_gsm8k.multihost import host_array
+from grpo_runner_gsm8k.samplers.shared_tools import returned, submit
 from grpo_runner_gsm8k.samplers.trajectory import Trajectory
 
 
@@ -35,7 +39,12 @@ def row_keys(key: jax.Array, turns: list[int], batch_sharding: Any = None) -> ja
         jnp.arange(len(turns)), jnp.asarray(turns))
     if batch_sharding is None:
         return keys
-    return jax.device_put(keys, NamedSharding(batch_sharding.mesh, PartitionSpec()))
+    # Replicated over the whole mesh, from the host's copy: with several processes a device_put
+    # of this process's array cannot reach the others' devices; every process holds the same keys.
+    data = jax.random.key_data(keys)
+    host = np.asarray(data if data.is_fully_addressable else data.addressable_data(0))
+    replicated = jax.device_put(host, NamedSharding(batch_sharding.mesh, PartitionSpec()))
+    return jax.random.wrap_key_data(replicated, impl=jax.random.key_impl(keys))
 
 
 class KeptCacheTurns:
@@ -47,27 +56,29 @@ class KeptCacheTurns:
         self.turns, self.rows = turns, rows
         self.kept = [0] * slots  # tokens of each slot's row in its kept cache
         self.cached = [False] * slots
-        self.pending: dict[int, futures.Future] = {}  # slot -> its row's tool calls
+        self.pending: dict[int, futures.Future | None] = {}  # slot -> its row's tool calls (None: not process 0)
         self.rounds = 0
         self.work = DecodeTally()  # summed over the rounds
 
     def run(self, key: jax.Array) -> DecodeTally:
         """Rounds until every row is done; returns their decode work."""
         while True:
+            self.append_returned(wait=not self.ready_rows())
             ready = self.ready_rows()
             if ready:
                 self.decode_round(ready, key)
-            elif self.pending:
-                futures.wait(list(self.pending.values()), return_when=futures.FIRST_COMPLETED)
-            else:
+            elif not self.pending:
                 return self.work
 
+    def append_returned(self, wait: bool) -> None:
+        """Appends the tool turns whose calls have returned (the same on every process: see
+        grpo_runner_gsm8k.samplers.shared_tools); wait: until one has, when none is ready."""
+        for slot, outcomes in sorted(returned(self.pending, wait).items()):
+            del self.pending[slot]
+            self.turns.append_tool_turn(self.rows[slot], outcomes)
+
     def ready_rows(self) -> list[int]:
-        """Appends the tool turns that have returned; the slots whose rows can decode now."""
-        for slot, future in list(self.pending.items()):
-            if future.done():
-                del self.pending[slot]
-                self.turns.append_tool_turn(self.rows[slot], future.result())
+        """The slots whose rows can decode now: not done, not waiting on a tool."""
         return [slot for slot, row in enumerate(self.rows) if not row.done and slot not in self.pending]
 
     def prefix(self, slot: int) -> list[int]:
@@ -88,8 +99,8 @@ class KeptCacheTurns:
             prefixes, cached, row_keys(key, row_turns, turns.batch_sharding), turns.sampling,
             pad_token_id=turns.pad_token_id, batch_sharding=turns.batch_sharding, kept_tokens=self.kept,
             live=live.tolist())
-        ids, logps = np.asarray(result.completion_ids), np.asarray(result.sampler_logps)
-        lengths, finished = np.asarray(result.lengths), np.asarray(result.finished)
+        ids, logps = host_array(result.completion_ids), host_array(result.sampler_logps)
+        lengths, finished = host_array(result.lengths), host_array(result.finished)
         self.work.add(len(ready), int(lengths.max(initial=0)), int(lengths[ready].sum()))
         self.rounds += 1
         self.cached = cached
@@ -99,4 +110,4 @@ class KeptCacheTurns:
             calls = turns.end_turn(row, ids[slot, :length].tolist(), logps[slot, :length], bool(finished[slot]),
                                    row.turns + 1 >= turns.max_turns)
             if calls:
-                self.pending[slot] = turns.runner.submit(calls)
+                self.pending[slot] = submit(turns.runner, calls)

@@ -23,14 +23,14 @@ import math
 from typing import Any, Sequence
 
 import jax
-import numpy as np
-
 from grpo_core.chat_turns import append_turn_ids
 from grpo_core.contracts import SamplingParams
 from grpo_core.rollout_records import DecodeTally
 from grpo_core.tool_calls import ToolRunner, parse_tool_calls, response_messages
 
+from grpo_runner_gsm8k.multihost import host_array
 from grpo_runner_gsm8k.samplers.multi_turn_kept import KeptCacheTurns
+from grpo_runner_gsm8k.samplers.shared_tools import all_returned, submit
 from grpo_runner_gsm8k.samplers.trajectory import Trajectory
 
 CALL_END = "</tool_call>"
@@ -102,8 +102,8 @@ class MultiTurnRollout:
         prefixes += [prefixes[0]] * (-len(prefixes) % shards)  # filler rows, discarded
         result = self.backend.generate(prefixes, key, self.sampling, pad_token_id=self.pad_token_id,
                                        batch_sharding=self.batch_sharding)
-        ids, logps = np.asarray(result.completion_ids), np.asarray(result.sampler_logps)
-        lengths, finished = np.asarray(result.lengths), np.asarray(result.finished)
+        ids, logps = host_array(result.completion_ids), host_array(result.sampler_logps)
+        lengths, finished = host_array(result.lengths), host_array(result.finished)
         work = DecodeTally()
         work.add(len(prefixes), int(lengths.max(initial=0)), int(lengths.sum()))
         calling = []
@@ -133,10 +133,11 @@ class MultiTurnRollout:
         return []
 
     def tool_turn(self, calling: list) -> None:
-        """Runs every calling row's calls at once and appends each row's tool turn."""
-        pending = [(row, self.runner.submit(calls)) for row, calls in calling]
-        for row, future in pending:
-            self.append_tool_turn(row, future.result())
+        """Runs every calling row's calls at once (on process 0, see
+        grpo_runner_gsm8k.samplers.shared_tools) and appends each row's tool turn."""
+        outcomes = all_returned([submit(self.runner, calls) for _, calls in calling])
+        for (row, _), row_outcomes in zip(calling, outcomes):
+            self.append_tool_turn(row, row_outcomes)
 
     def environment_turn(self, row: Trajectory, turn_ids: list, last: bool) -> None:
         """The row's environment answers the turn the model ended: the episode ends, or its

@@ -16,7 +16,7 @@ from grpo_core.config import MultiTurnConfig
 from grpo_core.config_io import plugin_options
 from grpo_core.contracts import ConversationText, KeptCacheRollout, Policy
 from grpo_core.errors import UserError
-from grpo_core.rollout_records import Sampled, waste_metrics
+from grpo_core.rollout_records import DecodeTally, Sampled, waste_metrics
 from grpo_core.step_samplers import loaded
 from grpo_core.tool_calls import ToolRunner
 
@@ -65,6 +65,7 @@ class MultiTurnSampler:
     def __init__(self, run: Any, registry: Any):
         multi, tokenizer = run.cfg.rollout.multi_turn, run.inputs.tokenizer
         self.run = run
+        self.step_rows: list[Trajectory] = []  # rolled out since the last step_metrics
         kv_cache = keeps_caches(multi.kv_cache, run.rollout, run.cfg.rollout.backend)
         call_end = single_token_id(tokenizer, CALL_END)  # checked at load (check_multi_turn_inputs)
         self.runner = ToolRunner(build_tools(run.cfg.rollout.multi_turn, registry), timeout_seconds=multi.call_timeout_s)
@@ -117,6 +118,12 @@ class MultiTurnSampler:
 
     def sample(self, policy: Policy, key: Any, step: int) -> tuple[Sampled, dict, dict[str, float]]:
         """(this step's rows scored, the tool and decode-waste metrics of the step, its seconds)."""
+        sampled, work, seconds = self.scored_rollout(policy, key)
+        return sampled, {**self.step_metrics(), **waste_metrics(work, host_array(sampled.result.lengths))}, seconds
+
+    def scored_rollout(self, policy: Policy, key: Any) -> tuple[Sampled, DecodeTally, dict[str, float]]:
+        """(fresh prompts rolled out turn by turn and scored, the decode work, its seconds); the
+        rows count in `step_metrics` (the refill sampler calls this once per rollout)."""
         start = time.monotonic()
         run, n = self.run, self.run.cfg.rollout.n
         examples = gather_objects(run.inputs.task.train_batch(run.inputs.prompts_per_process))
@@ -128,9 +135,14 @@ class MultiTurnSampler:
         answers = [ex.answer for ex in examples for _ in range(n)]
         scores = score(run.inputs.rewards, conversation_texts(run.inputs.tokenizer, rows, self.turns.budget), answers)
         scores = scores._replace(episodes=episode_arrays(rows, self.turns.budget))
+        self.step_rows += rows
         seconds = {"rollout_s": reward_start - start, "reward_s": time.monotonic() - reward_start}
-        metrics = {**trajectory_metrics(rows), **waste_metrics(work, host_array(result.lengths))}
-        return Sampled(examples, result, scores), metrics, seconds
+        return Sampled(examples, result, scores), work, seconds
+
+    def step_metrics(self) -> dict:
+        """The tool metrics of every row rolled out since the last call (train-tools/*)."""
+        rows, self.step_rows = self.step_rows, []
+        return trajectory_metrics(rows)
 
 
 def conversation_texts(tokenizer: Any, rows: list[Trajectory], budget: int) -> list[ConversationText]:

@@ -9,6 +9,10 @@ limit runs out first, the batch is completed with uninformative groups of the ea
 rollouts, which dynamic sampling masks as usual. Informative groups beyond the batch
 are discarded, as in DAPO.
 
+The rollouts are the plain sampler's (`PlainRollouts`) or, with rollout.multi_turn, the
+multi-turn sampler's: refilled groups are rolled out turn by turn like the first ones, and
+their loss masks and per-turn information are merged with the rows.
+
 Every decision reads host values that are identical on every process (the gathered
 rewards), so every process draws, rolls out and selects alike. The task's data
 position advances by every prompt drawn and is saved with the checkpoint, so a
@@ -36,8 +40,11 @@ class RefillSampler:
     """Rollouts until `prompts_per_step` groups are informative or the extra rollouts run out
     (`StepSampler`)."""
 
-    def __init__(self, run: Any):
+    def __init__(self, run: Any, rollouts: Any = None):
+        """rollouts: what rolls out and scores fresh prompts (`scored_rollout(policy, key)`) and
+        gives the step's own metrics of every rollout made (`step_metrics()`); PlainRollouts by default."""
         self.run = run
+        self.rollouts = rollouts or PlainRollouts(run)
         self.train_sharding = train_batch_sharding(run.mesh)
         self.row_sharding = train_batch_sharding(run.mesh, ndim=1)
 
@@ -47,7 +54,7 @@ class RefillSampler:
         work, seconds = DecodeTally(), {"rollout_s": 0.0, "reward_s": 0.0}
         while not rounds or needs_more(rounds, n, want, loss.max_extra_rollouts):
             round_key = jax.random.fold_in(key, len(rounds)) if rounds else key
-            sampled, round_work, round_seconds = scored_rollout(self.run, policy, round_key)
+            sampled, round_work, round_seconds = self.rollouts.scored_rollout(policy, round_key)
             rounds.append(sampled)
             work = work + round_work
             seconds = {name: seconds[name] + round_seconds[name] for name in seconds}
@@ -55,13 +62,27 @@ class RefillSampler:
         result = self.on_train_devices(merge_results([r.result for r in rounds], picks, n))
         examples = [rounds[i].examples[g] for i, g in picks]
         scores = merge_scores([r.scores for r in rounds], picks, n)
-        metrics = {**refill_metrics(rounds, picks, n), **waste_metrics(work, host_array(result.lengths))}
+        metrics = {**refill_metrics(rounds, picks, n), **waste_metrics(work, host_array(result.lengths)),
+                   **self.rollouts.step_metrics()}
         return Sampled(examples, result, scores), metrics, seconds
 
     def on_train_devices(self, result: RolloutResult) -> RolloutResult:
         """A host-side result placed like the update batch (host values: the same on every process)."""
         return jax.tree.map(lambda x: jax.device_put(x, self.train_sharding if x.ndim == 2 else self.row_sharding),
                             result)
+
+
+class PlainRollouts:
+    """One rollout of fresh prompts at a time (plain.scored_rollout), with no metrics of its own."""
+
+    def __init__(self, run: Any):
+        self.run = run
+
+    def scored_rollout(self, policy: Policy, key: jax.Array) -> tuple[Sampled, DecodeTally, dict[str, float]]:
+        return scored_rollout(self.run, policy, key)
+
+    def step_metrics(self) -> dict[str, Any]:
+        return {}
 
 
 def informative(scores: Scores, n: int) -> np.ndarray:
@@ -86,9 +107,10 @@ def pick_groups(rounds: list[Sampled], n: int, want: int) -> list[tuple[int, int
 
 def merge_results(results: list[RolloutResult], picks: list[tuple[int, int]], n: int) -> RolloutResult:
     """The rows of the picked groups as one host-side result; prompts are left-padded to
-    the widest prompt bucket among the rollouts."""
+    the widest prompt bucket among the rollouts. Multi-turn rows keep their loss masks."""
     width = max(r.prompt_ids.shape[1] for r in results)
-    fields = {name: [_host_rows(r, name, width) for r in results] for name in _ROW_FIELDS}
+    names = _ROW_FIELDS + (("loss_mask",) if results[0].loss_mask is not None else ())
+    fields = {name: [_host_rows(r, name, width) for r in results] for name in names}
     sources = [(i, row) for i, g in picks for row in range(g * n, (g + 1) * n)]
     merged = {name: np.stack([parts[i][row] for i, row in sources]) for name, parts in fields.items()}
     return RolloutResult(**merged, num_prompts=len(picks), n=n)
@@ -107,13 +129,18 @@ def _host_rows(result: RolloutResult, name: str, width: int) -> np.ndarray:
 
 
 def merge_scores(scores: list[Scores], picks: list[tuple[int, int]], n: int) -> Scores:
-    """The scores of the picked groups' rows; error counts are summed over every rollout."""
+    """The scores of the picked groups' rows; error counts are summed over every rollout. A
+    multi-turn row's episode values go with it (an environment value a rollout lacks is 0, as
+    for a row that lacks it)."""
     def rows(arrays: list[np.ndarray]) -> np.ndarray:
         return np.concatenate([arrays[i][g * n:(g + 1) * n] for i, g in picks])
 
     per_fn = {name: rows([s.per_fn[name] for s in scores]) for name in scores[0].per_fn}
     errors = {name: sum(s.errors[name] for s in scores) for name in scores[0].errors}
-    return Scores(rows([s.total for s in scores]), per_fn, errors)
+    episode_names = sorted({name for s in scores for name in s.episodes})
+    episodes = {name: rows([s.episodes.get(name, np.zeros(len(s.total), np.float32)) for s in scores])
+                for name in episode_names}
+    return Scores(rows([s.total for s in scores]), per_fn, errors, episodes)
 
 
 def refill_metrics(rounds: list[Sampled], picks: list[tuple[int, int]], n: int) -> dict:
