@@ -103,7 +103,7 @@ def test_model_parallel_decode_step_reads_a_quarter_of_the_split_weights(tmp_pat
         flops.layer_params(q) - kv + q.num_attention_heads * q.head_dim)
     replicated = q.num_hidden_layers * (kv + 2 * q.num_key_value_heads * q.head_dim + 2 * q.hidden_size) + q.hidden_size
     assert decode.hbm_bytes == pytest.approx(2 * (split / DEVICES + replicated) + cache_bytes(q) / DEVICES, rel=0.05)
-    kv_projections = q.num_hidden_layers * 2 * ROWS * kv  # multiply-adds of k and v, all rows
+    kv_projections = q.num_hidden_layers * 2 * ROWS * kv  # FLOPs of the k and v projections, all rows
     assert decode.flops == pytest.approx(flops.decode_step_flops(q, ROWS, SLOTS) / DEVICES
                                          + kv_projections * (1 - 1 / DEVICES), rel=0.05)
 

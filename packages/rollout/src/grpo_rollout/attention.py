@@ -49,8 +49,9 @@ def decode_layers(model, x: jax.Array, cache, cos: jax.Array, sin: jax.Array, la
     rows' devices and the attention back (2 all-to-all), and one all-reduce each of o_proj's
     and down_proj's partial sums into the replicated residual. Two pins keep it so:
     - k and v (their projections are never split: model_parallel.SPLIT_DIMENSIONS) stay
-      replicated until the cache write slices them: pinned to the rows, they were made from a row slice of the normed
-      residual, and the compiler then normed a row slice and all-gathered it for q;
+      replicated until the cache write slices them: pinned to the rows, they were made from a
+      row slice of the normed residual, and the compiler then normed a row slice and gathered
+      it for q (an all-gather, or a ring of collective-permutes);
     - the residual leaving the layers is replicated: unpinned, the rows split of the sampled
       logits reached back into the layer loop's carry, and each all-reduce then updated a row
       slice that the next layer norm all-gathered again.
