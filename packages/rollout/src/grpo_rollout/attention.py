@@ -31,6 +31,44 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Arra
     return jnp.einsum("bskg,bskd->bkgd", probs, v).reshape(batch, heads, dim)
 
 
+def decode_inputs(model, tokens: jax.Array, positions: jax.Array, layout: ActivationLayout):
+    """(x [B, 1, H], cos, sin) of one decode step: the embedded tokens and the rope tables at
+    `positions` [B, 1]. q and k are made from the replicated residual, so the tables are made
+    replicated once per token (split by rows, XLA gathered them again in every layer)."""
+    cos, sin = rope_tables(layout.replicated(positions), model.config.head_dim, model.config.rope_theta)
+    return layout.embed(model.embed_tokens.embedding[...], tokens[:, None]), cos, sin
+
+
+def decode_layers(model, x: jax.Array, cache, cos: jax.Array, sin: jax.Array, layout: ActivationLayout, attend):
+    """Run one token per row through every layer; only the attention differs between caches.
+
+    attend(i, cache, q [B, N, D], k [B, 1, KV, D], v [B, 1, KV, D]) -> (attended [B, N, D], cache)
+    writes layer i's new keys and values and attends over the rows' cache.
+
+    Model-parallel (`layout` with a mesh), each layer runs 4 collectives per token: q to the
+    rows' devices and the attention back (2 all-to-all), and one all-reduce each of o_proj's
+    and down_proj's partial sums into the replicated residual. Two pins keep it so:
+    - k and v (their projections are never split: model_parallel.SPLIT_DIMENSIONS) stay
+      replicated until the cache write slices them: pinned to the rows, they were made from a
+      row slice of the normed residual, and the compiler then normed a row slice and gathered
+      it for q (an all-gather, or a ring of collective-permutes);
+    - the residual leaving the layers is replicated: unpinned, the rows split of the sampled
+      logits reached back into the layer loop's carry, and each all-reduce then updated a row
+      slice that the next layer norm all-gathered again.
+    """
+    def step(layer, i, carry):
+        x, cache = carry
+        q, k, v = layer.self_attn.project_qkv(layer.input_layernorm(x), layout.replicated(cos), layout.replicated(sin))
+        q, k, v = layout.rows(layout.split(q, 2)), layout.replicated(k), layout.replicated(v)
+        attended, cache = attend(i, cache, q[:, 0], k, v)  # computed where the rows' cache is
+        attended = layout.split(layout.rows(attended)[:, None], 2)
+        x = x + layout.replicated(layer.self_attn.o_proj(attended))
+        return x + layout.replicated(layer.mlp(layer.post_attention_layernorm(x))), cache
+
+    x, cache = model.over_layers(step, (x, cache))
+    return layout.replicated(x), cache
+
+
 def decode_forward(model, tokens: jax.Array, live: jax.Array, cache, layout: ActivationLayout = ActivationLayout()):
     """Feed one token per row: tokens [B], live [B] bool (False: the slot stays invisible).
 
@@ -38,23 +76,13 @@ def decode_forward(model, tokens: jax.Array, live: jax.Array, cache, layout: Act
     cache=cache)` except for the attention product. `layout` pins the activations of a
     model-parallel decode (grpo_rollout.model_parallel). Returns (hidden [B, 1, H], cache).
     """
-    positions = cache.lengths()[:, None]  # [B, 1]: real tokens so far = this token's position
+    x, cos, sin = decode_inputs(model, tokens, cache.lengths()[:, None], layout)  # lengths: this token's position
     cache = cache.with_new_tokens(live[:, None])
     visible = cache.visibility(1)[:, 0]  # [B, S]
-    # q and k are made from the replicated residual: the rope tables are made replicated once per
-    # token and pinned so in every layer (split by rows, XLA gathered them again in each layer)
-    cos, sin = rope_tables(layout.replicated(positions), model.config.head_dim, model.config.rope_theta)
-    x = layout.embed(model.embed_tokens.embedding[...], tokens[:, None])  # [B, 1, H]
 
-    def step(layer, i, carry):
-        x, cache = carry
-        q, k, v = layer.self_attn.project_qkv(layer.input_layernorm(x), layout.replicated(cos), layout.replicated(sin))
-        q, k, v = layout.rows(layout.split(q, 2)), layout.rows(k), layout.rows(v)
+    def attend(i, cache, q, k, v):
         cache = cache.write_layer(i, k, v)
-        attended = layout.rows(decode_attention(q[:, 0], cache.k[i].astype(q.dtype), cache.v[i].astype(q.dtype),
-                                                visible))  # computed where the rows' cache is
-        x = x + layout.replicated(layer.self_attn.o_proj(layout.split(attended[:, None], 2)))
-        return x + layout.replicated(layer.mlp(layer.post_attention_layernorm(x))), cache
+        return decode_attention(q, cache.k[i].astype(q.dtype), cache.v[i].astype(q.dtype), visible), cache
 
-    x, cache = model.over_layers(step, (x, cache))
+    x, cache = decode_layers(model, x, cache, cos, sin, layout, attend)
     return model.norm(x), cache.advance(1)

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from grpo_core.models.attention import KVCache
-from grpo_core.models.layers import rope_tables
+from grpo_rollout.attention import decode_inputs, decode_layers
 from grpo_rollout.model_parallel import ActivationLayout
 
 # Finite "minus infinity", as in the model: a part with no visible slot adds nothing.
@@ -93,25 +93,15 @@ def shared_decode_forward(model, tokens: jax.Array, live: jax.Array, cache: Shar
                           layout: ActivationLayout = ActivationLayout()):
     """`grpo_rollout.attention.decode_forward` on a SharedCache: the new token's keys and values go
     to the row's completion cache; attention is `cascade_attention`. Returns (hidden [B, 1, H], cache)."""
-    positions = cache.lengths()[:, None]  # [B, 1]
+    x, cos, sin = decode_inputs(model, tokens, cache.lengths()[:, None], layout)
     own = cache.completion.with_new_tokens(live[:, None])
     own_visible = own.visibility(1)[:, 0]  # [B, Sc]
     prompt = cache.prompt
-    # q and k are made from the replicated residual: the rope tables are made replicated once per
-    # token and pinned so in every layer (split by rows, XLA gathered them again in each layer)
-    cos, sin = rope_tables(layout.replicated(positions), model.config.head_dim, model.config.rope_theta)
-    x = layout.embed(model.embed_tokens.embedding[...], tokens[:, None])  # [B, 1, H]
 
-    def step(layer, i, carry):
-        x, own = carry
-        q, k, v = layer.self_attn.project_qkv(layer.input_layernorm(x), layout.replicated(cos), layout.replicated(sin))
-        q, k, v = layout.rows(layout.split(q, 2)), layout.rows(k), layout.rows(v)
+    def attend(i, own, q, k, v):
         own = own.write_layer(i, k, v)
-        attended = layout.rows(cascade_attention(
-            q[:, 0], prompt.k[i].astype(q.dtype), prompt.v[i].astype(q.dtype), prompt.mask,
-            own.k[i].astype(q.dtype), own.v[i].astype(q.dtype), own_visible))
-        x = x + layout.replicated(layer.self_attn.o_proj(layout.split(attended[:, None], 2)))
-        return x + layout.replicated(layer.mlp(layer.post_attention_layernorm(x))), own
+        return cascade_attention(q, prompt.k[i].astype(q.dtype), prompt.v[i].astype(q.dtype), prompt.mask,
+                                 own.k[i].astype(q.dtype), own.v[i].astype(q.dtype), own_visible), own
 
-    x, own = model.over_layers(step, (x, own))
+    x, own = decode_layers(model, x, own, cos, sin, layout, attend)
     return model.norm(x), cache.replace(completion=own.advance(1))

@@ -8,9 +8,11 @@ those devices do not divide, e.g. 2 KV heads over 8 devices, stays replicated), 
 device reads about 1/D of them per token. The step's activations are pinned so that only
 they move (a few MB per token, not the weights):
 
-- the residual stream is replicated ([rows, hidden] is small);
-- q, k and v go to the rows' devices (all-to-all), where the KV cache of those rows lives
-  (the cache stays split by rows, as in the other layouts) and attention runs locally;
+- the residual stream is replicated ([rows, hidden] is small), also as the layer loop carries
+  it (grpo_rollout.attention.decode_layers: the pins that keep it so);
+- q goes to the rows' devices (all-to-all), where the KV cache of those rows lives (the cache
+  stays split by rows, as in the other layouts) and attention runs locally; k and v, whose
+  projections stay replicated, are computed whole and each device writes its rows;
 - the attention output goes back to head-split for o_proj, whose partial sums and the
   MLP's (down_proj is split by its input columns) are all-reduced into the residual;
 - the logits, split by vocabulary, go to the rows' devices for sampling.
