@@ -3,7 +3,11 @@ checkpoint and resumed ends bitwise equal to an uninterrupted run; refused resum
 with one line and change nothing; an unfinished save is ignored.
 
 Every run is a subprocess with the environment of this one (tests/conftest.py: 8 fake CPU
-devices), so the killed, the resumed and the reference run share XLA flags.
+devices), so the killed, the resumed and the reference run share XLA flags. Two
+uninterrupted runs are the references, each trained once per worker: the plain one, and one
+with partial rollouts in bfloat16 compute on float32 masters, which the SIGKILL and the
+SIGTERM variants with carried rows resume to bitwise (so one pair of runs checks both what
+mixed precision saves and what partial rollouts carry).
 """
 
 import json
@@ -29,10 +33,10 @@ pytestmark = pytest.mark.slow
 
 STEPS = 6
 KILL_AFTER = 2  # the kill comes once this step's checkpoint is complete
-MIXED = ("model.dtype=bfloat16",)  # float32 masters are the default param_dtype
-# rows of up to 8 tokens decoded 1 per round: steps carry rows into the next
-PARTIAL = ("rollout.max_new_tokens=8", "rollout.partial.enabled=true", "rollout.partial.budget=1",
-           "loss.mismatch_correction=truncate")
+# rows of up to 8 tokens decoded 1 per round: steps carry rows into the next; bfloat16 compute on
+# float32 masters (the default param_dtype): masters and float32 moments are what is saved
+PARTIAL_MIXED = ("rollout.max_new_tokens=8", "rollout.partial.enabled=true", "rollout.partial.budget=1",
+                 "loss.mismatch_correction=truncate", "model.dtype=bfloat16")
 # tiny multi-turn rows with the calculator offered (tests/e2e/test_multihost_run.py's shape); by
 # re-prefill a turn waits for every call, so a step's rows do not depend on how long tools take
 MULTI_TURN = ("model.tokenizer=char-calculator", "task.options={digits: 1, operations: '+', use_chat_template: true}",
@@ -62,12 +66,13 @@ class Runs:
         assert done.returncode == 0, done.stderr[-3000:]
         return done
 
-    def refused(self, run_dir: Path, *overrides: str, flags: tuple[str, ...] = ()) -> str:
-        """The one-line error of a run that must exit 2."""
+    def refused(self, run_dir: Path, *overrides: str, flags: tuple[str, ...] = (), stdout: str | None = None) -> str:
+        """The one-line error of a run that must exit 2 (and print `stdout`, when given)."""
         done = self.cli.run(self.command(run_dir, *overrides, flags=flags), timeout=ERROR_TIMEOUT_S)
         assert done.returncode == 2, (done.returncode, done.stderr[-3000:])
         lines = done.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("grpo-run: error: "), done.stderr
+        assert stdout is None or done.stdout == stdout, done.stdout
         return lines[0]
 
 
@@ -125,6 +130,14 @@ def uninterrupted(tmp_path_factory, runs) -> Path:
     return run_dir
 
 
+@pytest.fixture(scope="module")
+def uninterrupted_partial_mixed(tmp_path_factory, runs) -> Path:
+    """The reference of the resumes with carried rows, in bfloat16 compute."""
+    run_dir = tmp_path_factory.mktemp("uninterrupted-partial-mixed")
+    runs.run_to_end(run_dir, *PARTIAL_MIXED)
+    return run_dir
+
+
 def resume_equals_uninterrupted(runs: Runs, uninterrupted: Path, run_dir: Path, from_step: int, what: str, capsys,
                                 *overrides: str, flags: tuple[str, ...] = ()) -> None:
     """Resumes `run_dir` to the end; its final params equal the uninterrupted run's bitwise."""
@@ -140,20 +153,28 @@ def test_sigkill_then_resume_ends_bitwise_equal(uninterrupted, tmp_path, capsys,
     check_sigkill_resume(runs, uninterrupted, tmp_path, capsys)
 
 
-def test_sigkill_then_resume_with_mixed_precision_ends_bitwise_equal(tmp_path, capsys, runs):
-    """bfloat16 compute on float32 masters: masters and float32 moments are what is saved."""
-    reference = tmp_path / "uninterrupted"
-    runs.run_to_end(reference, *MIXED)
-    check_sigkill_resume(runs, reference, tmp_path, capsys, *MIXED)
-
-
-def test_sigkill_then_resume_with_partial_rollouts_ends_bitwise_equal(tmp_path, capsys, runs):
-    """The carried rows are in the checkpoint: the resumed run continues them exactly."""
-    reference = tmp_path / "uninterrupted"
-    runs.run_to_end(reference, *PARTIAL)
-    check_sigkill_resume(runs, reference, tmp_path, capsys, *PARTIAL)
+def test_sigkill_then_resume_with_partial_rollouts_and_mixed_precision_ends_bitwise_equal(
+        uninterrupted_partial_mixed, tmp_path, capsys, runs):
+    """The carried rows are in the checkpoint: the resumed run continues them exactly. bfloat16
+    compute on float32 masters: masters and float32 moments are what is saved."""
+    reference = uninterrupted_partial_mixed
+    check_sigkill_resume(runs, reference, tmp_path, capsys, *PARTIAL_MIXED)
     assert saved_meta(tmp_path / "killed", KILL_AFTER)["carried"]["groups"], "nothing was carried at the kill"
     assert saved_meta(tmp_path / "killed", STEPS)["carried"] == saved_meta(reference, STEPS)["carried"]
+
+
+def test_sigterm_then_resume_with_partial_rollouts_and_mixed_precision_ends_bitwise_equal(
+        uninterrupted_partial_mixed, tmp_path, capsys, runs):
+    """Rows kept in their KV cache within a step (the default) are token lists again at the step's end."""
+    reference = uninterrupted_partial_mixed
+    run_dir = tmp_path / "stopped"
+    stopped = stop_with_signal(runs, run_dir, signal.SIGTERM, tmp_path / "stopped.log", *PARTIAL_MIXED)
+    assert stopped.returncode == 128 + signal.SIGTERM, stopped.stderr[-3000:]
+    saved = complete_steps(run_dir)
+    assert len(saved) == 1 and saved_meta(run_dir, saved[0])["carried"]["groups"], "nothing was carried at the stop"
+    resume_equals_uninterrupted(runs, reference, run_dir, saved[0], f"SIGTERM after step {saved[0]} with partial "
+                                "rollouts in bfloat16", capsys, *PARTIAL_MIXED)
+    assert saved_meta(run_dir, STEPS)["carried"] == saved_meta(reference, STEPS)["carried"]
 
 
 def test_sigkill_then_resume_with_multi_turn_rollouts_ends_bitwise_equal(tmp_path, capsys, runs):
@@ -184,19 +205,22 @@ def check_sigkill_resume(runs: Runs, uninterrupted: Path, tmp_path: Path, capsys
         assert saved_meta(run_dir)[key] == saved_meta(uninterrupted)[key], key
 
 
-def test_resume_flag_without_checkpoint_exits_2_and_writes_nothing(tmp_path, runs):
-    run_dir = tmp_path / "never-ran"
-    message = runs.refused(run_dir, flags=("--resume",))
-    assert "--resume: no complete checkpoint in" in message and str(run_dir) in message
-    assert not run_dir.exists()
-
-
 def test_resume_with_incompatible_config_exits_2_naming_the_keys(uninterrupted, runs):
     before = files_of(uninterrupted)
-    message = runs.refused(uninterrupted, "rollout.n=8", "model.architecture.hidden_size=32", "train.optimizer=sgd")
+    message = runs.refused(uninterrupted, "rollout.n=8", "model.architecture.hidden_size=32", "train.optimizer=sgd",
+                           stdout="")
     assert "rollout.n (saved 4, now 8)" in message
     assert "model.architecture.hidden_size (saved 64, now 32)" in message
     assert 'train.optimizer (saved "adamw", now "sgd")' in message
+    assert "use the saved values, or set logging.dir to a new directory" in message
+    assert files_of(uninterrupted) == before
+
+
+def test_checkpoints_with_resume_never_exit_2_and_change_nothing(uninterrupted, runs):
+    before = files_of(uninterrupted)
+    message = runs.refused(uninterrupted, "checkpoint.resume=never", stdout="")
+    assert f"already holds checkpoints (newest: step {STEPS}) and checkpoint.resume is 'never'" in message
+    assert "pass --resume" in message
     assert files_of(uninterrupted) == before
 
 
@@ -274,20 +298,6 @@ def test_signal_saves_the_step_then_resume_ends_bitwise_equal(signum, uninterrup
                                 f"{saved[0]}", capsys)
     assert [r["train-other/loss"] for r in logged_steps(run_dir)] == \
         [r["train-other/loss"] for r in logged_steps(uninterrupted)]
-
-
-def test_sigterm_then_resume_with_partial_rollouts_ends_bitwise_equal(tmp_path, capsys, runs):
-    """Rows kept in their KV cache within a step (the default) are token lists again at the step's end."""
-    reference = tmp_path / "uninterrupted"
-    runs.run_to_end(reference, *PARTIAL)
-    run_dir = tmp_path / "stopped"
-    stopped = stop_with_signal(runs, run_dir, signal.SIGTERM, tmp_path / "stopped.log", *PARTIAL)
-    assert stopped.returncode == 128 + signal.SIGTERM, stopped.stderr[-3000:]
-    saved = complete_steps(run_dir)
-    assert len(saved) == 1 and saved_meta(run_dir, saved[0])["carried"]["groups"], "nothing was carried at the stop"
-    resume_equals_uninterrupted(runs, reference, run_dir, saved[0], f"SIGTERM after step {saved[0]} with partial "
-                                "rollouts", capsys, *PARTIAL)
-    assert saved_meta(run_dir, STEPS)["carried"] == saved_meta(reference, STEPS)["carried"]
 
 
 # ---- checkpoint faults
