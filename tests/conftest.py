@@ -16,6 +16,24 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 pytest_plugins = ["grpo_core.testing"]
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """Under `-n` (default `--dist load`), each module of tests/e2e is handed to one worker whole:
+    its module-scoped fixtures (trained runs, exports) are then built once, not once per worker,
+    and xdist hands out these multi-test units before the single tests, so the long ones start
+    first. Every other test is scheduled on its own."""
+    if config.getoption("dist") != "load":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class EndToEndModulesWhole(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return module if module.startswith("tests/e2e/") else nodeid
+
+    return EndToEndModulesWhole(config, log)
 # 8 devices hold 64 rows: 8 per device, so the micro-batch sizes 1, 2, 4, 8 are valid.
 PLAN_SHAPE = ("rollout.prompts_per_step=8", "rollout.n=8", "rollout.max_new_tokens=8")
 
