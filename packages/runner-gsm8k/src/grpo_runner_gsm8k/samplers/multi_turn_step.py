@@ -40,6 +40,15 @@ def build_tools(multi: MultiTurnConfig, registry: Any) -> list:
     return tools
 
 
+def tool_prompt_ids(tokenizer: Any, openings: list, offered: list[dict]) -> list[list[int]]:
+    """Token ids of each opening conversation rendered by the chat template with the `offered`
+    tools (`ToolRunner.offered()`) and the generation prompt: a multi-turn row's prompt."""
+    texts = [tokenizer.apply_chat_template(messages, tools=offered, add_generation_prompt=True, tokenize=False)
+             for messages in openings]
+    ids = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
+    return [list(row) for row in ids]
+
+
 def keeps_caches(mode: str, backend: Any, backend_name: str) -> bool:
     """rollout.multi_turn.kv_cache resolved for this backend (auto: kept when it keeps caches)."""
     keeps = isinstance(backend, KeptCacheRollout)
@@ -89,17 +98,15 @@ class MultiTurnSampler:
     def render(self, examples: list, openings: list | None = None) -> list[list[int]]:
         """The examples' prompts (or an environment's `openings`, one per example) rendered with
         the offered tools; too long is a UserError."""
-        tokenizer, cfg = self.run.inputs.tokenizer, self.run.cfg
+        cfg = self.run.cfg
         openings = openings or [ex.messages(cfg.task.system_prompt) for ex in examples]
-        texts = [tokenizer.apply_chat_template(messages, tools=self.runner.offered(), add_generation_prompt=True,
-                                               tokenize=False) for messages in openings]
-        ids = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
+        ids = tool_prompt_ids(self.run.inputs.tokenizer, openings, self.runner.offered())
         for ex, row in zip(examples, ids):
             if len(row) > cfg.rollout.max_prompt_length:
                 raise UserError(f"prompt of example {ex.id or ex.question[:40]!r} has {len(row)} tokens with the "
                                 f"tools offered, more than rollout.max_prompt_length={cfg.rollout.max_prompt_length}; "
                                 "raise rollout.max_prompt_length")
-        return [list(row) for row in ids]
+        return ids
 
     def start_rows(self, examples: list, n: int) -> tuple[list[list[int]], list | None]:
         """(each row's prompt ids, each row's environment reset on its example, or None)."""
