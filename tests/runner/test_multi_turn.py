@@ -259,3 +259,35 @@ def test_environments_are_stepped_on_process_0_and_its_answers_shared(runner, mo
     assert stepped0 == [0] * 6 and stepped1 == [] and sent == []  # 2 rows x 3 turns; every broadcast received
     assert ids1 == ids0 and "says process 0" in tokenizer.decode(ids1[0])
     assert infos1 == infos0 == [{"solved": 1.0, "steps": 3.0}] * 2 and finished1 == finished0 == [True, True]
+
+
+class ProcessOpening:
+    """An environment plugin whose opening names the process that reset it."""
+
+    process, reset_by = 0, []
+
+    @staticmethod
+    def factory(options):
+        return ProcessOpening()
+
+    def reset(self, example):
+        ProcessOpening.reset_by.append(ProcessOpening.process)
+        return [{"role": "user", "content": f"{example} from process {ProcessOpening.process}"}]
+
+
+def test_environments_are_reset_on_process_0_and_its_openings_shared(monkeypatch):
+    """As above for `reset`: process 1 builds no environment and renders process 0's openings."""
+    from grpo_runner_gsm8k.samplers import shared_environments
+
+    sent, results = [], []
+    for process in (0, 1):
+        ProcessOpening.process, ProcessOpening.reset_by = process, []
+        monkeypatch.setattr(shared_environments, "runs_tools", lambda process=process: process == 0)
+        monkeypatch.setattr(shared_environments, "broadcast_object",
+                            lambda value, process=process: sent.append(value) or value if process == 0 else sent.pop(0))
+        openings, environments = shared_environments.reset_all(ProcessOpening, None, ["a", "b"])
+        results.append((openings, environments, ProcessOpening.reset_by))
+    (openings0, environments0, reset0), (openings1, environments1, reset1) = results
+    assert reset0 == [0, 0] and reset1 == [] and sent == [] and environments1 == [None, None]
+    assert openings1 == openings0 == [[{"role": "user", "content": f"{x} from process 0"}] for x in "ab"]
+    assert all(isinstance(environment, ProcessOpening) for environment in environments0)

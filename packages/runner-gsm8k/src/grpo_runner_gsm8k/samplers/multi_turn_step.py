@@ -21,6 +21,7 @@ from grpo_core.step_samplers import loaded
 from grpo_core.tool_calls import ToolRunner
 
 from grpo_runner_gsm8k.samplers.multi_turn_inputs import row_budget
+from grpo_runner_gsm8k.samplers.shared_environments import reset_all
 from grpo_runner_gsm8k.samplers.multi_turn_rollout import CALL_END, MultiTurnRollout, single_token_id, turn_sampling
 from grpo_runner_gsm8k.multihost import gather_objects, host_array
 from grpo_runner_gsm8k.tasks.base import prompts_to_check
@@ -109,12 +110,12 @@ class MultiTurnSampler:
         return ids
 
     def start_rows(self, examples: list, n: int) -> tuple[list[list[int]], list | None]:
-        """(each row's prompt ids, each row's environment reset on its example, or None)."""
+        """(each row's prompt ids, each row's environment reset on its example (on process 0: see
+        grpo_runner_gsm8k.samplers.shared_environments), or None)."""
         if self.environment is None:
             return [ids for ids in self.prompt_ids(examples) for _ in range(n)], None
         repeated = [ex for ex in examples for _ in range(n)]
-        environments = [self.environment.factory(self.environment_options) for _ in repeated]
-        openings = [environment.reset(ex) for environment, ex in zip(environments, repeated)]
+        openings, environments = reset_all(self.environment, self.environment_options, repeated)
         return self.render(repeated, openings), environments
 
     def prompt_ids(self, examples: list) -> list[list[int]]:

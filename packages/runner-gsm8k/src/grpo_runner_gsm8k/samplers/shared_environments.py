@@ -1,14 +1,17 @@
-"""Environment steps of a multi-turn rollout run once, with the same outcomes on every process.
+"""Environment resets and steps of a multi-turn rollout, run once with the same outcomes on
+every process.
 
-With several processes every process decodes the same global rows and holds its own copy of
-each row's environment. If each stepped its copy, an environment whose answers are random,
-read a clock or depend on the process would answer differently on each, and the processes
-would append different turns and feed different data into one global batch. So, as for tool
-calls (grpo_runner_gsm8k.samplers.shared_tools), process 0 alone steps the environments: the
-rows that ended a turn in one round are stepped together and process 0 sends the outcomes to
-the others in one `broadcast_object` (each answer, and the environment's `done` and
-`reward_info()` after it). Every process keeps those last two in the row's `SharedEnvironment`,
-which the rollout, the rewards and the estimators read. With one process nothing is sent.
+With several processes every process decodes the same global rows. If each process reset and
+stepped environments of its own, an environment whose answers are random, read a clock or
+depend on the process would answer differently on each, and the processes would render
+different prompts, append different turns and feed different data into one global batch. So,
+as for tool calls (grpo_runner_gsm8k.samplers.shared_tools), process 0 alone builds, resets
+and steps the environments and sends the outcomes to the others with `broadcast_object`: the
+opening messages when the rows start, each environment's `done` and `reward_info()` when the
+rollout starts, and, for the rows that ended a turn in one round (stepped together), each
+answer and the environment's `done` and `reward_info()` after it. Every process keeps those
+last two in the row's `SharedEnvironment`, which the rollout, the rewards and the estimators
+read. With one process nothing is sent.
 """
 
 from __future__ import annotations
@@ -26,15 +29,26 @@ class SharedEnvironment:
     copy last reported them."""
 
     def __init__(self, environment: Any, done: bool, info: dict[str, float]):
-        self.environment = environment  # stepped on process 0 only
+        self.environment = environment  # None on processes other than 0
         self.done, self.info = done, info
 
     def reward_info(self) -> dict[str, float]:
         return dict(self.info)
 
 
+def reset_all(spec: Any, options: Any, examples: Sequence[Any]) -> tuple[list[list[dict]], list[Any]]:
+    """(each row's opening messages, each row's environment reset on its example): built and
+    reset on process 0, the openings the same on every process (the environments are None on
+    the others)."""
+    environments = [spec.factory(options) if runs_tools() else None for _ in examples]
+    openings = broadcast_object([environment.reset(example) for environment, example in zip(environments, examples)]
+                                if runs_tools() else None)
+    return openings, environments
+
+
 def share(environments: Sequence[Any]) -> list[SharedEnvironment]:
-    """The rows' environments, already reset, with process 0's `done` and reward information."""
+    """The rows' environments (reset; None except on process 0) with process 0's `done` and
+    reward information."""
     if not environments:
         return []
     reported = broadcast_object([(bool(environment.done), dict(environment.reward_info()))
