@@ -41,9 +41,9 @@ def tokenizer():
     return load_tokenizer(str(TOKENIZER))
 
 
-def preset_task(cfg) -> Gsm8kTask:
+def preset_task(cfg, data: Path = GSM8K) -> Gsm8kTask:
     spec = default_registry().get("task", cfg.task.name)  # gsm8k or gsm8k_tools
-    return spec.factory(plugin_options(spec.options, {**cfg.task.options, "path": str(GSM8K)}, "task.options"),
+    return spec.factory(plugin_options(spec.options, {**cfg.task.options, "path": str(data)}, "task.options"),
                         seed=cfg.task.seed)
 
 
@@ -114,15 +114,31 @@ QWEN25_0P5B = {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "hi
                "torch_dtype": "bfloat16"}
 
 
-def test_the_gsm8k_tools_preset_loads_with_print_config(tmp_path, capsys):
-    """Every load-time check of the preset passes on the real tokenizer and GSM8K data."""
+def test_the_gsm8k_tools_preset_loads_with_print_config(tmp_path, tokenizer, capsys):
+    """Every load-time check of the preset passes on the real tokenizer and GSM8K data. On the
+    first 8 GSM8K questions, a limit one token under their longest prompt as measured here is
+    refused in one line naming that length: the run renders what the measurement renders."""
     import json
 
     from grpo_runner_gsm8k.cli import main
 
+    preset = REPO / "configs" / "gsm8k_tools_qwen25_0p5b_1gpu.yaml"
     (tmp_path / "config.json").write_text(json.dumps(QWEN25_0P5B))
-    argv = ["--config", str(REPO / "configs" / "gsm8k_tools_qwen25_0p5b_1gpu.yaml"), "--print-config",
-            f"model.path={tmp_path}", f"model.tokenizer={TOKENIZER}", f"task.options.path={GSM8K}"]
-    assert main(argv) == 0
+    argv = ["--config", str(preset), "--print-config", f"model.path={tmp_path}", f"model.tokenizer={TOKENIZER}",
+            f'task.system_prompt="{QWEN25_DEFAULT_SYSTEM}"']  # as Qwen2.5's template adds it
+    assert main([*argv, f"task.options.path={GSM8K}"]) == 0
     printed = capsys.readouterr().out
     assert "name: gsm8k_tools" in printed and "tools:\n    - calculator\n    - python" in printed
+
+    few = tmp_path / "few"
+    few.mkdir()
+    rows = (GSM8K / "train.jsonl").read_text().splitlines()[:8]
+    for split in ("train", "test"):
+        (few / f"{split}.jsonl").write_text("\n".join(rows) + "\n")
+    cfg = load_config(preset)
+    examples = preset_task(cfg, few).train_examples()
+    longest = int(preset_prompt_lengths(cfg, tokenizer, examples).max())
+    assert main([*argv, f"task.options.path={few}", f"rollout.max_prompt_length={longest - 1}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"has {longest} tokens with the tools offered, more than " in err[0]
+

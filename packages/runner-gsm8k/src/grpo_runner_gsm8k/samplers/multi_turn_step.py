@@ -18,7 +18,7 @@ from grpo_core.contracts import ConversationText, KeptCacheRollout, Policy
 from grpo_core.errors import UserError
 from grpo_core.rollout_records import DecodeTally, Sampled, waste_metrics
 from grpo_core.step_samplers import loaded
-from grpo_core.tool_calls import ToolRunner
+from grpo_core.tool_calls import ToolRunner, tool_schema
 
 from grpo_runner_gsm8k.samplers.multi_turn_inputs import row_budget
 from grpo_runner_gsm8k.samplers.shared_environments import reset_all
@@ -48,6 +48,31 @@ def tool_prompt_ids(tokenizer: Any, openings: list, offered: list[dict]) -> list
              for messages in openings]
     ids = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
     return [list(row) for row in ids]
+
+
+def checked_tool_prompts(tokenizer: Any, examples: list, openings: list, offered: list[dict],
+                         max_prompt_length: int) -> list[list[int]]:
+    """`tool_prompt_ids` of the examples' openings; one longer than `max_prompt_length` is a
+    UserError."""
+    ids = tool_prompt_ids(tokenizer, openings, offered)
+    for ex, row in zip(examples, ids):
+        if len(row) > max_prompt_length:
+            raise UserError(f"prompt of example {ex.id or ex.question[:40]!r} has {len(row)} tokens with the "
+                            f"tools offered, more than rollout.max_prompt_length={max_prompt_length}; "
+                            "raise rollout.max_prompt_length")
+    return ids
+
+
+def check_tool_prompts(cfg: Any, inputs: Any, registry: Any) -> None:
+    """Every prompt a multi-turn run without an environment can see, rendered with the offered
+    tools as its sampler renders them, checked against rollout.max_prompt_length (`--print-config`;
+    a run checks them when its sampler is built)."""
+    if not cfg.rollout.multi_turn.enabled or cfg.rollout.multi_turn.environment is not None:
+        return
+    examples = prompts_to_check(cfg.eval, inputs.task, inputs.prompts_per_process)
+    offered = [tool_schema(tool) for tool in build_tools(cfg.rollout.multi_turn, registry)]
+    checked_tool_prompts(inputs.tokenizer, examples, [ex.messages(cfg.task.system_prompt) for ex in examples],
+                         offered, cfg.rollout.max_prompt_length)
 
 
 def keeps_caches(mode: str, backend: Any, backend_name: str) -> bool:
@@ -101,13 +126,8 @@ class MultiTurnSampler:
         the offered tools; too long is a UserError."""
         cfg = self.run.cfg
         openings = openings or [ex.messages(cfg.task.system_prompt) for ex in examples]
-        ids = tool_prompt_ids(self.run.inputs.tokenizer, openings, self.runner.offered())
-        for ex, row in zip(examples, ids):
-            if len(row) > cfg.rollout.max_prompt_length:
-                raise UserError(f"prompt of example {ex.id or ex.question[:40]!r} has {len(row)} tokens with the "
-                                f"tools offered, more than rollout.max_prompt_length={cfg.rollout.max_prompt_length}; "
-                                "raise rollout.max_prompt_length")
-        return ids
+        return checked_tool_prompts(self.run.inputs.tokenizer, examples, openings, self.runner.offered(),
+                                    cfg.rollout.max_prompt_length)
 
     def start_rows(self, examples: list, n: int) -> tuple[list[list[int]], list | None]:
         """(each row's prompt ids, each row's environment reset on its example (on process 0: see
