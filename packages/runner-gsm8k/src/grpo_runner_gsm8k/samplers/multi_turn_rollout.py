@@ -143,8 +143,8 @@ class MultiTurnRollout:
             self.append_tool_turn(row, row_outcomes)
 
     def answer_environments(self) -> None:
-        """The environments of the rows that ended a turn without a call since the last time
-        answer those turns, stepped once on process 0 (see
+        """Each row that ended a turn without a call since the last answers gets its environment's
+        answer; the environments are stepped together, on process 0 (see
         grpo_runner_gsm8k.samplers.shared_environments)."""
         due, self.environment_due = self.environment_due, []
         texts = [self.tokenizer.decode(turn_ids, skip_special_tokens=True) for _, turn_ids, _ in due]
