@@ -218,3 +218,76 @@ def test_an_environment_answers_each_turn_until_it_is_done(runner, monkeypatch):
     assert episode_arrays(rows, 400)["env/solved"].tolist() == [1.0, 1.0]
     texts = conversation_texts(tokenizer, rows, 400)
     assert texts[0].environment == {"solved": 1.0, "steps": 2.0} and str(texts[0]) == "7"
+
+
+class ProcessGuess(Guess):
+    """Guess, whose hint names the process that stepped it (as a clock or a random draw
+    would differ between processes)."""
+
+    process, stepped = 0, []  # the faked process; the processes that stepped an environment
+
+    def step(self, text):
+        from grpo_core.contracts import EnvironmentStep
+
+        ProcessGuess.stepped.append(ProcessGuess.process)
+        answer = super().step(text)
+        hint = {"role": "user", "content": f"Higher, says process {ProcessGuess.process}."}
+        return answer if answer.done else EnvironmentStep(messages=(hint,))
+
+
+def test_environments_are_stepped_on_process_0_and_its_answers_shared(runner, monkeypatch):
+    """Two processes faked in turn: process 0 steps every environment and its broadcasts are
+    recorded; process 1 steps none, receives them, and ends with the same rows and episodes.
+    With every process stepping its own copy, process 1's hints would name process 1."""
+    from grpo_runner_gsm8k.samplers import shared_environments
+
+    tokenizer = _char()
+    monkeypatch.setitem(SCRIPTS, "guess", ["3", "5", "7"])
+    prompt = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": "Q:guess"}],
+                                                            add_generation_prompt=True, tokenize=False))
+    sent, results = [], []
+    for process in (0, 1):
+        ProcessGuess.process, ProcessGuess.stepped = process, []
+        monkeypatch.setattr(shared_environments, "runs_tools", lambda process=process: process == 0)
+        monkeypatch.setattr(shared_environments, "broadcast_object",
+                            lambda value, process=process: sent.append(value) or value if process == 0 else sent.pop(0))
+        turns, _ = _rollout(tokenizer, runner)
+        rows, _ = turns.rollout([prompt, prompt], 1, jax.random.key(0), [ProcessGuess(), ProcessGuess()])
+        results.append(([row.ids for row in rows], [row.environment.reward_info() for row in rows],
+                         [row.finished for row in rows], ProcessGuess.stepped))
+    (ids0, infos0, finished0, stepped0), (ids1, infos1, finished1, stepped1) = results
+    assert stepped0 == [0] * 6 and stepped1 == [] and sent == []  # 2 rows x 3 turns; every broadcast received
+    assert ids1 == ids0 and "says process 0" in tokenizer.decode(ids1[0])
+    assert infos1 == infos0 == [{"solved": 1.0, "steps": 3.0}] * 2 and finished1 == finished0 == [True, True]
+
+
+class ProcessOpening:
+    """An environment plugin whose opening names the process that reset it."""
+
+    process, reset_by = 0, []
+
+    @staticmethod
+    def factory(options):
+        return ProcessOpening()
+
+    def reset(self, example):
+        ProcessOpening.reset_by.append(ProcessOpening.process)
+        return [{"role": "user", "content": f"{example} from process {ProcessOpening.process}"}]
+
+
+def test_environments_are_reset_on_process_0_and_its_openings_shared(monkeypatch):
+    """As above for `reset`: process 1 builds no environment and renders process 0's openings."""
+    from grpo_runner_gsm8k.samplers import shared_environments
+
+    sent, results = [], []
+    for process in (0, 1):
+        ProcessOpening.process, ProcessOpening.reset_by = process, []
+        monkeypatch.setattr(shared_environments, "runs_tools", lambda process=process: process == 0)
+        monkeypatch.setattr(shared_environments, "broadcast_object",
+                            lambda value, process=process: sent.append(value) or value if process == 0 else sent.pop(0))
+        openings, environments = shared_environments.reset_all(ProcessOpening, None, ["a", "b"])
+        results.append((openings, environments, ProcessOpening.reset_by))
+    (openings0, environments0, reset0), (openings1, environments1, reset1) = results
+    assert reset0 == [0, 0] and reset1 == [] and sent == [] and environments1 == [None, None]
+    assert openings1 == openings0 == [[{"role": "user", "content": f"{x} from process 0"}] for x in "ab"]
+    assert all(isinstance(environment, ProcessOpening) for environment in environments0)

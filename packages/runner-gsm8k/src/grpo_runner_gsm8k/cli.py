@@ -98,8 +98,11 @@ def _train_command(argv: list[str]) -> int:
         from grpo_core.config_io import config_to_yaml
         from grpo_core.registry import default_registry
         from grpo_runner_gsm8k.assembly.build import check_inputs
+        from grpo_runner_gsm8k.samplers.multi_turn_step import check_tool_prompts
 
-        check_inputs(cfg, default_registry())  # every check a run makes before device work
+        registry = default_registry()
+        _, inputs = check_inputs(cfg, registry)  # every check a run makes before device work
+        check_tool_prompts(cfg, inputs, registry)  # and the multi-turn sampler's, made when it is built
 
         print(config_to_yaml(cfg), end="")
         return 0

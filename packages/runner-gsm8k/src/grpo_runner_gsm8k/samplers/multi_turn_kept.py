@@ -111,3 +111,4 @@ class KeptCacheTurns:
                                    row.turns + 1 >= turns.max_turns)
             if calls:
                 self.pending[slot] = submit(turns.runner, calls)
+        turns.answer_environments()

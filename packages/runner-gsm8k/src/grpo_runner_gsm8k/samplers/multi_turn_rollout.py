@@ -30,6 +30,7 @@ from grpo_core.tool_calls import ToolRunner, parse_tool_calls, response_messages
 
 from grpo_runner_gsm8k.multihost import host_array
 from grpo_runner_gsm8k.samplers.multi_turn_kept import KeptCacheTurns
+from grpo_runner_gsm8k.samplers.shared_environments import share, step_all
 from grpo_runner_gsm8k.samplers.shared_tools import all_returned, submit
 from grpo_runner_gsm8k.samplers.trajectory import Trajectory
 
@@ -69,6 +70,7 @@ class MultiTurnRollout:
     batch_sharding: Any = None
     template_kwargs: dict = dataclasses.field(default_factory=dict)
     kv_cache: bool = False  # continue on the backend's kept caches (grpo_runner_gsm8k.samplers.multi_turn_kept)
+    environment_due: list = dataclasses.field(default_factory=list)  # (row, turn ids, last) to answer
 
     def rollout(self, prompts: Sequence[Sequence[int]], n: int, key: jax.Array,
                 environments: Sequence[Any] | None = None) -> tuple[list[Trajectory], DecodeTally]:
@@ -76,7 +78,7 @@ class MultiTurnRollout:
         decode work they took; environments: one per row, already reset (their opening messages
         are the prompts)."""
         rows = [Trajectory(list(prompt)) for prompt in prompts for _ in range(n)]
-        for row, environment in zip(rows, environments or ()):
+        for row, environment in zip(rows, share(environments or ())):
             row.environment = environment
         if self.kv_cache:
             try:
@@ -111,6 +113,7 @@ class MultiTurnRollout:
             calls = self.end_turn(row, ids[i, :lengths[i]].tolist(), logps[i, :lengths[i]], bool(finished[i]), last)
             if calls:
                 calling.append((row, calls))
+        self.answer_environments()
         return calling, work
 
     def end_turn(self, row: Trajectory, turn_ids: list, turn_logps: Any, stopped: bool, last: bool) -> list:
@@ -119,7 +122,7 @@ class MultiTurnRollout:
             row.stop(finished=False)  # out of completion tokens
         elif not (stopped and turn_ids and turn_ids[-1] == self.call_end_id):
             if stopped and row.environment is not None:
-                self.environment_turn(row, turn_ids, last)
+                self.environment_due.append((row, turn_ids, last))  # answered by answer_environments
             else:
                 row.stop(finished=stopped)
         else:
@@ -139,10 +142,19 @@ class MultiTurnRollout:
         for (row, _), row_outcomes in zip(calling, outcomes):
             self.append_tool_turn(row, row_outcomes)
 
-    def environment_turn(self, row: Trajectory, turn_ids: list, last: bool) -> None:
-        """The row's environment answers the turn the model ended: the episode ends, or its
+    def answer_environments(self) -> None:
+        """Each row that ended a turn without a call since the last answers gets its environment's
+        answer; the environments are stepped together, on process 0 (see
+        grpo_runner_gsm8k.samplers.shared_environments)."""
+        due, self.environment_due = self.environment_due, []
+        texts = [self.tokenizer.decode(turn_ids, skip_special_tokens=True) for _, turn_ids, _ in due]
+        answers = step_all([row.environment for row, _, _ in due], texts)
+        for (row, _, last), answer in zip(due, answers):
+            self.environment_turn(row, answer, last)
+
+    def environment_turn(self, row: Trajectory, answer: Any, last: bool) -> None:
+        """The row's environment's `answer` to the turn the model ended: the episode ends, or its
         messages are appended and the row goes on (while it has turns left)."""
-        answer = row.environment.step(self.tokenizer.decode(turn_ids, skip_special_tokens=True))
         if answer.done or row.environment.done or not answer.messages or last:
             row.stop(finished=answer.done or row.environment.done)
             return

@@ -18,9 +18,10 @@ from grpo_core.contracts import ConversationText, KeptCacheRollout, Policy
 from grpo_core.errors import UserError
 from grpo_core.rollout_records import DecodeTally, Sampled, waste_metrics
 from grpo_core.step_samplers import loaded
-from grpo_core.tool_calls import ToolRunner
+from grpo_core.tool_calls import ToolRunner, tool_schema
 
 from grpo_runner_gsm8k.samplers.multi_turn_inputs import row_budget
+from grpo_runner_gsm8k.samplers.shared_environments import reset_all
 from grpo_runner_gsm8k.samplers.multi_turn_rollout import CALL_END, MultiTurnRollout, single_token_id, turn_sampling
 from grpo_runner_gsm8k.multihost import gather_objects, host_array
 from grpo_runner_gsm8k.tasks.base import prompts_to_check
@@ -38,6 +39,40 @@ def build_tools(multi: MultiTurnConfig, registry: Any) -> list:
                                  f"rollout.multi_turn.tool_options.{name}")
         tools.append(spec.factory(options))
     return tools
+
+
+def tool_prompt_ids(tokenizer: Any, openings: list, offered: list[dict]) -> list[list[int]]:
+    """Token ids of each opening conversation rendered by the chat template with the `offered`
+    tools (`ToolRunner.offered()`) and the generation prompt: a multi-turn row's prompt."""
+    texts = [tokenizer.apply_chat_template(messages, tools=offered, add_generation_prompt=True, tokenize=False)
+             for messages in openings]
+    ids = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
+    return [list(row) for row in ids]
+
+
+def checked_tool_prompts(tokenizer: Any, examples: list, openings: list, offered: list[dict],
+                         max_prompt_length: int) -> list[list[int]]:
+    """`tool_prompt_ids` of the examples' openings; one longer than `max_prompt_length` is a
+    UserError."""
+    ids = tool_prompt_ids(tokenizer, openings, offered)
+    for ex, row in zip(examples, ids):
+        if len(row) > max_prompt_length:
+            raise UserError(f"prompt of example {ex.id or ex.question[:40]!r} has {len(row)} tokens with the "
+                            f"tools offered, more than rollout.max_prompt_length={max_prompt_length}; "
+                            "raise rollout.max_prompt_length")
+    return ids
+
+
+def check_tool_prompts(cfg: Any, inputs: Any, registry: Any) -> None:
+    """Every prompt a multi-turn run without an environment can see, rendered with the offered
+    tools as its sampler renders them, checked against rollout.max_prompt_length (`--print-config`;
+    a run checks them when its sampler is built)."""
+    if not cfg.rollout.multi_turn.enabled or cfg.rollout.multi_turn.environment is not None:
+        return
+    examples = prompts_to_check(cfg.eval, inputs.task, inputs.prompts_per_process)
+    offered = [tool_schema(tool) for tool in build_tools(cfg.rollout.multi_turn, registry)]
+    checked_tool_prompts(inputs.tokenizer, examples, [ex.messages(cfg.task.system_prompt) for ex in examples],
+                         offered, cfg.rollout.max_prompt_length)
 
 
 def keeps_caches(mode: str, backend: Any, backend_name: str) -> bool:
@@ -89,25 +124,18 @@ class MultiTurnSampler:
     def render(self, examples: list, openings: list | None = None) -> list[list[int]]:
         """The examples' prompts (or an environment's `openings`, one per example) rendered with
         the offered tools; too long is a UserError."""
-        tokenizer, cfg = self.run.inputs.tokenizer, self.run.cfg
+        cfg = self.run.cfg
         openings = openings or [ex.messages(cfg.task.system_prompt) for ex in examples]
-        texts = [tokenizer.apply_chat_template(messages, tools=self.runner.offered(), add_generation_prompt=True,
-                                               tokenize=False) for messages in openings]
-        ids = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
-        for ex, row in zip(examples, ids):
-            if len(row) > cfg.rollout.max_prompt_length:
-                raise UserError(f"prompt of example {ex.id or ex.question[:40]!r} has {len(row)} tokens with the "
-                                f"tools offered, more than rollout.max_prompt_length={cfg.rollout.max_prompt_length}; "
-                                "raise rollout.max_prompt_length")
-        return [list(row) for row in ids]
+        return checked_tool_prompts(self.run.inputs.tokenizer, examples, openings, self.runner.offered(),
+                                    cfg.rollout.max_prompt_length)
 
     def start_rows(self, examples: list, n: int) -> tuple[list[list[int]], list | None]:
-        """(each row's prompt ids, each row's environment reset on its example, or None)."""
+        """(each row's prompt ids, each row's environment reset on its example (on process 0: see
+        grpo_runner_gsm8k.samplers.shared_environments), or None)."""
         if self.environment is None:
             return [ids for ids in self.prompt_ids(examples) for _ in range(n)], None
         repeated = [ex for ex in examples for _ in range(n)]
-        environments = [self.environment.factory(self.environment_options) for _ in repeated]
-        openings = [environment.reset(ex) for environment, ex in zip(environments, repeated)]
+        openings, environments = reset_all(self.environment, self.environment_options, repeated)
         return self.render(repeated, openings), environments
 
     def prompt_ids(self, examples: list) -> list[list[int]]:
