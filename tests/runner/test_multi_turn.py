@@ -235,6 +235,13 @@ class ProcessGuess(Guess):
         return answer if answer.done else EnvironmentStep(messages=(hint,))
 
 
+def fake_process(monkeypatch, shared_environments, process: int, sent: list) -> None:
+    """This process plays `process`: process 0 records what it broadcasts, process 1 receives it."""
+    monkeypatch.setattr(shared_environments, "runs_tools", lambda: process == 0)
+    monkeypatch.setattr(shared_environments, "broadcast_object",
+                        lambda value: sent.append(value) or value if process == 0 else sent.pop(0))
+
+
 def test_environments_are_stepped_on_process_0_and_its_answers_shared(runner, monkeypatch):
     """Two processes faked in turn: process 0 steps every environment and its broadcasts are
     recorded; process 1 steps none, receives them, and ends with the same rows and episodes.
@@ -248,9 +255,7 @@ def test_environments_are_stepped_on_process_0_and_its_answers_shared(runner, mo
     sent, results = [], []
     for process in (0, 1):
         ProcessGuess.process, ProcessGuess.stepped = process, []
-        monkeypatch.setattr(shared_environments, "runs_tools", lambda process=process: process == 0)
-        monkeypatch.setattr(shared_environments, "broadcast_object",
-                            lambda value, process=process: sent.append(value) or value if process == 0 else sent.pop(0))
+        fake_process(monkeypatch, shared_environments, process, sent)
         turns, _ = _rollout(tokenizer, runner)
         rows, _ = turns.rollout([prompt, prompt], 1, jax.random.key(0), [ProcessGuess(), ProcessGuess()])
         results.append(([row.ids for row in rows], [row.environment.reward_info() for row in rows],
@@ -282,9 +287,7 @@ def test_environments_are_reset_on_process_0_and_its_openings_shared(monkeypatch
     sent, results = [], []
     for process in (0, 1):
         ProcessOpening.process, ProcessOpening.reset_by = process, []
-        monkeypatch.setattr(shared_environments, "runs_tools", lambda process=process: process == 0)
-        monkeypatch.setattr(shared_environments, "broadcast_object",
-                            lambda value, process=process: sent.append(value) or value if process == 0 else sent.pop(0))
+        fake_process(monkeypatch, shared_environments, process, sent)
         openings, environments = shared_environments.reset_all(ProcessOpening, None, ["a", "b"])
         results.append((openings, environments, ProcessOpening.reset_by))
     (openings0, environments0, reset0), (openings1, environments1, reset1) = results
