@@ -102,7 +102,7 @@ def _train_command(argv: list[str]) -> int:
 
         registry = default_registry()
         _, inputs = check_inputs(cfg, registry)  # every check a run makes before device work
-        check_tool_prompts(cfg, inputs, registry)  # and the multi-turn sampler's, made when it is built
+        check_tool_prompts(cfg.rollout, cfg.eval, cfg.task, inputs, registry)  # and the multi-turn sampler's, made when it is built
 
         print(config_to_yaml(cfg), end="")
         return 0

@@ -63,16 +63,16 @@ def checked_tool_prompts(tokenizer: Any, examples: list, openings: list, offered
     return ids
 
 
-def check_tool_prompts(cfg: Any, inputs: Any, registry: Any) -> None:
+def check_tool_prompts(rollout: Any, eval_cfg: Any, task_cfg: Any, inputs: Any, registry: Any) -> None:
     """Every prompt a multi-turn run without an environment can see, rendered with the offered
     tools as its sampler renders them, checked against rollout.max_prompt_length (`--print-config`;
     a run checks them when its sampler is built)."""
-    if not cfg.rollout.multi_turn.enabled or cfg.rollout.multi_turn.environment is not None:
+    if not rollout.multi_turn.enabled or rollout.multi_turn.environment is not None:
         return
-    examples = prompts_to_check(cfg.eval, inputs.task, inputs.prompts_per_process)
-    offered = [tool_schema(tool) for tool in build_tools(cfg.rollout.multi_turn, registry)]
-    checked_tool_prompts(inputs.tokenizer, examples, [ex.messages(cfg.task.system_prompt) for ex in examples],
-                         offered, cfg.rollout.max_prompt_length)
+    examples = prompts_to_check(eval_cfg, inputs.task, inputs.prompts_per_process)
+    offered = [tool_schema(tool) for tool in build_tools(rollout.multi_turn, registry)]
+    checked_tool_prompts(inputs.tokenizer, examples, [ex.messages(task_cfg.system_prompt) for ex in examples],
+                         offered, rollout.max_prompt_length)
 
 
 def keeps_caches(mode: str, backend: Any, backend_name: str) -> bool:
