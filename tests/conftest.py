@@ -10,19 +10,17 @@ from typing import Callable, Optional
 
 import pytest
 
+REPO = Path(__file__).resolve().parents[1]
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # One XLA compilation cache for the test processes and the runs they start: the tiny model's
 # programs are compiled once per clone instead of once per `grpo-run` subprocess (a tiny run's
 # 19 s drop to 8). Cached programs are the same executables, so results stay bitwise equal.
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(Path(__file__).resolve().parents[1] / ".cache" / "xla-tests"))
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(REPO / ".cache" / "xla-tests"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 pytest_plugins = ["grpo_core.testing"]
-
-REPO = Path(__file__).resolve().parents[1]
-
 
 
 def pytest_xdist_make_scheduler(config, log):
@@ -40,6 +38,8 @@ def pytest_xdist_make_scheduler(config, log):
             return module if module.startswith("tests/e2e/") else nodeid
 
     return EndToEndModulesWhole(config, log)
+
+
 # 8 devices hold 64 rows: 8 per device, so the micro-batch sizes 1, 2, 4, 8 are valid.
 PLAN_SHAPE = ("rollout.prompts_per_step=8", "rollout.n=8", "rollout.max_new_tokens=8")
 
