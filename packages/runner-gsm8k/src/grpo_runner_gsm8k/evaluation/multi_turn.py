@@ -33,8 +33,8 @@ class MultiTurnEval(ToolRows):
     """The eval rollout of a multi-turn run `run` (built once, with tools of its own)."""
 
     def __init__(self, run: Any, registry: Any):
-        sampling = run.eval_sampling
-        super().__init__(run, registry, sampling, run.cfg.rollout.multi_turn.max_total_tokens or sampling.max_new_tokens)
+        sampling, total = run.eval_sampling, run.cfg.rollout.multi_turn.max_total_tokens
+        super().__init__(run, registry, sampling, total or sampling.max_new_tokens)
 
     def offers(self, task: Any) -> bool:
         """Whether `task`'s questions are rolled out with the tools (its prompts use the chat template)."""
