@@ -1,6 +1,7 @@
 """What a training run keeps beside its model: run directory and its lock, checkpointer,
 memory guard, metric sinks, eval tasks (and a multi-turn run's eval rollout), the reference
-weights and the teacher's scoring. Built by `run.build_run` for training; eval and the plan's abstract twin have none."""
+weights and the teacher's scoring. Built by `run.build_run` for training; eval and the plan's
+abstract twin have none."""
 
 from __future__ import annotations
 
