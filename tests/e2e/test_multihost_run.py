@@ -269,15 +269,19 @@ def test_two_process_distillation_of_a_lora_student_ends_with_the_same_adapters(
     assert all(abs(r["train-other/distill_reverse_kl"]) > 1e-3 and np.isfinite(r["train-other/loss"]) for r in records)
 
 
-# Two steps of a tiny multi-turn run with the calculator (the kept-cache loop). A random model
-# hardly ever writes a call, so in each step's first round row 0 writes CALL instead of sampling
-# (admitted into its kept cache, so the cache holds what the row holds). The calculator answers
-# with its process's index: were the calls run on each process, the processes would append
-# different tool turns and end with different parameters.
+# Two steps of a tiny multi-turn run with the calculator (the kept-cache loop) in which every row
+# plays an environment (`hint`), then a multi-turn eval. A random model hardly ever writes a call or
+# a stop token, so in each step's first round row 0 writes CALL instead of sampling (admitted into
+# its kept cache, so the cache holds what the row holds) and every other row ends its turn there, so
+# its environment is stepped. The calculator's response and the environment's hint name the process
+# that produced them: were calls run or environments stepped on each process, the processes would
+# append different turns and end with different parameters.
 TOOLS_DRIVER = """
-import json, sys, jax, numpy as np
+import dataclasses, json, sys, jax, numpy as np
+from grpo_core import EnvironmentSpec, hookimpl
 from grpo_core.config_io import load_config
-from grpo_core.registry import default_registry
+from grpo_core.contracts import EnvironmentStep
+from grpo_core.testing import registry_with
 from grpo_runner_gsm8k import loop
 from grpo_runner_gsm8k.multihost import host_array
 CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "12*34"}}</tool_call>'
@@ -293,7 +297,7 @@ class FirstRoundCalls:
         fields = {name: host_array(getattr(result, name)).copy()
                   for name in ("completion_ids", "sampler_logps", "lengths", "finished")}
         fields["completion_ids"][0, :len(self.call)], fields["sampler_logps"][0, :len(self.call)] = self.call, -1.0
-        fields["lengths"][0], fields["finished"][0] = len(self.call), True
+        fields["lengths"][0], fields["finished"][:] = len(self.call), True
         return result.replace(**fields)
     def release_kept_cache(self):
         self.rounds = 0
@@ -305,8 +309,34 @@ class PerProcess:
     def __call__(self, arguments):
         self.runs += 1
         return f"{self.tool(arguments)} from process {jax.process_index()}"
-cfg = load_config(sys.argv[1], sys.argv[2:], registry=default_registry())
-trainer = loop.Trainer(loop.build_run(cfg, default_registry()))
+COUNTS = {"built": 0, "steps": 0}
+@dataclasses.dataclass(frozen=True)
+class HintOptions:
+    pass
+class Hint:
+    def __init__(self, options):
+        COUNTS["built"] += 1
+        self.steps = 0
+    def reset(self, example):
+        return [{"role": "user", "content": example.question}]
+    def step(self, text):
+        COUNTS["steps"] += 1
+        self.steps += 1
+        if self.done:
+            return EnvironmentStep(done=True, reward=self.reward_info())
+        return EnvironmentStep(messages=({"role": "user", "content": f"hint {jax.process_index()}"},))
+    @property
+    def done(self):
+        return self.steps >= 2
+    def reward_info(self):
+        return {"answered": float(self.steps > 0)}
+class HintPlugin:
+    @hookimpl
+    def grpo_environments(self):
+        return [EnvironmentSpec("hint", Hint, HintOptions, "a hint naming the process that stepped it")]
+registry = registry_with(HintPlugin())
+cfg = load_config(sys.argv[1], sys.argv[2:], registry=registry)
+trainer = loop.Trainer(loop.build_run(cfg, registry))
 turns, runner = trainer.sampler.turns, trainer.sampler.runner
 turns.backend = FirstRoundCalls(turns.backend, trainer.built.inputs.tokenizer)
 tool = runner.tools["calculator"] = PerProcess(runner.tools["calculator"])
@@ -314,28 +344,39 @@ metrics = trainer.run()
 params = [np.asarray(jax.experimental.multihost_utils.process_allgather(x, tiled=True))
           for x in jax.tree.leaves(trainer.state.params)]
 print("PARAMS", float(sum(np.abs(leaf).sum() for leaf in params)), flush=True)
-print("TOOLS", json.dumps({k: v for k, v in metrics.items() if k.startswith("train-tools/")}), flush=True)
+print("TOOLS", json.dumps({k: v for k, v in metrics.items() if k.startswith(("train-tools/", "train-reward/func/"))}))
+print("EVAL", json.dumps({k: v for k, v in metrics.items() if k.startswith("eval/")}), flush=True)
 print("RUNS", tool.runs, flush=True)
+print("ENVIRONMENTS", json.dumps(COUNTS), flush=True)
 """
 MULTI_TURN = ["model.tokenizer=char-calculator", "task.options={digits: 1, operations: '+', use_chat_template: true}",
               "rollout.max_prompt_length=32", "rollout.max_new_tokens=16", "rollout.multi_turn.enabled=true",
               "rollout.multi_turn.tools=[calculator]", "rollout.multi_turn.max_turns=2",
               "rollout.multi_turn.max_total_tokens=64", "model.architecture.max_position_embeddings=128",
-              "eval.every_steps=0"]
+              "rollout.multi_turn.environment=hint", "task.rewards={correctness: 1.0, environment: 1.0}",
+              "task.reward_options={environment: {key: answered}}"]
 
 
 @pytest.mark.slow
-def test_two_process_multi_turn_run_runs_each_call_once_and_shares_its_outcome(tmp_path, tiny_config_path):
+def test_two_process_multi_turn_run_runs_each_call_and_environment_once_and_shares_the_outcome(
+        tmp_path, tiny_config_path):
     port = free_port()
     procs = [subprocess.Popen([sys.executable, "-c", TOOLS_DRIVER, tiny_config_path, *RUN, *MULTI_TURN,
                                f"logging.dir={tmp_path}", *distributed(port, i)], env=cpu_env(4),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
     outs = finish(procs)
     assert [int(printed(out, "RUNS")) for out in outs] == [2, 0]  # one call per step, run by process 0 only
+    environments = [json.loads(printed(out, "ENVIRONMENTS")) for out in outs]
+    # 2 steps x 32 rows and 8 eval rows, each with its environment built, reset and stepped on process 0 only
+    assert environments[0]["built"] == 2 * 32 + 8 and environments[0]["steps"] > 0
+    assert environments[1] == {"built": 0, "steps": 0}
     sums = [float(printed(out, "PARAMS")) for out in outs]
     assert sums[0] == sums[1]
     tools = [json.loads(printed(out, "TOOLS")) for out in outs]
     assert tools[0] == tools[1] and tools[0]["train-tools/calls"] == 1 and tools[0]["train-tools/errors"] == 0
     assert tools[0]["train-tools/turns_max"] == 2 and tools[0]["train-tools/masked_tokens"] > 0
+    assert tools[0]["train-reward/func/environment/mean"] > 0  # process 0's reward information, on both
+    evals = [json.loads(printed(out, "EVAL")) for out in outs]
+    assert evals[0] == evals[1] and evals[0]["eval/tools/turns_mean"] >= 1  # the eval went turn by turn alike
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2] and all(r["train-tools/calls"] == 1 for r in records)

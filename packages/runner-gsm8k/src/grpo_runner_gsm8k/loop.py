@@ -182,7 +182,7 @@ class Trainer:
 
     def evaluate(self) -> dict:
         return training_eval(self.built, self.forward_params(self.state.params), self.ops.eval_tasks,
-                             self.eval_key(), self.ops.eval_ks)
+                             self.eval_key(), self.ops.eval_ks, self.ops.eval_turns)
 
     def eval_due(self) -> bool:
         every = self.cfg.eval.every_steps

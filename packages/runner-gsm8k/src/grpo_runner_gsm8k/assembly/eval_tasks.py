@@ -21,9 +21,15 @@ def eval_tasks(tasks: dict, registry: Registry, seed: int) -> dict[str, Any]:
             for name, options in tasks.items()}
 
 
-def checked_eval_tasks(run, registry: Registry) -> dict[str, Any]:
-    """`eval_tasks` with every test prompt tokenized once, so one that is too long fails before training."""
+def checked_eval_tasks(run, registry: Registry, turns: Any = None) -> dict[str, Any]:
+    """`eval_tasks` with every test prompt tokenized once, so one that is too long fails before
+    training; turns: a multi-turn run's eval rollout, which renders the prompts of the tasks it
+    offers the tools to (grpo_runner_gsm8k.evaluation.multi_turn)."""
     tasks = eval_tasks(run.cfg.eval.tasks, registry, run.cfg.task.seed)
     for task in tasks.values():
-        run_prompt_ids(run, task.use_chat_template, task.test_examples(run.cfg.eval.num_questions))
+        examples = task.test_examples(run.cfg.eval.num_questions)
+        if turns is not None and turns.offers(task):
+            turns.check(task, examples)
+        else:
+            run_prompt_ids(run, task.use_chat_template, examples)
     return tasks

@@ -1,6 +1,7 @@
 """What a training run keeps beside its model: run directory and its lock, checkpointer,
-memory guard, metric sinks, eval tasks, the reference weights and the teacher's scoring.
-Built by `run.build_run` for training; eval and the plan's abstract twin have none."""
+memory guard, metric sinks, eval tasks (and a multi-turn run's eval rollout), the reference
+weights and the teacher's scoring. Built by `run.build_run` for training; eval and the plan's
+abstract twin have none."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from grpo_runner_gsm8k.operations.checkpoint import Checkpointer, Resume, resume
 from grpo_runner_gsm8k.costs.roofline import decode_seconds
 from grpo_runner_gsm8k.assembly.eval_tasks import checked_eval_tasks
 from grpo_runner_gsm8k.evaluation.evaluate import eval_ks
+from grpo_runner_gsm8k.evaluation.multi_turn import MultiTurnEval
 from grpo_runner_gsm8k.operations.lock import RunDirLock
 from grpo_runner_gsm8k.operations.memory_check import MemoryGuard
 from grpo_runner_gsm8k.operations.metrics import MetricsLogger, truncate_metrics
@@ -41,6 +43,7 @@ class Operations:
     eval_ks: list[int]
     reference: Any
     teacher: Optional[TeacherScoring]
+    eval_turns: Optional[MultiTurnEval] = None  # a multi-turn run's eval rollout (its own tools)
 
 
 def start_point(cfg: Any, resume: bool) -> Optional[Resume]:
@@ -66,20 +69,21 @@ def build_operations(run: Any, resume_from: Optional[Resume]) -> Operations:
     if isinstance(run.rollout, MemoryCheckedRollout):  # the jax backend checks its own compiles
         run.rollout.memory_check = memory.check_compiled
     project_decodes(run.rollout)
-    eval_tasks = checked_eval_tasks(run, run.registry) if cfg.eval.every_steps else {}
+    eval_turns = MultiTurnEval(run, run.registry) if cfg.eval.every_steps and cfg.rollout.multi_turn.enabled else None
+    eval_tasks = checked_eval_tasks(run, run.registry, eval_turns) if cfg.eval.every_steps else {}
     run_dir = prepare_run_dir(cfg.logging)
     lock = RunDirLock(run_dir)
     if run.layout.process_index == 0:  # the processes of one multi-host run share the directory
         lock.acquire()
     try:
-        return _locked_operations(run, resume_from, memory, eval_tasks, run_dir, lock)
+        return _locked_operations(run, resume_from, memory, (eval_tasks, eval_turns), run_dir, lock)
     except BaseException:
         lock.release()
         raise
 
 
-def _locked_operations(run: Any, resume_from: Optional[Resume], memory: MemoryGuard, eval_tasks: dict,
-                       run_dir: Path, lock: RunDirLock) -> Operations:
+def _locked_operations(run: Any, resume_from: Optional[Resume], memory: MemoryGuard,
+                       evals: tuple[dict, Optional[MultiTurnEval]], run_dir: Path, lock: RunDirLock) -> Operations:
     cfg, state = run.cfg, run.state
     reference = run.policy.reference(state.params) if run.logps.reference else None
     # the teacher is its own frozen model, never the reference (LoRA's base without adapters)
@@ -87,8 +91,8 @@ def _locked_operations(run: Any, resume_from: Optional[Resume], memory: MemoryGu
     checkpoints = Checkpointer(run_dir, cfg.checkpoint)
     if resume_from is not None:
         restore(run, checkpoints, resume_from)
-    return Operations(run_dir, lock, memory, checkpoints, metric_sinks(run, run_dir), eval_tasks, eval_ks(cfg.eval),
-                      reference, teacher)
+    return Operations(run_dir, lock, memory, checkpoints, metric_sinks(run, run_dir), evals[0], eval_ks(cfg.eval),
+                      reference, teacher, evals[1])
 
 
 def restore(run: Any, checkpoints: Checkpointer, resume_from: Resume) -> None:

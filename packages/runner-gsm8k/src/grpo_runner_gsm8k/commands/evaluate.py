@@ -34,6 +34,7 @@ from grpo_runner_gsm8k.evaluation.store import SampleStore
 from grpo_runner_gsm8k.assembly.eval_tasks import eval_tasks
 from grpo_runner_gsm8k.evaluation.evaluate import (Sample, eval_ks, question_metrics, question_multiple,
                                           sample_questions)
+from grpo_runner_gsm8k.evaluation.multi_turn import MultiTurnEval
 from grpo_runner_gsm8k.multihost import gather_objects
 
 EVAL_STREAM = 0x45564C  # the eval key's stream, as training's (loop.EVAL_STREAM)
@@ -78,7 +79,10 @@ def _load_config(args: argparse.Namespace):
     return cfg, step
 
 
-def _check_sampling(cfg) -> None:
+def _check_sampling(cfg, stream: bool) -> None:
+    if stream and cfg.rollout.multi_turn.enabled:
+        raise UserError("--stream with rollout.multi_turn.enabled: a multi-turn run's eval rolls its rows out turn "
+                        "by turn with its tools, which the streaming slots do not; drop --stream")
     if cfg.eval.greedy and cfg.eval.n > 1:
         raise UserError(f"eval.greedy is true with eval.n = {cfg.eval.n}: greedy samples are all the same; set "
                         "eval.greedy=false to sample n answers per question (or eval.n=1)")
@@ -156,6 +160,7 @@ class EvalJob:
     label: str
     fresh: bool = False
     stream: bool = False
+    turns: Any = None  # a multi-turn run's eval rollout (grpo_runner_gsm8k.evaluation.multi_turn)
 
     @property
     def writes(self) -> bool:
@@ -165,7 +170,15 @@ class EvalJob:
         sampling = self.built.eval_sampling
         return {"task": task_name, "model": self.label, "n": sampling.n, "greedy": sampling.greedy,
                 "temperature": self.built.cfg.rollout.temperature, "max_new_tokens": sampling.max_new_tokens,
-                "seed": self.built.cfg.train.seed}
+                "seed": self.built.cfg.train.seed, **self.turn_settings()}
+
+    def turn_settings(self) -> dict[str, Any]:
+        """A multi-turn eval's tools and limits (none for a single-turn run: its settings stay as they were)."""
+        if self.turns is None:
+            return {}
+        multi = self.built.cfg.rollout.multi_turn
+        return {"tools": list(multi.tools), "environment": multi.environment, "max_turns": multi.max_turns,
+                "max_total_tokens": self.turns.turns.budget}
 
     def key(self, task_index: int, first_question: int):
         """A key per (task, chunk start): an interrupted eval re-draws exactly what it lost."""
@@ -185,7 +198,7 @@ def _sample_chunks(job: EvalJob, task_index: int, task, examples: list, store: S
             continue
         padded = chunk + [chunk[-1]] * (size - len(chunk))
         samples = sample_questions(job.built, job.weights, task, padded, job.key(task_index, start),
-                                   job.built.eval_sampling)[:len(chunk)]
+                                   job.built.eval_sampling, job.turns)[:len(chunk)]
         fresh = store.append([ex.id for ex in chunk], samples)
         records.update({ex.id: question for ex, question in zip(chunk, fresh)})
         progress.update(sum(ex.id in records for ex in examples))
@@ -221,7 +234,8 @@ def evaluate_task(job: EvalJob, task_index: int, name: str, task, limit: Optiona
     started = time.monotonic()
     sample = _stream if job.stream else _sample_chunks
     records = sample(job, task_index, task, examples, store, progress)
-    samples = [[Sample(r["completion"], r["answer"], r["correct"]) for r in records[ex.id]] for ex in examples]
+    samples = [[Sample(r["completion"], r["answer"], r["correct"], r.get("tools")) for r in records[ex.id]]
+               for ex in examples]
     summary = question_metrics(task, examples, samples, job.built.eval_sampling.greedy, eval_ks(job.built.cfg.eval))
     summary.update(task=name, model=job.label, n=job.built.eval_sampling.n, greedy=job.built.eval_sampling.greedy,
                    seconds=round(time.monotonic() - started, 3))
@@ -246,14 +260,17 @@ def _job(args: argparse.Namespace) -> tuple[EvalJob, dict[str, Any]]:
 
     cfg, step = _load_config(args)
     remember_run(cfg)  # a crash log goes to the run directory
-    _check_sampling(cfg)
+    _check_sampling(cfg, args.stream)
     eval_ks(cfg.eval)  # k outside 1..eval.n fails before any device work
     options = task_options(cfg, args.tasks)
     built = build_run(cfg, default_registry(), training=False)
     tasks = _tasks(cfg, options, built)
     label = f"step-{step}" if step is not None else "model"
     out = Path(args.out).expanduser() if args.out else Path(cfg.logging.dir) / "eval" / label
-    return EvalJob(built, _weights(built, step, args.run_dir), out, label, args.fresh, args.stream), tasks
+    turns = MultiTurnEval(built, built.registry) if cfg.rollout.multi_turn.enabled else None
+    for task in tasks.values() if turns is not None else ():  # prompts with the tools: too long fails now
+        turns.check(task, task.test_examples(args.limit))
+    return EvalJob(built, _weights(built, step, args.run_dir), out, label, args.fresh, args.stream, turns), tasks
 
 
 def main(argv: list[str]) -> int:

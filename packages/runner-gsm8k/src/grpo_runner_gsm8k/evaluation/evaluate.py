@@ -22,6 +22,7 @@ from grpo_runner_gsm8k.tasks.answers import extract_answer
 from grpo_runner_gsm8k.evaluation.metrics import breakdown, check_k, ks_up_to, summarize
 from grpo_runner_gsm8k.tasks.grading import Graded, normalize_answer
 from grpo_runner_gsm8k.multihost import gather_objects
+from grpo_runner_gsm8k.samplers.trajectory import tool_metrics
 from grpo_runner_gsm8k.training.scoring import score
 from grpo_runner_gsm8k.tokens import decode_completions, run_prompt_ids
 
@@ -43,11 +44,13 @@ class FieldedTask(Protocol):
 
 
 class Sample(NamedTuple):
-    """One graded completion of one question."""
+    """One graded completion of one question; tools: a multi-turn row's tool work
+    (grpo_runner_gsm8k.samplers.trajectory.row_counts), None for a single-turn one."""
 
     completion: CompletionText
     answer: str | None
     correct: bool
+    tools: dict | None = None
 
 
 def rollout_prompts(run, weights, prompts: list[list[int]], key, sampling) -> RolloutResult:
@@ -88,9 +91,14 @@ def question_multiple(run, n: int) -> int:
     return shards // math.gcd(shards, n)
 
 
-def sample_questions(run, weights, task, examples: list[Example], key, sampling) -> list[list[Sample]]:
-    """`sampling.n` graded samples of each example, in sampling order. The batch is padded with
-    the last example up to a size the mesh splits evenly; the padding is not graded."""
+def sample_questions(run, weights, task, examples: list[Example], key, sampling,
+                     turns: Any = None) -> list[list[Sample]]:
+    """`sampling.n` graded samples of each example, in sampling order. turns: a multi-turn run's
+    eval rollout (grpo_runner_gsm8k.evaluation.multi_turn.MultiTurnEval), which rolls out the
+    tasks it offers the tools to; other tasks are sampled in one turn. The single-turn batch is
+    padded with the last example up to a size the mesh splits evenly; the padding is not graded."""
+    if turns is not None and turns.offers(task):
+        return turns.sample(weights, task, examples, key, sampling.n)
     multiple = question_multiple(run, sampling.n)
     padded = examples + [examples[-1]] * (-len(examples) % multiple)
     prompts = run_prompt_ids(run, task.use_chat_template, padded)
@@ -111,12 +119,19 @@ def eval_ks(eval_cfg: EvalConfig) -> list[int]:
     return sorted({int(k) for k in ks})
 
 
+def tool_counts(samples: list[list[Sample]]) -> list[dict]:
+    """The tool work of each multi-turn sample ([] when the task was sampled in one turn)."""
+    return [s.tools for question in samples for s in question if s.tools is not None]
+
+
 def question_metrics(task, examples: list[Example], samples: list[list[Sample]], greedy: bool,
                      ks: list[int]) -> dict[str, Any]:
     """The summary of one task's questions, with a breakdown by its fields when it has any."""
     verdicts = [[s.correct for s in question] for question in samples]
     answers = [[s.answer for s in question] for question in samples]
     out: dict[str, Any] = summarize(verdicts, answers, greedy, ks)
+    if tool_counts(samples):  # a multi-turn eval: its rows' tool work
+        out["tools"] = tool_metrics(tool_counts(samples), "")
     if isinstance(task, FieldedTask):
         fields = [task.example_fields(ex.id) for ex in examples]
         if any(fields):
@@ -124,18 +139,22 @@ def question_metrics(task, examples: list[Example], samples: list[list[Sample]],
     return out
 
 
-def training_eval(run, weights, extra_tasks: dict[str, Any], key, ks: list[int]) -> dict[str, float]:
+def training_eval(run, weights, extra_tasks: dict[str, Any], key, ks: list[int], turns: Any = None) -> dict[str, float]:
     """Training's eval: the training task's first-sample accuracy (and pass@n), then every task
-    of eval.tasks as eval/<task>/<metric>, each with its own key."""
+    of eval.tasks as eval/<task>/<metric>, each with its own key. turns: a multi-turn run's eval
+    rollout (see sample_questions); its tool metrics are eval/tools/<metric> and
+    eval/<task>/tools/<metric>."""
     task, sampling = run.inputs.task, run.eval_sampling
     examples = gather_objects(task.test_examples(run.cfg.eval.num_questions))
-    samples = sample_questions(run, weights, task, examples, key, sampling)
+    samples = sample_questions(run, weights, task, examples, key, sampling, turns)
     out = {"eval/accuracy": float(np.mean([question[0].correct for question in samples]))}
     if sampling.n > 1:
         out[f"eval/pass@{sampling.n}"] = float(np.mean([any(s.correct for s in q) for q in samples]))
+    if tool_counts(samples):
+        out.update(tool_metrics(tool_counts(samples), "eval/tools/"))
     for index, (name, extra) in enumerate(extra_tasks.items(), 1):
         examples = extra.test_examples(run.cfg.eval.num_questions)
-        samples = sample_questions(run, weights, extra, examples, jax.random.fold_in(key, index), sampling)
+        samples = sample_questions(run, weights, extra, examples, jax.random.fold_in(key, index), sampling, turns)
         out.update(flat_metrics(f"eval/{name}", question_metrics(extra, examples, samples, sampling.greedy, ks)))
     return out
 

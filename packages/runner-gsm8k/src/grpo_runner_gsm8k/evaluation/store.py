@@ -1,7 +1,8 @@
 """What `grpo-run eval` writes per task, and how a re-run continues from it.
 
 `<out>/<task>/samples.jsonl`: one line per sample (question id, sample index, completion,
-extracted answer, verdict, tokens, finished), appended chunk by chunk; `settings.json`: what
+extracted answer, verdict, tokens, finished; a multi-turn sample also its conversation,
+environment information and tool work), appended chunk by chunk; `settings.json`: what
 the samples were drawn with (a re-run with other settings is refused, not mixed in);
 `summary.json`: the metrics. A re-run reads samples.jsonl and skips the questions whose n
 samples are all there; a line cut off by an interruption is ignored.
@@ -13,6 +14,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from grpo_core.contracts import ConversationText
 from grpo_core.errors import UserError
 
 from grpo_runner_gsm8k.evaluation.evaluate import Sample
@@ -76,10 +78,16 @@ class SampleStore:
 
 
 def sample_record(question_id: str, index: int, sample: Sample) -> dict[str, Any]:
+    """One line of samples.jsonl; a multi-turn sample adds its whole conversation and its tool work."""
     completion = sample.completion
-    return {"id": question_id, "sample": index, "completion": str(completion), "answer": sample.answer,
-            "correct": bool(sample.correct), "tokens": getattr(completion, "num_tokens", None),
-            "finished": getattr(completion, "finished", None)}
+    record = {"id": question_id, "sample": index, "completion": str(completion), "answer": sample.answer,
+              "correct": bool(sample.correct), "tokens": getattr(completion, "num_tokens", None),
+              "finished": getattr(completion, "finished", None)}
+    if isinstance(completion, ConversationText):
+        record.update(conversation=completion.conversation, environment=completion.environment)
+    if sample.tools is not None:
+        record["tools"] = sample.tools
+    return record
 
 
 def _record(line: str) -> dict | None:

@@ -93,33 +93,24 @@ def build_environment(cfg: Any, registry: Any) -> tuple[Any, Any]:
     return spec, plugin_options(spec.options, multi.environment_options, "rollout.multi_turn.environment_options")
 
 
-class MultiTurnSampler:
-    """Owns the run's tools; `sample` gives one step's rows, scored (a `StepSampler`, made by
-    grpo_runner_gsm8k.samplers.factory.step_sampler)."""
+class ToolRows:
+    """A multi-turn run's tools, environment and turn loop, each turn sampled as `sampling` says
+    and each row given `budget` completion tokens: rows started from examples (prompts rendered
+    with the tools offered, or environments reset) and rolled out turn by turn. Training's
+    sampler and the eval (grpo_runner_gsm8k.evaluation.multi_turn) each hold their own."""
 
-    def __init__(self, run: Any, registry: Any):
+    def __init__(self, run: Any, registry: Any, sampling: Any, budget: int):
         multi, tokenizer = run.cfg.rollout.multi_turn, run.inputs.tokenizer
         self.run = run
-        self.step_rows: list[Trajectory] = []  # rolled out since the last step_metrics
         kv_cache = keeps_caches(multi.kv_cache, run.rollout, run.cfg.rollout.backend)
         call_end = single_token_id(tokenizer, CALL_END)  # checked at load (check_multi_turn_inputs)
-        self.runner = ToolRunner(build_tools(run.cfg.rollout.multi_turn, registry), timeout_seconds=multi.call_timeout_s)
+        self.runner = ToolRunner(build_tools(multi, registry), timeout_seconds=multi.call_timeout_s)
         self.turns = MultiTurnRollout(
             backend=run.rollout, tokenizer=tokenizer, runner=self.runner,
-            sampling=turn_sampling(run.sampling, call_end), call_end_id=call_end, max_turns=multi.max_turns,
-            budget=row_budget(run.cfg.rollout),
-            pad_token_id=tokenizer.pad_token_id, batch_sharding=run.rollout_sharding,
+            sampling=turn_sampling(sampling, call_end), call_end_id=call_end, max_turns=multi.max_turns,
+            budget=budget, pad_token_id=tokenizer.pad_token_id, batch_sharding=run.rollout_sharding,
             kv_cache=kv_cache)
         self.environment, self.environment_options = build_environment(run.cfg, registry)
-        # Every prompt the run can see, rendered with the tools, so one too long fails now, not mid-run
-        # (an environment writes its rows' prompts as it starts them: checked then).
-        examples = [] if self.environment else prompts_to_check(run.cfg.eval, run.inputs.task,
-                                                                 run.inputs.prompts_per_process)
-        try:
-            self.checked = {ex.id: ids for ex, ids in zip(examples, self.render(examples)) if ex.id}
-        except UserError:
-            self.runner.close()
-            raise
 
     def render(self, examples: list, openings: list | None = None) -> list[list[int]]:
         """The examples' prompts (or an environment's `openings`, one per example) rendered with
@@ -129,6 +120,10 @@ class MultiTurnSampler:
         return checked_tool_prompts(self.run.inputs.tokenizer, examples, openings, self.runner.offered(),
                                     cfg.rollout.max_prompt_length)
 
+    def prompt_ids(self, examples: list) -> list[list[int]]:
+        """Token ids of the examples' prompts."""
+        return self.render(examples)
+
     def start_rows(self, examples: list, n: int) -> tuple[list[list[int]], list | None]:
         """(each row's prompt ids, each row's environment reset on its example (on process 0: see
         grpo_runner_gsm8k.samplers.shared_environments), or None)."""
@@ -137,6 +132,31 @@ class MultiTurnSampler:
         repeated = [ex for ex in examples for _ in range(n)]
         openings, environments = reset_all(self.environment, self.environment_options, repeated)
         return self.render(repeated, openings), environments
+
+    def rolled_out(self, policy: Policy, examples: list, n: int, key: Any) -> tuple[list[Trajectory], DecodeTally]:
+        """(n rows per example, rows p*n .. p*n+n-1 of example p, each run to its end with `policy`
+        loaded; the decode work they took)."""
+        prompts, environments = self.start_rows(examples, n)
+        with loaded(self.run.rollout, policy):
+            return self.turns.rollout(prompts, 1, key, environments)
+
+
+class MultiTurnSampler(ToolRows):
+    """Owns the run's tools; `sample` gives one step's rows, scored (a `StepSampler`, made by
+    grpo_runner_gsm8k.samplers.factory.step_sampler)."""
+
+    def __init__(self, run: Any, registry: Any):
+        super().__init__(run, registry, run.sampling, row_budget(run.cfg.rollout))
+        self.step_rows: list[Trajectory] = []  # rolled out since the last step_metrics
+        # Every prompt the run can see, rendered with the tools, so one too long fails now, not mid-run
+        # (an environment writes its rows' prompts as it starts them: checked then).
+        examples = [] if self.environment else prompts_to_check(run.cfg.eval, run.inputs.task,
+                                                                 run.inputs.prompts_per_process)
+        try:
+            self.checked = {ex.id: ids for ex, ids in zip(examples, self.render(examples)) if ex.id}
+        except UserError:
+            self.runner.close()
+            raise
 
     def prompt_ids(self, examples: list) -> list[list[int]]:
         """Token ids of the prompts: those checked at start where there are, else rendered now."""
@@ -155,9 +175,7 @@ class MultiTurnSampler:
         start = time.monotonic()
         run, n = self.run, self.run.cfg.rollout.n
         examples = gather_objects(run.inputs.task.train_batch(run.inputs.prompts_per_process))
-        prompts, environments = self.start_rows(examples, n)
-        with loaded(run.rollout, policy):
-            rows, work = self.turns.rollout(prompts, 1, key, environments)
+        rows, work = self.rolled_out(policy, examples, n, key)
         reward_start = time.monotonic()
         result = trajectory_result(rows, n, self.turns.budget, run.inputs.tokenizer.pad_token_id)
         answers = [ex.answer for ex in examples for _ in range(n)]

@@ -104,18 +104,31 @@ def trajectory_result(rows: Sequence[Trajectory], n: int, width: int, pad_id: in
                          num_prompts=count // n, n=n)
 
 
-def trajectory_metrics(rows: Sequence[Trajectory], prefix: str = "train-tools/") -> dict:
-    """Per-row tool metrics of a step: turns, calls, errors, timeouts, tool seconds, masked tokens."""
-    turns = np.array([row.turns for row in rows], np.float64)
-    calls = np.array([row.tool_calls for row in rows], np.float64)
-    masked = np.array([len(row.ids) - sum(row.trained) for row in rows], np.float64)
+def row_counts(row: Trajectory) -> dict[str, float]:
+    """One row's tool work, as the tool metrics and an eval's samples record it."""
+    return {"turns": row.turns, "tool_calls": row.tool_calls, "tool_errors": row.tool_errors,
+            "tool_timeouts": row.tool_timeouts, "tool_seconds": row.tool_seconds,
+            "masked_tokens": len(row.ids) - sum(row.trained)}
+
+
+def tool_metrics(counts: Sequence[dict], prefix: str) -> dict:
+    """Turns, calls, errors, timeouts, tool seconds and masked tokens over rows' `row_counts`."""
+    def column(name: str) -> np.ndarray:
+        return np.array([row[name] for row in counts], np.float64)
+
+    turns, calls, masked = column("turns"), column("tool_calls"), column("masked_tokens")
     return {f"{prefix}turns_mean": float(turns.mean()), f"{prefix}turns_max": int(turns.max(initial=0)),
             f"{prefix}calls": int(calls.sum()), f"{prefix}calls_per_row": float(calls.mean()),
             f"{prefix}call_rate": float((calls > 0).mean()),
-            f"{prefix}errors": sum(row.tool_errors for row in rows),
-            f"{prefix}timeouts": sum(row.tool_timeouts for row in rows),
-            f"{prefix}seconds": float(sum(row.tool_seconds for row in rows)),
+            f"{prefix}errors": int(column("tool_errors").sum()),
+            f"{prefix}timeouts": int(column("tool_timeouts").sum()),
+            f"{prefix}seconds": float(column("tool_seconds").sum()),
             f"{prefix}masked_tokens": int(masked.sum()), f"{prefix}masked_tokens_per_row": float(masked.mean())}
+
+
+def trajectory_metrics(rows: Sequence[Trajectory], prefix: str = "train-tools/") -> dict:
+    """Per-row tool metrics of a step: turns, calls, errors, timeouts, tool seconds, masked tokens."""
+    return tool_metrics([row_counts(row) for row in rows], prefix)
 
 
 def episode_arrays(rows: Sequence[Trajectory], width: int) -> dict[str, np.ndarray]:
