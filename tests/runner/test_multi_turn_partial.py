@@ -94,7 +94,7 @@ def prompt_ids(tokenizer, offered, question):
 
 
 def pool_of(turns, round_budget=3):
-    return ConversationPool(slots=2, n=1, budget=round_budget, max_new_tokens=MAX_NEW, turns=turns)
+    return ConversationPool(slots=3, n=2, budget=round_budget, max_new_tokens=MAX_NEW, turns=turns)
 
 
 def drawer(tokenizer, turns):
@@ -128,6 +128,7 @@ def run_steps(pool, draw, generate, steps, start=0):
     for step in range(start, start + steps):
         (group,), _, _ = pool.step(generate, draw, jax.random.key(step), step, max_groups=1)
         trained.setdefault(group.example["question"], (group.rows[0], step))
+        json.dumps(pool.state())  # what the checkpoint saves is plain JSON at every step
         seen.append(mid_conversation(pool))
     return trained, seen
 
@@ -181,4 +182,4 @@ def timeless(row):
 
 def test_a_pool_of_single_turn_rows_is_refused(turns):
     with pytest.raises(ValueError, match="single-turn"):
-        pool_of(turns).restore({"groups": {}, "slots": [None, None], "pending": [], "next_group": 0})
+        pool_of(turns).restore({"groups": {}, "slots": [None] * 3, "pending": [], "next_group": 0})

@@ -141,7 +141,7 @@ class ConversationPool:
             take = min(int(lengths[i]), self.max_new_tokens - len(row.open_ids))
             kept += take
             calls = self.extend(row, ids[i, :take].tolist(), logps[i, :take].tolist(),
-                                bool(finished[i]) and take == lengths[i], version)
+                                bool(finished[i]) and take == int(lengths[i]), version)
             if calls:
                 calling.append((row, calls))
         self.turns.tool_turn([(row.trajectory, calls) for row, calls in calling])
