@@ -210,10 +210,6 @@ CATALOGUE = [
         "offer at least one tool"),
     Bad("multi-turn-zero-turns", ("rollout.multi_turn.max_turns=0",), "rollout.multi_turn.max_turns = 0 is out of "
         "range", "must be >= 1"),
-    Bad("multi-turn-partial-with-environment", ("rollout.multi_turn.enabled=true", "rollout.partial.enabled=true",
-                                                "rollout.multi_turn.environment=guess_number",
-                                                "loss.mismatch_correction=truncate"),
-        "an environment's state is not saved with carried rows", "set rollout.partial.enabled=false"),
     Bad("multi-turn-partial-on-a-kept-cache", ("rollout.multi_turn.enabled=true", "rollout.multi_turn.tools=[calculator]",
                                                "rollout.partial.enabled=true", "loss.mismatch_correction=truncate",
                                                "rollout.multi_turn.kv_cache=kept"),

@@ -29,12 +29,9 @@ def check_multi_turn(cfg: Any) -> None:
 
 
 def check_carried_conversations(cfg: Any) -> None:
-    """What multi-turn rows carried across steps (rollout.partial) cannot do yet."""
+    """What multi-turn rows carried across steps (rollout.partial) cannot do yet (an environment
+    that cannot save its episode is refused when the sampler builds one: SavedEnvironment)."""
     multi, partial = cfg.rollout.multi_turn, cfg.rollout.partial
-    # An environment's state across turns is its own object, which no checkpoint could hold.
-    if multi.environment is not None:
-        raise ConfigError(f"rollout.multi_turn.environment = {multi.environment!r} with rollout.partial.enabled: an "
-                          "environment's state is not saved with carried rows; set rollout.partial.enabled=false")
     # Carried conversations continue by re-prefill (a kept cache would have to hold tool turns across rounds).
     if multi.kv_cache == "kept" or partial.kv_cache in ("within_step", "across_steps"):
         mode = "rollout.multi_turn.kv_cache = kept" if multi.kv_cache == "kept" else \

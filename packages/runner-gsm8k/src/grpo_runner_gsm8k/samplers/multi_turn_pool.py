@@ -15,8 +15,9 @@ their next turn not begun.
 
 Every sampled token keeps the policy version that drew it (tool-turn tokens: -1). The pool
 is token lists and counts, saved as JSON with each checkpoint; tools are stateless, so a
-resumed row needs nothing else (environments, which hold state, are refused with partial
-rollouts at load).
+resumed row needs nothing else but its environment's episode, when the run has one
+(`SavedEnvironment.state()`, saved by process 0, which alone holds environments; an
+environment's turn is answered in the round its turn ends, as a tool's).
 """
 
 from __future__ import annotations
@@ -34,8 +35,8 @@ from grpo_rollout.partial import DONE, PENDING, RUNNING
 
 from grpo_runner_gsm8k.samplers.trajectory import Trajectory
 
-# Trajectory fields saved with a carried row (the prompt is its group's; environments are refused).
-SAVED_FIELDS = tuple(f.name for f in dataclasses.fields(Trajectory) if f.name not in ("prompt", "environment"))
+# Trajectory fields saved with a carried row as they are (its environment is saved by `environment_state`).
+SAVED_FIELDS = tuple(f.name for f in dataclasses.fields(Trajectory) if f.name != "environment")
 
 
 @dataclass
@@ -61,21 +62,31 @@ class CarriedConversation:
 
     def state_dict(self) -> dict:
         saved = {name: getattr(self.trajectory, name) for name in SAVED_FIELDS}
-        return {"trajectory": saved, "versions": self.versions, "open_ids": self.open_ids,
-                "open_logps": self.open_logps, "open_versions": self.open_versions, "state": self.state}
+        return {"trajectory": saved, "environment": environment_state(self.trajectory.environment),
+                "versions": self.versions, "open_ids": self.open_ids, "open_logps": self.open_logps,
+                "open_versions": self.open_versions, "state": self.state}
 
     @classmethod
-    def from_state(cls, prompt: list[int], saved: dict) -> "CarriedConversation":
-        return cls(Trajectory(list(prompt), **saved["trajectory"]),
-                   **{name: value for name, value in saved.items() if name != "trajectory"})
+    def from_state(cls, saved: dict, restore_environment: Callable[[dict], Any]) -> "CarriedConversation":
+        environment = saved["environment"] and restore_environment(saved["environment"])
+        fields = {name: value for name, value in saved.items() if name not in ("trajectory", "environment")}
+        return cls(Trajectory(**saved["trajectory"], environment=environment), **fields)
+
+
+def environment_state(shared: Any) -> Optional[dict]:
+    """A row's environment (a SharedEnvironment) as JSON: its done flag and reward information as
+    every process holds them, and its episode (`state()`) where it lives, on process 0."""
+    if shared is None:
+        return None
+    episode = shared.environment.state() if shared.environment is not None else None
+    return {"done": bool(shared.done), "info": dict(shared.info), "episode": episode}
 
 
 @dataclass
 class ConversationGroup:
-    """The n rows of one prompt; `example` is the task's record of it."""
+    """The n rows of one example (the task's record of it)."""
 
     example: dict
-    prompt: list
     rows: list
 
     @property
@@ -85,15 +96,19 @@ class ConversationGroup:
 
 # generate(prefixes, key, budget, cached) -> RolloutResult (host arrays), as grpo_rollout.partial's Generate.
 Generate = Callable[[list, Any, int, list], Any]
-Draw = Callable[[], list[tuple[dict, list[int]]]]
+# draw() -> the next examples, one per process: (its record, each row's prompt ids, each row's
+# environment, reset and shared, or None each).
+Draw = Callable[[], list[tuple[dict, list[list[int]], list]]]
 
 
 class ConversationPool:
     """The carried multi-turn rows of a run; `turns` (a MultiTurnRollout) holds the turn rules,
     the tools and the row budget."""
 
-    def __init__(self, slots: int, n: int, budget: int, max_new_tokens: int, turns: Any):
+    def __init__(self, slots: int, n: int, budget: int, max_new_tokens: int, turns: Any,
+                 restore_environment: Optional[Callable[[dict], Any]] = None):
         self.n, self.budget, self.max_new_tokens, self.turns = n, budget, max_new_tokens, turns
+        self.restore_environment = restore_environment  # a saved environment (environment_state) rebuilt
         self.groups: dict[int, ConversationGroup] = {}
         self.slots: list[Optional[tuple[int, int]]] = [None] * slots
         self.pending: list[tuple[int, int]] = []
@@ -117,21 +132,23 @@ class ConversationPool:
             if owner is not None and self.row(owner).state != DONE:
                 continue
             if not self.pending:
-                for example, prompt in draw():
-                    self.add_group(example, prompt)
+                for example, prompts, environments in draw():
+                    self.add_group(example, prompts, environments)
             owner = self.pending.pop(0)
             self.row(owner).state = RUNNING
             self.slots[slot] = owner
 
-    def add_group(self, example: dict, prompt: list[int]) -> None:
+    def add_group(self, example: dict, prompts: list[list[int]], environments: list) -> None:
         gid, self.next_group = self.next_group, self.next_group + 1
-        rows = [CarriedConversation(Trajectory(list(prompt))) for _ in range(self.n)]
-        self.groups[gid] = ConversationGroup(example, list(prompt), rows)
+        rows = [CarriedConversation(Trajectory(list(prompt), environment=environment))
+                for prompt, environment in zip(prompts, environments, strict=True)]
+        self.groups[gid] = ConversationGroup(example, rows)
         self.pending.extend((gid, k) for k in range(self.n))
 
     def decode_round(self, generate: Generate, key: Any, version: int) -> DecodeTally:
         """Every slot's row decodes up to `budget` tokens of its turn; the calls of the turns that
-        ended are run and their tool turns appended. Returns the round's decode work."""
+        ended are run and their tool turns appended, and the environments answer theirs. Returns
+        the round's decode work."""
         rows = [self.row(owner) for owner in self.slots]
         result = generate([row.prefix() for row in rows], key, self.budget, [False] * len(rows))
         lengths, finished = np.asarray(result.lengths), np.asarray(result.finished)
@@ -145,7 +162,8 @@ class ConversationPool:
             if calls:
                 calling.append((row, calls))
         self.turns.tool_turn([(row.trajectory, calls) for row, calls in calling])
-        for row, _ in calling:
+        self.turns.answer_environments()
+        for row in rows:  # tool and environment turns appended (their versions -1), rows stopped
             self.close_row(row, [])
         work = DecodeTally()
         work.add(len(rows), int(lengths.max(initial=0)), kept)
@@ -191,8 +209,8 @@ class ConversationPool:
 
     def state(self) -> dict:
         """A JSON-able copy (Python floats hold float32 log-probs exactly)."""
-        groups = {str(g): {"example": group.example, "prompt": group.prompt,
-                           "rows": [row.state_dict() for row in group.rows]} for g, group in self.groups.items()}
+        groups = {str(g): {"example": group.example, "rows": [row.state_dict() for row in group.rows]}
+                  for g, group in self.groups.items()}
         return {"groups": groups, "slots": [list(o) if o else None for o in self.slots],
                 "pending": [list(o) for o in self.pending], "next_group": self.next_group, "multi_turn": True}
 
@@ -203,9 +221,8 @@ class ConversationPool:
         if not state.get("multi_turn"):
             raise ValueError("the carried rows are single-turn, this run's are multi-turn; resume with the "
                              "original rollout.multi_turn.enabled")
-        self.groups = {int(g): ConversationGroup(d["example"], d["prompt"],
-                                                 [CarriedConversation.from_state(d["prompt"], r) for r in d["rows"]])
-                       for g, d in state["groups"].items()}
+        self.groups = {int(g): ConversationGroup(d["example"], [CarriedConversation.from_state(
+            r, self.restore_environment) for r in d["rows"]]) for g, d in state["groups"].items()}
         self.slots = [tuple(o) if o else None for o in state["slots"]]
         self.pending = [tuple(o) for o in state["pending"]]
         self.next_group = int(state["next_group"])
