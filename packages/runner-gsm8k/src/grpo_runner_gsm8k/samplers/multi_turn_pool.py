@@ -10,8 +10,8 @@ so a carried row ends with the tokens, loss mask and log-probs it would have had
 step. The calls of every row whose turn ended in a round are run before the next round (every
 call returned, so a step never ends with a call in flight) and their tool turns appended. A
 step runs rounds until prompts_per_step groups are complete and trains on them, oldest first;
-rows still running are carried: in the middle of a turn, or with a tool turn appended and
-their next turn not begun.
+rows still running are carried: in the middle of a turn, or with a tool turn (or an
+environment's answer) appended and their next turn not begun.
 
 Every sampled token keeps the policy version that drew it (tool-turn tokens: -1). The pool
 is token lists and counts, saved as JSON with each checkpoint; tools are stateless, so a
