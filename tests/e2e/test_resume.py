@@ -48,42 +48,7 @@ MULTI_TURN = ("model.tokenizer=char-calculator", "task.options={digits: 1, opera
 # the same rows carried across steps in rounds of 4 tokens, in the middle of a turn or after a tool turn
 PARTIAL_MULTI_TURN = (*MULTI_TURN, "rollout.partial.enabled=true", "rollout.partial.budget=4",
                       "loss.mismatch_correction=truncate")
-# grpo-run, except that a random tiny model, which hardly ever writes a call, has the first turn of
-# every row of some prompts (those whose text before the assistant's turn has an even sum of
-# character codes) written as CALL,
-# over as many rounds as it takes. Where a row is in CALL is read from the tokens it holds, so the
-# script depends on nothing but the rows a checkpoint saves.
-SCRIPTED_CALLS = """
-import sys
-import numpy as np
-from grpo_runner_gsm8k import cli
-from grpo_runner_gsm8k.samplers import multi_turn_partial
-CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "12*34"}}</tool_call>'
-HEADER = "<|im_start|>assistant\\n"
-def rest_of_call(tokenizer, call, prefix):
-    text = tokenizer.decode(prefix, skip_special_tokens=False)
-    if text.count(HEADER) != 1 or sum(map(ord, text.split(HEADER)[0])) % 2:
-        return []
-    held = text.split(HEADER)[1]
-    written = (m for m in range(len(call)) if tokenizer.decode(call[:m], skip_special_tokens=False) == held)
-    return call[next(written, len(call)):]
-def scripted(run, policy, sampling, kv_cache):
-    one_round, tokenizer = original(run, policy, sampling, kv_cache), run.inputs.tokenizer
-    call = tokenizer.encode(CALL, add_special_tokens=False)
-    def rounds(prefixes, key, budget, cached):
-        result = one_round(prefixes, key, budget, cached)
-        names = ("completion_ids", "sampler_logps", "lengths", "finished")
-        fields = {name: np.array(getattr(result, name)) for name in names}
-        for i, prefix in enumerate(prefixes):
-            rest = rest_of_call(tokenizer, call, list(prefix))[:budget]
-            if rest:
-                fields["completion_ids"][i, :len(rest)], fields["sampler_logps"][i, :len(rest)] = rest, -1.0
-                fields["lengths"][i], fields["finished"][i] = len(rest), rest[-1] == call[-1]
-        return result.replace(**fields)
-    return rounds
-original, multi_turn_partial.round_generator = multi_turn_partial.round_generator, scripted
-sys.exit(cli.main(sys.argv[1:]))
-"""
+SCRIPTED_CALLS = Path(__file__).with_name("scripted_calls.py")  # grpo-run with scripted calls
 RUN_TIMEOUT_S = 600
 ERROR_TIMEOUT_S = 120
 
@@ -118,12 +83,12 @@ class Runs:
 
 @dataclass(frozen=True)
 class ScriptedCalls:
-    """`cli` (tests/conftest.py's Cli) running SCRIPTED_CALLS instead of grpo-run."""
+    """`cli` (tests/conftest.py's Cli) running tests/e2e/scripted_calls.py instead of grpo-run."""
 
     cli: Any
 
     def train_argv(self, *args: str) -> list[str]:
-        return [sys.executable, "-c", SCRIPTED_CALLS, "--config", self.cli.config, *args]
+        return [sys.executable, str(SCRIPTED_CALLS), "--config", self.cli.config, *args]
 
     def run(self, argv: list[str], timeout: float) -> subprocess.CompletedProcess:
         return self.cli.run(argv, timeout)
