@@ -1,5 +1,6 @@
 """A `grpo_environments` plugin: guess the task's answer, told "higher" or "lower" after
-each try (`guess_number`); a `grpo_core.contracts.Environment`, one per rollout row."""
+each try (`guess_number`); a `grpo_core.contracts.Environment`, one per rollout row, and a
+`SavedEnvironment`, so multi-turn partial rollouts can carry its rows across steps."""
 
 import re
 from dataclasses import dataclass
@@ -34,6 +35,13 @@ class GuessNumber:
 
     def reward_info(self):
         return {"solved": float(self.solved), "guesses": float(self.guesses)}
+
+    # SavedEnvironment: rows carried across steps (partial rollouts) save the episode with the checkpoint
+    def state(self):
+        return {"secret": self.secret, "guesses": self.guesses, "solved": self.solved}
+
+    def restore(self, state):
+        self.secret, self.guesses, self.solved = int(state["secret"]), int(state["guesses"]), bool(state["solved"])
 
 @hookimpl
 def grpo_environments():

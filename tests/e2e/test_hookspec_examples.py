@@ -219,3 +219,28 @@ def test_the_advantage_example_ranks_each_group(example_module):
     out = estimator(StepRewards(total, {"correctness": total}, np.ones(8, np.float32)))
     np.testing.assert_array_equal(out.advantages, [1, -1, 0, 0, 0, 0, 0, 0])
     assert out.metrics == {"train-other/adv_rank_abs_mean": 0.25}
+
+
+def test_the_environment_examples_rows_are_carried_across_steps_with_their_episodes(tiny_config, small_run,
+                                                                                    example_module):
+    """With partial rollouts (rounds of 3 tokens; a row budget that the longer hints do not fit, so
+    rows end at different rounds), rows playing `guess_number` are carried across steps with their
+    environments: the carried pool is JSON and, restored (each episode rebuilt through
+    `SavedEnvironment.restore`), saves the same JSON again. (Rows carried mid-episode, scripted:
+    tests/runner/test_multi_turn_partial.py.)"""
+    import json
+
+    from grpo_runner_gsm8k.loop import Trainer, build_run
+
+    registry = registry_with(example_module("grpo_environments"))
+    partial = ["rollout.partial.enabled=true", "rollout.partial.budget=3", "loss.mismatch_correction=truncate",
+               "rollout.multi_turn.max_total_tokens=41"]
+    cfg = tiny_config(*small_run(3), *SELECT["grpo_environments"], *partial, registry=registry)
+    trainer = Trainer(build_run(cfg, registry))
+    metrics = trainer.run()
+    assert metrics["train-reward/func/environment/errors"] == 0 and metrics["train-rollout/groups"] == 4
+    saved = json.loads(json.dumps(trainer.sampler.state()))
+    carried = [row for group in saved["groups"].values() for row in group["rows"] if row["open_ids"]]
+    assert carried and all("secret" in row["environment"]["episode"] for row in carried), saved
+    trainer.sampler.restore(saved)
+    assert trainer.sampler.state() == saved

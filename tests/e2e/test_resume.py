@@ -14,6 +14,7 @@ import json
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +45,10 @@ MULTI_TURN = ("model.tokenizer=char-calculator", "task.options={digits: 1, opera
               "rollout.multi_turn.tools=[calculator]", "rollout.multi_turn.max_turns=2",
               "rollout.multi_turn.max_total_tokens=64", "model.architecture.max_position_embeddings=128",
               "rollout.multi_turn.kv_cache=reprefill")
+# the same rows carried across steps in rounds of 4 tokens, in the middle of a turn or after a tool turn
+PARTIAL_MULTI_TURN = (*MULTI_TURN, "rollout.partial.enabled=true", "rollout.partial.budget=4",
+                      "loss.mismatch_correction=truncate")
+SCRIPTED_CALLS = Path(__file__).with_name("scripted_calls.py")  # grpo-run with scripted calls
 RUN_TIMEOUT_S = 600
 ERROR_TIMEOUT_S = 120
 
@@ -74,6 +79,22 @@ class Runs:
         assert len(lines) == 1 and lines[0].startswith("grpo-run: error: "), done.stderr
         assert stdout is None or done.stdout == stdout, done.stdout
         return lines[0]
+
+
+@dataclass(frozen=True)
+class ScriptedCalls:
+    """`cli` (tests/conftest.py's Cli) running tests/e2e/scripted_calls.py instead of grpo-run."""
+
+    cli: Any
+
+    def train_argv(self, *args: str) -> list[str]:
+        return [sys.executable, str(SCRIPTED_CALLS), "--config", self.cli.config, *args]
+
+    def run(self, argv: list[str], timeout: float) -> subprocess.CompletedProcess:
+        return self.cli.run(argv, timeout)
+
+    def start(self, argv: list[str], **kwargs) -> subprocess.Popen:
+        return self.cli.start(argv, **kwargs)
 
 
 @pytest.fixture(scope="session")
@@ -190,9 +211,48 @@ def test_sigkill_then_resume_with_multi_turn_rollouts_ends_bitwise_equal(tmp_pat
     assert resumed_tools == reference_tools and all(tools for tools in resumed_tools)
 
 
-def check_sigkill_resume(runs: Runs, uninterrupted: Path, tmp_path: Path, capsys, *overrides: str) -> None:
+def test_sigkill_then_resume_with_conversations_carried_across_steps_ends_bitwise_equal(tmp_path, capsys, runs):
+    """Multi-turn rows carried across steps (partial rollouts) are in the checkpoint the resume
+    starts from, one at least after a tool turn: the resumed run continues them exactly."""
+    scripted = Runs(ScriptedCalls(runs.cli), runs.overrides)
+    reference = tmp_path / "uninterrupted"
+    scripted.run_to_end(reference, *PARTIAL_MULTI_TURN)
+    # the runs are deterministic: the kill comes after the first checkpoint that holds such a row
+    kill_after = next((step for step in range(KILL_AFTER, STEPS) if after_a_tool_turn(reference, step)), None)
+    assert kill_after is not None, "no checkpoint holds a row carried after a tool turn"
+    killed_at = check_sigkill_resume(scripted, reference, tmp_path, capsys, *PARTIAL_MULTI_TURN, kill_after=kill_after)
+    carried = saved_meta(tmp_path / "killed", killed_at)["carried"]["groups"].values()
+    mid_turn = sum(bool(row["open_ids"]) for group in carried for row in group["rows"])
+    with capsys.disabled():
+        print(f"checkpoint {killed_at} carried {len(after_a_tool_turn(tmp_path / 'killed', killed_at))} rows "
+              f"after a tool turn, {mid_turn} in the middle of a turn")
+    assert after_a_tool_turn(tmp_path / "killed", killed_at)
+    last = [timeless(saved_meta(run_dir, STEPS)["carried"]) for run_dir in (tmp_path / "killed", reference)]
+    assert last[0] == last[1]
+    assert [r["train-tools/calls"] for r in logged_steps(tmp_path / "killed")] == \
+        [r["train-tools/calls"] for r in logged_steps(reference)]
+
+
+def timeless(carried: dict) -> dict:
+    """Carried conversations without the seconds their tools took (which no two runs share)."""
+    for group in carried["groups"].values():
+        for row in group["rows"]:
+            row["trajectory"]["tool_seconds"] = None
+    return carried
+
+
+def after_a_tool_turn(run_dir: Path, step: int) -> list[dict]:
+    """The rows carried in checkpoint `step` that are running after a tool turn."""
+    groups = saved_meta(run_dir, step)["carried"]["groups"].values()
+    return [row for group in groups for row in group["rows"]
+            if row["trajectory"]["tool_calls"] and row["state"] == "running"]
+
+
+def check_sigkill_resume(runs: Runs, uninterrupted: Path, tmp_path: Path, capsys, *overrides: str,
+                         kill_after: int = KILL_AFTER) -> int:
+    """SIGKILL after checkpoint `kill_after`, resume, compare; returns the step resumed from."""
     run_dir = tmp_path / "killed"
-    killed_at = kill_after_checkpoint(runs, run_dir, KILL_AFTER, tmp_path / "killed.log", *overrides)
+    killed_at = kill_after_checkpoint(runs, run_dir, kill_after, tmp_path / "killed.log", *overrides)
     assert killed_at < STEPS, "the run ended before the kill; nothing was resumed"
 
     what = f"SIGKILL after checkpoint {killed_at} {' '.join(overrides)}".rstrip()
@@ -203,6 +263,7 @@ def check_sigkill_resume(runs: Runs, uninterrupted: Path, tmp_path: Path, capsys
         assert [r[key] for r in records] == [r[key] for r in reference], key
     for key in ("key", "data", "skipped_steps", "step"):
         assert saved_meta(run_dir)[key] == saved_meta(uninterrupted)[key], key
+    return killed_at
 
 
 def test_resume_with_incompatible_config_exits_2_naming_the_keys(uninterrupted, runs):

@@ -17,9 +17,10 @@ class ReprefillOnly:
         raise NotImplementedError
 
 
-def cfg(mode: str):
+def cfg(mode: str, multi_turn: bool = False):
     """The rollout section, as much of it as the mode reads."""
-    return SimpleNamespace(backend="third_party", partial=SimpleNamespace(kv_cache=mode))
+    return SimpleNamespace(backend="third_party", partial=SimpleNamespace(kv_cache=mode),
+                           multi_turn=SimpleNamespace(enabled=multi_turn))
 
 
 @pytest.mark.parametrize("mode", ["reprefill", "within_step", "across_steps"])
@@ -35,3 +36,8 @@ def test_auto_keeps_caches_within_a_step_where_the_backend_can_and_reprefills_wh
 def test_a_kept_mode_on_a_backend_without_kept_rounds_is_refused():
     with pytest.raises(UserError, match="backend 'third_party' has no generate_round.*kv_cache=reprefill"):
         kv_cache_mode(cfg("across_steps"), ReprefillOnly())
+
+
+def test_multi_turn_rows_always_reprefill():
+    """(explicit kept modes with multi-turn rows are refused at load: tests/e2e/test_bad_inputs.py)"""
+    assert kv_cache_mode(cfg("auto", multi_turn=True), JaxRollout()) == "reprefill"

@@ -228,3 +228,17 @@ def test_multi_turn_rollouts_plan_their_widest_turn_and_an_update_over_every_tur
     rollout_phases = ({"rollout admission of carried rows", "rollout compaction", "rollout admission", "rollout decode"}
                       if kv_cache == "kept" else {"rollout prefill", "rollout decode"})
     assert set(table_rows(capsys.readouterr().out)) == rollout_phases | {"train step"}
+
+
+def test_multi_turn_rows_carried_across_steps_plan_a_reprefilled_round_of_the_whole_row(plan_config):
+    """With partial rollouts a multi-turn round decodes `budget` tokens of every slot, each
+    re-prefilling its prompt plus up to the row's budget but one token (tool turns included).
+    The phases are the re-prefill ones, which the multi-turn test above compiles at other widths;
+    this checks the widths only (a compile of the plan costs a minute on 2 cores)."""
+    cfg = plan_config(*MULTI_TURN_PLAN, "rollout.partial.enabled=true", "rollout.partial.budget=2",
+                      "loss.mismatch_correction=truncate")
+    inputs = plan.build_plan_inputs(cfg, default_registry())
+    shapes, rollout = rollout_shapes(inputs), cfg.rollout
+    assert shapes.prompts == rollout.prompts_per_step * rollout.n and shapes.sampling.max_new_tokens == 2
+    assert (shapes.kept_prefix, shapes.max_prompt_length) == (0, rollout.max_prompt_length + 40 - 1)
+    assert plan.abstract_update_batch(inputs).targets.shape[1] == 40

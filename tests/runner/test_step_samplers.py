@@ -10,13 +10,15 @@ import pytest
 
 from grpo_core.contracts import CarryingSampler, Sampled, Scores, StepSampler, loaded
 from grpo_core.registry import default_registry
-from grpo_runner_gsm8k.samplers.factory import MultiTurnSampler, PartialSampler, PlainSampler, RefillSampler, step_sampler
+from grpo_runner_gsm8k.samplers.factory import (MultiTurnPartialSampler, MultiTurnSampler, PartialSampler,
+                                                PlainSampler, RefillSampler, step_sampler)
 
 
-@pytest.mark.parametrize("sampler", [PlainSampler, RefillSampler, PartialSampler, MultiTurnSampler])
-def test_every_built_in_sampler_is_a_step_sampler_and_only_partial_carries_rows(sampler):
+@pytest.mark.parametrize("sampler", [PlainSampler, RefillSampler, PartialSampler, MultiTurnSampler,
+                                     MultiTurnPartialSampler])
+def test_every_built_in_sampler_is_a_step_sampler_and_only_partial_ones_carry_rows(sampler):
     assert issubclass(sampler, StepSampler)
-    assert issubclass(sampler, CarryingSampler) == (sampler is PartialSampler)
+    assert issubclass(sampler, CarryingSampler) == (sampler in (PartialSampler, MultiTurnPartialSampler))
 
 
 @pytest.mark.parametrize("overrides,expected", [

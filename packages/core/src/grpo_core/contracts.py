@@ -19,7 +19,8 @@ import jax
 from jax.sharding import Mesh, NamedSharding
 
 from grpo_core.advantage_records import AdvantageResult, AdvantageSetup, StepRewards
-from grpo_core.multi_turn import Environment, EnvironmentStep, Tool, ToolError  # noqa: F401 (re-exported)
+from grpo_core.multi_turn import (Environment, EnvironmentStep, SavedEnvironment, Tool,  # noqa: F401 (re-exported)
+                                   ToolError)
 from grpo_core.rollout_records import RolloutResult, Sampled, Scores, TrainBatch  # noqa: F401 (re-exported)
 from grpo_core.step_samplers import CarryingSampler, StepSampler, loaded  # noqa: F401 (re-exported)
 

@@ -74,3 +74,19 @@ class Environment(Protocol):
 
     def reward_info(self) -> dict[str, float]:
         """Reward information of the whole episode so far, by name."""
+
+
+@runtime_checkable
+class SavedEnvironment(Protocol):
+    """An environment whose episode can be saved and resumed, which partial rollouts need: a row
+    carried across steps is saved in the checkpoint mid-episode, its environment included.
+
+    state():         the episode so far, as JSON (plain dicts, lists, strings, numbers).
+    restore(state):  puts a freshly built environment (`factory(options)`, not reset) back to
+                     that episode, so its next `step`, `done` and `reward_info` are the saved
+                     one's.
+    """
+
+    def state(self) -> dict[str, Any]: ...
+
+    def restore(self, state: dict[str, Any]) -> None: ...

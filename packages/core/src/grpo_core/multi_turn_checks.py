@@ -24,11 +24,25 @@ def check_multi_turn(cfg: Any) -> None:
         if name not in multi.tools:
             raise ConfigError(f"rollout.multi_turn.tool_options.{name} configures a tool that rollout.multi_turn.tools "
                               f"does not offer ({', '.join(map(str, multi.tools))}); add it to tools or remove the options")
-    # Partial rollouts would carry conversations in flight across steps, which nothing saves yet.
     if cfg.rollout.partial.enabled:
-        raise ConfigError("rollout.multi_turn.enabled with rollout.partial.enabled: multi-turn rows cannot be "
-                          "carried across steps yet; set rollout.partial.enabled=false")
+        check_carried_conversations(cfg)
 
+
+def check_carried_conversations(cfg: Any) -> None:
+    """What multi-turn rows carried across steps (rollout.partial) cannot do yet (an environment
+    that cannot save its episode is refused when the sampler builds one: SavedEnvironment)."""
+    multi, partial = cfg.rollout.multi_turn, cfg.rollout.partial
+    # Carried conversations continue by re-prefill (a kept cache would have to hold tool turns across rounds).
+    if multi.kv_cache == "kept" or partial.kv_cache in ("within_step", "across_steps"):
+        mode = "rollout.multi_turn.kv_cache = kept" if multi.kv_cache == "kept" else \
+            f"rollout.partial.kv_cache = {partial.kv_cache}"
+        raise ConfigError(f"{mode} with multi-turn partial rollouts: carried conversations continue by re-prefill; "
+                          "set rollout.multi_turn.kv_cache=auto and rollout.partial.kv_cache=auto")
+    for name in ("max_staleness", "budget_quantile"):
+        if getattr(partial, name) is not None:
+            raise ConfigError(f"rollout.partial.{name} = {getattr(partial, name)} with rollout.multi_turn.enabled: "
+                              f"multi-turn rows are carried with a fixed budget and never restarted; set "
+                              f"rollout.partial.{name}=null")
 
 def check_tools(cfg: Any, registry: Any, plugin_options: Any) -> None:
     """Every offered tool exists in the registry and its options fit its plugin."""

@@ -98,10 +98,11 @@ def rollout_shapes(inputs: PlanInputs) -> RolloutShapes:
     prompts, prompt_length, sampling = rollout.prompts_per_step, rollout.max_prompt_length, run.sampling
     kept_prefix = 0
     if rollout.partial.enabled:
-        # The widest round: every slot carries a prompt plus max_new_tokens - 1 tokens, kept in its
-        # cache (new prompts admitted beside) or re-prefilled.
+        # The widest round: every slot carries a prompt plus max_new_tokens - 1 tokens (a multi-turn
+        # row: its budget over all turns, tool turns included, but one), kept in its cache (new
+        # prompts admitted beside) or re-prefilled (multi-turn rows always are).
         prompts, sampling = prompts * rollout.n, dataclasses.replace(sampling, n=1, max_new_tokens=rollout.partial.budget)
-        carried = prompt_length + rollout.max_new_tokens - 1
+        carried = prompt_length + (row_budget(rollout) if rollout.multi_turn.enabled else rollout.max_new_tokens) - 1
         if kv_cache_mode(run.cfg.rollout, plannable(run)) == "reprefill":
             prompt_length = carried
         else:

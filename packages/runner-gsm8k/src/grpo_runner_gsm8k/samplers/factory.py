@@ -8,6 +8,7 @@ from typing import Any
 from grpo_core.errors import UserError
 from grpo_core.step_samplers import CarryingSampler, StepSampler
 
+from grpo_runner_gsm8k.samplers.multi_turn_partial import MultiTurnPartialSampler
 from grpo_runner_gsm8k.samplers.multi_turn_step import MultiTurnSampler
 from grpo_runner_gsm8k.samplers.partial import PartialSampler
 from grpo_runner_gsm8k.samplers.plain import PlainSampler
@@ -18,6 +19,8 @@ def step_sampler(run: Any, registry: Any) -> StepSampler:
     """The step sampler of the built `run` (the registry supplies a multi-turn run's tools)."""
     rollout, loss = run.cfg.rollout, run.cfg.loss
     refill = loss.dynamic_sampling and loss.dynamic_sampling_mode == "refill"
+    if rollout.multi_turn.enabled and rollout.partial.enabled:  # refill is refused with partial rollouts at load
+        return MultiTurnPartialSampler(run, registry)
     if rollout.multi_turn.enabled:
         multi_turn = MultiTurnSampler(run, registry)
         return RefillSampler(run, multi_turn) if refill else multi_turn
@@ -38,4 +41,5 @@ def restore_carried(sampler: StepSampler, state: Any, checkpoints: Path) -> None
         raise UserError(f"checkpoint {checkpoints / str(state.step)}: {exc}") from None
 
 
-__all__ = ["MultiTurnSampler", "PartialSampler", "PlainSampler", "RefillSampler", "restore_carried", "step_sampler"]
+__all__ = ["MultiTurnPartialSampler", "MultiTurnSampler", "PartialSampler", "PlainSampler", "RefillSampler",
+           "restore_carried", "step_sampler"]

@@ -51,7 +51,10 @@ def round_generator(run: Any, policy: Policy, sampling, kv_cache: str):
 
 
 def kv_cache_mode(rollout_cfg: RolloutConfig, backend: Any) -> str:
-    """rollout.partial.kv_cache resolved for this backend (auto: within_step when it keeps caches)."""
+    """rollout.partial.kv_cache resolved for this backend (auto: within_step when it keeps caches;
+    multi-turn rows always re-prefill, other modes refused at load)."""
+    if rollout_cfg.multi_turn.enabled:
+        return "reprefill"
     mode, keeps = rollout_cfg.partial.kv_cache, isinstance(backend, KeptCacheRollout)
     if mode == "auto":
         return "within_step" if keeps else "reprefill"
