@@ -294,6 +294,10 @@ class TeacherConfig:
     baseline: Literal["none", "leave_one_out"] = setting(
         "none", "Subtracted from d_t: none, or leave_one_out = the mean d_t over the completion tokens of the other "
         "rows of the prompt's group (unbiased, lower variance; needs rollout.n >= 2).")
+    estimator: Literal["sampled", "full"] = setting(
+        "sampled", "sampled = the one-token estimate d_t as a token-level advantage; full = coef * the exact reverse "
+        "KL(student || teacher) over the whole vocabulary at every completion token, added to the loss "
+        "(grpo_losses.full_kl).")
 
 
 @dataclass(frozen=True)
