@@ -81,7 +81,11 @@ def test_the_printed_config_of_a_run_without_teacher_loads_back(tiny_config_path
     (["teacher.coef=0"], "teacher.coef = 0.0 is out of range: must be > 0.0"),
     (["teacher.placement=everywhere"], "teacher.placement"),
     (["teacher.baseline=leave_one_out", "rollout.n=1"], "set rollout.n >= 2 or teacher.baseline=none"),
-], ids=["dynamic-sampling-alone", "coef-zero", "placement", "baseline-without-group"])
+    (["teacher.estimator=full", "teacher.baseline=leave_one_out"],
+     "teacher.baseline = 'leave_one_out' with teacher.estimator = 'full': the exact KL has no sampling variance"),
+    (["teacher.estimator=exact"], "teacher.estimator"),
+], ids=["dynamic-sampling-alone", "coef-zero", "placement", "baseline-without-group", "baseline-with-full",
+        "unknown-estimator"])
 def test_bad_teacher_settings_exit_2(tiny_config_path, models, capsys, overrides, hint):
     argv = ["--config", tiny_config_path, "--print-config", f"teacher.path={models['teacher']}", *overrides]
     assert main(argv) == 2
@@ -163,6 +167,17 @@ def test_a_lora_student_keeps_its_base_as_reference_and_distills_from_the_teache
                           "model.lora.rank=4", "loss.beta=0.05", "teacher.use_task_reward=true")
     assert abs(steps[0]["train-other/kl"]) < 1e-6
     assert abs(steps[0]["train-other/distill_reverse_kl"]) > 1e-3  # a sample estimate, of either sign
+    assert all(s["train-other/skipped_steps"] == 0 for s in steps)
+
+
+@pytest.mark.slow
+def test_a_lora_student_distills_with_the_exact_kl(run_two_steps, models):
+    """teacher.estimator full through the real loop: the teacher's states and head reach the update
+    of a LoRA student, whose exact KL to another model is positive and falls over two steps."""
+    steps = run_two_steps(f"model.path={models['student']}", f"teacher.path={models['teacher']}",
+                          "model.lora.rank=4", "teacher.estimator=full", "train.lr=0.01")
+    kls = [s["train-other/distill_full_kl"] for s in steps]
+    assert kls[0] > 1e-3 and kls[1] < kls[0], kls
     assert all(s["train-other/skipped_steps"] == 0 for s in steps)
 
 
