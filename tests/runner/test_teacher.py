@@ -116,12 +116,13 @@ def teacher_param_count() -> int:
     return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(abstract_model(q, "float32"))))
 
 
-@pytest.mark.parametrize("placement", ["sharded", "replicated"])
-def test_plan_counts_the_teacher_and_compiles_its_scoring(plan_config, models, placement):
+@pytest.mark.parametrize("placement,estimator", [("sharded", "sampled"), ("replicated", "sampled"), ("sharded", "full")])
+def test_plan_counts_the_teacher_and_compiles_its_scoring(plan_config, models, placement, estimator):
     from grpo_runner_gsm8k import plan
-    from grpo_runner_gsm8k.plan.phases import teacher_phase
+    from grpo_runner_gsm8k.plan.phases import teacher_phase, update_lowering
 
-    cfg = plan_config(f"teacher.path={models['teacher']}", f"teacher.placement={placement}")
+    cfg = plan_config(f"teacher.path={models['teacher']}", f"teacher.placement={placement}",
+                      f"teacher.estimator={estimator}")
     inputs = plan.build_plan_inputs(cfg, default_registry())
     whole = 4 * teacher_param_count()  # float32
     if placement == "replicated":
@@ -131,6 +132,10 @@ def test_plan_counts_the_teacher_and_compiles_its_scoring(plan_config, models, p
     phase = teacher_phase(inputs)
     assert phase.name == TEACHER_PHASE and phase.arguments >= inputs.teacher_bytes
     assert inputs.held_beside_rollout >= inputs.teacher_bytes
+    if estimator == "full":  # the update takes the teacher's states and head: it lowers with them
+        lower, args = update_lowering(inputs, 1)
+        assert args[2].teacher_hidden.shape[-1] == SMALLER["hidden_size"] and args[2].teacher_head is not None
+        lower(*args)
 
 
 def records(run_dir: Path) -> list[dict]:
