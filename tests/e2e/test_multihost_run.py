@@ -243,9 +243,11 @@ def test_a_process_failing_alone_ends_the_run_on_every_process(tmp_path, start_c
 
 
 @pytest.mark.slow
-def test_two_process_distillation_of_a_lora_student_ends_with_the_same_adapters(tmp_path, start):
+@pytest.mark.parametrize("estimator", ["sampled", "full"])
+def test_two_process_distillation_of_a_lora_student_ends_with_the_same_adapters(tmp_path, start, estimator):
     """Both processes load the teacher onto the one mesh and score the one global batch with it;
-    the token-level advantages are global arrays, so both apply the same update."""
+    the token-level advantages (sampled) or the teacher's hidden states and head (full) are global
+    arrays, so both apply the same update."""
     from grpo_core.models import QwenConfig, init_from_config
     from grpo_core.models.hf_io import export_pretrained
     from grpo_core.tokenizer import build_char_tokenizer
@@ -257,7 +259,7 @@ def test_two_process_distillation_of_a_lora_student_ends_with_the_same_adapters(
     export_pretrained(init_from_config(qcfg, seed=1, dtype="float32"), tmp_path / "teacher", tokenizer)
     port = free_port()
     options = ["model.lora.rank=4", "model.lora.alpha=8", f"teacher.path={tmp_path / 'teacher'}",
-               "teacher.use_task_reward=true", "eval.every_steps=0"]
+               "teacher.use_task_reward=true", "eval.every_steps=0", f"teacher.estimator={estimator}"]
     outs = finish([start(4, [*RUN, *options, f"logging.dir={tmp_path / 'run'}", *distributed(port, i)])
                    for i in range(2)])
     initial = [float(printed(out, "INITIAL")) for out in outs]
@@ -265,8 +267,10 @@ def test_two_process_distillation_of_a_lora_student_ends_with_the_same_adapters(
     assert initial[0] == initial[1] and final[0] == final[1] and final[0] != initial[0]
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2]
-    # a one-sample estimate per token, of either sign; two different models never agree exactly
-    assert all(abs(r["train-other/distill_reverse_kl"]) > 1e-3 and np.isfinite(r["train-other/loss"]) for r in records)
+    # sampled: a one-sample estimate per token, of either sign; full: the exact KL, > 0. Two different
+    # models never agree exactly
+    metric = "train-other/distill_reverse_kl" if estimator == "sampled" else "train-other/distill_full_kl"
+    assert all(abs(r[metric]) > 1e-3 and np.isfinite(r["train-other/loss"]) for r in records)
 
 
 # Two steps of a tiny multi-turn run with the calculator (the kept-cache loop) in which every row

@@ -81,7 +81,11 @@ def test_the_printed_config_of_a_run_without_teacher_loads_back(tiny_config_path
     (["teacher.coef=0"], "teacher.coef = 0.0 is out of range: must be > 0.0"),
     (["teacher.placement=everywhere"], "teacher.placement"),
     (["teacher.baseline=leave_one_out", "rollout.n=1"], "set rollout.n >= 2 or teacher.baseline=none"),
-], ids=["dynamic-sampling-alone", "coef-zero", "placement", "baseline-without-group"])
+    (["teacher.estimator=full", "teacher.baseline=leave_one_out"],
+     "teacher.baseline = 'leave_one_out' with teacher.estimator = 'full': the exact KL has no sampling variance"),
+    (["teacher.estimator=exact"], "teacher.estimator"),
+], ids=["dynamic-sampling-alone", "coef-zero", "placement", "baseline-without-group", "baseline-with-full",
+        "unknown-estimator"])
 def test_bad_teacher_settings_exit_2(tiny_config_path, models, capsys, overrides, hint):
     argv = ["--config", tiny_config_path, "--print-config", f"teacher.path={models['teacher']}", *overrides]
     assert main(argv) == 2
@@ -112,12 +116,13 @@ def teacher_param_count() -> int:
     return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(abstract_model(q, "float32"))))
 
 
-@pytest.mark.parametrize("placement", ["sharded", "replicated"])
-def test_plan_counts_the_teacher_and_compiles_its_scoring(plan_config, models, placement):
+@pytest.mark.parametrize("placement,estimator", [("sharded", "sampled"), ("replicated", "sampled"), ("sharded", "full")])
+def test_plan_counts_the_teacher_and_compiles_its_scoring(plan_config, models, placement, estimator):
     from grpo_runner_gsm8k import plan
-    from grpo_runner_gsm8k.plan.phases import teacher_phase
+    from grpo_runner_gsm8k.plan.phases import teacher_phase, update_lowering
 
-    cfg = plan_config(f"teacher.path={models['teacher']}", f"teacher.placement={placement}")
+    cfg = plan_config(f"teacher.path={models['teacher']}", f"teacher.placement={placement}",
+                      f"teacher.estimator={estimator}")
     inputs = plan.build_plan_inputs(cfg, default_registry())
     whole = 4 * teacher_param_count()  # float32
     if placement == "replicated":
@@ -127,6 +132,10 @@ def test_plan_counts_the_teacher_and_compiles_its_scoring(plan_config, models, p
     phase = teacher_phase(inputs)
     assert phase.name == TEACHER_PHASE and phase.arguments >= inputs.teacher_bytes
     assert inputs.held_beside_rollout >= inputs.teacher_bytes
+    if estimator == "full":  # the update takes the teacher's states and head: it lowers with them
+        lower, args = update_lowering(inputs, 1)
+        assert args[2].teacher_hidden.shape[-1] == SMALLER["hidden_size"] and args[2].teacher_head is not None
+        lower(*args)
 
 
 def records(run_dir: Path) -> list[dict]:
@@ -163,6 +172,17 @@ def test_a_lora_student_keeps_its_base_as_reference_and_distills_from_the_teache
                           "model.lora.rank=4", "loss.beta=0.05", "teacher.use_task_reward=true")
     assert abs(steps[0]["train-other/kl"]) < 1e-6
     assert abs(steps[0]["train-other/distill_reverse_kl"]) > 1e-3  # a sample estimate, of either sign
+    assert all(s["train-other/skipped_steps"] == 0 for s in steps)
+
+
+@pytest.mark.slow
+def test_a_lora_student_distills_with_the_exact_kl(run_two_steps, models):
+    """teacher.estimator full through the real loop: the teacher's states and head reach the update
+    of a LoRA student, whose exact KL to another model is positive and falls over two steps."""
+    steps = run_two_steps(f"model.path={models['student']}", f"teacher.path={models['teacher']}",
+                          "model.lora.rank=4", "teacher.estimator=full", "train.lr=0.01")
+    kls = [s["train-other/distill_full_kl"] for s in steps]
+    assert kls[0] > 1e-3 and kls[1] < kls[0], kls
     assert all(s["train-other/skipped_steps"] == 0 for s in steps)
 
 

@@ -286,14 +286,19 @@ class TeacherConfig:
         "sharded", "sharded = split over the mesh by the policy's parameter rules, like the reference model; "
         "replicated = a whole copy on every device (no weight gathers while scoring, more memory).")
     coef: float = setting(
-        1.0, "Weight c of the per-token advantage -c * (logp_student - logp_teacher), a reverse-KL estimate.", gt=0.0)
+        1.0, "Weight c of the per-token advantage -c * (logp_student - logp_teacher), a reverse-KL estimate "
+        "(estimator sampled), or of the exact KL term c * KL (estimator full).", gt=0.0)
     use_task_reward: bool = setting(
-        False, "false = the distillation advantage alone; true = added to the task's per-row advantage.")
+        False, "false = the distillation term alone; true = added to the task's advantage (sampled) or loss (full).")
     # none: the sources' estimator as is; leave_one_out removes the large common part of d_t (a
     # random-init student starts ~6 nats from its teacher) that only adds variance.
     baseline: Literal["none", "leave_one_out"] = setting(
         "none", "Subtracted from d_t: none, or leave_one_out = the mean d_t over the completion tokens of the other "
         "rows of the prompt's group (unbiased, lower variance; needs rollout.n >= 2).")
+    estimator: Literal["sampled", "full"] = setting(
+        "sampled", "sampled = the one-token estimate d_t as a token-level advantage; full = coef * the exact reverse "
+        "KL(student || teacher) over the whole vocabulary at every completion token, added to the loss "
+        "(grpo_losses.full_kl).")
 
 
 @dataclass(frozen=True)

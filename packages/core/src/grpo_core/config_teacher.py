@@ -30,3 +30,6 @@ def check_teacher(cfg: RunConfig) -> None:
     if cfg.teacher.path and cfg.teacher.baseline == "leave_one_out" and cfg.rollout.n < 2:
         raise ConfigError(f"teacher.baseline = 'leave_one_out' with rollout.n = {cfg.rollout.n}: the baseline is the mean "
                           "over the other rows of a prompt's group; set rollout.n >= 2 or teacher.baseline=none")
+    if cfg.teacher.path and cfg.teacher.estimator == "full" and cfg.teacher.baseline != "none":
+        raise ConfigError(f"teacher.baseline = {cfg.teacher.baseline!r} with teacher.estimator = 'full': the exact KL "
+                          "has no sampling variance for a baseline to reduce; set teacher.baseline=none")

@@ -21,6 +21,8 @@ reverse KL as the divergence; Thinking Machines, "On-Policy Distillation", 2025,
 negative per-token reverse KL as the advantage with a discount of zero). A_t carries no gradient:
 with ratio 1 the policy-gradient term -A_t * grad log pi(y_t) is c * d_t * grad log pi(y_t), whose
 expectation over y_t ~ pi is c * grad KL(pi || q) at that prefix (E[grad log pi] = 0).
+The exact KL over the whole vocabulary, with nothing sampled, is `teacher.estimator: full`
+(grpo_losses.full_kl).
 
 Which student log-prob: the sampler's (the rollout's `sampler_logps`), i.e. log_softmax(logits / T)
 of the policy that drew the token, unfiltered by top-k/top-p. Three reasons: d_t estimates the KL

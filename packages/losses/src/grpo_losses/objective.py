@@ -80,6 +80,7 @@ class LossMetrics(NamedTuple):
     selected: Array | None = None  # tokens kept by high-entropy selection
     capped: Array | None = None  # cispo: tokens whose importance weight was capped at cispo_epsilon_max
     gate_sum: Array | None = None  # sapo: sum of the gate weights 4 sigmoid (1 - sigmoid)
+    distill_kl_sum: Array | None = None  # teacher.estimator full: sum of the exact reverse KL (grpo_losses.full_kl)
 
     def merge(self, other: LossMetrics) -> LossMetrics:
         """The metrics of both micro-batches together."""
@@ -94,7 +95,7 @@ class LossMetrics(NamedTuple):
     def summary(self) -> dict[str, Array]:
         """clip_frac_low/high, ratio_mean/min/max, and where available kl_mean, entropy_mean,
         mismatch_kl/ratio_mean/ratio_max/rejected_frac, entropy_selected_frac, cispo_capped_frac,
-        sapo_gate_mean."""
+        sapo_gate_mean, distill_full_kl."""
         tokens = jnp.maximum(self.tokens, 1.0)
         out = {"clip_frac_low": self.clip_low / tokens, "clip_frac_high": self.clip_high / tokens,
                "ratio_mean": self.ratio_sum / tokens, "ratio_min": self.ratio_min, "ratio_max": self.ratio_max}
@@ -106,7 +107,7 @@ class LossMetrics(NamedTuple):
             out.update(mismatch_kl=self.mismatch_kl_sum / tokens, mismatch_ratio_mean=self.mismatch_ratio_sum / tokens,
                        mismatch_ratio_max=self.mismatch_ratio_max, mismatch_rejected_frac=self.mismatch_rejected / tokens)
         optional = {"entropy_selected_frac": self.selected, "cispo_capped_frac": self.capped,
-                    "sapo_gate_mean": self.gate_sum}
+                    "sapo_gate_mean": self.gate_sum, "distill_full_kl": self.distill_kl_sum}
         out.update({name: value / tokens for name, value in optional.items() if value is not None})
         return out
 

@@ -122,12 +122,13 @@ class Trainer:
         loss_mask = put(trimmed.completion_mask[:, width:]) * put(inputs.keep[:, None])  # host keep: same everywhere
         values = update_advantages(advantages.advantages, targets.shape[1])  # [N], or [N, C] placed like loss_mask
         batch_advantages = jax.device_put(values, self.train_sharding if values.ndim == 2 else self.row_sharding)
-        if self.ops.teacher is not None:  # [N, C]: the teacher's per-token advantages (grpo_losses.distillation)
-            batch_advantages, self.teacher_metrics = self.ops.teacher.advantages(
+        teacher_fields: dict = {}
+        if self.ops.teacher is not None:  # per-token advantages, or the teacher's states for the exact KL
+            batch_advantages, teacher_fields, self.teacher_metrics = self.ops.teacher.update_inputs(
                 batch_advantages, put(trimmed.sampler_logps[:, width:]), loss_mask, input_ids, attention_mask,
                 targets, width)
         return UpdateBatch(input_ids, attention_mask, targets, loss_mask, batch_advantages,
-                           inputs.old_logp, inputs.ref_logp, inputs.sampler_logp, prompt_width=width)
+                           inputs.old_logp, inputs.ref_logp, inputs.sampler_logp, **teacher_fields, prompt_width=width)
 
     def score(self, weights, input_ids, attention_mask, targets, width: int) -> jax.Array:
         args = (weights, input_ids, attention_mask, targets)

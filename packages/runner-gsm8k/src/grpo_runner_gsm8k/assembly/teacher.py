@@ -6,7 +6,9 @@ base without adapters; the teacher never is). It is sharded over the mesh by the
 parameter rules (`placement: sharded`), or copied whole onto every device (`replicated`). After
 each rollout it scores every sampled token with the run's loss implementation (the same fused,
 vocabulary-blocked scorer as old and reference log-probs), and the scores become token-level
-advantages (the math: grpo_losses.distillation).
+advantages (the math: grpo_losses.distillation). With `teacher.estimator: full` it computes its
+final hidden states at the completion positions instead, and the update adds the exact reverse KL
+over the whole vocabulary through the teacher's LM head (grpo_losses.full_kl).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
@@ -30,7 +33,7 @@ from grpo_core.sharding import param_shardings
 from grpo_core.tokenizer import load_tokenizer
 from grpo_losses.distillation import distillation_advantages, mean_reverse_kl
 
-from grpo_runner_gsm8k.training.step import make_score
+from grpo_runner_gsm8k.training.step import make_completion_hidden, make_score
 
 TEACHER_PHASE = "teacher log-probs"  # the name of its scoring phase in memory checks and the plan
 
@@ -39,12 +42,28 @@ TEACHER_PHASE = "teacher log-probs"  # the name of its scoring phase in memory c
 class Teacher:
     """qcfg: the teacher's architecture; params (real or, in the plan, abstract) are stored in
     teacher.dtype and placed as teacher.placement says; score: grpo_runner_gsm8k.training.step.make_score
-    of the teacher's graphdef."""
+    of the teacher's graphdef; hidden: ...step.make_completion_hidden of it; head: its LM head [H, V]
+    (the untied head's own array, or, for a tied embedding, its transpose: one embedding-sized copy)."""
 
     qcfg: QwenConfig
     graphdef: nnx.GraphDef
     params: Any
     score: Callable[..., jax.Array]
+    hidden: Callable[..., jax.Array]
+    head: Any
+
+
+def full_kl_coef(teacher: TeacherConfig) -> float:
+    """The weight of the exact reverse-KL term in the update: teacher.coef with `estimator: full`, else 0."""
+    return teacher.coef if teacher.path and teacher.estimator == "full" else 0.0
+
+
+def teacher_head(graphdef: nnx.GraphDef, params: Any) -> Any:
+    """The LM head [H, V] of the teacher's params (abstract params give its shape and dtype)."""
+    head = lambda p: nnx.merge(graphdef, p).lm_head_weight()  # noqa: E731
+    if all(isinstance(leaf, jax.Array) for leaf in jax.tree.leaves(params)):
+        return head(params)
+    return jax.eval_shape(head, params)
 
 
 def teacher_error(exc: Exception, fix: str) -> UserError:
@@ -123,7 +142,8 @@ def load_teacher(teacher: TeacherConfig, model_cfg: ModelConfig, mesh: Mesh, str
         raise teacher_error(exc, "re-download or re-export the teacher") from None
     model = prepare_teacher_model(teacher, model_cfg.attention, model, mesh, strategy)
     graphdef, params = nnx.split(model)
-    return Teacher(model.config, graphdef, params, make_score(graphdef, loss_impl, temperature))
+    return Teacher(model.config, graphdef, params, make_score(graphdef, loss_impl, temperature),
+                   make_completion_hidden(graphdef), teacher_head(graphdef, params))
 
 
 def abstract_teacher(teacher: TeacherConfig, model_cfg: ModelConfig, mesh: Mesh, strategy: Any, loss_impl: Any,
@@ -136,7 +156,8 @@ def abstract_teacher(teacher: TeacherConfig, model_cfg: ModelConfig, mesh: Mesh,
     shardings = param_shardings(state, mesh, teacher_rules(teacher, strategy))
     params = jax.tree.map(lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
                           state, shardings)
-    return Teacher(qcfg, graphdef, params, make_score(graphdef, loss_impl, temperature))
+    return Teacher(qcfg, graphdef, params, make_score(graphdef, loss_impl, temperature),
+                   make_completion_hidden(graphdef), teacher_head(graphdef, params))
 
 
 class TeacherScoring:
@@ -153,6 +174,19 @@ class TeacherScoring:
         args = (self.teacher.params, input_ids, attention_mask, targets)
         self.check(TEACHER_PHASE, self.teacher.score, *args, prompt_width=width)
         return self.teacher.score(*args, prompt_width=width)
+
+    def update_inputs(self, row_advantages, sampler_logp, mask, input_ids, attention_mask, targets,
+                      width: int) -> tuple[jax.Array, dict, dict]:
+        """(the update's advantages, the UpdateBatch fields of the teacher, metrics) of either estimator."""
+        if self.cfg.estimator == "sampled":
+            advantages, metrics = self.advantages(row_advantages, sampler_logp, mask, input_ids, attention_mask,
+                                                  targets, width)
+            return advantages, {}, metrics
+        args = (self.teacher.params, input_ids, attention_mask)
+        self.check(TEACHER_PHASE, self.teacher.hidden, *args, prompt_width=width)
+        hidden = self.teacher.hidden(*args, prompt_width=width)
+        advantages = row_advantages if self.cfg.use_task_reward else jnp.zeros_like(row_advantages)
+        return advantages, {"teacher_hidden": hidden, "teacher_head": self.teacher.head}, {}
 
     def advantages(self, row_advantages, sampler_logp, mask, input_ids, attention_mask, targets,
                    width: int) -> tuple[jax.Array, dict]:

@@ -228,12 +228,21 @@ def abstract_update_batch(inputs: PlanInputs) -> UpdateBatch:
     cfg, mesh = inputs.run.cfg, inputs.run.mesh
     rows, (prompt_w, completion_w) = rows_per_step(cfg.rollout), train_widths(inputs)
     tokens = lambda dtype, width: abstract_array((rows, width), dtype, train_batch_sharding(mesh))  # noqa: E731
+    teacher, full = inputs.run.teacher, cfg.teacher.estimator == "full"
     return UpdateBatch(
         input_ids=tokens(jnp.int32, prompt_w + completion_w), attention_mask=tokens(jnp.int32, prompt_w + completion_w),
         targets=tokens(jnp.int32, completion_w), loss_mask=tokens(jnp.float32, completion_w),
-        advantages=(tokens(jnp.float32, completion_w) if inputs.run.teacher is not None  # per token: distillation
+        advantages=(tokens(jnp.float32, completion_w) if teacher is not None and not full  # per token: distillation
                     else abstract_array((rows,), jnp.float32, train_batch_sharding(mesh, ndim=1))),
         old_logp=tokens(jnp.float32, completion_w) if inputs.run.logps.has_old else None,
         ref_logp=tokens(jnp.float32, completion_w) if inputs.run.logps.reference else None,
         sampler_logp=tokens(jnp.float32, completion_w) if inputs.run.logps.sampler else None,
+        **(teacher_fields(teacher, rows, completion_w, mesh) if teacher is not None and full else {}),
         prompt_width=prompt_w)
+
+
+def teacher_fields(teacher: Any, rows: int, completion_w: int, mesh: Any) -> dict:
+    """The UpdateBatch fields of `teacher.estimator: full`: its states at the completion positions and its head."""
+    hidden = abstract_array((rows, completion_w, teacher.qcfg.hidden_size), teacher.head.dtype,
+                            train_batch_sharding(mesh, ndim=3))
+    return {"teacher_hidden": hidden, "teacher_head": teacher.head}

@@ -184,8 +184,12 @@ def teacher_phase(inputs: PlanInputs) -> Optional[PhaseMemory]:
     if teacher is None:
         return None
     batch = abstract_update_batch(inputs)
-    lower = functools.partial(teacher.score.lower, prompt_width=batch.prompt_width)
-    args = (teacher.params, batch.input_ids, batch.attention_mask, batch.targets)
+    if inputs.run.cfg.teacher.estimator == "full":  # its hidden states, for the exact KL in the update
+        lower = functools.partial(teacher.hidden.lower, prompt_width=batch.prompt_width)
+        args = (teacher.params, batch.input_ids, batch.attention_mask)
+    else:
+        lower = functools.partial(teacher.score.lower, prompt_width=batch.prompt_width)
+        args = (teacher.params, batch.input_ids, batch.attention_mask, batch.targets)
     other = inputs.held_beside_rollout - inputs.teacher_bytes + kept_cache_bytes(inputs)  # its params are an argument
     return compile_phase(TEACHER_PHASE, lower, args, other)[0]
 

@@ -47,6 +47,11 @@ def header_lines(inputs: PlanInputs) -> list[str]:
     ] + teacher_lines(inputs)
 
 
+TEACHER_WORK = {"sampled": "scores every sampled token after the rollout",
+                "full": "computes its hidden states at every completion position after the rollout; the update "
+                        "adds the exact reverse KL through its LM head"}
+
+
 def teacher_lines(inputs: PlanInputs) -> list[str]:
     """The distillation teacher's weights, when there is one."""
     teacher, cfg = inputs.run.teacher, inputs.run.cfg.teacher
@@ -54,7 +59,7 @@ def teacher_lines(inputs: PlanInputs) -> list[str]:
         return []
     params = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(teacher.params))
     return [f"teacher: {teacher.qcfg.model_type}, {params:,} params in {cfg.dtype}, {cfg.placement} "
-            f"({inputs.teacher_bytes / GIB:.3f} GiB per device), scores every sampled token after the rollout"]
+            f"({inputs.teacher_bytes / GIB:.3f} GiB per device), " + TEACHER_WORK[cfg.estimator]]
 
 
 def trained_line(inputs: PlanInputs, params: int) -> str:

@@ -28,6 +28,8 @@ from flax import nnx, struct
 from grpo_core.config import LossConfig
 from grpo_core.models.precision import compute_params, update_ratio
 from grpo_losses import LossMetrics, finalize_loss, grpo_loss, per_token_logps
+from grpo_losses.full_kl import full_kl_numerator
+from grpo_losses.objective import token_weights
 
 
 @struct.dataclass
@@ -38,7 +40,10 @@ class UpdateBatch:
     already multiplied by the dynamic-sampling keep mask); advantages [N] per row, or
     [N, C] per token (sharded like loss_mask; see `update_advantages`);
     old_logp / ref_logp [N, C] or None; sampler_logp [N, C] the rollout's log-probs, carried
-    only when the loss corrects rollout/training mismatch (`loss.mismatch_correction`).
+    only when the loss corrects rollout/training mismatch (`loss.mismatch_correction`);
+    teacher_hidden [N, C, H_teacher] the teacher's states that predict the completion tokens and
+    teacher_head [H_teacher, V] its LM head, with `teacher.estimator: full` (grpo_losses.full_kl);
+    the head is one per update, never split into micro-batches.
     """
 
     input_ids: jax.Array
@@ -49,6 +54,8 @@ class UpdateBatch:
     old_logp: Optional[jax.Array] = None
     ref_logp: Optional[jax.Array] = None
     sampler_logp: Optional[jax.Array] = None
+    teacher_hidden: Optional[jax.Array] = None
+    teacher_head: Optional[jax.Array] = None
     prompt_width: int = struct.field(pytree_node=False, default=1)
 
 
@@ -90,6 +97,17 @@ def make_score(graphdef: nnx.GraphDef, impl: Any, temperature: float):
         return per_token_logps(impl, hidden, lm_head, targets, temperature)
 
     return score
+
+
+def make_completion_hidden(graphdef: nnx.GraphDef):
+    """A jitted `hidden(params, input_ids, attention_mask, prompt_width=...)`: the states that
+    predict the completion tokens [N, C, H] (a teacher's side of the full reverse KL)."""
+
+    @functools.partial(jax.jit, static_argnames="prompt_width")
+    def hidden(params, input_ids, attention_mask, prompt_width: int) -> jax.Array:
+        return completion_hidden(graphdef, params, input_ids, attention_mask, prompt_width)[0]
+
+    return hidden
 
 
 def _split_micro(batch: UpdateBatch, micro_batches: int) -> UpdateBatch:
@@ -189,6 +207,8 @@ def _accumulate(graphdef: nnx.GraphDef, loss_terms: LossTerms, compute_dtype: An
     gradient w.r.t. the copy is the gradient w.r.t. the params: a cast's transpose is a cast).
     With `frozen` (LoRA's base, already in the compute dtype) `params` are the adapters:
     jax.grad w.r.t. them alone, whose gradient buffer is adapter-sized."""
+    if batch.teacher_head is not None:  # one per update: every micro-batch's loss sees the whole head
+        loss_terms, batch = _with_teacher_head(loss_terms, batch.teacher_head), batch.replace(teacher_head=None)
     if frozen is not None:
         body = _micro_step(graphdef, loss_terms, compute_params(params, compute_dtype), frozen)
     elif accumulates_in_backward(graphdef, params, micro_batches):
@@ -199,6 +219,10 @@ def _accumulate(graphdef: nnx.GraphDef, loss_terms: LossTerms, compute_dtype: An
     zeros = jax.tree.map(lambda p: jnp.zeros_like(p, dtype=jnp.float32), params)
     grads, (nums, dens, metrics) = jax.lax.scan(body, zeros, _split_micro(batch, micro_batches))
     return grads, jnp.sum(nums), jnp.sum(dens), _merge_stacked(metrics, micro_batches)
+
+
+def _with_teacher_head(loss_terms: LossTerms, head: jax.Array) -> LossTerms:
+    return lambda hidden, lm_head, mb: loss_terms(hidden, lm_head, mb.replace(teacher_head=head))
 
 
 def apply_finite_update(optimizer: optax.GradientTransformation, grads, opt_state, params, finite: jax.Array,
@@ -228,15 +252,22 @@ def apply_finite_update(optimizer: optax.GradientTransformation, grads, opt_stat
 
 
 def make_update(graphdef: nnx.GraphDef, impl: Any, loss_cfg: LossConfig, optimizer: optax.GradientTransformation,
-                temperature: float, micro_batches: int, compute_dtype: Any = None):
+                temperature: float, micro_batches: int, compute_dtype: Any = None, full_kl_coef: float = 0.0):
     """A jitted `update(params, opt_state, batch, frozen=None) -> (params, opt_state, metrics)`;
     the forward and backward run in `compute_dtype` (None: the params' own dtype). `frozen`:
-    a LoRA run's base state (params are then its adapters; see grpo_runner_gsm8k.assembly.adapters)."""
+    a LoRA run's base state (params are then its adapters; see grpo_runner_gsm8k.assembly.adapters).
+    A batch with teacher states adds `full_kl_coef` * the exact reverse KL (grpo_losses.full_kl)."""
 
     def loss_terms(hidden, lm_head, mb: UpdateBatch):
         out = grpo_loss(impl, hidden, lm_head, mb.targets, mb.loss_mask, mb.advantages, mb.old_logp,
                         mb.ref_logp, loss_cfg, temperature=temperature, sampler_logp=mb.sampler_logp)
-        return out.numerator, (out.denominator, out.metrics)
+        if mb.teacher_hidden is None:
+            return out.numerator, (out.denominator, out.metrics)
+        kl_numerator, kl_sum = full_kl_numerator(impl, hidden, lm_head, mb.teacher_hidden, mb.teacher_head,
+                                                 mb.loss_mask, token_weights(mb.loss_mask.astype(jnp.float32), loss_cfg),
+                                                 temperature)
+        metrics = out.metrics._replace(distill_kl_sum=kl_sum)
+        return out.numerator + full_kl_coef * kl_numerator, (out.denominator, metrics)
 
     accumulate = functools.partial(_accumulate, graphdef, loss_terms, compute_dtype, micro_batches)
 

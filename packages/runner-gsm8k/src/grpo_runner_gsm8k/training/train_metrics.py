@@ -11,7 +11,8 @@ from grpo_core.rollout_records import RolloutResult
 from grpo_runner_gsm8k.multihost import host_array
 
 OPTIONAL_TRAIN_METRICS = ("mismatch_kl", "mismatch_ratio_mean", "mismatch_ratio_max", "mismatch_rejected_frac",
-                          "entropy_selected_frac", "cispo_capped_frac", "sapo_gate_mean")
+                          "entropy_selected_frac", "cispo_capped_frac", "sapo_gate_mean",
+                          "distill_full_kl")
 
 
 def objective_metrics(train: dict, result: RolloutResult, loss_cfg) -> dict:
