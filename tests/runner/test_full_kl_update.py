@@ -14,7 +14,7 @@ from flax import nnx
 from grpo_core.config import LossConfig
 from grpo_core.models import QwenConfig, init_from_config
 from grpo_losses import FusedLogps, FusedOptions, ReferenceLogps
-from grpo_losses.full_kl import dense_reverse_kl
+from grpo_losses.full_kl import FullKLTerm, dense_kl
 from grpo_runner_gsm8k.training.step import UpdateBatch, completion_hidden, make_completion_hidden, make_update
 
 ROWS, PROMPT, COMPLETION, VOCAB, TEMPERATURE, COEF = 8, 3, 5, 45, 0.8, 0.7
@@ -42,11 +42,11 @@ def batch_with_teacher(teacher_graphdef, teacher_params, advantages: float = 0.0
                        teacher_hidden=hidden, teacher_head=head, prompt_width=PROMPT)
 
 
-def direct_gradient(graphdef, params, batch: UpdateBatch):
+def direct_gradient(graphdef, params, batch: UpdateBatch, divergence: str = "reverse"):
     """(coef * the token mean of the dense KL, its gradient), straight from the model's logits."""
     def loss(p):
         hidden, head = completion_hidden(graphdef, p, batch.input_ids, batch.attention_mask, PROMPT)
-        kl = dense_reverse_kl(hidden, head, batch.teacher_hidden, batch.teacher_head, TEMPERATURE)
+        kl = dense_kl(hidden, head, batch.teacher_hidden, batch.teacher_head, TEMPERATURE, divergence)
         return COEF * jnp.sum(kl * batch.loss_mask) / jnp.sum(batch.loss_mask)
 
     return jax.value_and_grad(loss)(params)
@@ -55,9 +55,9 @@ def direct_gradient(graphdef, params, batch: UpdateBatch):
 LR = 1e4  # so large that params - lr * gradient keeps the gradient's float32 digits (params are O(0.1))
 
 
-def sgd_step(graphdef, params, batch, impl, micro_batches: int):
+def sgd_step(graphdef, params, batch, impl, micro_batches: int, divergence: str = "reverse"):
     """(the update's gradient, its metrics), read off one SGD step (no clipping)."""
-    update = make_update(graphdef, impl, LOSS, optax.sgd(LR), TEMPERATURE, micro_batches, full_kl_coef=COEF)
+    update = make_update(graphdef, impl, LOSS, optax.sgd(LR), TEMPERATURE, micro_batches, full_kl=FullKLTerm(COEF, divergence))
     donated = jax.tree.map(jnp.copy, params)  # the update donates its params
     new_params, _, metrics = update(donated, optax.sgd(LR).init(donated), batch)
     return jax.tree.map(lambda new, old: (old - new) / LR, new_params, params), metrics
@@ -90,3 +90,15 @@ def test_a_teacher_equal_to_the_student_gives_zero_kl():
     gradient, metrics = sgd_step(graphdef, params, batch, IMPLS["fused"], 1)
     assert abs(float(metrics["distill_full_kl"])) < 1e-6
     assert max(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(gradient)) < 1e-6
+
+
+def test_the_forward_divergence_takes_the_gradient_of_coef_times_the_mean_forward_kl(setup):
+    """`teacher.divergence: forward` through the same update: the fused blockwise term over 2
+    micro-batches against the dense KL(teacher || student) of the direct computation."""
+    graphdef, params, batch, _ = setup
+    value, expected = direct_gradient(graphdef, params, batch, "forward")
+    gradient, metrics = sgd_step(graphdef, params, batch, IMPLS["fused"], 2, "forward")
+    assert float(metrics["loss"]) == pytest.approx(float(value), rel=1e-5)
+    scale = max(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(expected))
+    for got, want in zip(jax.tree.leaves(gradient), jax.tree.leaves(expected), strict=True):
+        np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * scale)

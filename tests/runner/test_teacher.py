@@ -84,8 +84,9 @@ def test_the_printed_config_of_a_run_without_teacher_loads_back(tiny_config_path
     (["teacher.estimator=full", "teacher.baseline=leave_one_out"],
      "teacher.baseline = 'leave_one_out' with teacher.estimator = 'full': the exact KL has no sampling variance"),
     (["teacher.estimator=exact"], "teacher.estimator"),
+    (["teacher.divergence=forward"], "the sampled estimate is of the reverse KL only; set teacher.estimator=full"),
 ], ids=["dynamic-sampling-alone", "coef-zero", "placement", "baseline-without-group", "baseline-with-full",
-        "unknown-estimator"])
+        "unknown-estimator", "forward-with-sampled"])
 def test_bad_teacher_settings_exit_2(tiny_config_path, models, capsys, overrides, hint):
     argv = ["--config", tiny_config_path, "--print-config", f"teacher.path={models['teacher']}", *overrides]
     assert main(argv) == 2

@@ -299,6 +299,11 @@ class TeacherConfig:
         "sampled", "sampled = the one-token estimate d_t as a token-level advantage; full = coef * the exact reverse "
         "KL(student || teacher) over the whole vocabulary at every completion token, added to the loss "
         "(grpo_losses.full_kl).")
+    # the reverse KL is mode-seeking and slow from a near-uniform student; the forward KL is the
+    # teacher's cross-entropy on the student's own prefixes (grpo_losses.full_kl)
+    divergence: Literal["reverse", "forward"] = setting(
+        "reverse", "Direction of the exact KL of estimator full: reverse = KL(student || teacher), forward = "
+        "KL(teacher || student); the sampled estimator is always the reverse one.")
 
 
 @dataclass(frozen=True)

@@ -33,3 +33,7 @@ def check_teacher(cfg: RunConfig) -> None:
     if cfg.teacher.path and cfg.teacher.estimator == "full" and cfg.teacher.baseline != "none":
         raise ConfigError(f"teacher.baseline = {cfg.teacher.baseline!r} with teacher.estimator = 'full': the exact KL "
                           "has no sampling variance for a baseline to reduce; set teacher.baseline=none")
+    if cfg.teacher.path and cfg.teacher.divergence != "reverse" and cfg.teacher.estimator != "full":
+        raise ConfigError(f"teacher.divergence = {cfg.teacher.divergence!r} with teacher.estimator = "
+                          f"{cfg.teacher.estimator!r}: the sampled estimate is of the reverse KL only; set "
+                          "teacher.estimator=full or teacher.divergence=reverse")

@@ -35,7 +35,7 @@ from grpo_runner_gsm8k.assembly.optim import build_optimizer, learning_rate_sche
 from grpo_runner_gsm8k.assembly.policy import PolicyModel, policy_model
 from grpo_runner_gsm8k.samplers.factory import restore_carried, step_sampler
 from grpo_runner_gsm8k.training.step import make_score, make_update
-from grpo_runner_gsm8k.assembly.teacher import Teacher, full_kl_coef, load_teacher
+from grpo_runner_gsm8k.assembly.teacher import Teacher, full_kl_term, load_teacher
 
 
 @dataclass(frozen=True)
@@ -107,7 +107,7 @@ class BuiltRun:
         """The same run with `train.micro_batch_size_per_device = size` (a new update)."""
         cfg = with_micro_batch_size(self.cfg, size)
         update = make_run_update(cfg.loss, cfg.rollout, cfg.train, self.mesh, self.policy, self.plugins.loss_impl,
-                                 self.optimizer, full_kl_coef(cfg.teacher))
+                                 self.optimizer, full_kl_term(cfg.teacher))
         return dataclasses.replace(self, cfg=cfg, update=update)
 
 
@@ -118,11 +118,11 @@ def compute_dtype(model_cfg: ModelConfig) -> Any:
 
 def make_run_update(loss: LossConfig, rollout: RolloutConfig, train: TrainConfig, mesh: Mesh, policy: PolicyModel,
                     loss_impl: Any, optimizer: optax.GradientTransformation,
-                    kl_coef: float = 0.0) -> Callable[..., Any]:
+                    full_kl: Optional[FullKLTerm] = None) -> Callable[..., Any]:
     """The jitted update of the policy's trained params, in the policy's compute dtype (model.dtype);
-    `kl_coef` weighs the exact reverse KL to a teacher (teacher.estimator: full; 0 = none)."""
+    `full_kl`: the exact KL to a teacher (teacher.estimator: full; None = none)."""
     return make_update(policy.train_graphdef, loss_impl, loss, optimizer, rollout.temperature,
-                       micro_batches(rollout, train, mesh), policy.compute_dtype, kl_coef)
+                       micro_batches(rollout, train, mesh), policy.compute_dtype, full_kl)
 
 
 def make_run_score(policy: PolicyModel, loss_impl: Any, temperature: float) -> Callable[..., jax.Array]:
@@ -166,7 +166,7 @@ def assemble(cfg: RunConfig, place: RunPlace, state: TrainState, plugins: Plugin
         cfg=cfg, registry=place.registry, layout=place.layout, mesh=place.mesh, qcfg=place.qcfg, policy=policy,
         state=state, plugins=plugins, lr_schedule=lr_schedule, optimizer=transform,
         update=make_run_update(cfg.loss, cfg.rollout, cfg.train, place.mesh, policy, plugins.loss_impl, transform,
-                               full_kl_coef(cfg.teacher)),
+                               full_kl_term(cfg.teacher)),
         score=make_run_score(policy, plugins.loss_impl, cfg.rollout.temperature),
         logps=LogpSources.from_config(cfg.train, cfg.rollout, cfg.loss),
         sampling=samplings[0], eval_sampling=samplings[1], inputs=inputs, teacher=teacher)

@@ -32,6 +32,7 @@ from grpo_core.models.qwen import resolve_dtype
 from grpo_core.sharding import param_shardings
 from grpo_core.tokenizer import load_tokenizer
 from grpo_losses.distillation import distillation_advantages, mean_reverse_kl
+from grpo_losses.full_kl import FullKLTerm
 
 from grpo_runner_gsm8k.training.step import make_completion_hidden, make_score
 
@@ -53,9 +54,9 @@ class Teacher:
     head: Any
 
 
-def full_kl_coef(teacher: TeacherConfig) -> float:
-    """The weight of the exact reverse-KL term in the update: teacher.coef with `estimator: full`, else 0."""
-    return teacher.coef if teacher.path and teacher.estimator == "full" else 0.0
+def full_kl_term(teacher: TeacherConfig) -> Optional[FullKLTerm]:
+    """The exact-KL term of the update (`estimator: full`: teacher.coef and teacher.divergence), else None."""
+    return FullKLTerm(teacher.coef, teacher.divergence) if teacher.path and teacher.estimator == "full" else None
 
 
 def teacher_head(graphdef: nnx.GraphDef, params: Any) -> Any:

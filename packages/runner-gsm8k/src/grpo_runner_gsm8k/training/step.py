@@ -28,7 +28,7 @@ from flax import nnx, struct
 from grpo_core.config import LossConfig
 from grpo_core.models.precision import compute_params, update_ratio
 from grpo_losses import LossMetrics, finalize_loss, grpo_loss, per_token_logps
-from grpo_losses.full_kl import full_kl_numerator
+from grpo_losses.full_kl import FullKLTerm, full_kl_numerator
 from grpo_losses.objective import token_weights
 
 
@@ -252,11 +252,11 @@ def apply_finite_update(optimizer: optax.GradientTransformation, grads, opt_stat
 
 
 def make_update(graphdef: nnx.GraphDef, impl: Any, loss_cfg: LossConfig, optimizer: optax.GradientTransformation,
-                temperature: float, micro_batches: int, compute_dtype: Any = None, full_kl_coef: float = 0.0):
+                temperature: float, micro_batches: int, compute_dtype: Any = None, full_kl: Optional[FullKLTerm] = None):
     """A jitted `update(params, opt_state, batch, frozen=None) -> (params, opt_state, metrics)`;
     the forward and backward run in `compute_dtype` (None: the params' own dtype). `frozen`:
     a LoRA run's base state (params are then its adapters; see grpo_runner_gsm8k.assembly.adapters).
-    A batch with teacher states adds `full_kl_coef` * the exact reverse KL (grpo_losses.full_kl)."""
+    A batch with teacher states adds `full_kl.coef` * the exact KL of `full_kl.divergence` (grpo_losses.full_kl)."""
 
     def loss_terms(hidden, lm_head, mb: UpdateBatch):
         out = grpo_loss(impl, hidden, lm_head, mb.targets, mb.loss_mask, mb.advantages, mb.old_logp,
@@ -265,9 +265,9 @@ def make_update(graphdef: nnx.GraphDef, impl: Any, loss_cfg: LossConfig, optimiz
             return out.numerator, (out.denominator, out.metrics)
         kl_numerator, kl_sum = full_kl_numerator(impl, hidden, lm_head, mb.teacher_hidden, mb.teacher_head,
                                                  mb.loss_mask, token_weights(mb.loss_mask.astype(jnp.float32), loss_cfg),
-                                                 temperature)
+                                                 temperature, full_kl.divergence)
         metrics = out.metrics._replace(distill_kl_sum=kl_sum)
-        return out.numerator + full_kl_coef * kl_numerator, (out.denominator, metrics)
+        return out.numerator + full_kl.coef * kl_numerator, (out.denominator, metrics)
 
     accumulate = functools.partial(_accumulate, graphdef, loss_terms, compute_dtype, micro_batches)
 
