@@ -23,7 +23,7 @@ from grpo_core.rollout_records import Sampled, waste_metrics
 from grpo_runner_gsm8k.multihost import gather_objects
 from grpo_runner_gsm8k.samplers.multi_turn_pool import ConversationGroup, ConversationPool
 from grpo_runner_gsm8k.samplers.multi_turn_step import MultiTurnSampler, conversation_texts
-from grpo_runner_gsm8k.samplers.partial import round_generator
+from grpo_runner_gsm8k.samplers.partial import partial_rollout_metrics, round_generator
 from grpo_runner_gsm8k.samplers.shared_environments import SharedEnvironment, share
 from grpo_runner_gsm8k.samplers.shared_tools import runs_tools
 from grpo_runner_gsm8k.samplers.trajectory import episode_arrays, trajectory_metrics, trajectory_result
@@ -81,12 +81,8 @@ class MultiTurnPartialSampler(MultiTurnSampler):
     def metrics(self, version: int, groups: list[ConversationGroup], rounds: int) -> dict:
         """The partial rollouts' metrics (train-rollout/*) of this step's groups."""
         versions = np.array([v for group in groups for row in group.rows for v in row.versions], np.int64)
-        age = version - versions[versions >= 0]
-        return {"train-rollout/rounds": rounds, "train-rollout/groups": len(groups),
-                "train-rollout/restarted_rows": 0, "train-rollout/round_budget": self.pool.budget,
-                "train-rollout/carried_rows": self.pool.carried_rows,
-                "train-rollout/staleness_mean": float(age.mean()) if age.size else 0.0,
-                "train-rollout/staleness_max": int(age.max(initial=0))}
+        return partial_rollout_metrics(version, versions, rounds=rounds, groups=len(groups), restarted=0,
+                                       budget=self.pool.budget, carried=self.pool.carried_rows)
 
     def state(self) -> dict[str, Any]:
         """The carried conversations, JSON-able (saved with the checkpoint)."""

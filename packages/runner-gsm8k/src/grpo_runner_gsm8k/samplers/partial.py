@@ -100,12 +100,9 @@ class PartialSampler:
         return Sampled(examples, result, scores), metrics, seconds
 
     def metrics(self, version: int, versions: np.ndarray, stats: RoundStats, groups: int) -> dict:
-        age = version - versions[versions >= 0]
-        return {"train-rollout/rounds": stats.rounds, "train-rollout/groups": groups,
-                "train-rollout/restarted_rows": stats.restarted, "train-rollout/round_budget": self.pool.round_budget(),
-                "train-rollout/carried_rows": self.pool.carried_rows,
-                "train-rollout/staleness_mean": float(age.mean()) if age.size else 0.0,
-                "train-rollout/staleness_max": int(age.max(initial=0))}
+        return partial_rollout_metrics(version, versions, rounds=stats.rounds, groups=groups,
+                                       restarted=stats.restarted, budget=self.pool.round_budget(),
+                                       carried=self.pool.carried_rows)
 
     def state(self) -> dict[str, Any]:
         """The carried rows, JSON-able (saved with the checkpoint)."""
@@ -113,3 +110,14 @@ class PartialSampler:
 
     def restore(self, state: dict[str, Any]) -> None:
         self.pool.restore(state)
+
+
+def partial_rollout_metrics(version: int, versions: np.ndarray, *, rounds: int, groups: int, restarted: int,
+                            budget: int, carried: int) -> dict:
+    """train-rollout/* of a step of partial rollouts; `versions` are the policy versions of its
+    trained tokens (-1 where no policy sampled the token)."""
+    age = version - versions[versions >= 0]
+    return {"train-rollout/rounds": rounds, "train-rollout/groups": groups, "train-rollout/restarted_rows": restarted,
+            "train-rollout/round_budget": budget, "train-rollout/carried_rows": carried,
+            "train-rollout/staleness_mean": float(age.mean()) if age.size else 0.0,
+            "train-rollout/staleness_max": int(age.max(initial=0))}
