@@ -211,12 +211,25 @@ def test_sigkill_then_resume_with_multi_turn_rollouts_ends_bitwise_equal(tmp_pat
     assert resumed_tools == reference_tools and all(tools for tools in resumed_tools)
 
 
-def test_sigkill_then_resume_with_conversations_carried_across_steps_ends_bitwise_equal(tmp_path, capsys, runs):
+@pytest.fixture(scope="module")
+def scripted(runs) -> Runs:
+    """Runs whose policy writes scripted tool calls (a random tiny model almost never writes one)."""
+    return Runs(ScriptedCalls(runs.cli), runs.overrides)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_conversations(tmp_path_factory, scripted) -> Path:
+    """The reference of both resumes with multi-turn rows carried across steps."""
+    reference = tmp_path_factory.mktemp("uninterrupted-conversations")
+    scripted.run_to_end(reference, *PARTIAL_MULTI_TURN)
+    return reference
+
+
+def test_sigkill_then_resume_with_conversations_carried_across_steps_ends_bitwise_equal(
+        uninterrupted_conversations, scripted, tmp_path, capsys):
     """Multi-turn rows carried across steps (partial rollouts) are in the checkpoint the resume
     starts from, one at least after a tool turn: the resumed run continues them exactly."""
-    scripted = Runs(ScriptedCalls(runs.cli), runs.overrides)
-    reference = tmp_path / "uninterrupted"
-    scripted.run_to_end(reference, *PARTIAL_MULTI_TURN)
+    reference = uninterrupted_conversations
     # the runs are deterministic: the kill comes after the first checkpoint that holds such a row
     kill_after = next((step for step in range(KILL_AFTER, STEPS) if after_a_tool_turn(reference, step)), None)
     assert kill_after is not None, "no checkpoint holds a row carried after a tool turn"
@@ -231,6 +244,25 @@ def test_sigkill_then_resume_with_conversations_carried_across_steps_ends_bitwis
     assert last[0] == last[1]
     assert [r["train-tools/calls"] for r in logged_steps(tmp_path / "killed")] == \
         [r["train-tools/calls"] for r in logged_steps(reference)]
+
+
+def test_sigterm_then_resume_with_conversations_carried_across_steps_ends_bitwise_equal(
+        uninterrupted_conversations, scripted, tmp_path, capsys):
+    """SIGTERM finishes the step and saves it with the conversations still running; the resumed
+    run continues them exactly."""
+    run_dir = tmp_path / "stopped"
+    stopped = stop_with_signal(scripted, run_dir, signal.SIGTERM, tmp_path / "stopped.log", *PARTIAL_MULTI_TURN)
+    assert stopped.returncode == 128 + signal.SIGTERM, stopped.stderr[-3000:]
+    saved = complete_steps(run_dir)
+    groups = saved_meta(run_dir, saved[0])["carried"]["groups"].values()
+    running = [row for group in groups for row in group["rows"] if row["state"] == "running"]
+    assert len(saved) == 1 and running, "no conversation was running at the stop"
+    with capsys.disabled():
+        print(f"checkpoint {saved[0]} carried {len(running)} running conversations, "
+              f"{len(after_a_tool_turn(run_dir, saved[0]))} of them after a tool turn")
+    resume_equals_uninterrupted(scripted, uninterrupted_conversations, run_dir, saved[0],
+                                f"SIGTERM after step {saved[0]} with carried conversations", capsys, *PARTIAL_MULTI_TURN)
+    assert timeless(saved_meta(run_dir, STEPS)["carried"]) == timeless(saved_meta(uninterrupted_conversations, STEPS)["carried"])
 
 
 def timeless(carried: dict) -> dict:
