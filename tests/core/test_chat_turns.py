@@ -10,17 +10,9 @@ import pytest
 
 from grpo_core.chat_turns import append_turn_ids
 from grpo_core.tool_calls import ToolRunner, parse_tool_calls, response_messages
+from grpo_core.testing import Multiply
 
 TOKENIZER = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "qwen3-tokenizer"
-
-
-class Multiply:
-    name, description = "multiply", "Multiply two integers."
-    parameters = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-                  "required": ["a", "b"]}
-
-    def __call__(self, arguments):
-        return str(arguments["a"] * arguments["b"])
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,7 @@ from grpo_core.contracts import SamplingParams
 from grpo_core.rollout_records import RolloutResult
 from grpo_core.tokenizer import TOOL_CALL_TOKENS, build_char_tokenizer
 from grpo_core.tool_calls import ToolRunner, parse_tool_calls, response_messages
+from grpo_core.testing import Multiply
 from grpo_runner_gsm8k.samplers.multi_turn_rollout import CALL_END, MultiTurnRollout, single_token_id, turn_sampling
 from grpo_runner_gsm8k.samplers.multi_turn_step import conversation_texts
 from grpo_runner_gsm8k.samplers.trajectory import trajectory_metrics, trajectory_result
@@ -28,15 +29,6 @@ UNKNOWN = '<tool_call>\n{"name": "divide", "arguments": {"a": 1}}\n</tool_call>'
 # Each question's assistant turns, in order.
 SCRIPTS = {"mul": ["<think>\nx\n</think>\n\n" + CALL, "It is 408."], "direct": ["7"],
            "unknown": [UNKNOWN, "sorry"], "long": [" a" * 200]}
-
-
-class Multiply:
-    name, description = "multiply", "Multiply two integers."
-    parameters = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-                  "required": ["a", "b"]}
-
-    def __call__(self, arguments):
-        return str(arguments["a"] * arguments["b"])
 
 
 class ScriptedBackend:

@@ -16,6 +16,7 @@ from grpo_core.contracts import EnvironmentStep, SamplingParams, SavedEnvironmen
 from grpo_core.rollout_records import RolloutResult
 from grpo_core.tokenizer import TOOL_CALL_TOKENS, build_char_tokenizer
 from grpo_core.tool_calls import ToolRunner
+from grpo_core.testing import Multiply
 from grpo_runner_gsm8k.samplers.multi_turn_pool import SAVED_FIELDS, ConversationPool
 from grpo_runner_gsm8k.samplers.multi_turn_rollout import CALL_END, MultiTurnRollout, single_token_id, turn_sampling
 from grpo_runner_gsm8k.samplers.shared_environments import SharedEnvironment, share
@@ -28,15 +29,6 @@ SCRIPTS = {"mul": ["<think>x</think>" + CALL, "It is 408."], "guess": ["I guess 
            "direct": ["7"], "unknown": [UNKNOWN, "sorry"], "long": [" a" * 100], "twice": [CALL, CALL, "done"]}
 HEADER = "<|im_start|>assistant"
 MAX_NEW, BUDGET = 96, 300
-
-
-class Multiply:
-    name, description = "multiply", "Multiply two integers."
-    parameters = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-                  "required": ["a", "b"]}
-
-    def __call__(self, arguments):
-        return str(arguments["a"] * arguments["b"])
 
 
 class Guess:

@@ -36,3 +36,14 @@ try:  # a pytest fixture when pytest is importable; grpo-core does not depend on
         return registry_with
 except ImportError:  # pragma: no cover
     pass
+
+
+class Multiply:
+    """A minimal tool (the `Tool` contract) for multi-turn tests: the product of two integers."""
+
+    name, description = "multiply", "Multiply two integers."
+    parameters = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                  "required": ["a", "b"]}
+
+    def __call__(self, arguments):
+        return str(arguments["a"] * arguments["b"])
