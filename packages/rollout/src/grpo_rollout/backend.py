@@ -17,8 +17,10 @@ from grpo_rollout.decode import (batch_sharding_of_rank, cache_shardings, check_
                                  group_sharding, place, prefill, prefill_shared, rollout_graphdef)
 from grpo_rollout.collectives import decode_traffic_note
 from grpo_rollout.kept_cache import admission_batch, admit, compact, kept_counts, kept_width, round_start
+from grpo_rollout.kept_shared import SharedRounds, SlotGroups
 from grpo_rollout.gather import (AutoDecoders, bytes_beyond_arguments, candidate_layouts, fastest_layout,
                                  gather_refused_note, has_sharded_weights, layout_static)
+from grpo_rollout.results import abstract_outputs, finish
 from grpo_rollout.prompts import DEFAULT_PROMPT_BUCKETS, bucket_length, fit_to_bucket, left_pad, repeat_samples
 from grpo_core.rollout_records import DEFAULT_TRIM_BUCKET, RolloutResult, TrainBatch, trim_batch, trimmed_widths
 from grpo_core.contracts import PhaseCompiler, Policy, RolloutShapes, RolloutWidths, SamplingParams
@@ -115,6 +117,7 @@ class JaxRollout:
         self.memory_check: Callable[[str, Any], None] | None = None
         self._checked: set[Any] = set()
         self._kept: Any = None  # the KV cache of `generate_round`'s slots, kept between rounds
+        self._shared = SharedRounds()  # their groups' prompt table (grpo_rollout.kept_shared)
 
     def project_decodes_with(self, projector: Any) -> None:
         """`projector(compiled decode, steps)` -> projected seconds: `gather_weights: auto` then
@@ -172,12 +175,14 @@ class JaxRollout:
     def generate_round(self, prefixes: Sequence[Sequence[int]], cached: Sequence[bool], key: jax.Array,
                        sampling: SamplingParams, *, pad_token_id: int = 0,
                        batch_sharding: NamedSharding | None = None, kept_tokens: Sequence[int] | None = None,
-                       live: Sequence[bool] | None = None) -> RolloutResult:
+                       live: Sequence[bool] | None = None, groups: SlotGroups | None = None) -> RolloutResult:
         """One round of at most `sampling.max_new_tokens` tokens per slot on the KV cache kept from the
         previous round (grpo_rollout.kept_cache). prefixes: each slot's prompt plus tokens so far; cached[i]:
         slot i continues on its cache, which holds kept_tokens[i] of them (default all but the last; the others
         but the last are run in first), else the prefix is admitted. live[i] False: slot i samples nothing and
-        keeps its cache. key: one key, or one per slot. The slots' cache is kept for the next round."""
+        keeps its cache. key: one key, or one per slot. The slots' cache is kept for the next round. groups:
+        the slots' groups, whose prompts are then kept once each (grpo_rollout.kept_shared) where
+        `shares_round_prompts`; an empty slot (group None) samples nothing."""
         if self._weights is None:
             raise RuntimeError("JaxRollout.generate_round without weights: call load_weights(policy) first.")
         if any(cached) and (self._kept is None or self._kept.mask.shape[0] != len(prefixes)):
@@ -186,16 +191,23 @@ class JaxRollout:
         check_batch_divisible(len(prefixes), 1, batch_sharding)
         static = self.static_args(self._graphdef, self._weights, dataclasses.replace(sampling, n=1), pad_token_id,
                                   batch_sharding)
-        counts = kept_counts(prefixes, cached, kept_tokens)
-        cache = self._round_cache(prefixes, cached, counts, sampling.max_new_tokens, pad_token_id, batch_sharding,
-                                  static)
+        shared = groups is not None and self.shares_round_prompts
+        if shared:
+            if kept_tokens is not None:
+                raise ValueError("generate_round: tokens appended to kept rows (kept_tokens) need groups=None")
+            live = [g is not None and (live is None or live[i]) for i, g in enumerate(groups.ids)]
+            cache = self._shared.round_cache(nnx.merge(self._graphdef, self._weights), self._weights, self._kept,
+                                             self.options, (prefixes, cached, groups), sampling.max_new_tokens, static)
+        else:
+            cache = self._round_cache(prefixes, cached, kept_counts(prefixes, cached, kept_tokens),
+                                      sampling.max_new_tokens, pad_token_id, batch_sharding, static)
         last = np.array([[p[-1]] for p in prefixes], np.int32)  # [N, 1]: each slot's next token to feed
         rows_live = None if live is None else place(np.asarray(live, bool), batch_sharding)
         state = round_start(place(last[:, 0], batch_sharding), sampling.max_new_tokens, pad_token_id, batch_sharding,
                             rows_live)
         self._check_round_memory(cache, state, key, static)
         cache, state = self.decoder(self._weights, cache, state, key, static)(self._weights, cache, state, key)
-        self._kept = cache
+        self._kept, self._shared.table = (cache.completion, cache.prompt) if shared else (cache, None)
         return finish(last, np.ones_like(last), state, static["params"])
 
     def _round_cache(self, prefixes, cached, counts, budget: int, pad_token_id: int, batch_sharding, static) -> Any:
@@ -217,10 +229,16 @@ class JaxRollout:
     def release_kept_cache(self) -> None:
         """Frees the slots' kept cache (the next `generate_round` then admits every slot)."""
         self._kept = None
+        self._shared.release()
+
+    @property
+    def shares_round_prompts(self) -> bool:
+        """`generate_round` keeps each group's prompt once when given the slots' groups."""
+        return self.options.shared_prompt and self.options.decode_attention == "rollout"
 
     def _check_round_memory(self, cache, state, key: jax.Array, static: dict[str, Any]) -> None:
         """Hands a round's decode, compiled for a new cache width, to `memory_check` before it runs."""
-        signature = ("round", cache.k.shape, state.tokens.shape, tuple(sorted(static.items(), key=lambda kv: kv[0])))
+        signature = ("round", tuple(a.shape for a in jax.tree.leaves(cache)), state.tokens.shape, tuple(sorted(static.items(), key=lambda kv: kv[0])))
         if self.memory_check is None or signature in self._checked:
             return
         self.memory_check("rollout decode", decode.lower(self._weights, cache, state, key, **static).compile())
@@ -356,7 +374,6 @@ class JaxRollout:
         compiler.compile("rollout decode", build(gather), args,
                          note=lambda compiled: auto_note + layout + decode_traffic_note(compiled, gather or split))
 
-
     @staticmethod
     def _compile_fastest_decode(compiler: PhaseCompiler, args: tuple, static: dict[str, Any]) -> bool:
         """With a chip to project for: records the fastest decode layout that fits (see
@@ -381,20 +398,3 @@ class JaxRollout:
         compiler.compile("rollout decode", lambda: chosen, args,
                          note=lambda compiled: f"{note}; " + decode_traffic_note(compiled, layout != "sharded"))
         return True
-
-
-def abstract_outputs(compiled: Any) -> Any:
-    """The outputs of a compiled function as sharded ShapeDtypeStructs."""
-    return jax.tree.map(lambda info, sharding: jax.ShapeDtypeStruct(info.shape, info.dtype, sharding=sharding),
-                        compiled.out_info, compiled.output_shardings)
-
-
-def finish(ids: jax.Array, mask: jax.Array, state, sampling: SamplingParams) -> RolloutResult:
-    """Final loop state -> RolloutResult (masks from the per-row lengths)."""
-    columns = jnp.arange(sampling.max_new_tokens)[None, :]
-    completion_mask = (columns < state.lengths[:, None]).astype(jnp.int32)  # [N, Tn]
-    return RolloutResult(
-        prompt_ids=ids, prompt_mask=mask, completion_ids=state.tokens, completion_mask=completion_mask,
-        lengths=state.lengths, sampler_logps=state.logps, finished=state.done,
-        num_prompts=ids.shape[0] // sampling.n, n=sampling.n,
-    )
