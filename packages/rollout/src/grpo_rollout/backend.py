@@ -17,6 +17,7 @@ from grpo_rollout.decode import (batch_sharding_of_rank, cache_shardings, check_
                                  group_sharding, place, prefill, prefill_shared, rollout_graphdef)
 from grpo_rollout.collectives import decode_traffic_note
 from grpo_rollout.kept_cache import admission_batch, admit, compact, kept_counts, kept_width, round_start
+from grpo_rollout import kept_plan
 from grpo_rollout.kept_shared import SharedRounds, SlotGroups
 from grpo_rollout.gather import (AutoDecoders, bytes_beyond_arguments, candidate_layouts, fastest_layout,
                                  gather_refused_note, has_sharded_weights, layout_static)
@@ -295,7 +296,7 @@ class JaxRollout:
         static = self.static_args(shapes.policy.graphdef, weights, shapes.sampling, shapes.pad_token_id,
                                   shapes.batch_sharding)
         if shapes.kept_prefix:
-            self._compile_kept_round(shapes, compiler, static)
+            kept_plan.compile_round(self, shapes, compiler, static)
             return
         width = self.widths(shapes.max_prompt_length, shapes.sampling.max_new_tokens).prompt
         phase = self.prefill_phase(shapes.sampling)
@@ -306,54 +307,13 @@ class JaxRollout:
         first = compiler.compile("rollout prefill", lambda: phase.lower(*args, **static).compile(), args)
         if first is not None:  # decode's inputs are prefill's outputs
             cache, state = abstract_outputs(first)
-            self._compile_decode(compiler, (weights, cache, state, key), static)
+            self.compile_decode(compiler, (weights, cache, state, key), static)
 
-    def kept_cache(self, shapes: RolloutShapes, kept: bool = True) -> Any:
-        """The abstract KV cache of `generate_round`'s widest round: every slot kept with the longest
-        carried prefix but its last token and new prompts admitted beside (kept=False: every slot
-        admitting that prefix), a round's budget of room."""
-        buckets, rows = self.options.prompt_buckets, shapes.prompts * shapes.sampling.n
-        carried = bucket_length(shapes.kept_prefix - 1, buckets)
-        width = carried + shapes.sampling.max_new_tokens
-        if kept:
-            width += bucket_length(shapes.max_prompt_length - 1, buckets)
-        model = nnx.merge(shapes.policy.graphdef, shapes.policy.weights)
-        cache = jax.eval_shape(lambda: model.init_cache(rows, width, self.options.cache_dtype))
-        if shapes.batch_sharding is None:
-            return cache
-        return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                            cache, cache_shardings(cache, shapes.batch_sharding))
+    def kept_cache(self, shapes: RolloutShapes) -> Any:
+        """The abstract KV cache of `generate_round`'s widest round (grpo_rollout.kept_plan)."""
+        return kept_plan.kept_cache(self, shapes)
 
-    def _compile_kept_round(self, shapes: RolloutShapes, compiler: PhaseCompiler, static: dict[str, Any]) -> None:
-        """The widest rounds of `generate_round`: every slot admitting the longest carried prefix (a
-        step's first round, or one after a resume), then compaction, new prompts admitted beside
-        slots kept at that prefix, and the decode over that cache."""
-        weights, key, rows = shapes.policy.weights, shapes.key, shapes.prompts * shapes.sampling.n
-        buckets, batch = self.options.prompt_buckets, shapes.batch_sharding
-
-        def admission(name: str, cache: Any, width: int) -> Any:
-            ids = jax.ShapeDtypeStruct((rows, width), jnp.int32, sharding=batch)
-            args = (weights, cache, ids, ids)
-            return compiler.compile(name, lambda: admit.lower(*args, **static).compile(), args)
-
-        carried = self.kept_cache(shapes, kept=False)
-        carried_width = carried.max_len - shapes.sampling.max_new_tokens
-        if admission("rollout admission of carried rows", carried, carried_width) is None:
-            return
-        cache = self.kept_cache(shapes)
-        args = (cache, jax.ShapeDtypeStruct((rows,), jnp.bool_, sharding=batch and batch_sharding_of_rank(batch, 1)))
-        base = bucket_length(shapes.kept_prefix - 1, buckets)
-        if compiler.compile("rollout compaction", lambda: compact.lower(
-                *args, base=base, width=cache.max_len, batch_sharding=batch).compile(), args) is None:
-            return
-        if admission("rollout admission", cache, bucket_length(shapes.max_prompt_length - 1, buckets)) is None:
-            return
-        last = jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=batch and batch_sharding_of_rank(batch, 1))
-        state = jax.eval_shape(lambda t: round_start(t, shapes.sampling.max_new_tokens, shapes.pad_token_id, batch),
-                               last)
-        self._compile_decode(compiler, (weights, cache, state, key), static)
-
-    def _compile_decode(self, compiler: PhaseCompiler, args: tuple, static: dict[str, Any]) -> None:
+    def compile_decode(self, compiler: PhaseCompiler, args: tuple, static: dict[str, Any]) -> None:
         def build(gather: bool) -> Callable[[], Any]:
             return lambda: decode.lower(*args, **{**static, "gather_weights": gather}).compile()
 
