@@ -9,9 +9,11 @@ import json
 import jax
 import numpy as np
 import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from grpo_core.contracts import Policy
 from grpo_core.models import QwenConfig, init_from_config
+from grpo_core.sharding import DEFAULT_RULES, shard_model
 from grpo_rollout import JaxRollout, JaxRolloutOptions, SamplingParams
 from grpo_rollout.kept_shared import PromptTable, table_size
 from grpo_rollout.partial import PartialPool
@@ -25,17 +27,19 @@ def model(request):
     return init_from_config(QwenConfig.tiny(request.param, tie_word_embeddings=request.param == "qwen3"), seed=3)
 
 
-def run_pool(model, shared: bool, kv_cache: str, table: int, greedy: bool = False, steps: int = 4, restore_at: int = 2):
+def run_pool(model, shared: bool, kv_cache: str, table: int, greedy: bool = False, steps: int = 4, restore_at: int = 2,
+             batch_sharding=None, gather_weights=False):
     """(groups trained, (cached, groups) of every round) of a pool whose rounds run on a prompt table
     (shared) or on one cache row per slot."""
-    rollout = JaxRollout(JaxRolloutOptions(prompt_buckets=(4, 8, 16, 32), shared_prompt=shared))
+    options = JaxRolloutOptions(prompt_buckets=(4, 8, 16, 32), shared_prompt=shared, gather_weights=gather_weights)
+    rollout = JaxRollout(options)
     rollout.load_weights(Policy.of(model))
     rounds = []
 
     def generate(prefixes, key, budget, cached, groups):
         rounds.append((list(cached), list(groups.ids)))
         sampling = SamplingParams(max_new_tokens=budget, n=1, temperature=0.7, greedy=greedy, stop_token_ids=STOP_IDS)
-        return rollout.generate_round(prefixes, cached, key, sampling, groups=groups)
+        return rollout.generate_round(prefixes, cached, key, sampling, groups=groups, batch_sharding=batch_sharding)
 
     rng = np.random.default_rng(0)
     draw = lambda: [({"id": "p"}, rng.integers(1, 99, size=int(rng.integers(1, 12))).tolist())]  # noqa: E731
@@ -82,3 +86,26 @@ def test_the_table_frees_gone_groups_and_ranks_each_groups_rows():
     assert group.tolist() == [0, 1, 2, 0] and member.tolist() == [0, 0, 0, 1]
     with pytest.raises(ValueError, match="3 groups, more than the prompt table's 2"):
         table.assign(["a", "b", "c"])
+
+
+LAYOUTS = {"gathered": True, "sharded": False, "model_parallel": "model_parallel"}
+WIDE = QwenConfig.tiny("qwen2", tie_word_embeddings=False, num_attention_heads=8, hidden_size=64)
+
+
+@pytest.fixture(scope="module")
+def unsharded_rollouts():
+    """The 8 slots' rollouts on one device and one cache row per slot, to compare the layouts with."""
+    return run_pool(init_from_config(WIDE, seed=3), False, "across_steps", table_size(SLOTS, N), steps=3)[0]
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_the_prompt_table_in_every_decode_layout(unsharded_rollouts, layout):
+    """8 slots over 8 devices: the table (any group's rows on any device) is replicated beside them."""
+    if jax.device_count() < 8:
+        pytest.skip("needs 8 devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
+    mesh = Mesh(np.asarray(jax.devices()[:8]).reshape(2, 2, 2), ("dp", "fsdp", "tp"))
+    sharded = shard_model(init_from_config(WIDE, seed=3), mesh, DEFAULT_RULES)
+    batch_sharding = NamedSharding(mesh, PartitionSpec(("dp", "fsdp", "tp")))
+    shared, _ = run_pool(sharded, True, "across_steps", table_size(SLOTS, N), steps=3, batch_sharding=batch_sharding,
+                         gather_weights=LAYOUTS[layout])
+    assert_same_rollouts(shared, unsharded_rollouts)
