@@ -150,6 +150,11 @@ class TableCache:
     member: jax.Array  # [N] int32
     members: int = struct.field(pytree_node=False, default=1)
 
+    @property
+    def max_len(self) -> int:
+        """Slots a row sees: its group's prompt and its own."""
+        return self.prompt.max_len + self.completion.max_len
+
     def lengths(self) -> jax.Array:
         """[N] real tokens cached per row = the position of each row's next token."""
         prompt = self.prompt.lengths().at[self.group].get(mode="fill", fill_value=0)
