@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from grpo_core.models.attention import KVCache
+from grpo_core.models.layers import rope_tables
 from grpo_rollout.attention import decode_inputs, decode_layers
 from grpo_rollout.model_parallel import ActivationLayout
 
@@ -181,3 +182,29 @@ def shared_decode_forward(model, tokens: jax.Array, live: jax.Array, cache, layo
 
     x, own = decode_layers(model, x, own, cos, sin, layout, attend)
     return model.norm(x), cache.replace(completion=own.advance(1))
+
+
+def table_prefill_forward(model, ids: jax.Array, mask: jax.Array, cache: TableCache) -> TableCache:
+    """Several tokens per row into its own cache at [index, index + A): ids, mask [B, A] (left-padded;
+    a masked slot stays invisible). Each query attends over its row's prompt in the table and the
+    row's own slots up to itself, merged as in `table_attention` (one query position at a time)."""
+    width = ids.shape[1]
+    positions = jnp.maximum(cache.lengths()[:, None] + jnp.cumsum(mask, axis=1) - 1, 0)  # as the model counts them
+    cos, sin = rope_tables(positions, model.config.head_dim, model.config.rope_theta)
+    own = cache.completion.with_new_tokens(mask)
+    visible = own.visibility(width)  # [B, A, S]
+    prompt = cache.prompt
+
+    def step(layer, i, carry):
+        x, own = carry
+        q, k, v = layer.self_attn.project_qkv(layer.input_layernorm(x), cos, sin)
+        own = own.write_layer(i, k, v)
+        pk, pv, ok, ov = (a[i].astype(q.dtype) for a in (prompt.k, prompt.v, own.k, own.v))
+        attended = jax.vmap(lambda q_t, visible_t: cache.attention(q_t, pk, pv, ok, ov, visible_t),
+                            in_axes=(1, 1), out_axes=1)(q, visible)
+        x = x + layer.self_attn.o_proj(attended)
+        return x + layer.mlp(layer.post_attention_layernorm(x)), own
+
+    x = jnp.take(model.embed_tokens.embedding[...], ids, axis=0)
+    _, own = model.over_layers(step, (x, own))
+    return cache.replace(completion=own.advance(width))

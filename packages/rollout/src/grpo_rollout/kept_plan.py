@@ -15,7 +15,7 @@ from grpo_core.contracts import PhaseCompiler, RolloutShapes
 from grpo_rollout.cascade import TableCache
 from grpo_rollout.decode import batch_sharding_of_rank, cache_shardings
 from grpo_rollout.kept_cache import admit, compact, round_start
-from grpo_rollout.kept_shared import admit_own, fill_table
+from grpo_rollout.kept_shared import admit_table, fill_table
 from grpo_rollout.prompts import bucket_length
 
 
@@ -91,8 +91,8 @@ def _compile_round_decode(rollout, shapes: RolloutShapes, compiler: PhaseCompile
 
 def compile_shared_round(rollout, shapes: RolloutShapes, compiler: PhaseCompiler, static: dict[str, Any]) -> None:
     """The widest rounds on a prompt table of G groups: every group's prompt run into it (a step's
-    first round), every slot admitting its carried tokens (the prompt run with them, their slots
-    moved to its own cache), the own caches compacted, and the decode over the TableCache."""
+    first round), the own caches compacted, every slot admitting its carried tokens on the table,
+    and the decode over the TableCache."""
     weights, buckets, (groups, members) = shapes.policy.weights, rollout.options.prompt_buckets, shapes.prompt_table
     own, table = kept_cache(rollout, shapes)
     rows_new = 1 << max(groups - 1, 0).bit_length()
@@ -102,14 +102,14 @@ def compile_shared_round(rollout, shapes: RolloutShapes, compiler: PhaseCompiler
     if compiler.compile("rollout prompt table", lambda: fill_table.lower(*args, **unsharded).compile(), args) is None:
         return
     carried = own.max_len - shapes.sampling.max_new_tokens
-    ids = _rows_of(shapes, jnp.int32, bucket_length(shapes.kept_prefix - 1, buckets))
-    args = (weights, own, ids, ids, _rows_of(shapes, jnp.int32, carried))
-    if compiler.compile("rollout admission of carried rows", lambda: admit_own.lower(*args, **static).compile(),
-                        args) is None:
-        return
     args = (own, _rows_of(shapes, jnp.bool_))
     if compiler.compile("rollout compaction", lambda: compact.lower(
             *args, base=carried, width=own.max_len, batch_sharding=shapes.batch_sharding).compile(), args) is None:
         return
     cache = TableCache(prompt=table, completion=own, group=_rows_of(shapes), member=_rows_of(shapes), members=members)
+    ids = _rows_of(shapes, jnp.int32, carried)
+    args = (weights, cache, ids, ids)
+    if compiler.compile("rollout admission of carried rows", lambda: admit_table.lower(*args, **static).compile(),
+                        args) is None:
+        return
     _compile_round_decode(rollout, shapes, compiler, static, cache)

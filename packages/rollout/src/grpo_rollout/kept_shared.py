@@ -14,8 +14,9 @@ A round:
               run once into it (with no slot cached, e.g. a step's first round under new
               weights, or after a resume, the table starts empty: every prompt is run again)
     compact:  as grpo_rollout.kept_cache, on the slots' own caches
-    admit:    a row admitted with tokens (resumed, or re-run under new weights) runs its whole
-              prefix in a temporary cache; the slots of its own part move to its own cache
+    admit:    a row admitted with tokens (resumed, or re-run under new weights) runs them into its
+              own cache in one forward whose attention reads its prompt from the table
+              (cascade.table_prefill_forward): the prompt is not run again
     decode:   the usual loop on the TableCache, each step reading each live prompt once
 """
 
@@ -30,9 +31,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from grpo_rollout.cascade import TableCache
+from grpo_rollout.cascade import TableCache, table_prefill_forward
 from grpo_rollout.decode import PHASE_STATIC_ARGS, constrain_cache, place, rollout_weights
-from grpo_rollout.kept_cache import compact, kept_width
+from grpo_rollout.kept_cache import admission_batch, compact, kept_width
 from grpo_rollout.prompts import bucket_length
 
 
@@ -103,21 +104,15 @@ def fill_table(weights, table, ids, mask, targets, *, graphdef, params, pad_id, 
     return table.replace(k=k, v=v, mask=table.mask.at[targets].set(new.mask, mode="drop"))
 
 
-@functools.partial(jax.jit, static_argnames=PHASE_STATIC_ARGS, donate_argnames=("own",))
-def admit_own(weights, own, ids, mask, own_mask, *, graphdef, params, pad_id, cache_dtype=None, batch_sharding=None,
-              block=None, top_p_candidates=None, attention="rollout", gather_weights=False, model_parallel=False):
-    """Rows' whole prefixes but the last token, ids/mask [N, W] right-aligned, run in a temporary
-    cache; its last A slots, visible where own_mask [N, A], go to the own cache's [index, index + A)."""
-    del params, pad_id, block, top_p_candidates, attention, model_parallel
+@functools.partial(jax.jit, static_argnames=PHASE_STATIC_ARGS, donate_argnames=("cache",))
+def admit_table(weights, cache, ids, mask, *, graphdef, params, pad_id, cache_dtype=None, batch_sharding=None,
+                block=None, top_p_candidates=None, attention="rollout", gather_weights=False, model_parallel=False):
+    """Rows' own tokens ids/mask [N, A] (masked where a row admits none) into their own caches at
+    [index, index + A), attending over their prompts in the table (cascade.table_prefill_forward)."""
+    del params, pad_id, cache_dtype, block, top_p_candidates, attention, model_parallel
     model = nnx.merge(graphdef, rollout_weights(weights, batch_sharding, gather_weights))
-    rows, width = ids.shape
-    _, full = model(ids, attention_mask=mask, cache=model.init_cache(rows, width, cache_dtype))
-    tail = own_mask.shape[1]
-    start = (0, 0, own.index, 0, 0)
-    k, v = (jax.lax.dynamic_update_slice(a, b[:, :, width - tail:].astype(a.dtype), start)
-            for a, b in ((own.k, full.k), (own.v, full.v)))
-    visible = jax.lax.dynamic_update_slice(own.mask, own_mask.astype(jnp.bool_), (0, own.index))
-    return constrain_cache(own.replace(k=k, v=v, mask=visible, index=own.index + tail), batch_sharding)
+    cache = table_prefill_forward(model, ids, mask, cache)
+    return cache.replace(completion=constrain_cache(cache.completion, batch_sharding))
 
 
 def own_counts(prefixes: Sequence[Sequence[int]], groups: SlotGroups) -> list[int]:
@@ -138,23 +133,6 @@ def table_prompts(new: list, prompts: dict, pad_id: int, buckets, width: int, si
             ids[row, width - len(head):], mask[row, width - len(head):] = head, 1
         targets[row] = slot
     return ids, mask, targets
-
-
-def prefix_batch(prefixes, counts: Sequence[int], admitted: Sequence[bool], pad_id: int, buckets):
-    """(ids, mask [N, W], own_mask [N, A]) of the admitted rows with an own part: each whole
-    prefix but the last, right-aligned; own_mask marks its last `count` slots. None without any."""
-    rows = [i for i, (a, c) in enumerate(zip(admitted, counts)) if a and c]
-    if not rows:
-        return None
-    width = bucket_length(max(len(prefixes[i]) - 1 for i in rows), buckets)
-    tail = bucket_length(max(counts[i] for i in rows), buckets)
-    ids, mask = np.full((len(prefixes), width), pad_id, np.int32), np.zeros((len(prefixes), width), np.int32)
-    own_mask = np.zeros((len(prefixes), tail), np.int32)
-    for i in rows:
-        head = list(prefixes[i][:-1])
-        ids[i, width - len(head):], mask[i, width - len(head):] = head, 1
-        own_mask[i, tail - counts[i]:] = 1
-    return ids, mask, own_mask
 
 
 def group_prompts(prefixes, groups: SlotGroups) -> dict[Any, list]:
@@ -178,16 +156,18 @@ class SharedRounds:
         self.update_table(model, weights, slots, buckets, options.cache_dtype, static)
         counts = own_counts(prefixes, groups)
         base = kept_width([c if kept else 0 for c, kept in zip(counts, cached)], buckets)
-        admitted = prefix_batch(prefixes, counts, [not c for c in cached], pad_id, buckets)
-        tail = 0 if admitted is None else admitted[2].shape[1]
+        # An admitted row's own tokens (its prompt's last and its completion but the last) go in on the table.
+        heads = [len(p) - 1 - c if not kept else len(p) - 1 for p, c, kept in zip(prefixes, counts, cached)]
+        ids, mask = admission_batch(prefixes, heads, pad_id, buckets)
         own = own if own is not None else model.init_cache(len(prefixes), 0, options.cache_dtype)
-        own = compact(own, place(np.asarray(cached, bool), batch_sharding), base=base, width=base + tail + budget,
-                      batch_sharding=batch_sharding)
-        if admitted is not None:
-            own = admit_own(weights, own, *(place(a, batch_sharding) for a in admitted), **static)
+        own = compact(own, place(np.asarray(cached, bool), batch_sharding), base=base,
+                      width=base + ids.shape[1] + budget, batch_sharding=batch_sharding)
         group, member = self.slots.rows(groups.ids)
-        return TableCache(prompt=self.table, completion=own, group=place(group, batch_sharding),
-                          member=place(member, batch_sharding), members=groups.members)
+        cache = TableCache(prompt=self.table, completion=own, group=place(group, batch_sharding),
+                           member=place(member, batch_sharding), members=groups.members)
+        if ids.shape[1]:
+            cache = admit_table(weights, cache, place(ids, batch_sharding), place(mask, batch_sharding), **static)
+        return cache
 
     def update_table(self, model, weights, slots, buckets, cache_dtype, static) -> None:
         """Frees the groups gone, runs the new ones' prompts once each into the table (all of them
