@@ -58,8 +58,9 @@ class JaxRolloutOptions:
                       per group, the decode attending over it once per group (cascade
                       attention, grpo_rollout.cascade): n times fewer prefill FLOPs and
                       prompt-cache bytes, the same tokens. false repeats each prompt n
-                      times. Used with decode_attention=rollout and n > 1 by `generate`
-                      (partial-rollout rounds keep one cache row per slot).
+                      times. Used with decode_attention=rollout and n > 1 by `generate`, and
+                      by `generate_round` given the slots' groups (a prompt table,
+                      grpo_rollout.kept_shared).
     """
 
     prompt_buckets: list | tuple = DEFAULT_PROMPT_BUCKETS  # YAML gives a list; stored as a tuple
