@@ -1,6 +1,6 @@
-"""Kept-cache rounds with each live group's prompt stored once in a prompt table
+"""Partial-rollout rounds with each live group's prompt stored once in a prompt table
 (grpo_rollout.kept_shared): the same pool, run on the shared table and on one unshared cache
-row per slot, samples the same tokens with log-probs within 1e-5 (f32; the two differ only in
+row per slot (kept, or each slot's prefix re-prefilled), samples the same tokens with log-probs within 1e-5 (f32; the two differ only in
 the order of the softmax sums), rows carried across rounds and steps, admitted mid-way and
 re-admitted after a restore."""
 
@@ -39,6 +39,13 @@ def run_pool(model, shared: bool, kv_cache: str, table: int, greedy: bool = Fals
     def generate(prefixes, key, budget, cached, groups):
         rounds.append((list(cached), list(groups.ids)))
         sampling = SamplingParams(max_new_tokens=budget, n=1, temperature=0.7, greedy=greedy, stop_token_ids=STOP_IDS)
+        if kv_cache == "reprefill" and not shared:  # each slot's whole prefix prefilled (grpo_rollout.backend.generate)
+            return rollout.generate(prefixes, key, sampling, batch_sharding=batch_sharding)
+        if kv_cache == "reprefill":  # as the runner re-prefills on the table: every slot admitted, nothing kept
+            result = rollout.generate_round(prefixes, [False] * len(prefixes), key, sampling, groups=groups,
+                                            batch_sharding=batch_sharding)
+            rollout.release_kept_cache()
+            return result
         return rollout.generate_round(prefixes, cached, key, sampling, groups=groups, batch_sharding=batch_sharding)
 
     rng = np.random.default_rng(0)
@@ -60,12 +67,12 @@ def assert_same_rollouts(shared_groups, plain_groups):
             np.testing.assert_allclose(a.logps, b.logps, rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("kv_cache", ["across_steps", "within_step"])
+@pytest.mark.parametrize("kv_cache", ["across_steps", "within_step", "reprefill"])
 def test_the_prompt_table_samples_what_one_cache_row_per_slot_samples(model, kv_cache):
     shared, rounds = run_pool(model, True, kv_cache, table_size(SLOTS, N))
     plain, _ = run_pool(model, False, kv_cache, table_size(SLOTS, N))
     assert_same_rollouts(shared, plain)
-    assert any(any(c) and not all(c) for c, _ in rounds)  # slots kept and admitted in the same round
+    assert kv_cache == "reprefill" or any(any(c) and not all(c) for c, _ in rounds)  # slots kept and admitted
     assert any(len(set(ids)) < len(ids) for _, ids in rounds)  # a group with several rows in the slots
     assert any(len(row.tokens) > 3 for g in shared for row in g.rows)  # rows carried across rounds
 

@@ -173,8 +173,9 @@ PARTIAL_PLAN = ("rollout.partial.enabled=true", "loss.mismatch_correction=trunca
 
 
 def test_partial_rollouts_plan_the_widest_re_prefill_round(plan_config, capsys):
-    """Every row re-prefilling a prompt plus max_new_tokens - 1 carried tokens, then `budget` steps."""
-    cfg = plan_config(*PARTIAL_PLAN, "rollout.partial.kv_cache=reprefill")
+    """Without a prompt table: every row re-prefilling a prompt plus max_new_tokens - 1 carried tokens,
+    then `budget` steps."""
+    cfg = plan_config(*PARTIAL_PLAN, "rollout.partial.kv_cache=reprefill", "rollout.options.shared_prompt=false")
     shapes = rollout_shapes(plan.build_plan_inputs(cfg, default_registry()))
     rollout = cfg.rollout
     assert shapes.prompts == rollout.prompts_per_step * rollout.n and shapes.sampling.n == 1
@@ -189,12 +190,13 @@ def kv_cache_bytes(q, rows: int, width: int) -> int:
     return q.num_hidden_layers * rows * width * q.num_key_value_heads * q.head_dim * 2 * 4 + rows * width + 4
 
 
-@pytest.mark.parametrize("kv_cache,shared", [("within_step", True), ("across_steps", True), ("across_steps", False)])
+@pytest.mark.parametrize("kv_cache,shared", [("within_step", True), ("across_steps", True), ("across_steps", False),
+                                             ("reprefill", True)])
 def test_partial_rollouts_on_a_kept_cache_plan_its_widest_rounds(plan_config, capsys, kv_cache, shared):
     """Every slot admitting the longest carried prefix, then slots kept at it with new prompts
     admitted beside (with shared prompts: the groups' prompts run once each into the prompt
-    table, the slots' own caches beside it); a cache kept across steps is held through the
-    update as well."""
+    table, the slots' own caches beside it; re-prefilled rounds on the table are the same rounds
+    with every slot admitted); a cache kept across steps is held through the update as well."""
     cfg = plan_config(*PARTIAL_PLAN, f"rollout.partial.kv_cache={kv_cache}", f"rollout.options.shared_prompt={shared}")
     inputs = plan.build_plan_inputs(cfg, default_registry())
     shapes, rollout = rollout_shapes(inputs), cfg.rollout

@@ -17,7 +17,7 @@ from grpo_rollout.decode import (batch_sharding_of_rank, cache_shardings, check_
                                  group_sharding, place, prefill, prefill_shared, rollout_graphdef)
 from grpo_rollout.collectives import decode_traffic_note
 from grpo_rollout.kept_cache import admission_batch, admit, compact, kept_counts, kept_width, round_start
-from grpo_rollout import kept_plan
+from grpo_rollout.kept_plan import compile_round as compile_kept_round, kept_cache as kept_round_cache
 from grpo_rollout.kept_shared import SharedRounds, SlotGroups
 from grpo_rollout.gather import (AutoDecoders, bytes_beyond_arguments, candidate_layouts, fastest_layout,
                                  gather_refused_note, has_sharded_weights, layout_static)
@@ -297,7 +297,7 @@ class JaxRollout:
         static = self.static_args(shapes.policy.graphdef, weights, shapes.sampling, shapes.pad_token_id,
                                   shapes.batch_sharding)
         if shapes.kept_prefix:
-            kept_plan.compile_round(self, shapes, compiler, static)
+            compile_kept_round(self, shapes, compiler, static)
             return
         width = self.widths(shapes.max_prompt_length, shapes.sampling.max_new_tokens).prompt
         phase = self.prefill_phase(shapes.sampling)
@@ -312,7 +312,7 @@ class JaxRollout:
 
     def kept_cache(self, shapes: RolloutShapes) -> Any:
         """The abstract KV cache of `generate_round`'s widest round (grpo_rollout.kept_plan)."""
-        return kept_plan.kept_cache(self, shapes)
+        return kept_round_cache(self, shapes)
 
     def compile_decode(self, compiler: PhaseCompiler, args: tuple, static: dict[str, Any]) -> None:
         def build(gather: bool) -> Callable[[], Any]:

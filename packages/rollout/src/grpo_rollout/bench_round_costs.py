@@ -41,7 +41,7 @@ def round_costs(args: argparse.Namespace, table: bool) -> dict[str, dict[str, fl
     from flax import nnx
 
     from grpo_core.contracts import Policy, RolloutShapes, SamplingParams
-    from grpo_rollout import kept_plan
+    from grpo_rollout.kept_plan import compile_round
     from grpo_rollout.backend import JaxRollout, JaxRolloutOptions
     from grpo_rollout.bench_model import bench_model
     from grpo_rollout.kept_shared import table_size
@@ -55,7 +55,7 @@ def round_costs(args: argparse.Namespace, table: bool) -> dict[str, dict[str, fl
                            prompt_table=(table_size(args.batch, args.n), args.n) if table else ())
     graphdef, weights = nnx.split(model)
     recorder = CostRecorder()
-    kept_plan.compile_round(rollout, shapes, recorder, rollout.static_args(graphdef, weights, sampling, 0, None))
+    compile_round(rollout, shapes, recorder, rollout.static_args(graphdef, weights, sampling, 0, None))
     return recorder.costs
 
 

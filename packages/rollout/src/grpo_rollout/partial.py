@@ -92,8 +92,8 @@ class PartialPool:
             raise ValueError(f"kv_cache={kv_cache!r} must be one of {', '.join(KV_CACHE_MODES)}")
         self.n, self.budget, self.max_new_tokens, self.max_staleness = n, budget, max_new_tokens, max_staleness
         self.budget_quantile, self.kv_cache = budget_quantile, kv_cache
-        # At most this many groups in the slots (their prompts kept once each: grpo_rollout.kept_shared).
-        self.prompt_table = prompt_table if kv_cache != "reprefill" else None
+        # At most this many groups in the slots (their prompts run once each: grpo_rollout.kept_shared).
+        self.prompt_table = prompt_table
         self.waited = 0  # slots left empty for a round: a new group's row waited for a table slot
         self.cached = [False] * slots  # slot continues its row from the cache of the last round
         self.recent_lengths: collections.deque[int] = collections.deque(maxlen=slots)

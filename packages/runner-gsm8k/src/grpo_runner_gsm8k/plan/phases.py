@@ -103,11 +103,11 @@ def rollout_shapes(inputs: PlanInputs) -> RolloutShapes:
         # prompts admitted beside) or re-prefilled (multi-turn rows always are).
         prompts, sampling = prompts * rollout.n, dataclasses.replace(sampling, n=1, max_new_tokens=rollout.partial.budget)
         carried = prompt_length + (row_budget(rollout) if rollout.multi_turn.enabled else rollout.max_new_tokens) - 1
-        if kv_cache_mode(run.cfg.rollout, plannable(run)) == "reprefill":
+        groups = shared_prompt_table(rollout, plannable(run))
+        if kv_cache_mode(run.cfg.rollout, plannable(run)) == "reprefill" and not groups:
             prompt_length = carried
-        else:
-            kept_prefix, groups = carried, shared_prompt_table(rollout, plannable(run))
-            table = (groups, rollout.n) if groups else ()
+        else:  # kept, or re-prefilled on the prompt table: the same rounds, every slot admitted
+            kept_prefix, table = carried, (groups, rollout.n) if groups else ()
     elif rollout.multi_turn.enabled:
         prompts, sampling = prompts * rollout.n, dataclasses.replace(sampling, n=1)
         prompt_length, kept_prefix = multi_turn_round(inputs)

@@ -46,6 +46,9 @@ def round_generator(run: Any, policy: Policy, sampling, kv_cache: str):
         with loaded(run.rollout, policy) as backend:
             if kv_cache != "reprefill":
                 result = backend.generate_round(prefixes, cached, key, round_sampling, **kwargs)
+            elif groups is not None:  # re-prefilled on the prompt table: every slot admitted, nothing kept
+                result = backend.generate_round(prefixes, [False] * len(prefixes), key, round_sampling, **kwargs)
+                backend.release_kept_cache()
             else:
                 result = backend.generate(prefixes, key, round_sampling, **kwargs)
             return dataclasses.replace(result, **{name: host_array(getattr(result, name)) for name in HOST_FIELDS})
@@ -68,9 +71,9 @@ def kv_cache_mode(rollout_cfg: RolloutConfig, backend: Any) -> str:
 
 
 def shared_prompt_table(rollout_cfg: RolloutConfig, backend: Any) -> int | None:
-    """G, the prompt table's group slots, where the backend keeps each group's prompt once in kept-cache
-    rounds (rollout.options.shared_prompt; grpo_rollout.kept_shared); None where it does not."""
-    if rollout_cfg.n < 2 or not getattr(backend, "shares_round_prompts", False):
+    """G, the prompt table's group slots, where the backend runs each group's prompt once in a round
+    (rollout.options.shared_prompt; grpo_rollout.kept_shared); None where it does not."""
+    if rollout_cfg.n < 2 or rollout_cfg.multi_turn.enabled or not getattr(backend, "shares_round_prompts", False):
         return None
     return table_size(rollout_cfg.prompts_per_step * rollout_cfg.n, rollout_cfg.n)
 
