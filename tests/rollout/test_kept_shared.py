@@ -1,8 +1,8 @@
 """Partial-rollout rounds with each live group's prompt stored once in a prompt table
 (grpo_rollout.kept_shared): the same pool, run on the shared table and on one unshared cache
-row per slot (kept, or each slot's prefix re-prefilled), samples the same tokens with log-probs within 1e-5 (f32; the two differ only in
-the order of the softmax sums), rows carried across rounds and steps, admitted mid-way and
-re-admitted after a restore."""
+row per slot (kept, or each slot's prefix re-prefilled), samples the same tokens with log-probs
+within 1e-5 (f32; the two differ only in the order of the softmax sums), rows carried across
+rounds and steps, admitted mid-way and re-admitted after a restore."""
 
 import json
 

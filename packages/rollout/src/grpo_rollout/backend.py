@@ -13,7 +13,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from grpo_rollout.decode import (batch_sharding_of_rank, cache_shardings, check_batch_divisible, decode,
+from grpo_rollout.decode import (check_batch_divisible, decode,
                                  group_sharding, place, prefill, prefill_shared, rollout_graphdef)
 from grpo_rollout.collectives import decode_traffic_note
 from grpo_rollout.kept_cache import admission_batch, admit, compact, kept_counts, kept_width, round_start

@@ -69,7 +69,8 @@ def compile_round(rollout, shapes: RolloutShapes, compiler: PhaseCompiler, stati
         return compiler.compile(name, lambda: admit.lower(*args, **static).compile(), args)
 
     carried = kept_cache(rollout, shapes, kept=False)
-    if admission("rollout admission of carried rows", carried, carried.max_len - shapes.sampling.max_new_tokens) is None:
+    carried_width = carried.max_len - shapes.sampling.max_new_tokens
+    if admission("rollout admission of carried rows", carried, carried_width) is None:
         return
     cache = kept_cache(rollout, shapes)
     args = (cache, _rows_of(shapes, jnp.bool_))
@@ -93,7 +94,7 @@ def compile_shared_round(rollout, shapes: RolloutShapes, compiler: PhaseCompiler
     """The widest rounds on a prompt table of G groups: every group's prompt run into it (a step's
     first round), the own caches compacted, every slot admitting its carried tokens on the table,
     and the decode over the TableCache."""
-    weights, buckets, (groups, members) = shapes.policy.weights, rollout.options.prompt_buckets, shapes.prompt_table
+    weights, (groups, members) = shapes.policy.weights, shapes.prompt_table
     own, table = kept_cache(rollout, shapes)
     rows_new = 1 << max(groups - 1, 0).bit_length()
     prompts = jax.ShapeDtypeStruct((rows_new, table.max_len), jnp.int32)

@@ -121,7 +121,7 @@ def own_counts(prefixes: Sequence[Sequence[int]], groups: SlotGroups) -> list[in
             for p, g, length in zip(prefixes, groups.ids, groups.prompt_lengths)]
 
 
-def table_prompts(new: list, prompts: dict, pad_id: int, buckets, width: int, size: int):
+def table_prompts(new: list, prompts: dict, pad_id: int, width: int, size: int):
     """(ids, mask [A, width], targets [A]) of the new groups' prompts but the last token; A rounded
     up to a power of two (extra rows target slot `size`: dropped), so few shapes compile."""
     rows = 1 << max(len(new) - 1, 0).bit_length()
@@ -183,7 +183,7 @@ class SharedRounds:
         elif self.table.max_len < width:
             self.table = widen_table(self.table, width)
         if new:
-            ids, mask, targets = table_prompts(new, prompts, static["pad_id"], buckets, self.table.max_len, groups.table)
+            ids, mask, targets = table_prompts(new, prompts, static["pad_id"], self.table.max_len, groups.table)
             self.table = fill_table(weights, self.table, jnp.asarray(ids), jnp.asarray(mask), jnp.asarray(targets),
                                     **{**static, "batch_sharding": None})
 

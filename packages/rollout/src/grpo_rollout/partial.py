@@ -87,7 +87,8 @@ class PartialPool:
     """The carried rows of a run: `slots` decode slots, groups of `n` rows."""
 
     def __init__(self, slots: int, n: int, budget: int, max_new_tokens: int, max_staleness: Optional[int] = None,
-                 budget_quantile: Optional[float] = None, kv_cache: str = "reprefill", prompt_table: Optional[int] = None):
+                 budget_quantile: Optional[float] = None, kv_cache: str = "reprefill",
+                 prompt_table: Optional[int] = None):
         if kv_cache not in KV_CACHE_MODES:
             raise ValueError(f"kv_cache={kv_cache!r} must be one of {', '.join(KV_CACHE_MODES)}")
         self.n, self.budget, self.max_new_tokens, self.max_staleness = n, budget, max_new_tokens, max_staleness
