@@ -1,7 +1,8 @@
 """`grpo-bench rollout --round-costs`: the widest partial-rollout round on a kept cache, compiled
 with one cache row per slot and with the groups' prompt table (grpo_rollout.kept_shared), and
-XLA's cost analysis of each phase: FLOPs and bytes accessed. The decode is a while loop, whose
-body XLA counts once: its figures are one decode step's (plus the loop's setup).
+XLA's cost analysis of each phase: FLOPs and bytes accessed, and its time on zero inputs (best of
+--repeats). The decode is a while loop, whose body XLA counts once: its FLOPs and bytes are one
+decode step's (plus the loop's setup), its time the whole round's --partial-budget steps.
 
 The round is `grpo-run --plan`'s (grpo_rollout.kept_plan): --batch slots of groups of --n rows,
 prompts of --prompt-len tokens, rows carrying --new-tokens - 1 tokens, --partial-budget decode
@@ -15,18 +16,22 @@ from typing import Any
 
 
 class CostRecorder:
-    """A `grpo_core.contracts.PhaseCompiler` that compiles every phase and keeps its cost analysis."""
+    """A `grpo_core.contracts.PhaseCompiler` that compiles every phase, keeps its cost analysis and
+    times it on zero inputs of its shapes (the best of `repeats` runs after a warm-up; the decode
+    runs the whole round, no row stopping)."""
 
-    def __init__(self) -> None:
+    def __init__(self, repeats: int) -> None:
         self.costs: dict[str, dict[str, float]] = {}
+        self.repeats = repeats
 
     def compile(self, name: str, build, args, note=None, record: bool = True) -> Any:
-        del args, note
+        del note
         compiled = build()
         cost = compiled.cost_analysis()
         cost = cost[0] if isinstance(cost, (list, tuple)) else cost
         if record:
-            self.costs[name] = {"gflop": cost.get("flops", 0.0) / 1e9, "mbytes": cost.get("bytes accessed", 0.0) / 1e6}
+            self.costs[name] = {"gflop": cost.get("flops", 0.0) / 1e9, "mbytes": cost.get("bytes accessed", 0.0) / 1e6,
+                                "ms": 1e3 * best_seconds(compiled, args, self.repeats)}
         return compiled
 
     def spare_bytes(self, compiled) -> None:
@@ -34,6 +39,30 @@ class CostRecorder:
 
     def decode_seconds(self, compiled, steps: int) -> None:
         return None
+
+
+def best_seconds(compiled, args, repeats: int) -> float:
+    """The fastest of `repeats` runs of `compiled` on zeros of its arguments' shapes (fresh each run:
+    some are donated), after one untimed run."""
+    import time
+
+    import jax
+    import jax.numpy as jnp
+
+    def zeros(a):
+        if not isinstance(a, jax.ShapeDtypeStruct):
+            return a
+        if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
+            return jax.random.key(0)
+        return jnp.zeros(a.shape, a.dtype)
+
+    best = float("inf")
+    for run in range(repeats + 1):
+        inputs = jax.tree.map(zeros, args)
+        start = time.perf_counter()
+        jax.block_until_ready(compiled(*inputs))
+        best = min(best, time.perf_counter() - start) if run else best
+    return best
 
 
 def round_costs(args: argparse.Namespace, table: bool) -> dict[str, dict[str, float]]:
@@ -54,7 +83,7 @@ def round_costs(args: argparse.Namespace, table: bool) -> dict[str, dict[str, fl
                            kept_prefix=args.prompt_len + args.new_tokens - 1,
                            prompt_table=(table_size(args.batch, args.n), args.n) if table else ())
     graphdef, weights = nnx.split(model)
-    recorder = CostRecorder()
+    recorder = CostRecorder(args.repeats)
     compile_round(rollout, shapes, recorder, rollout.static_args(graphdef, weights, sampling, 0, None))
     return recorder.costs
 
