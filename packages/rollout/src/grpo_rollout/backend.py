@@ -240,7 +240,8 @@ class JaxRollout:
 
     def _check_round_memory(self, cache, state, key: jax.Array, static: dict[str, Any]) -> None:
         """Hands a round's decode, compiled for a new cache width, to `memory_check` before it runs."""
-        signature = ("round", tuple(a.shape for a in jax.tree.leaves(cache)), state.tokens.shape, tuple(sorted(static.items(), key=lambda kv: kv[0])))
+        signature = ("round", tuple(a.shape for a in jax.tree.leaves(cache)), state.tokens.shape,
+                     tuple(sorted(static.items(), key=lambda kv: kv[0])))
         if self.memory_check is None or signature in self._checked:
             return
         self.memory_check("rollout decode", decode.lower(self._weights, cache, state, key, **static).compile())

@@ -14,7 +14,9 @@ which slots continue (`cached`); a new, restarted or resumed row is admitted fro
 In a multi-host run every process holds the same pool: the draws are gathered and the
 round results read whole on every process.
 A group (the K rows of one prompt) is complete when all its rows are done; only complete
-groups leave the pool, oldest first.
+groups leave the pool, oldest first. With `prompt_table` G (the backend runs each group's
+prompt once, grpo_rollout.kept_shared) at most G groups have rows in the slots: a row of a
+further group waits, its slot empty for the round (`RoundStats.waited`).
 
 Every token keeps the sampler's log-prob and the policy version that drew it, so the loss
 can correct the carried tokens (truncated or masked importance sampling). A running row
@@ -40,8 +42,9 @@ from grpo_rollout.prompts import left_pad
 PENDING, RUNNING, DONE = "pending", "running", "done"
 KV_CACHE_MODES = ("reprefill", "within_step", "across_steps")
 
-# generate(prefixes, key, budget, cached) -> RolloutResult of one row per prefix, at most `budget` new
-# tokens; cached[i]: slot i continues its row of the previous round from a kept KV cache.
+# generate(prefixes, key, budget, cached[, groups]) -> RolloutResult of one row per prefix, at most `budget`
+# new tokens; cached[i]: slot i continues its row of the previous round from a kept KV cache; groups (passed
+# when the pool has a prompt table): a kept_shared.SlotGroups, each slot's group (None: the slot is empty).
 Generate = Callable[[Sequence[Sequence[int]], Any, int, Sequence[bool]], RolloutResult]
 # draw() -> the next prompts: (a JSON-able record of its example, its token ids) each; one per
 # process in a multi-host run, so every process's pool adds the same groups.
