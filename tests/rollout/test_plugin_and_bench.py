@@ -50,6 +50,19 @@ def test_bench_compares_shared_and_repeated_prompts_in_one_line(capsys):
     assert record["n"] == 2 and record["decode_speedup"] > 0 and record["tokens_per_s_speedup"] > 0
 
 
+def test_bench_round_costs_compare_a_partial_round_with_and_without_the_prompt_table(capsys):
+    """8 slots of groups of 4: the table runs 2 x 2 group prompts where every slot ran its own (8),
+    and a decode step reads 4 table rows of the prompt where it read 8 cache rows."""
+    flags = ["--vocab", "96", "--hidden", "32", "--intermediate", "64", "--layers", "1", "--batch", "8",
+             "--prompt-len", "32", "--new-tokens", "4", "--partial-budget", "2", "--round-costs", "--n", "4"]
+    assert bench.main(flags) == 0
+    record = json.loads(capsys.readouterr().out.strip())
+    plain, shared = record["one_row_per_slot"], record["prompt_table"]
+    assert shared["rollout prompt table"]["gflop"] < plain["rollout admission"]["gflop"]
+    assert shared["rollout decode"]["mbytes"] < plain["rollout decode"]["mbytes"]
+    assert "rollout admission" not in shared and record["decode_mbytes_ratio"] > 1
+
+
 @pytest.mark.parametrize("quantile", [[], ["--partial-quantile", "0.5"]], ids=["fixed", "quantile"])
 def test_partial_bench_compares_both_sides_on_the_same_rows(capsys, quantile):
     flags = ["--vocab", "96", "--hidden", "32", "--intermediate", "64", "--layers", "1", "--batch", "8", "--n", "4",

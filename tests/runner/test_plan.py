@@ -173,8 +173,9 @@ PARTIAL_PLAN = ("rollout.partial.enabled=true", "loss.mismatch_correction=trunca
 
 
 def test_partial_rollouts_plan_the_widest_re_prefill_round(plan_config, capsys):
-    """Every row re-prefilling a prompt plus max_new_tokens - 1 carried tokens, then `budget` steps."""
-    cfg = plan_config(*PARTIAL_PLAN, "rollout.partial.kv_cache=reprefill")
+    """Without a prompt table: every row re-prefilling a prompt plus max_new_tokens - 1 carried tokens,
+    then `budget` steps."""
+    cfg = plan_config(*PARTIAL_PLAN, "rollout.partial.kv_cache=reprefill", "rollout.options.shared_prompt=false")
     shapes = rollout_shapes(plan.build_plan_inputs(cfg, default_registry()))
     rollout = cfg.rollout
     assert shapes.prompts == rollout.prompts_per_step * rollout.n and shapes.sampling.n == 1
@@ -184,21 +185,33 @@ def test_partial_rollouts_plan_the_widest_re_prefill_round(plan_config, capsys):
     assert {"rollout prefill", "rollout decode", "train step"} <= set(table_rows(capsys.readouterr().out))
 
 
-@pytest.mark.parametrize("kv_cache", ["within_step", "across_steps"])
-def test_partial_rollouts_on_a_kept_cache_plan_its_widest_rounds(plan_config, capsys, kv_cache):
+def kv_cache_bytes(q, rows: int, width: int) -> int:
+    """Bytes of a tiny model's f32 KV cache of `rows` rows `width` slots wide (k, v, mask, index)."""
+    return q.num_hidden_layers * rows * width * q.num_key_value_heads * q.head_dim * 2 * 4 + rows * width + 4
+
+
+@pytest.mark.parametrize("kv_cache,shared", [("within_step", True), ("across_steps", True), ("across_steps", False),
+                                             ("reprefill", True)])
+def test_partial_rollouts_on_a_kept_cache_plan_its_widest_rounds(plan_config, capsys, kv_cache, shared):
     """Every slot admitting the longest carried prefix, then slots kept at it with new prompts
-    admitted beside; a cache kept across steps is held through the update as well."""
-    cfg = plan_config(*PARTIAL_PLAN, f"rollout.partial.kv_cache={kv_cache}")
+    admitted beside (with shared prompts: the groups' prompts run once each into the prompt
+    table, the slots' own caches beside it; re-prefilled rounds on the table are the same rounds
+    with every slot admitted); a cache kept across steps is held through the update as well."""
+    cfg = plan_config(*PARTIAL_PLAN, f"rollout.partial.kv_cache={kv_cache}", f"rollout.options.shared_prompt={shared}")
     inputs = plan.build_plan_inputs(cfg, default_registry())
     shapes, rollout = rollout_shapes(inputs), cfg.rollout
     assert shapes.kept_prefix == rollout.max_prompt_length + rollout.max_new_tokens - 1
     assert shapes.max_prompt_length == rollout.max_prompt_length and shapes.sampling.max_new_tokens == 3
+    assert shapes.prompt_table == ((2 * 64 // 8, 8) if shared else ())  # G: twice the 64 slots' 8 groups
     assert plan.plan_command(cfg, default_registry(), capacity_gib=16.0) == 0
-    phases = {"rollout admission of carried rows", "rollout compaction", "rollout admission", "rollout decode"}
+    phases = {"rollout admission of carried rows", "rollout compaction", "rollout decode"}
+    phases |= {"rollout prompt table"} if shared else {"rollout admission"}
     assert phases | {"train step"} <= set(table_rows(capsys.readouterr().out))
     q, rows = inputs.run.qcfg, shapes.batch_sharding.shard_shape((rollout.prompts_per_step * rollout.n, 1))[0]
-    width = 32 + 16 + 3  # buckets of the longest carried prefix (23) but one and of the prompt (16) but one, the budget
-    cache = q.num_hidden_layers * rows * width * q.num_key_value_heads * q.head_dim * 2 * 4 + rows * width + 4
+    if shared:  # own caches: the bucket of the 7 carried tokens and the budget; the table (replicated): 16 x 16
+        cache = kv_cache_bytes(q, rows, 16 + 3) + kv_cache_bytes(q, 16, 16)
+    else:  # buckets of the longest carried prefix (23) but one and of the prompt (16) but one, the budget
+        cache = kv_cache_bytes(q, rows, 32 + 16 + 3)
     held = kept_cache_bytes(inputs)
     assert held == (cache if kv_cache == "across_steps" else 0)
     assert train_phase(inputs, cfg.train.micro_batch_size_per_device).other == inputs.reference_bytes + held

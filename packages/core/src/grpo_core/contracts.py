@@ -227,6 +227,8 @@ class RolloutShapes:
     kept_prefix:       partial rollouts on a kept KV cache: the longest prefix a slot carries
                        (prompt plus tokens so far); each of the `prompts` rows is a slot, the
                        sampling's max_new_tokens a round's budget. 0: no kept cache.
+    prompt_table:      (G, n) where those rounds keep each group's prompt once, in a table of G
+                       group slots with n rows per group; (): one cache row per slot.
     """
 
     policy: Policy
@@ -237,6 +239,7 @@ class RolloutShapes:
     key: Any
     pad_token_id: int = 0
     kept_prefix: int = 0
+    prompt_table: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -277,9 +280,10 @@ class KeptCacheRollout(Protocol):
 
     def generate_round(self, prefixes: Sequence[Sequence[int]], cached: Sequence[bool], key: jax.Array, sampling: SamplingParams,
                        *, pad_token_id: int = 0, batch_sharding: Any = None, kept_tokens: Sequence[int] | None = None,
-                       live: Sequence[bool] | None = None) -> RolloutResult:
+                       live: Sequence[bool] | None = None, groups: Any = None) -> RolloutResult:
         """At most sampling.max_new_tokens tokens per slot: slot i continues on its kept cache (holding kept_tokens[i]
-        of its prefix, default all but the last) when cached[i], else is admitted; live[i] False: it samples nothing."""
+        of its prefix, default all but the last) when cached[i], else is admitted; live[i] False: it samples nothing.
+        groups: the slots' groups (grpo_rollout.kept_shared.SlotGroups), or None."""
 
     def release_kept_cache(self) -> None:
         """Frees the kept cache; the next round admits every slot."""

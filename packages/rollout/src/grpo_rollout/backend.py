@@ -13,12 +13,15 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from grpo_rollout.decode import (batch_sharding_of_rank, cache_shardings, check_batch_divisible, decode,
+from grpo_rollout.decode import (check_batch_divisible, decode,
                                  group_sharding, place, prefill, prefill_shared, rollout_graphdef)
 from grpo_rollout.collectives import decode_traffic_note
 from grpo_rollout.kept_cache import admission_batch, admit, compact, kept_counts, kept_width, round_start
+from grpo_rollout.kept_plan import compile_round as compile_kept_round, kept_cache as kept_round_cache
+from grpo_rollout.kept_shared import SharedRounds, SlotGroups
 from grpo_rollout.gather import (AutoDecoders, bytes_beyond_arguments, candidate_layouts, fastest_layout,
                                  gather_refused_note, has_sharded_weights, layout_static)
+from grpo_rollout.results import abstract_outputs, finish
 from grpo_rollout.prompts import DEFAULT_PROMPT_BUCKETS, bucket_length, fit_to_bucket, left_pad, repeat_samples
 from grpo_core.rollout_records import DEFAULT_TRIM_BUCKET, RolloutResult, TrainBatch, trim_batch, trimmed_widths
 from grpo_core.contracts import PhaseCompiler, Policy, RolloutShapes, RolloutWidths, SamplingParams
@@ -55,8 +58,9 @@ class JaxRolloutOptions:
                       per group, the decode attending over it once per group (cascade
                       attention, grpo_rollout.cascade): n times fewer prefill FLOPs and
                       prompt-cache bytes, the same tokens. false repeats each prompt n
-                      times. Used with decode_attention=rollout and n > 1 by `generate`
-                      (partial-rollout rounds keep one cache row per slot).
+                      times. Used with decode_attention=rollout and n > 1 by `generate`, and
+                      by `generate_round` given the slots' groups (a prompt table,
+                      grpo_rollout.kept_shared).
     """
 
     prompt_buckets: list | tuple = DEFAULT_PROMPT_BUCKETS  # YAML gives a list; stored as a tuple
@@ -115,6 +119,7 @@ class JaxRollout:
         self.memory_check: Callable[[str, Any], None] | None = None
         self._checked: set[Any] = set()
         self._kept: Any = None  # the KV cache of `generate_round`'s slots, kept between rounds
+        self._shared = SharedRounds()  # their groups' prompt table (grpo_rollout.kept_shared)
 
     def project_decodes_with(self, projector: Any) -> None:
         """`projector(compiled decode, steps)` -> projected seconds: `gather_weights: auto` then
@@ -172,12 +177,14 @@ class JaxRollout:
     def generate_round(self, prefixes: Sequence[Sequence[int]], cached: Sequence[bool], key: jax.Array,
                        sampling: SamplingParams, *, pad_token_id: int = 0,
                        batch_sharding: NamedSharding | None = None, kept_tokens: Sequence[int] | None = None,
-                       live: Sequence[bool] | None = None) -> RolloutResult:
+                       live: Sequence[bool] | None = None, groups: SlotGroups | None = None) -> RolloutResult:
         """One round of at most `sampling.max_new_tokens` tokens per slot on the KV cache kept from the
         previous round (grpo_rollout.kept_cache). prefixes: each slot's prompt plus tokens so far; cached[i]:
         slot i continues on its cache, which holds kept_tokens[i] of them (default all but the last; the others
         but the last are run in first), else the prefix is admitted. live[i] False: slot i samples nothing and
-        keeps its cache. key: one key, or one per slot. The slots' cache is kept for the next round."""
+        keeps its cache. key: one key, or one per slot. The slots' cache is kept for the next round. groups:
+        the slots' groups, whose prompts are then kept once each (grpo_rollout.kept_shared) where
+        `shares_round_prompts`; an empty slot (group None) samples nothing."""
         if self._weights is None:
             raise RuntimeError("JaxRollout.generate_round without weights: call load_weights(policy) first.")
         if any(cached) and (self._kept is None or self._kept.mask.shape[0] != len(prefixes)):
@@ -186,16 +193,23 @@ class JaxRollout:
         check_batch_divisible(len(prefixes), 1, batch_sharding)
         static = self.static_args(self._graphdef, self._weights, dataclasses.replace(sampling, n=1), pad_token_id,
                                   batch_sharding)
-        counts = kept_counts(prefixes, cached, kept_tokens)
-        cache = self._round_cache(prefixes, cached, counts, sampling.max_new_tokens, pad_token_id, batch_sharding,
-                                  static)
+        shared = groups is not None and self.shares_round_prompts
+        if shared:
+            if kept_tokens is not None:
+                raise ValueError("generate_round: tokens appended to kept rows (kept_tokens) need groups=None")
+            live = [g is not None and (live is None or live[i]) for i, g in enumerate(groups.ids)]
+            cache = self._shared.round_cache(nnx.merge(self._graphdef, self._weights), self._weights, self._kept,
+                                             self.options, (prefixes, cached, groups), sampling.max_new_tokens, static)
+        else:
+            cache = self._round_cache(prefixes, cached, kept_counts(prefixes, cached, kept_tokens),
+                                      sampling.max_new_tokens, pad_token_id, batch_sharding, static)
         last = np.array([[p[-1]] for p in prefixes], np.int32)  # [N, 1]: each slot's next token to feed
         rows_live = None if live is None else place(np.asarray(live, bool), batch_sharding)
         state = round_start(place(last[:, 0], batch_sharding), sampling.max_new_tokens, pad_token_id, batch_sharding,
                             rows_live)
         self._check_round_memory(cache, state, key, static)
         cache, state = self.decoder(self._weights, cache, state, key, static)(self._weights, cache, state, key)
-        self._kept = cache
+        self._kept, self._shared.table = (cache.completion, cache.prompt) if shared else (cache, None)
         return finish(last, np.ones_like(last), state, static["params"])
 
     def _round_cache(self, prefixes, cached, counts, budget: int, pad_token_id: int, batch_sharding, static) -> Any:
@@ -217,10 +231,17 @@ class JaxRollout:
     def release_kept_cache(self) -> None:
         """Frees the slots' kept cache (the next `generate_round` then admits every slot)."""
         self._kept = None
+        self._shared.release()
+
+    @property
+    def shares_round_prompts(self) -> bool:
+        """`generate_round` keeps each group's prompt once when given the slots' groups."""
+        return self.options.shared_prompt and self.options.decode_attention == "rollout"
 
     def _check_round_memory(self, cache, state, key: jax.Array, static: dict[str, Any]) -> None:
         """Hands a round's decode, compiled for a new cache width, to `memory_check` before it runs."""
-        signature = ("round", cache.k.shape, state.tokens.shape, tuple(sorted(static.items(), key=lambda kv: kv[0])))
+        signature = ("round", tuple(a.shape for a in jax.tree.leaves(cache)), state.tokens.shape,
+                     tuple(sorted(static.items(), key=lambda kv: kv[0])))
         if self.memory_check is None or signature in self._checked:
             return
         self.memory_check("rollout decode", decode.lower(self._weights, cache, state, key, **static).compile())
@@ -277,7 +298,7 @@ class JaxRollout:
         static = self.static_args(shapes.policy.graphdef, weights, shapes.sampling, shapes.pad_token_id,
                                   shapes.batch_sharding)
         if shapes.kept_prefix:
-            self._compile_kept_round(shapes, compiler, static)
+            compile_kept_round(self, shapes, compiler, static)
             return
         width = self.widths(shapes.max_prompt_length, shapes.sampling.max_new_tokens).prompt
         phase = self.prefill_phase(shapes.sampling)
@@ -288,54 +309,13 @@ class JaxRollout:
         first = compiler.compile("rollout prefill", lambda: phase.lower(*args, **static).compile(), args)
         if first is not None:  # decode's inputs are prefill's outputs
             cache, state = abstract_outputs(first)
-            self._compile_decode(compiler, (weights, cache, state, key), static)
+            self.compile_decode(compiler, (weights, cache, state, key), static)
 
-    def kept_cache(self, shapes: RolloutShapes, kept: bool = True) -> Any:
-        """The abstract KV cache of `generate_round`'s widest round: every slot kept with the longest
-        carried prefix but its last token and new prompts admitted beside (kept=False: every slot
-        admitting that prefix), a round's budget of room."""
-        buckets, rows = self.options.prompt_buckets, shapes.prompts * shapes.sampling.n
-        carried = bucket_length(shapes.kept_prefix - 1, buckets)
-        width = carried + shapes.sampling.max_new_tokens
-        if kept:
-            width += bucket_length(shapes.max_prompt_length - 1, buckets)
-        model = nnx.merge(shapes.policy.graphdef, shapes.policy.weights)
-        cache = jax.eval_shape(lambda: model.init_cache(rows, width, self.options.cache_dtype))
-        if shapes.batch_sharding is None:
-            return cache
-        return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                            cache, cache_shardings(cache, shapes.batch_sharding))
+    def kept_cache(self, shapes: RolloutShapes) -> Any:
+        """The abstract KV cache of `generate_round`'s widest round (grpo_rollout.kept_plan)."""
+        return kept_round_cache(self, shapes)
 
-    def _compile_kept_round(self, shapes: RolloutShapes, compiler: PhaseCompiler, static: dict[str, Any]) -> None:
-        """The widest rounds of `generate_round`: every slot admitting the longest carried prefix (a
-        step's first round, or one after a resume), then compaction, new prompts admitted beside
-        slots kept at that prefix, and the decode over that cache."""
-        weights, key, rows = shapes.policy.weights, shapes.key, shapes.prompts * shapes.sampling.n
-        buckets, batch = self.options.prompt_buckets, shapes.batch_sharding
-
-        def admission(name: str, cache: Any, width: int) -> Any:
-            ids = jax.ShapeDtypeStruct((rows, width), jnp.int32, sharding=batch)
-            args = (weights, cache, ids, ids)
-            return compiler.compile(name, lambda: admit.lower(*args, **static).compile(), args)
-
-        carried = self.kept_cache(shapes, kept=False)
-        carried_width = carried.max_len - shapes.sampling.max_new_tokens
-        if admission("rollout admission of carried rows", carried, carried_width) is None:
-            return
-        cache = self.kept_cache(shapes)
-        args = (cache, jax.ShapeDtypeStruct((rows,), jnp.bool_, sharding=batch and batch_sharding_of_rank(batch, 1)))
-        base = bucket_length(shapes.kept_prefix - 1, buckets)
-        if compiler.compile("rollout compaction", lambda: compact.lower(
-                *args, base=base, width=cache.max_len, batch_sharding=batch).compile(), args) is None:
-            return
-        if admission("rollout admission", cache, bucket_length(shapes.max_prompt_length - 1, buckets)) is None:
-            return
-        last = jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=batch and batch_sharding_of_rank(batch, 1))
-        state = jax.eval_shape(lambda t: round_start(t, shapes.sampling.max_new_tokens, shapes.pad_token_id, batch),
-                               last)
-        self._compile_decode(compiler, (weights, cache, state, key), static)
-
-    def _compile_decode(self, compiler: PhaseCompiler, args: tuple, static: dict[str, Any]) -> None:
+    def compile_decode(self, compiler: PhaseCompiler, args: tuple, static: dict[str, Any]) -> None:
         def build(gather: bool) -> Callable[[], Any]:
             return lambda: decode.lower(*args, **{**static, "gather_weights": gather}).compile()
 
@@ -355,7 +335,6 @@ class JaxRollout:
         layout = "model-parallel weights (resharded once per rollout); " if split else ""
         compiler.compile("rollout decode", build(gather), args,
                          note=lambda compiled: auto_note + layout + decode_traffic_note(compiled, gather or split))
-
 
     @staticmethod
     def _compile_fastest_decode(compiler: PhaseCompiler, args: tuple, static: dict[str, Any]) -> bool:
@@ -381,20 +360,3 @@ class JaxRollout:
         compiler.compile("rollout decode", lambda: chosen, args,
                          note=lambda compiled: f"{note}; " + decode_traffic_note(compiled, layout != "sharded"))
         return True
-
-
-def abstract_outputs(compiled: Any) -> Any:
-    """The outputs of a compiled function as sharded ShapeDtypeStructs."""
-    return jax.tree.map(lambda info, sharding: jax.ShapeDtypeStruct(info.shape, info.dtype, sharding=sharding),
-                        compiled.out_info, compiled.output_shardings)
-
-
-def finish(ids: jax.Array, mask: jax.Array, state, sampling: SamplingParams) -> RolloutResult:
-    """Final loop state -> RolloutResult (masks from the per-row lengths)."""
-    columns = jnp.arange(sampling.max_new_tokens)[None, :]
-    completion_mask = (columns < state.lengths[:, None]).astype(jnp.int32)  # [N, Tn]
-    return RolloutResult(
-        prompt_ids=ids, prompt_mask=mask, completion_ids=state.tokens, completion_mask=completion_mask,
-        lengths=state.lengths, sampler_logps=state.logps, finished=state.done,
-        num_prompts=ids.shape[0] // sampling.n, n=sampling.n,
-    )

@@ -9,6 +9,7 @@ prompt 32, 128 new tokens, EOS suppressed, multinomial sampling at T=1.
     grpo-bench rollout                       # or: python -m grpo_rollout.bench
     grpo-bench rollout --compare-hf --repeats 3
     grpo-bench rollout --compare-shared --n 8 --prompt-len 256             # shared vs repeated prompts
+    grpo-bench rollout --round-costs --n 8 --partial-budget 16             # a partial round's phase costs
     grpo-bench rollout --eos 0 --stop-p 0.03125 --new-tokens 256 --partial-budget 24   # partial vs synchronous
 """
 
@@ -81,6 +82,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     run.add_argument("--compare-shared", action="store_true",
                      help="time batch / --n prompts of --n samples with each prompt repeated and shared "
                           "(rollout.options.shared_prompt), in one run")
+    run.add_argument("--round-costs", action="store_true",
+                     help="XLA's FLOPs and bytes of the widest kept-cache partial round, one cache row per slot "
+                          "and on the groups' prompt table (grpo_rollout.bench_round_costs)")
     run.add_argument("--threads", type=int, default=0, help="torch threads for --engine hf (0: all cores)")
     return p.parse_args(argv)
 
@@ -214,6 +218,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.engine == "hf":
         print(json.dumps(bench_hf(args)))
+        return 0
+    if args.round_costs:
+        from grpo_rollout.bench_round_costs import run_round_costs
+
+        print(json.dumps({**run_round_costs(args), **shape_fields(args)}))
         return 0
     if args.partial_budget is not None:
         from grpo_rollout.bench_partial import run_bench

@@ -17,6 +17,11 @@ and with m = max(m_A, m_B):
 which is the attention over A and B together, not an approximation. The prompt part is
 one product per group: the group's n query rows are extra query heads against the one
 prompt cache, so each prompt key and value is read once per group and step, not n times.
+
+Partial rollouts (`TableCache`) hold rows of different groups at different depths in their
+slots: each live group's prompt sits once in a slot g of a prompt table [L, G, Tp, KV, D], each
+row is mapped to (g, member j), and the prompt part runs on the queries scattered into
+[G, n, ...], its (m, l, o) gathered back to the rows and merged by the same formula.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from grpo_core.models.attention import KVCache
+from grpo_core.models.layers import rope_tables
 from grpo_rollout.attention import decode_inputs, decode_layers
 from grpo_rollout.model_parallel import ActivationLayout
 
@@ -54,6 +60,9 @@ class SharedCache:
         """[P*n] real tokens cached per row = the position of each row's next token."""
         return jnp.repeat(self.prompt.lengths(), self.group) + self.completion.lengths()
 
+    def attention(self, q, prompt_k, prompt_v, own_k, own_v, own_visible) -> jax.Array:
+        return cascade_attention(q, prompt_k, prompt_v, self.prompt.mask, own_k, own_v, own_visible)
+
 
 def _part(scores: jax.Array, visible: jax.Array):
     """(m, p) of one part: scores [X, S, ...] masked by visible [X, S], m its max over S, p the
@@ -64,35 +73,103 @@ def _part(scores: jax.Array, visible: jax.Array):
     return peak[:, 0], jnp.where(visible, jnp.exp(scores - peak), 0.0)
 
 
+def grouped_queries(q: jax.Array, kv_heads: int) -> jax.Array:
+    """q [B, N, D] -> [B, KV, G, D]: query head h uses KV head h // G (HF repeat_kv order)."""
+    rows, heads, dim = q.shape
+    return q.reshape(rows, kv_heads, heads // kv_heads, dim)
+
+
+def prompt_part(grouped: jax.Array, prompt_k: jax.Array, prompt_v: jax.Array, prompt_visible: jax.Array):
+    """(m, l, o) of the prompt part, one product per group: grouped [P, n, KV, G, D] (the group's n
+    rows as extra query heads), prompt_k/v [P, Sp, KV, D], prompt_visible [P, Sp] -> m, l
+    [P, n, KV, G] and o [P, n, KV, G, D] (f32)."""
+    scores = jnp.einsum("pnkgd,pskd->psnkg", grouped, prompt_k, preferred_element_type=jnp.float32)
+    peak, p = _part(scores * grouped.shape[-1] ** -0.5, prompt_visible)
+    out = jnp.einsum("psnkg,pskd->pnkgd", p.astype(prompt_v.dtype), prompt_v, preferred_element_type=jnp.float32)
+    return peak, jnp.sum(p, axis=1), out
+
+
+def own_part(grouped: jax.Array, own_k: jax.Array, own_v: jax.Array, own_visible: jax.Array):
+    """(m, l, o) of each row's own part: grouped [B, KV, G, D], own_k/v [B, Sc, KV, D], own_visible
+    [B, Sc] -> m, l [B, KV, G] and o [B, KV, G, D] (f32)."""
+    scores = jnp.einsum("bkgd,bskd->bskg", grouped, own_k, preferred_element_type=jnp.float32)
+    peak, p = _part(scores * grouped.shape[-1] ** -0.5, own_visible)
+    out = jnp.einsum("bskg,bskd->bkgd", p.astype(own_v.dtype), own_v, preferred_element_type=jnp.float32)
+    return peak, jnp.sum(p, axis=1), out
+
+
+def merge(a, b) -> jax.Array:
+    """The softmax over two parts from their (m, l, o) (the module doc's formula)."""
+    (peak_a, sum_a, out_a), (peak_b, sum_b, out_b) = a, b
+    peak = jnp.maximum(peak_a, peak_b)
+    scale_a, scale_b = jnp.exp(peak_a - peak), jnp.exp(peak_b - peak)
+    total = scale_a * sum_a + scale_b * sum_b
+    out = scale_a[..., None] * out_a + scale_b[..., None] * out_b
+    return out / jnp.where(total > 0, total, 1.0)[..., None]  # total 0 only for a row with no visible slot
+
+
 def cascade_attention(q: jax.Array, prompt_k: jax.Array, prompt_v: jax.Array, prompt_visible: jax.Array,
                       own_k: jax.Array, own_v: jax.Array, own_visible: jax.Array) -> jax.Array:
     """softmax over (prompt, own) slots of one query token per row: q [P*n, N, D]; prompt_k/v
     [P, Sp, KV, D], prompt_visible [P, Sp]; own_k/v [P*n, Sc, KV, D], own_visible [P*n, Sc]
-    -> [P*n, N, D]. Query head h uses KV head h // G (HF repeat_kv order)."""
-    rows, heads, dim = q.shape
-    groups, kv_heads = prompt_k.shape[0], prompt_k.shape[2]
-    grouped = q.reshape(groups, rows // groups, kv_heads, heads // kv_heads, dim)  # [P, n, KV, G, D]
-    shared_scores = jnp.einsum("pnkgd,pskd->psnkg", grouped, prompt_k, preferred_element_type=jnp.float32)
-    shared_peak, shared_p = _part(shared_scores * dim**-0.5, prompt_visible)  # [P, n, KV, G], [P, S, n, KV, G]
-    shared_out = jnp.einsum("psnkg,pskd->pnkgd", shared_p.astype(prompt_v.dtype), prompt_v,
-                            preferred_element_type=jnp.float32)
-    own_scores = jnp.einsum("bkgd,bskd->bskg", grouped.reshape(rows, kv_heads, -1, dim), own_k,
-                            preferred_element_type=jnp.float32)
-    own_peak, own_p = _part(own_scores * dim**-0.5, own_visible)  # [B, KV, G], [B, S, KV, G]
-    own_out = jnp.einsum("bskg,bskd->bkgd", own_p.astype(own_v.dtype), own_v, preferred_element_type=jnp.float32)
-    shared_peak, shared_sum = shared_peak.reshape(own_peak.shape), jnp.sum(shared_p, axis=1).reshape(own_peak.shape)
-    peak = jnp.maximum(shared_peak, own_peak)
-    shared_scale, own_scale = jnp.exp(shared_peak - peak), jnp.exp(own_peak - peak)
-    total = shared_scale * shared_sum + own_scale * jnp.sum(own_p, axis=1)  # [B, KV, G]
-    out = shared_scale[..., None] * shared_out.reshape(own_out.shape) + own_scale[..., None] * own_out
-    out = out / jnp.where(total > 0, total, 1.0)[..., None]  # total 0 only for a row with no visible slot
-    return out.reshape(rows, heads, dim).astype(q.dtype)
+    -> [P*n, N, D]. Rows p*n .. p*n+n-1 share prompt p."""
+    grouped = grouped_queries(q, prompt_k.shape[2])  # [B, KV, G, D]
+    groups = prompt_k.shape[0]
+    shared = prompt_part(grouped.reshape(groups, -1, *grouped.shape[1:]), prompt_k, prompt_v, prompt_visible)
+    shared = tuple(a.reshape(grouped.shape[0], *a.shape[2:]) for a in shared)
+    out = merge(shared, own_part(grouped, own_k, own_v, own_visible))
+    return out.reshape(q.shape).astype(q.dtype)
 
 
-def shared_decode_forward(model, tokens: jax.Array, live: jax.Array, cache: SharedCache,
-                          layout: ActivationLayout = ActivationLayout()):
-    """`grpo_rollout.attention.decode_forward` on a SharedCache: the new token's keys and values go
-    to the row's completion cache; attention is `cascade_attention`. Returns (hidden [B, 1, H], cache)."""
+def table_attention(q: jax.Array, group: jax.Array, member: jax.Array, members: int, prompt_k: jax.Array,
+                    prompt_v: jax.Array, prompt_visible: jax.Array, own_k: jax.Array, own_v: jax.Array,
+                    own_visible: jax.Array) -> jax.Array:
+    """`cascade_attention` with rows mapped to a prompt table: row b's prompt is table slot
+    group[b] of prompt_k/v [G, Sp, KV, D], where it is member[b] < members (a row with group = G
+    has no prompt). The rows' queries are scattered into [G, members, KV, G, D], the prompt part
+    runs once per table slot as in `cascade_attention`, and its (m, l, o) is gathered back."""
+    grouped = grouped_queries(q, prompt_k.shape[2])  # [B, KV, G, D]
+    table = jnp.zeros((prompt_k.shape[0], members) + grouped.shape[1:], grouped.dtype)
+    table = table.at[group, member].set(grouped, mode="drop")
+    peak, total, out = prompt_part(table, prompt_k, prompt_v, prompt_visible)
+    shared = (peak.at[group, member].get(mode="fill", fill_value=_MASKED),
+              total.at[group, member].get(mode="fill", fill_value=0.0),
+              out.at[group, member].get(mode="fill", fill_value=0.0))
+    out = merge(shared, own_part(grouped, own_k, own_v, own_visible))
+    return out.reshape(q.shape).astype(q.dtype)
+
+
+@struct.dataclass
+class TableCache:
+    """Partial-rollout slots on a prompt table: prompt [L, G, Tp, KV, D], mask [G, Tp], one
+    table slot per live group; completion [L, N, Tc, KV, D], each slot's own tokens; row r's
+    group is table slot group[r] (G: none), where it is member[r] < members."""
+
+    prompt: KVCache
+    completion: KVCache
+    group: jax.Array  # [N] int32
+    member: jax.Array  # [N] int32
+    members: int = struct.field(pytree_node=False, default=1)
+
+    @property
+    def max_len(self) -> int:
+        """Slots a row sees: its group's prompt and its own."""
+        return self.prompt.max_len + self.completion.max_len
+
+    def lengths(self) -> jax.Array:
+        """[N] real tokens cached per row = the position of each row's next token."""
+        prompt = self.prompt.lengths().at[self.group].get(mode="fill", fill_value=0)
+        return prompt + self.completion.lengths()
+
+    def attention(self, q, prompt_k, prompt_v, own_k, own_v, own_visible) -> jax.Array:
+        return table_attention(q, self.group, self.member, self.members, prompt_k, prompt_v, self.prompt.mask,
+                               own_k, own_v, own_visible)
+
+
+def shared_decode_forward(model, tokens: jax.Array, live: jax.Array, cache, layout: ActivationLayout = ActivationLayout()):
+    """`grpo_rollout.attention.decode_forward` on a SharedCache or TableCache: the new token's keys and
+    values go to the row's completion cache; the attention merges the prompt part and the row's own.
+    Returns (hidden [B, 1, H], cache)."""
     x, cos, sin = decode_inputs(model, tokens, cache.lengths()[:, None], layout)
     own = cache.completion.with_new_tokens(live[:, None])
     own_visible = own.visibility(1)[:, 0]  # [B, Sc]
@@ -100,8 +177,34 @@ def shared_decode_forward(model, tokens: jax.Array, live: jax.Array, cache: Shar
 
     def attend(i, own, q, k, v):
         own = own.write_layer(i, k, v)
-        return cascade_attention(q, prompt.k[i].astype(q.dtype), prompt.v[i].astype(q.dtype), prompt.mask,
-                                 own.k[i].astype(q.dtype), own.v[i].astype(q.dtype), own_visible), own
+        return cache.attention(q, prompt.k[i].astype(q.dtype), prompt.v[i].astype(q.dtype),
+                               own.k[i].astype(q.dtype), own.v[i].astype(q.dtype), own_visible), own
 
     x, own = decode_layers(model, x, own, cos, sin, layout, attend)
     return model.norm(x), cache.replace(completion=own.advance(1))
+
+
+def table_prefill_forward(model, ids: jax.Array, mask: jax.Array, cache: TableCache) -> TableCache:
+    """Several tokens per row into its own cache at [index, index + A): ids, mask [B, A] (left-padded;
+    a masked slot stays invisible). Each query attends over its row's prompt in the table and the
+    row's own slots up to itself, merged as in `table_attention` (one query position at a time)."""
+    width = ids.shape[1]
+    positions = jnp.maximum(cache.lengths()[:, None] + jnp.cumsum(mask, axis=1) - 1, 0)  # as the model counts them
+    cos, sin = rope_tables(positions, model.config.head_dim, model.config.rope_theta)
+    own = cache.completion.with_new_tokens(mask)
+    visible = own.visibility(width)  # [B, A, S]
+    prompt = cache.prompt
+
+    def step(layer, i, carry):
+        x, own = carry
+        q, k, v = layer.self_attn.project_qkv(layer.input_layernorm(x), cos, sin)
+        own = own.write_layer(i, k, v)
+        pk, pv, ok, ov = (a[i].astype(q.dtype) for a in (prompt.k, prompt.v, own.k, own.v))
+        attended = jax.vmap(lambda q_t, visible_t: cache.attention(q_t, pk, pv, ok, ov, visible_t),
+                            in_axes=(1, 1), out_axes=1)(q, visible)
+        x = x + layer.self_attn.o_proj(attended)
+        return x + layer.mlp(layer.post_attention_layernorm(x)), own
+
+    x = jnp.take(model.embed_tokens.embedding[...], ids, axis=0)
+    _, own = model.over_layers(step, (x, own))
+    return cache.replace(completion=own.advance(width))

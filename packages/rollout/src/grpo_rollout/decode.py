@@ -25,7 +25,7 @@ from flax import nnx, struct
 from jax.sharding import NamedSharding, PartitionSpec
 
 from grpo_rollout.attention import decode_forward
-from grpo_rollout.cascade import SharedCache, shared_decode_forward
+from grpo_rollout.cascade import SharedCache, TableCache, shared_decode_forward
 from grpo_rollout.model_parallel import ActivationLayout, model_parallel_weights
 from grpo_core.contracts import SamplingParams
 from grpo_core.sharding import as_tuple
@@ -139,8 +139,10 @@ def group_sharding(batch_sharding: NamedSharding | None, groups: int) -> NamedSh
 def constrain_cache(cache, batch_sharding):
     """k/v [L, B, S, KV, D] and mask [B, S]: batch dimension sharded (a SharedCache: its
     completion part like the batch, its prompt part by `group_sharding`)."""
-    if isinstance(cache, SharedCache):
-        prompt = constrain_cache(cache.prompt, group_sharding(batch_sharding, cache.prompt.mask.shape[0]))
+    if isinstance(cache, (SharedCache, TableCache)):  # a table's rows are of any group: replicated
+        groups = cache.prompt.mask.shape[0] if isinstance(cache, SharedCache) else 0
+        prompt = constrain_cache(cache.prompt, group_sharding(batch_sharding, groups) if groups else
+                                 batch_sharding and NamedSharding(batch_sharding.mesh, PartitionSpec()))
         return cache.replace(prompt=prompt, completion=constrain_cache(cache.completion, batch_sharding))
     return cache.replace(k=constrain(cache.k, batch_sharding, 1), v=constrain(cache.v, batch_sharding, 1),
                          mask=constrain(cache.mask, batch_sharding, 0))
@@ -252,7 +254,7 @@ def decode(weights, cache, state: LoopState, key, *, graphdef, params: SamplingP
     def one_token(carry):
         cache, s = carry
         model = nnx.merge(graphdef, weights)
-        if isinstance(cache, SharedCache):
+        if isinstance(cache, (SharedCache, TableCache)):
             hidden, cache = shared_decode_forward(model, s.last, ~s.done, cache, layout)  # [N, 1, H]
         elif attention == "rollout":
             hidden, cache = decode_forward(model, s.last, ~s.done, cache, layout)  # [N, 1, H]

@@ -14,7 +14,9 @@ which slots continue (`cached`); a new, restarted or resumed row is admitted fro
 In a multi-host run every process holds the same pool: the draws are gathered and the
 round results read whole on every process.
 A group (the K rows of one prompt) is complete when all its rows are done; only complete
-groups leave the pool, oldest first.
+groups leave the pool, oldest first. With `prompt_table` G (the backend runs each group's
+prompt once, grpo_rollout.kept_shared) at most G groups have rows in the slots: a row of a
+further group waits, its slot empty for the round (`RoundStats.waited`).
 
 Every token keeps the sampler's log-prob and the policy version that drew it, so the loss
 can correct the carried tokens (truncated or masked importance sampling). A running row
@@ -34,13 +36,15 @@ import jax
 import numpy as np
 
 from grpo_core.rollout_records import DecodeTally, RolloutResult
+from grpo_rollout.kept_shared import SlotGroups
 from grpo_rollout.prompts import left_pad
 
 PENDING, RUNNING, DONE = "pending", "running", "done"
 KV_CACHE_MODES = ("reprefill", "within_step", "across_steps")
 
-# generate(prefixes, key, budget, cached) -> RolloutResult of one row per prefix, at most `budget` new
-# tokens; cached[i]: slot i continues its row of the previous round from a kept KV cache.
+# generate(prefixes, key, budget, cached[, groups]) -> RolloutResult of one row per prefix, at most `budget`
+# new tokens; cached[i]: slot i continues its row of the previous round from a kept KV cache; groups (passed
+# when the pool has a prompt table): a kept_shared.SlotGroups, each slot's group (None: the slot is empty).
 Generate = Callable[[Sequence[Sequence[int]], Any, int, Sequence[bool]], RolloutResult]
 # draw() -> the next prompts: (a JSON-able record of its example, its token ids) each; one per
 # process in a multi-host run, so every process's pool adds the same groups.
@@ -79,17 +83,22 @@ class RoundStats:
     restarted: int = 0
     rounds: int = 0
     decode: DecodeTally = field(default_factory=DecodeTally)
+    waited: int = 0  # slot-rounds left empty: a new group's row waited for a prompt-table slot
 
 
 class PartialPool:
     """The carried rows of a run: `slots` decode slots, groups of `n` rows."""
 
     def __init__(self, slots: int, n: int, budget: int, max_new_tokens: int, max_staleness: Optional[int] = None,
-                 budget_quantile: Optional[float] = None, kv_cache: str = "reprefill"):
+                 budget_quantile: Optional[float] = None, kv_cache: str = "reprefill",
+                 prompt_table: Optional[int] = None):
         if kv_cache not in KV_CACHE_MODES:
             raise ValueError(f"kv_cache={kv_cache!r} must be one of {', '.join(KV_CACHE_MODES)}")
         self.n, self.budget, self.max_new_tokens, self.max_staleness = n, budget, max_new_tokens, max_staleness
         self.budget_quantile, self.kv_cache = budget_quantile, kv_cache
+        # At most this many groups in the slots (their prompts run once each: grpo_rollout.kept_shared).
+        self.prompt_table = prompt_table
+        self.waited = 0  # slots left empty for a round: a new group's row waited for a table slot
         self.cached = [False] * slots  # slot continues its row from the cache of the last round
         self.recent_lengths: collections.deque[int] = collections.deque(maxlen=slots)
         self.groups: dict[int, CarriedGroup] = {}
@@ -103,7 +112,7 @@ class PartialPool:
         """Rounds of at most `budget` decode steps until `max_groups` groups are complete; returns
         those groups (oldest first), which leave the pool. Every step trains as many groups as a
         synchronous step would; rows still running when they are complete are carried."""
-        restarted, decode = 0, DecodeTally()
+        restarted, decode, waited = 0, DecodeTally(), self.waited
         if self.kv_cache == "within_step":  # new weights: every carried row is prefilled under them
             self.cached = [False] * len(self.slots)
         for round_index in itertools.count():
@@ -111,7 +120,8 @@ class PartialPool:
             restarted += self.restart_stale(version)
             decode += self.decode_round(generate, jax.random.fold_in(key, round_index), version)
             if sum(group.complete for group in self.groups.values()) >= max_groups:
-                return self.take_complete(max_groups), RoundStats(restarted, round_index + 1, decode)
+                return self.take_complete(max_groups), RoundStats(restarted, round_index + 1, decode,
+                                                                    self.waited - waited)
         raise AssertionError("unreachable")
 
     def fill(self, draw: Draw) -> None:
@@ -119,12 +129,24 @@ class PartialPool:
         for slot, owner in enumerate(self.slots):
             if owner is not None and self.row(owner).state != DONE:
                 continue
+            self.slots[slot], self.cached[slot] = None, False
             if not self.pending:
                 for example, prompt in draw():
                     self.add_group(example, prompt)
+            if not self.table_admits(self.pending[0][0]):
+                self.waited += 1
+                continue
             owner = self.pending.pop(0)
             self.row(owner).state = RUNNING
             self.slots[slot], self.cached[slot] = owner, False
+
+    def table_admits(self, gid: int) -> bool:
+        """A row of group gid may take a slot: its group is in the slots, or fewer than
+        `prompt_table` groups are."""
+        if self.prompt_table is None:
+            return True
+        live = {o[0] for o in self.slots if o is not None and self.row(o).state != DONE}
+        return gid in live or len(live) < self.prompt_table
 
     def add_group(self, example: dict, prompt: list[int]) -> None:
         gid, self.next_group = self.next_group, self.next_group + 1
@@ -155,13 +177,18 @@ class PartialPool:
         """Every slot decodes up to `round_budget()` tokens from its prompt + tokens so far;
         returns the round's decode work."""
         owners = list(self.slots)
-        prefixes = [self.groups[g].prompt + self.row((g, k)).tokens for g, k in owners]
-        result = generate(prefixes, key, self.round_budget(), list(self.cached))
-        self.cached = [self.kv_cache != "reprefill"] * len(owners)  # a done row's slot is refilled, uncached
+        prefixes = [self.groups[o[0]].prompt + self.row(o).tokens if o else [0] for o in owners]
+        if self.prompt_table is None:
+            result = generate(prefixes, key, self.round_budget(), list(self.cached))
+        else:
+            groups = SlotGroups([o and o[0] for o in owners], [len(self.groups[o[0]].prompt) if o else 1
+                                                                 for o in owners], self.n, self.prompt_table)
+            result = generate(prefixes, key, self.round_budget(), list(self.cached), groups)
+        self.cached = [self.kv_cache != "reprefill" and o is not None for o in owners]  # a done row's slot is refilled
         lengths, finished = np.asarray(result.lengths), np.asarray(result.finished)
         tokens, logps = np.asarray(result.completion_ids), np.asarray(result.sampler_logps)
         kept = [self.extend(self.row(o), tokens[i, :lengths[i]], logps[i, :lengths[i]], bool(finished[i]), version)
-                for i, o in enumerate(owners)]
+                for i, o in enumerate(owners) if o]
         work = DecodeTally()
         work.add(len(owners), int(lengths.max(initial=0)), sum(kept))
         return work

@@ -6,6 +6,8 @@ rows: each round decodes every slot for at most a quarter of eval.max_new_tokens
 stops frees its slot for a row of the next question, and a question leaves the pool as soon
 as its n rows are done, to be graded and written. Once every question is drawn, free slots
 take filler rows of the first question (the batch keeps its shape; they are never graded).
+Each question's prompt is run once for its n rows where the backend keeps a prompt table
+(grpo_rollout.kept_shared).
 A re-run after an interruption continues with the questions not yet written, drawn afresh.
 """
 
@@ -17,6 +19,7 @@ from typing import Callable
 import jax
 
 from grpo_core.contracts import Example, Policy
+from grpo_rollout.kept_shared import table_size
 from grpo_rollout.partial import PartialPool, groups_result
 
 from grpo_runner_gsm8k.evaluation.evaluate import Sample, grade_all
@@ -42,7 +45,9 @@ def stream_questions(run, weights, task, examples: list[Example], key, sampling,
     calls `on_done(positions, samples)` with each round's completed questions, graded."""
     n, max_new = sampling.n, sampling.max_new_tokens
     mode = kv_cache_mode(run.cfg.rollout, run.rollout)
-    pool = PartialPool(slot_questions * n, n, max(1, -(-max_new // 4)), max_new, kv_cache=mode)
+    shares = n > 1 and getattr(run.rollout, "shares_round_prompts", False)  # each question's prompt run once
+    pool = PartialPool(slot_questions * n, n, max(1, -(-max_new // 4)), max_new, kv_cache=mode,
+                       prompt_table=table_size(slot_questions * n, n) if shares else None)
     generate = round_generator(run, Policy(run.policy_graphdef, weights, run.qcfg), sampling, mode)
     draw = _drawer(run_prompt_ids(run, task.use_chat_template, examples))
     left = len(examples)

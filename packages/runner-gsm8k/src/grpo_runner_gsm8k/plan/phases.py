@@ -21,7 +21,7 @@ from grpo_runner_gsm8k.plan.abstract import (PlanInputs, abstract_key, abstract_
                                              plannable)
 from grpo_runner_gsm8k.samplers.multi_turn_inputs import row_budget
 from grpo_runner_gsm8k.samplers.multi_turn_step import keeps_caches
-from grpo_runner_gsm8k.samplers.partial import kv_cache_mode
+from grpo_runner_gsm8k.samplers.partial import kv_cache_mode, shared_prompt_table
 from grpo_runner_gsm8k.assembly.run import with_rollout_decided
 from grpo_runner_gsm8k.assembly.teacher import TEACHER_PHASE
 
@@ -96,23 +96,24 @@ def rollout_shapes(inputs: PlanInputs) -> RolloutShapes:
     """One rollout batch of the run, abstract: what the backend compiles its phases for."""
     run, rollout = inputs.run, inputs.run.cfg.rollout
     prompts, prompt_length, sampling = rollout.prompts_per_step, rollout.max_prompt_length, run.sampling
-    kept_prefix = 0
+    kept_prefix, table = 0, ()
     if rollout.partial.enabled:
         # The widest round: every slot carries a prompt plus max_new_tokens - 1 tokens (a multi-turn
         # row: its budget over all turns, tool turns included, but one), kept in its cache (new
         # prompts admitted beside) or re-prefilled (multi-turn rows always are).
         prompts, sampling = prompts * rollout.n, dataclasses.replace(sampling, n=1, max_new_tokens=rollout.partial.budget)
         carried = prompt_length + (row_budget(rollout) if rollout.multi_turn.enabled else rollout.max_new_tokens) - 1
-        if kv_cache_mode(run.cfg.rollout, plannable(run)) == "reprefill":
+        groups = shared_prompt_table(rollout, plannable(run))
+        if kv_cache_mode(run.cfg.rollout, plannable(run)) == "reprefill" and not groups:
             prompt_length = carried
-        else:
-            kept_prefix = carried
+        else:  # kept, or re-prefilled on the prompt table: the same rounds, every slot admitted
+            kept_prefix, table = carried, (groups, rollout.n) if groups else ()
     elif rollout.multi_turn.enabled:
         prompts, sampling = prompts * rollout.n, dataclasses.replace(sampling, n=1)
         prompt_length, kept_prefix = multi_turn_round(inputs)
     return RolloutShapes(policy=Policy(run.policy_graphdef, inputs.forward_params, run.qcfg), prompts=prompts,
                          max_prompt_length=prompt_length, sampling=sampling, batch_sharding=run.rollout_sharding,
-                         key=abstract_key(run.mesh), kept_prefix=kept_prefix)
+                         key=abstract_key(run.mesh), kept_prefix=kept_prefix, prompt_table=table)
 
 
 def multi_turn_round(inputs: PlanInputs) -> tuple[int, int]:

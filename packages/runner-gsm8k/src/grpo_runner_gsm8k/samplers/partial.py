@@ -22,6 +22,7 @@ from grpo_core.contracts import Example, KeptCacheRollout, Policy
 from grpo_core.errors import UserError
 from grpo_core.rollout_records import RolloutResult, Sampled, waste_metrics
 from grpo_core.step_samplers import loaded
+from grpo_rollout.kept_shared import table_size
 from grpo_rollout.partial import PartialPool, RoundStats, groups_result
 
 from grpo_runner_gsm8k.multihost import gather_objects, host_array
@@ -37,12 +38,17 @@ def round_generator(run: Any, policy: Policy, sampling, kv_cache: str):
     """`one_round(prefixes, key, budget, cached) -> RolloutResult`: one round's decode of the pool's
     slots with `policy`, loaded into the backend only for its duration (training and eval streams)."""
 
-    def one_round(prefixes, key, budget: int, cached) -> RolloutResult:
+    def one_round(prefixes, key, budget: int, cached, groups=None) -> RolloutResult:
         round_sampling = dataclasses.replace(sampling, n=1, max_new_tokens=budget)
         kwargs = dict(batch_sharding=run.rollout_sharding, pad_token_id=run.inputs.tokenizer.pad_token_id)
+        if groups is not None:  # the pool keeps a prompt table (shared_prompt_table)
+            kwargs["groups"] = groups
         with loaded(run.rollout, policy) as backend:
             if kv_cache != "reprefill":
                 result = backend.generate_round(prefixes, cached, key, round_sampling, **kwargs)
+            elif groups is not None:  # re-prefilled on the prompt table: every slot admitted, nothing kept
+                result = backend.generate_round(prefixes, [False] * len(prefixes), key, round_sampling, **kwargs)
+                backend.release_kept_cache()
             else:
                 result = backend.generate(prefixes, key, round_sampling, **kwargs)
             return dataclasses.replace(result, **{name: host_array(getattr(result, name)) for name in HOST_FIELDS})
@@ -64,6 +70,14 @@ def kv_cache_mode(rollout_cfg: RolloutConfig, backend: Any) -> str:
     return mode
 
 
+def shared_prompt_table(rollout_cfg: RolloutConfig, backend: Any) -> int | None:
+    """G, the prompt table's group slots, where the backend runs each group's prompt once in a round
+    (rollout.options.shared_prompt; grpo_rollout.kept_shared); None where it does not."""
+    if rollout_cfg.n < 2 or rollout_cfg.multi_turn.enabled or not getattr(backend, "shares_round_prompts", False):
+        return None
+    return table_size(rollout_cfg.prompts_per_step * rollout_cfg.n, rollout_cfg.n)
+
+
 class PartialSampler:
     """Owns the run's pool of carried rows; `sample` gives one step's complete groups
     (`StepSampler`, `CarryingSampler`)."""
@@ -73,7 +87,7 @@ class PartialSampler:
         self.run = run
         self.pool = PartialPool(cfg.prompts_per_step * cfg.n, cfg.n, cfg.partial.budget, cfg.max_new_tokens,
                                 cfg.partial.max_staleness, cfg.partial.budget_quantile,
-                                kv_cache_mode(cfg, run.rollout))
+                                kv_cache_mode(cfg, run.rollout), shared_prompt_table(cfg, run.rollout))
         if cfg.partial.kv_cache == "auto":
             print(f"partial rollouts: carried rows continue by {self.pool.kv_cache} (rollout.partial.kv_cache=auto)")
 
@@ -102,7 +116,7 @@ class PartialSampler:
     def metrics(self, version: int, versions: np.ndarray, stats: RoundStats, groups: int) -> dict:
         return partial_rollout_metrics(version, versions, rounds=stats.rounds, groups=groups,
                                        restarted=stats.restarted, budget=self.pool.round_budget(),
-                                       carried=self.pool.carried_rows)
+                                       carried=self.pool.carried_rows, waited=stats.waited)
 
     def state(self) -> dict[str, Any]:
         """The carried rows, JSON-able (saved with the checkpoint)."""
@@ -113,11 +127,12 @@ class PartialSampler:
 
 
 def partial_rollout_metrics(version: int, versions: np.ndarray, *, rounds: int, groups: int, restarted: int,
-                            budget: int, carried: int) -> dict:
+                            budget: int, carried: int, waited: int = 0) -> dict:
     """train-rollout/* of a step of partial rollouts; `versions` are the policy versions of its
     trained tokens (-1 where no policy sampled the token)."""
     age = version - versions[versions >= 0]
     return {"train-rollout/rounds": rounds, "train-rollout/groups": groups, "train-rollout/restarted_rows": restarted,
             "train-rollout/round_budget": budget, "train-rollout/carried_rows": carried,
+            "train-rollout/slots_waited": waited,
             "train-rollout/staleness_mean": float(age.mean()) if age.size else 0.0,
             "train-rollout/staleness_max": int(age.max(initial=0))}
