@@ -94,14 +94,21 @@ def shared_decode_forward(model, tokens: jax.Array, live: jax.Array, cache: Shar
     """`grpo_rollout.attention.decode_forward` on a SharedCache: the new token's keys and values go
     to the row's completion cache; attention is `cascade_attention`. Returns (hidden [B, 1, H], cache)."""
     x, cos, sin = decode_inputs(model, tokens, cache.lengths()[:, None], layout)
-    own = cache.completion.with_new_tokens(live[:, None])
-    own_visible = own.visibility(1)[:, 0]  # [B, Sc]
+    cache = cache.replace(completion=cache.completion.with_new_tokens(live[:, None]))
+    x, cache = decode_layers(model, x, cache, cos, sin, layout, cascade_over)
+    return model.norm(x), cache.replace(completion=cache.completion.advance(1))
+
+
+def cascade_over(cache: SharedCache):
+    """The attend function of grpo_rollout.attention.decode_layers over a SharedCache: the new
+    keys and values go to the rows' completion part, the attention is `cascade_attention`."""
+    own_visible = cache.completion.visibility(1)[:, 0]  # [B, Sc]
     prompt = cache.prompt
 
-    def attend(i, own, q, k, v):
-        own = own.write_layer(i, k, v)
-        return cascade_attention(q, prompt.k[i].astype(q.dtype), prompt.v[i].astype(q.dtype), prompt.mask,
-                                 own.k[i].astype(q.dtype), own.v[i].astype(q.dtype), own_visible), own
+    def attend(i, cache, q, k, v):
+        own = cache.completion.write_layer(i, k, v)
+        attended = cascade_attention(q, prompt.k[i].astype(q.dtype), prompt.v[i].astype(q.dtype), prompt.mask,
+                                     own.k[i].astype(q.dtype), own.v[i].astype(q.dtype), own_visible)
+        return attended, cache.replace(completion=own)
 
-    x, own = decode_layers(model, x, own, cos, sin, layout, attend)
-    return model.norm(x), cache.replace(completion=own.advance(1))
+    return attend
