@@ -131,6 +131,8 @@ class HloModule:
                 current.instructions.append(instruction)
                 current.root = instruction.name if line.lstrip().startswith("ROOT ") else current.root
         self.unknown_trip_counts: list[str] = []
+        self.fusion_bodies = {callee for c in self.computations.values() for i in c.instructions if i.op == "fusion"
+                              for callee in i.callees()}
         self._async_channels: set[str] | None = None
 
     def while_loops(self, computation: str | None = None) -> list[Instruction]:
@@ -187,22 +189,22 @@ class HloModule:
         return total
 
     def collective_bytes(self, computation: str | None = None, ops: tuple[str, ...] = COLLECTIVES,
-                         seen: dict[str, str] | None = None, overlapped: bool | None = None) -> dict[str, int]:
+                         seen: set[str] | None = None, overlapped: bool | None = None) -> dict[str, int]:
         """Bytes produced per collective kind in one execution of `computation`
         (nested loops multiplied by their trip counts; async pairs counted once, and so is
         a collective the TPU compiler copies into several fusions: one channel id, one transfer).
         `overlapped`: True counts only collectives issued asynchronously (they overlap compute),
         False only the others, None all."""
-        return self._collectives(computation, ops, {} if seen is None else seen, overlapped, False,
+        return self._collectives(computation, ops, set() if seen is None else seen, overlapped, False,
                                  lambda inst: shape_bytes(inst.shape))
 
     def collective_count(self, computation: str | None = None, ops: tuple[str, ...] = COLLECTIVES,
                          overlapped: bool | None = None) -> dict[str, int]:
         """Collectives issued per kind in one execution of `computation`, counted as
         `collective_bytes` counts their bytes: each one pays the interconnect's latency."""
-        return self._collectives(computation, ops, {}, overlapped, False, lambda inst: 1)
+        return self._collectives(computation, ops, set(), overlapped, False, lambda inst: 1)
 
-    def _collectives(self, computation: str | None, ops: tuple[str, ...], seen: dict[str, str], overlapped: bool | None,
+    def _collectives(self, computation: str | None, ops: tuple[str, ...], seen: set[str], overlapped: bool | None,
                      in_async: bool, measure) -> dict[str, int]:
         comp = self.computations[computation or self.entry]
         in_async = in_async or _async_context(comp)
@@ -210,7 +212,7 @@ class HloModule:
         for inst in comp.instructions:
             kind = inst.op.removesuffix("-done")
             chosen = overlapped is None or overlapped == (in_async or self._asynchronous(inst))
-            if kind in ops and not inst.op.endswith("-start") and chosen and _first_of_channel(inst, comp, seen):
+            if kind in ops and not inst.op.endswith("-start") and chosen and _first_of_channel(inst, comp.name in self.fusion_bodies, seen):
                 totals[kind] = totals.get(kind, 0) + measure(inst)
             if inst.op.startswith("async-") and inst.op != "async-start":
                 continue  # async-update/done wrap the same computation as their start
@@ -255,14 +257,17 @@ def _channel(inst: Instruction) -> str | None:
     return found.group(1) if found else None
 
 
-def _first_of_channel(inst: Instruction, comp: Computation, seen: dict[str, str]) -> bool:
-    """Whether `inst` is a collective of its own, not a copy of one counted already: a copy is the
-    same channel id in another computation (a fusion the TPU compiler copied it into). Several
-    collectives of one computation may share an id (shard_map's psums in a layer loop): each runs."""
+def _first_of_channel(inst: Instruction, in_fusion: bool, seen: set[str]) -> bool:
+    """Whether `inst` is a collective of its own, not a copy of one counted already: a copy is a
+    channel id seen before, found again inside a fusion (the TPU compiler copies a collective into
+    the fusions it overlaps). Outside fusions every collective runs, even sharing an id (the TPU
+    compiler gives shard_map's psums one id, e.g. both of a layer loop's)."""
     channel = _channel(inst)
     if channel is None:
         return True
-    return seen.setdefault(channel, comp.name) == comp.name
+    first = channel not in seen
+    seen.add(channel)
+    return first or not in_fusion
 
 
 def _dot_flops(inst: Instruction, comp: Computation) -> float:
