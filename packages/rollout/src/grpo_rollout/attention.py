@@ -46,7 +46,7 @@ def decode_layers(model, x: jax.Array, cache, cos: jax.Array, sin: jax.Array, la
     attention(cache) -> attend, built from the cache the layers see (a device's share of it in
     the head-parallel decode), where attend(i, cache, q [B, N, D], k [B, 1, KV, D], v [B, 1, KV, D])
     -> (attended [B, N, D], cache) writes layer i's new keys and values and attends over the rows'
-    cache. A HeadParallel `layout` runs the layers itself (grpo_rollout.head_parallel).
+    cache.
 
     Model-parallel (`layout` with a mesh), each layer runs 4 collectives per token: q to the
     rows' devices and the attention back (2 all-to-all), and one all-reduce each of o_proj's
@@ -59,8 +59,6 @@ def decode_layers(model, x: jax.Array, cache, cos: jax.Array, sin: jax.Array, la
       logits reached back into the layer loop's carry, and each all-reduce then updated a row
       slice that the next layer norm all-gathered again.
     """
-    if isinstance(layout, HeadParallel):
-        return layout.layers(model, x, cache, cos, sin, attention)
     attend = attention(cache)
 
     def step(layer, i, carry):
@@ -87,14 +85,20 @@ def plain_attention(cache):
     return attend
 
 
-def decode_forward(model, tokens: jax.Array, live: jax.Array, cache, layout: ActivationLayout = ActivationLayout()):
+def decode_forward(model, tokens: jax.Array, live: jax.Array, cache, layout: ActivationLayout | HeadParallel = ActivationLayout(),
+                   attention=plain_attention):
     """Feed one token per row: tokens [B], live [B] bool (False: the slot stays invisible).
 
     Same math and op order as `model(tokens[:, None], attention_mask=live[:, None],
-    cache=cache)` except for the attention product. `layout` pins the activations of a
-    model-parallel decode (grpo_rollout.model_parallel). Returns (hidden [B, 1, H], cache).
+    cache=cache)` except for the attention product, which `attention(cache)` builds
+    (`plain_attention` for a KVCache, `cascade.cascade_over` for a SharedCache). `layout` pins the
+    activations of a model-parallel decode (grpo_rollout.model_parallel), or runs the step
+    head-parallel (grpo_rollout.head_parallel). Returns (hidden [B, 1, H], cache).
     """
-    x, cos, sin = decode_inputs(model, tokens, cache.lengths()[:, None], layout)  # lengths: this token's position
-    cache = cache.with_new_tokens(live[:, None])
-    x, cache = decode_layers(model, x, cache, cos, sin, layout, plain_attention)
+    if isinstance(layout, HeadParallel):
+        x, cache = layout.forward(model, tokens, live, cache, attention)
+    else:
+        x, cos, sin = decode_inputs(model, tokens, cache.lengths()[:, None], layout)  # lengths: this token's position
+        cache = cache.with_new_tokens(live[:, None])
+        x, cache = decode_layers(model, x, cache, cos, sin, layout, attention)
     return model.norm(x), cache.advance(1)

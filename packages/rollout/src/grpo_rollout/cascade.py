@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from grpo_core.models.attention import KVCache
-from grpo_rollout.attention import decode_inputs, decode_layers
+from grpo_rollout.attention import decode_forward
 from grpo_rollout.model_parallel import ActivationLayout
 
 # Finite "minus infinity", as in the model: a part with no visible slot adds nothing.
@@ -53,6 +53,13 @@ class SharedCache:
     def lengths(self) -> jax.Array:
         """[P*n] real tokens cached per row = the position of each row's next token."""
         return jnp.repeat(self.prompt.lengths(), self.group) + self.completion.lengths()
+
+    def with_new_tokens(self, token_mask: jax.Array) -> "SharedCache":
+        """New tokens [P*n, T] go to the rows' completion part (KVCache.with_new_tokens)."""
+        return self.replace(completion=self.completion.with_new_tokens(token_mask))
+
+    def advance(self, num_tokens: int) -> "SharedCache":
+        return self.replace(completion=self.completion.advance(num_tokens))
 
 
 def _part(scores: jax.Array, visible: jax.Array):
@@ -93,10 +100,7 @@ def shared_decode_forward(model, tokens: jax.Array, live: jax.Array, cache: Shar
                           layout: ActivationLayout = ActivationLayout()):
     """`grpo_rollout.attention.decode_forward` on a SharedCache: the new token's keys and values go
     to the row's completion cache; attention is `cascade_attention`. Returns (hidden [B, 1, H], cache)."""
-    x, cos, sin = decode_inputs(model, tokens, cache.lengths()[:, None], layout)
-    cache = cache.replace(completion=cache.completion.with_new_tokens(live[:, None]))
-    x, cache = decode_layers(model, x, cache, cos, sin, layout, cascade_over)
-    return model.norm(x), cache.replace(completion=cache.completion.advance(1))
+    return decode_forward(model, tokens, live, cache, layout, cascade_over)
 
 
 def cascade_over(cache: SharedCache):

@@ -259,11 +259,14 @@ def decode(weights, cache, state: LoopState, key, *, graphdef, params: SamplingP
         logits = layout.logits(model.logits(hidden)[:, 0])  # [N, V]
         sampled, logps = sample_next(logits, step_uniforms(key, s.step, rows), params, block=block,
                                      top_p_candidates=top_p_candidates)
-        return pin_cache(cache, batch_sharding, layout), s.record(sampled, logps, params, pad_id)
+        return pin_loop(cache, s.record(sampled, logps, params, pad_id), batch_sharding, layout)
 
     # The head-parallel layout holds the cache split by rows and KV heads inside the loop only:
     # the jitted phases exchange it split by rows like the batch (one move in, one out per call).
-    cache, state = jax.lax.while_loop(unfinished, one_token, (pin_cache(cache, batch_sharding, layout), state))
+    # Pinning the loop's result in the loop's layout first keeps the batch layout from reaching
+    # back into the carry (the partitioner would otherwise carry it split like the batch).
+    cache, state = pin_loop(*jax.lax.while_loop(unfinished, one_token, pin_loop(cache, state, batch_sharding, layout)),
+                            batch_sharding, layout)
     return constrain_cache(cache, batch_sharding), state
 
 
@@ -298,8 +301,12 @@ def cache_rows(cache) -> tuple[int, int]:
     return cache.mask.shape[0], cache.mask.shape[0]
 
 
-def pin_cache(cache, batch_sharding, layout):
-    """The cache in its decode layout: split by rows like the batch, or both ways (head-parallel)."""
-    if isinstance(layout, HeadParallel):
-        return layout.pin_cache(cache)
-    return constrain_cache(cache, batch_sharding)
+def pin_loop(cache, state: LoopState, batch_sharding, layout) -> tuple:
+    """The decode loop's carry in its layout: the cache split by rows like the batch, or, head-
+    parallel, by rows and KV heads with the rows' last tokens, flags and lengths replicated (every
+    device then updates its cache mask, embeds the tokens and tests for the loop's end without a
+    collective; the sampled tokens are gathered once instead)."""
+    if not isinstance(layout, HeadParallel):
+        return constrain_cache(cache, batch_sharding), state
+    replicated = {name: layout.replicated(getattr(state, name)) for name in ("last", "done", "lengths")}
+    return layout.pin_cache(cache), state.replace(**replicated)

@@ -34,8 +34,9 @@ from flax import nnx
 from jax import shard_map
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from grpo_core.models.layers import rope_tables
 from grpo_core.sharding import variable_names
-from grpo_rollout.model_parallel import ActivationLayout
+from grpo_rollout.model_parallel import ActivationLayout, embed_from_slice
 
 ROWS, KV = "rows", "kv"  # axes of the decode's device grid
 BOTH = (ROWS, KV)  # flattened in the devices' own order: the batch's row order
@@ -105,9 +106,6 @@ class HeadParallel:
     def replicated(self, x):
         return self.outside.replicated(x)
 
-    def embed(self, embedding, ids):
-        return self.outside.embed(embedding, ids)
-
     def logits(self, logits):
         return self.outside.logits(logits)
 
@@ -121,18 +119,20 @@ class HeadParallel:
         return jax.lax.with_sharding_constraint(
             cache, jax.tree.map(lambda spec: NamedSharding(self.mesh, spec), cache_spec(cache)))
 
-    def layers(self, model, x: jax.Array, cache: Any, cos: jax.Array, sin: jax.Array,
-               attention: Callable[[Any], Callable]) -> tuple[jax.Array, Any]:
-        """Every layer for one token per row: x [B, 1, H] replicated in and out; `attention(cache)`
-        builds the attend function of grpo_rollout.attention.decode_layers from a device's cache."""
+    def forward(self, model, tokens: jax.Array, live: jax.Array, cache: Any,
+                attention: Callable[[Any], Callable]) -> tuple[jax.Array, Any]:
+        """One token per row through the embedding and every layer, all inside one shard_map:
+        tokens and live [B] replicated; returns x [B, 1, H] replicated and the cache with the
+        new slot marked. `attention(cache)` builds the attend function of
+        grpo_rollout.attention.decode_layers from a device's share of the cache."""
         graphdef, state = nnx.split(model)
-        specs = (weight_specs(state, self.mesh), PartitionSpec(), PartitionSpec(), PartitionSpec(), cache_spec(cache))
+        specs = (weight_specs(state, self.mesh), PartitionSpec(), PartitionSpec(), cache_spec(cache))
 
-        def local(state, x, cos, sin, cache):
-            return local_layers(nnx.merge(graphdef, state), x, cos, sin, cache, attention)
+        def local(state, tokens, live, cache):
+            return local_forward(nnx.merge(graphdef, state), tokens, live, cache, attention)
 
         return shard_map(local, mesh=self.mesh, in_specs=specs, out_specs=(PartitionSpec(), specs[-1]),
-                         check_vma=False)(state, x, cos, sin, cache)
+                         check_vma=False)(state, tokens, live, cache)
 
 
 def own_rows(x: jax.Array) -> jax.Array:
@@ -150,15 +150,26 @@ def sum_over_grid(partial: jax.Array, rows: int) -> jax.Array:
     return jax.lax.psum(placed, BOTH)
 
 
+def local_forward(model, tokens, live, cache, attention):
+    """One device's share of a decode step (inside shard_map). Its rows' positions come from its
+    own cache and its rows' mask is updated locally: the embedding's sum over vocabulary slices
+    and 2 all-reduces per layer are the step's only collectives before the logits."""
+    positions = cache.lengths()[:, None]  # this device's rows: the position of each row's next token
+    cos, sin = rope_tables(positions, model.config.head_dim, model.config.rope_theta)
+    x = embed_from_slice(model.embed_tokens.embedding[...], tokens[:, None], BOTH)
+    cache = cache.with_new_tokens(own_rows(live)[:, None])
+    return local_layers(model, x, cos, sin, cache, attention)
+
+
 def local_layers(model, x, cos, sin, cache, attention):
-    """One device's share of every layer (inside shard_map): its rows' attention over its KV
-    heads, its columns of the MLP; 2 all-reduces per layer."""
+    """Every layer for x [B, 1, H] (replicated) and this device's rows (cos, sin, cache): its rows'
+    attention over its KV heads, its columns of the MLP; 2 all-reduces per layer."""
     attend = attention(cache)
     rows = x.shape[0]
 
     def step(layer, i, carry):
         x, cache = carry
-        q, k, v = layer.self_attn.project_qkv(layer.input_layernorm(own_rows(x)), own_rows(cos), own_rows(sin))
+        q, k, v = layer.self_attn.project_qkv(layer.input_layernorm(own_rows(x)), cos, sin)
         attended, cache = attend(i, cache, q[:, 0], k, v)
         x = x + sum_over_grid(layer.self_attn.o_proj(attended[:, None]), rows)
         return x + jax.lax.psum(layer.mlp(layer.post_attention_layernorm(x)), BOTH), cache
