@@ -8,6 +8,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from grpo_core.contracts import Policy
+from grpo_core.errors import UserError
 from grpo_core.models import QwenConfig, init_from_config
 from grpo_core.models.lora import LoRASpec, add_adapters, resolve_targets
 from grpo_core.sharding import DEFAULT_RULES, shard_model
@@ -157,7 +158,8 @@ def test_head_parallel_refuses_a_batch_of_prompts_it_cannot_split(mesh):
     rollout = JaxRollout(JaxRolloutOptions(prompt_buckets=(8,), gather_weights="head_parallel"))
     rollout.load_weights(Policy.of(sharded))
     params = SamplingParams(max_new_tokens=4, n=4, greedy=True)
-    with pytest.raises(ValueError, match=r"head_parallel: 2 prompts \(8 rows\) do not split into 4 row groups"):
+    expected = r"head_parallel: 2 prompts \(8 rows\) do not split into 4 row groups .*: use a multiple of 4 prompts"
+    with pytest.raises(UserError, match=expected):  # grpo-run prints it as one line, exit 2
         rollout.generate(PROMPTS[:2], jax.random.key(5), params,
                          batch_sharding=NamedSharding(mesh, PartitionSpec(STYLES["legacy"])))
 

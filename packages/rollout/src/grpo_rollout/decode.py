@@ -290,7 +290,8 @@ def head_parallel_layout(config, cache, batch_sharding: NamedSharding) -> HeadPa
     rows, groups = cache_rows(cache)
     reason = head_parallel.unsupported(config, rows, groups, mesh.size)
     if reason:
-        raise LayoutUnsupported(f"gather_weights=head_parallel: {reason}; use model_parallel, true or false.")
+        raise LayoutUnsupported(f"gather_weights=head_parallel: {reason}; or set gather_weights to auto, "
+                                "model_parallel, true or false.")
     return HeadParallel(head_parallel.grid_mesh(mesh, config.num_key_value_heads))
 
 

@@ -34,6 +34,7 @@ from flax import nnx
 from jax import shard_map
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from grpo_core.errors import ConfigError
 from grpo_core.models.layers import rope_tables
 from grpo_core.sharding import variable_names
 from grpo_rollout.model_parallel import ActivationLayout, embed_from_slice
@@ -44,8 +45,9 @@ HEAD_DIMENSIONS = ("heads", "kv_heads")  # split over KV (query head h serves KV
 COLUMN_DIMENSIONS = ("mlp", "vocab")  # split over all devices
 
 
-class LayoutUnsupported(ValueError):
-    """The head-parallel decode cannot split this model or batch (the message says why)."""
+class LayoutUnsupported(ConfigError, ValueError):
+    """The head-parallel decode cannot split this model or batch (the message says why): bad
+    input, printed by grpo-run as one line."""
 
 
 def grid_mesh(mesh: Mesh, kv_heads: int) -> Mesh:
@@ -65,7 +67,7 @@ def unsupported(config: Any, rows: int, groups: int, devices: int) -> str | None
         return f"the MLP's {config.intermediate_size} columns do not split over {devices} devices"
     if rows % row_groups or groups % row_groups:
         return (f"{groups} prompts ({rows} rows) do not split into {row_groups} row groups of whole prompts "
-                f"({devices} devices / {ways} KV head groups)")
+                f"({devices} devices / {ways} KV head groups): use a multiple of {row_groups} prompts")
     return None
 
 
