@@ -26,8 +26,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from grpo_rollout.attention import decode_forward
 from grpo_rollout.cascade import SharedCache, shared_decode_forward
-from grpo_rollout import head_parallel
-from grpo_rollout.head_parallel import HeadParallel, LayoutUnsupported
+from grpo_rollout.head_parallel import HeadParallel, LayoutUnsupported, grid_mesh, unsupported
 from grpo_rollout.model_parallel import ActivationLayout, model_parallel_weights
 from grpo_core.contracts import SamplingParams
 from grpo_core.sharding import as_tuple
@@ -263,8 +262,7 @@ def decode(weights, cache, state: LoopState, key, *, graphdef, params: SamplingP
 
     # The head-parallel layout holds the cache split by rows and KV heads inside the loop only:
     # the jitted phases exchange it split by rows like the batch (one move in, one out per call).
-    # Pinning the loop's result in the loop's layout first keeps the batch layout from reaching
-    # back into the carry (the partitioner would otherwise carry it split like the batch).
+    # The result pinned in the loop's layout first: else the batch layout reaches back into the carry.
     cache, state = pin_loop(*jax.lax.while_loop(unfinished, one_token, pin_loop(cache, state, batch_sharding, layout)),
                             batch_sharding, layout)
     return constrain_cache(cache, batch_sharding), state
@@ -288,11 +286,11 @@ def head_parallel_layout(config, cache, batch_sharding: NamedSharding) -> HeadPa
     is refused (LayoutUnsupported)."""
     mesh = batch_sharding.mesh
     rows, groups = cache_rows(cache)
-    reason = head_parallel.unsupported(config, rows, groups, mesh.size)
+    reason = unsupported(config, rows, groups, mesh.size)
     if reason:
         raise LayoutUnsupported(f"gather_weights=head_parallel: {reason}; or set gather_weights to auto, "
                                 "model_parallel, true or false.")
-    return HeadParallel(head_parallel.grid_mesh(mesh, config.num_key_value_heads))
+    return HeadParallel(grid_mesh(mesh, config.num_key_value_heads))
 
 
 def cache_rows(cache) -> tuple[int, int]:
