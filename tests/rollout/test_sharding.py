@@ -8,7 +8,9 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from grpo_core.contracts import Policy
+from grpo_core.errors import UserError
 from grpo_core.models import QwenConfig, init_from_config
+from grpo_core.models.lora import LoRASpec, add_adapters, resolve_targets
 from grpo_core.sharding import DEFAULT_RULES, shard_model
 from grpo_rollout import JaxRollout, JaxRolloutOptions, SamplingParams
 
@@ -80,13 +82,28 @@ def test_auto_gathers_sharded_weights_only_when_the_gathered_decode_fits(models,
     assert capsys.readouterr().out == ""  # decided once per batch shape
 
 
-def test_gather_weights_accepts_auto_true_false_model_parallel_only():
-    for value in ("auto", True, False, "model_parallel"):
+def test_gather_weights_accepts_auto_true_false_and_the_split_layouts_only():
+    for value in ("auto", True, False, "model_parallel", "head_parallel"):
         assert JaxRolloutOptions(gather_weights=value).gather_weights == value
-    with pytest.raises(ValueError, match="gather_weights='yes' must be true, false, auto or model_parallel"):
+    with pytest.raises(ValueError, match="gather_weights='yes' must be true, false, auto, model_parallel or head_par"):
         JaxRolloutOptions(gather_weights="yes")
-    with pytest.raises(ValueError, match="set decode_attention=rollout"):
-        JaxRolloutOptions(gather_weights="model_parallel", decode_attention="model")
+    for split in ("model_parallel", "head_parallel"):
+        with pytest.raises(ValueError, match=f"gather_weights={split} .* set decode_attention=rollout"):
+            JaxRolloutOptions(gather_weights=split, decode_attention="model")
+
+
+def assert_samples_like_gathered(model, layout: str, batch_sharding, **options):
+    """The `layout` decode samples the gathered decode's tokens, log-probs within 1e-5 (f32; only
+    the order of the partial sums differs), greedy and sampled."""
+    split = JaxRollout(JaxRolloutOptions(prompt_buckets=(8,), gather_weights=layout, **options))
+    gathered = JaxRollout(JaxRolloutOptions(prompt_buckets=(8,), gather_weights=True, **options))
+    for params in (PARAMS, SamplingParams(max_new_tokens=8, n=2, greedy=True)):
+        results = []
+        for rollout in (split, gathered):
+            rollout.load_weights(Policy.of(model))
+            results.append(rollout.generate(PROMPTS, jax.random.key(5), params, batch_sharding=batch_sharding))
+        np.testing.assert_array_equal(results[0].completion_ids, results[1].completion_ids)
+        np.testing.assert_allclose(results[0].sampler_logps, results[1].sampler_logps, atol=1e-5)
 
 
 @pytest.mark.parametrize("style", sorted(STYLES))
@@ -97,20 +114,54 @@ def test_model_parallel_decode_samples_the_gathered_decodes_tokens(mesh, style):
 
     cfg = QwenConfig.tiny("qwen2", tie_word_embeddings=False, num_attention_heads=8, hidden_size=64)
     sharded = shard_model(init_from_config(cfg, seed=3), mesh, DEFAULT_RULES)
-    batch_sharding = NamedSharding(mesh, PartitionSpec(STYLES[style]))
-    split = JaxRollout(JaxRolloutOptions(prompt_buckets=(8,), gather_weights="model_parallel"))
-    gathered = JaxRollout(JaxRolloutOptions(prompt_buckets=(8,), gather_weights=True))
-    weights = nnx.state(sharded)
-    specs = model_parallel.weight_shardings(weights, mesh, STYLES[style])
+    specs = model_parallel.weight_shardings(nnx.state(sharded), mesh, STYLES[style])
     assert specs["layers"]["self_attn"]["q_proj"]["kernel"].get_value().spec[2] == STYLES[style]
     assert specs["layers"]["mlp"]["down_proj"]["kernel"].get_value().spec[1] == STYLES[style]
-    for params in (PARAMS, SamplingParams(max_new_tokens=8, n=2, greedy=True)):
-        results = []
-        for rollout in (split, gathered):
-            rollout.load_weights(Policy.of(sharded))
-            results.append(rollout.generate(PROMPTS, jax.random.key(5), params, batch_sharding=batch_sharding))
-        np.testing.assert_array_equal(results[0].completion_ids, results[1].completion_ids)
-        np.testing.assert_allclose(results[0].sampler_logps, results[1].sampler_logps, atol=1e-5)
+    assert_samples_like_gathered(sharded, "model_parallel", NamedSharding(mesh, PartitionSpec(STYLES[style])))
+
+
+@pytest.mark.parametrize("style", sorted(STYLES))
+@pytest.mark.parametrize("shared_prompt", [True, False])
+def test_head_parallel_decode_samples_the_gathered_decodes_tokens(mesh, style, shared_prompt):
+    """2 KV heads over 8 devices: a grid of 4 row groups x 2 KV head groups, 8 rows of 4 prompts;
+    the batch split over all 8 devices (legacy) or over 2 of them (maxtext)."""
+    from grpo_rollout import head_parallel
+
+    cfg = QwenConfig.tiny("qwen2", tie_word_embeddings=False, num_attention_heads=8, hidden_size=64)
+    sharded = shard_model(init_from_config(cfg, seed=3), mesh, DEFAULT_RULES)
+    grid = head_parallel.grid_mesh(mesh, cfg.num_key_value_heads)
+    assert dict(grid.shape) == {"rows": 4, "kv": 2}
+    specs = head_parallel.weight_specs(nnx.state(sharded), grid)
+    assert specs["layers"]["self_attn"]["k_proj"]["kernel"].get_value() == PartitionSpec(None, None, "kv", None)
+    assert specs["layers"]["mlp"]["down_proj"]["kernel"].get_value() == PartitionSpec(None, ("rows", "kv"), None)
+    batch_sharding = NamedSharding(mesh, PartitionSpec(STYLES[style]))
+    assert_samples_like_gathered(sharded, "head_parallel", batch_sharding, shared_prompt=shared_prompt)
+
+
+def test_head_parallel_decode_with_per_token_lora_on_qwen3(mesh):
+    """Adapters on every projection (o_proj's and down_proj's a split with their kernels' inputs:
+    partial sums like the kernels'), q/k norms of qwen3."""
+    cfg = QwenConfig.tiny("qwen3", tie_word_embeddings=True)
+    model = init_from_config(cfg, seed=4)
+    add_adapters(model, LoRASpec(rank=4, alpha=8.0, targets=resolve_targets(["all-linear"])), jax.random.key(1))
+    for path, variable in nnx.to_flat_state(nnx.state(model, nnx.LoRAParam)):
+        if path[-1] == "b":  # b = 0 at init would leave the adapters out of the check
+            variable.set_value(0.1 * jax.random.normal(jax.random.key(len(path)), variable.shape))
+    sharded = shard_model(model, mesh, DEFAULT_RULES)
+    assert_samples_like_gathered(sharded, "head_parallel", NamedSharding(mesh, PartitionSpec(STYLES["legacy"])))
+
+
+def test_head_parallel_refuses_a_batch_of_prompts_it_cannot_split(mesh):
+    """2 prompts over 4 row groups: an explicit head_parallel says why; auto leaves it out."""
+    cfg = QwenConfig.tiny("qwen2", tie_word_embeddings=False, num_attention_heads=8, hidden_size=64)
+    sharded = shard_model(init_from_config(cfg, seed=3), mesh, DEFAULT_RULES)
+    rollout = JaxRollout(JaxRolloutOptions(prompt_buckets=(8,), gather_weights="head_parallel"))
+    rollout.load_weights(Policy.of(sharded))
+    params = SamplingParams(max_new_tokens=4, n=4, greedy=True)
+    expected = r"head_parallel: 2 prompts \(8 rows\) do not split into 4 row groups .*: use a multiple of 4 prompts"
+    with pytest.raises(UserError, match=expected):  # grpo-run prints it as one line, exit 2
+        rollout.generate(PROMPTS[:2], jax.random.key(5), params,
+                         batch_sharding=NamedSharding(mesh, PartitionSpec(STYLES["legacy"])))
 
 
 def test_auto_with_a_projector_takes_the_fastest_layout_that_fits(mesh, monkeypatch, capsys):

@@ -66,3 +66,18 @@ def test_model_parallel_decode_runs_four_collectives_per_layer(plan_inputs):
         *arch, f"model.architecture.num_hidden_layers={layers}"))["rollout decode"]) for layers in (2, 4)]
     per_layer = {kind: (counts[1].get(kind, 0) - counts[0].get(kind, 0)) // 2 for kind in {*counts[0], *counts[1]}}
     assert {kind: n for kind, n in per_layer.items() if n} == {"all-reduce": 2, "all-to-all": 2}
+
+
+def test_head_parallel_decode_runs_two_all_reduces_per_layer(plan_inputs):
+    """The same model with the attention where its 2 KV heads are (2 KV head groups x 4 row groups
+    on 8 chips): per layer and token one all-reduce places each chip's rows of o_proj's partial
+    sums and sums the head groups, and one sums down_proj's; nothing else."""
+    from grpo_rollout.collectives import decode_collectives_per_token
+
+    arch = ["model.architecture.num_attention_heads=16", "model.architecture.head_dim=16",
+            "rollout.options.gather_weights=head_parallel", "rollout.n=4"]
+    counts = [decode_collectives_per_token(plan.compile_rollout(plan_inputs(
+        *arch, f"model.architecture.num_hidden_layers={layers}"))["rollout decode"]) for layers in (2, 4)]
+    per_layer = {kind: (counts[1].get(kind, 0) - counts[0].get(kind, 0)) // 2 for kind in {*counts[0], *counts[1]}}
+    print("head-parallel collectives per token:", counts)
+    assert {kind: n for kind, n in per_layer.items() if n} == {"all-reduce": 2}

@@ -111,8 +111,8 @@ def test_model_parallel_decode_step_reads_a_quarter_of_the_split_weights(tmp_pat
 def test_auto_decode_is_the_fastest_projected_layout(tmp_path_factory):
     _, phases, projection = planned(tmp_path_factory, "rollout.options.gather_weights=auto")
     note = next(p.note for p in phases if p.name == "rollout decode")
-    times = {name: float(seconds) for name, seconds in re.findall(r"(gathered|sharded|model_parallel) ([\d.]+) s", note)}
-    assert set(times) == {"gathered", "sharded", "model_parallel"}, note
+    times = {name: float(seconds) for name, seconds in re.findall(r"(gathered|sharded|model_parallel|head_parallel) ([\d.]+) s", note)}
+    assert set(times) == {"gathered", "sharded", "model_parallel", "head_parallel"}, note
     chosen = re.match(r"gather_weights=auto: (\w+) weights, the fastest projected decode of 16 steps", note).group(1)
     assert times[chosen] == min(times.values())
     decode = projection.phases["rollout decode"]
@@ -124,7 +124,7 @@ def auto_layout(tmp_path_factory, latency_us: float) -> tuple[str, dict[str, flo
     _, phases, _ = planned(tmp_path_factory, "rollout.options.gather_weights=auto",
                            chip=f"collective_latency_us={latency_us}")
     note = next(p.note for p in phases if p.name == "rollout decode")
-    times = {name: float(seconds) for name, seconds in re.findall(r"(gathered|sharded|model_parallel) ([\d.]+) s", note)}
+    times = {name: float(seconds) for name, seconds in re.findall(r"(gathered|sharded|model_parallel|head_parallel) ([\d.]+) s", note)}
     return re.match(r"gather_weights=auto: (\w+) weights", note).group(1), times
 
 

@@ -63,9 +63,10 @@ def test_tiny_model_planned_by_the_tpu_compiler(plan_config, tmp_path, capsys, g
     assert [s["completion_tokens"] for s in json.loads(line)["projection"]["steps"]] == [8, 3]
     assert "on 4 TPU v5 lite device(s)" in out
     assert "figures: the TPU compiler's (libtpu) for v5e-4 (TPU v5 lite, topology v5e:2x2): 4 devices on 1 host" in out
-    decode_line = {  # auto: the three layouts projected for the chip; false: FSDP weights gathered every token
+    decode_line = {  # auto: the four layouts projected for the chip; false: FSDP weights gathered every token
         "auto": r"^  rollout decode: gather_weights=auto: \w+ weights, the fastest projected decode of 7 steps "
-                r"\(gathered [\d.]+ s, sharded [\d.]+ s, model_parallel [\d.]+ s\); collectives per decoded token: ",
+                r"\(gathered [\d.]+ s, sharded [\d.]+ s, model_parallel [\d.]+ s, head_parallel [\d.]+ s\); "
+                r"collectives per decoded token: ",
         "false": r"^  rollout decode: collectives per decoded token: .*all-gather [\d.]+ MiB"}[gather]
     assert re.search(decode_line, out, re.M), out
     assert re.search(r"^peak: [\d.]+ GiB per device \(\w[\w -]+\) of 15\.75 GiB \(v5e usable HBM of 16 GiB: the "

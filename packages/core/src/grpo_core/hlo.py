@@ -131,6 +131,8 @@ class HloModule:
                 current.instructions.append(instruction)
                 current.root = instruction.name if line.lstrip().startswith("ROOT ") else current.root
         self.unknown_trip_counts: list[str] = []
+        self.fusion_bodies = {callee for c in self.computations.values() for i in c.instructions if i.op == "fusion"
+                              for callee in i.callees()}
         self._async_channels: set[str] | None = None
 
     def while_loops(self, computation: str | None = None) -> list[Instruction]:
@@ -210,7 +212,7 @@ class HloModule:
         for inst in comp.instructions:
             kind = inst.op.removesuffix("-done")
             chosen = overlapped is None or overlapped == (in_async or self._asynchronous(inst))
-            if kind in ops and not inst.op.endswith("-start") and chosen and _first_of_channel(inst, seen):
+            if kind in ops and not inst.op.endswith("-start") and chosen and _first_of_channel(inst, comp.name in self.fusion_bodies, seen):
                 totals[kind] = totals.get(kind, 0) + measure(inst)
             if inst.op.startswith("async-") and inst.op != "async-start":
                 continue  # async-update/done wrap the same computation as their start
@@ -255,13 +257,17 @@ def _channel(inst: Instruction) -> str | None:
     return found.group(1) if found else None
 
 
-def _first_of_channel(inst: Instruction, seen: set[str]) -> bool:
+def _first_of_channel(inst: Instruction, in_fusion: bool, seen: set[str]) -> bool:
+    """Whether `inst` is a collective of its own, not a copy of one counted already: a copy is a
+    channel id seen before, found again inside a fusion (the TPU compiler copies a collective into
+    the fusions it overlaps). Outside fusions every collective runs, even sharing an id (the TPU
+    compiler gives shard_map's psums one id, e.g. both of a layer loop's)."""
     channel = _channel(inst)
     if channel is None:
         return True
     first = channel not in seen
     seen.add(channel)
-    return first
+    return first or not in_fusion
 
 
 def _dot_flops(inst: Instruction, comp: Computation) -> float:

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from grpo_core.models.layers import rope_tables
+from grpo_rollout.head_parallel import HeadParallel
 from grpo_rollout.model_parallel import ActivationLayout
 
 # Finite "minus infinity", as in the model: a row with no visible slot stays NaN-free.
@@ -39,11 +40,13 @@ def decode_inputs(model, tokens: jax.Array, positions: jax.Array, layout: Activa
     return layout.embed(model.embed_tokens.embedding[...], tokens[:, None]), cos, sin
 
 
-def decode_layers(model, x: jax.Array, cache, cos: jax.Array, sin: jax.Array, layout: ActivationLayout, attend):
+def decode_layers(model, x: jax.Array, cache, cos: jax.Array, sin: jax.Array, layout, attention):
     """Run one token per row through every layer; only the attention differs between caches.
 
-    attend(i, cache, q [B, N, D], k [B, 1, KV, D], v [B, 1, KV, D]) -> (attended [B, N, D], cache)
-    writes layer i's new keys and values and attends over the rows' cache.
+    attention(cache) -> attend, built from the cache the layers see (a device's share of it in
+    the head-parallel decode), where attend(i, cache, q [B, N, D], k [B, 1, KV, D], v [B, 1, KV, D])
+    -> (attended [B, N, D], cache) writes layer i's new keys and values and attends over the rows'
+    cache.
 
     Model-parallel (`layout` with a mesh), each layer runs 4 collectives per token: q to the
     rows' devices and the attention back (2 all-to-all), and one all-reduce each of o_proj's
@@ -56,6 +59,8 @@ def decode_layers(model, x: jax.Array, cache, cos: jax.Array, sin: jax.Array, la
       logits reached back into the layer loop's carry, and each all-reduce then updated a row
       slice that the next layer norm all-gathered again.
     """
+    attend = attention(cache)
+
     def step(layer, i, carry):
         x, cache = carry
         q, k, v = layer.self_attn.project_qkv(layer.input_layernorm(x), layout.replicated(cos), layout.replicated(sin))
@@ -69,20 +74,31 @@ def decode_layers(model, x: jax.Array, cache, cos: jax.Array, sin: jax.Array, la
     return layout.replicated(x), cache
 
 
-def decode_forward(model, tokens: jax.Array, live: jax.Array, cache, layout: ActivationLayout = ActivationLayout()):
-    """Feed one token per row: tokens [B], live [B] bool (False: the slot stays invisible).
-
-    Same math and op order as `model(tokens[:, None], attention_mask=live[:, None],
-    cache=cache)` except for the attention product. `layout` pins the activations of a
-    model-parallel decode (grpo_rollout.model_parallel). Returns (hidden [B, 1, H], cache).
-    """
-    x, cos, sin = decode_inputs(model, tokens, cache.lengths()[:, None], layout)  # lengths: this token's position
-    cache = cache.with_new_tokens(live[:, None])
+def plain_attention(cache):
+    """The attend function of decode_layers over a plain KVCache (prompt and completion slots)."""
     visible = cache.visibility(1)[:, 0]  # [B, S]
 
     def attend(i, cache, q, k, v):
         cache = cache.write_layer(i, k, v)
         return decode_attention(q, cache.k[i].astype(q.dtype), cache.v[i].astype(q.dtype), visible), cache
 
-    x, cache = decode_layers(model, x, cache, cos, sin, layout, attend)
+    return attend
+
+
+def decode_forward(model, tokens: jax.Array, live: jax.Array, cache, layout: ActivationLayout | HeadParallel = ActivationLayout(),
+                   attention=plain_attention):
+    """Feed one token per row: tokens [B], live [B] bool (False: the slot stays invisible).
+
+    Same math and op order as `model(tokens[:, None], attention_mask=live[:, None],
+    cache=cache)` except for the attention product, which `attention(cache)` builds
+    (`plain_attention` for a KVCache, `cascade.cascade_over` for a SharedCache). `layout` pins the
+    activations of a model-parallel decode (grpo_rollout.model_parallel), or runs the step
+    head-parallel (grpo_rollout.head_parallel). Returns (hidden [B, 1, H], cache).
+    """
+    if isinstance(layout, HeadParallel):
+        x, cache = layout.forward(model, tokens, live, cache, attention)
+    else:
+        x, cos, sin = decode_inputs(model, tokens, cache.lengths()[:, None], layout)  # lengths: this token's position
+        cache = cache.with_new_tokens(live[:, None])
+        x, cache = decode_layers(model, x, cache, cos, sin, layout, attention)
     return model.norm(x), cache.advance(1)

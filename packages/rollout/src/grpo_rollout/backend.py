@@ -19,7 +19,8 @@ from grpo_rollout.collectives import decode_traffic_note
 from grpo_rollout.kept_cache import admission_batch, admit, compact, kept_counts, kept_width, round_start
 from grpo_rollout.kept_plan import compile_round as compile_kept_round, kept_cache as kept_round_cache
 from grpo_rollout.kept_shared import SharedRounds, SlotGroups
-from grpo_rollout.gather import (AutoDecoders, bytes_beyond_arguments, candidate_layouts, fastest_layout,
+from grpo_rollout.gather import (SPLIT_LAYOUTS, AutoDecoders, bytes_beyond_arguments, candidate_layouts,
+                                 compile_unless_unsupported, fastest_layout,
                                  gather_refused_note, has_sharded_weights, layout_static)
 from grpo_rollout.results import abstract_outputs, finish
 from grpo_rollout.prompts import DEFAULT_PROMPT_BUCKETS, bucket_length, fit_to_bucket, left_pad, repeat_samples
@@ -54,6 +55,9 @@ class JaxRolloutOptions:
                       columns and vocabulary over the batch devices, so each device
                       reads ~1/D of them per token and only activations move
                       (grpo_rollout.model_parallel).
+                      "head_parallel": the attention where its KV heads are, the
+                      MLP and vocabulary split over all devices: 2 collectives per
+                      layer and token (grpo_rollout.head_parallel).
     shared_prompt:    prefill each prompt once for its n samples and keep its KV cache once
                       per group, the decode attending over it once per group (cascade
                       attention, grpo_rollout.cascade): n times fewer prefill FLOPs and
@@ -84,10 +88,11 @@ class JaxRolloutOptions:
         if self.decode_attention not in DECODE_ATTENTION:
             raise ValueError(f"decode_attention={self.decode_attention!r} is not supported; use one of "
                              f"{', '.join(DECODE_ATTENTION)}.")
-        if not (isinstance(self.gather_weights, bool) or self.gather_weights in ("auto", "model_parallel")):
-            raise ValueError(f"gather_weights={self.gather_weights!r} must be true, false, auto or model_parallel.")
-        if self.gather_weights == "model_parallel" and self.decode_attention != "rollout":
-            raise ValueError("gather_weights=model_parallel runs the rollout's own decode step; set "
+        if not (isinstance(self.gather_weights, bool) or self.gather_weights in ("auto", *SPLIT_LAYOUTS)):
+            raise ValueError(f"gather_weights={self.gather_weights!r} must be true, false, auto, model_parallel "
+                             "or head_parallel.")
+        if self.gather_weights in SPLIT_LAYOUTS and self.decode_attention != "rollout":
+            raise ValueError(f"gather_weights={self.gather_weights} runs the rollout's own decode step; set "
                              "decode_attention=rollout")
         if self.cdf_block < 0 or self.top_p_candidates < 1:
             raise ValueError(f"cdf_block={self.cdf_block} must be >= 0 and "
@@ -279,7 +284,7 @@ class JaxRollout:
                     cache_dtype=self.options.cache_dtype, batch_sharding=batch_sharding,
                     block=self.options.cdf_block or None, top_p_candidates=self.options.top_p_candidates,
                     attention=self.options.decode_attention, gather_weights=self.options.gather_weights is True,
-                    model_parallel=self.options.gather_weights == "model_parallel")
+                    model_parallel=SPLIT_LAYOUTS.get(self.options.gather_weights, False))
 
     def trim(self, result: RolloutResult) -> TrainBatch:
         return trim_batch(result, self.options.trim_bucket)
@@ -343,8 +348,8 @@ class JaxRollout:
         steps = static["params"].max_new_tokens - 1
 
         def compile_layout(name: str) -> Any:
-            return compiler.compile("rollout decode", lambda: decode.lower(*args, **layout_static(static, name)).compile(),
-                                    args, record=False)
+            return compiler.compile("rollout decode", lambda: compile_unless_unsupported(
+                lambda: decode.lower(*args, **layout_static(static, name)).compile()), args, record=False)
 
         probe = compile_layout("sharded")
         if probe is None or compiler.decode_seconds(probe, steps) is None:

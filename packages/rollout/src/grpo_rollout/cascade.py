@@ -32,7 +32,7 @@ from flax import struct
 
 from grpo_core.models.attention import KVCache
 from grpo_core.models.layers import rope_tables
-from grpo_rollout.attention import decode_inputs, decode_layers
+from grpo_rollout.attention import decode_forward
 from grpo_rollout.model_parallel import ActivationLayout
 
 # Finite "minus infinity", as in the model: a part with no visible slot adds nothing.
@@ -62,6 +62,18 @@ class SharedCache:
 
     def attention(self, q, prompt_k, prompt_v, own_k, own_v, own_visible) -> jax.Array:
         return cascade_attention(q, prompt_k, prompt_v, self.prompt.mask, own_k, own_v, own_visible)
+
+    def with_new_tokens(self, token_mask: jax.Array) -> "SharedCache":
+        return with_new_own_tokens(self, token_mask)
+
+    def advance(self, num_tokens: int) -> "SharedCache":
+        return self.replace(completion=self.completion.advance(num_tokens))
+
+
+def with_new_own_tokens(cache, token_mask: jax.Array):
+    """A SharedCache or TableCache whose new tokens [B, T] go to the rows' own part
+    (KVCache.with_new_tokens): the prompt part is only read."""
+    return cache.replace(completion=cache.completion.with_new_tokens(token_mask))
 
 
 def _part(scores: jax.Array, visible: jax.Array):
@@ -161,27 +173,39 @@ class TableCache:
         prompt = self.prompt.lengths().at[self.group].get(mode="fill", fill_value=0)
         return prompt + self.completion.lengths()
 
+    def with_new_tokens(self, token_mask: jax.Array) -> "TableCache":
+        return with_new_own_tokens(self, token_mask)
+
+    def advance(self, num_tokens: int) -> "TableCache":
+        return self.replace(completion=self.completion.advance(num_tokens))
+
     def attention(self, q, prompt_k, prompt_v, own_k, own_v, own_visible) -> jax.Array:
         return table_attention(q, self.group, self.member, self.members, prompt_k, prompt_v, self.prompt.mask,
                                own_k, own_v, own_visible)
 
 
-def shared_decode_forward(model, tokens: jax.Array, live: jax.Array, cache, layout: ActivationLayout = ActivationLayout()):
+def shared_decode_forward(model, tokens: jax.Array, live: jax.Array, cache,
+                          layout: ActivationLayout = ActivationLayout()):
     """`grpo_rollout.attention.decode_forward` on a SharedCache or TableCache: the new token's keys and
     values go to the row's completion cache; the attention merges the prompt part and the row's own.
     Returns (hidden [B, 1, H], cache)."""
-    x, cos, sin = decode_inputs(model, tokens, cache.lengths()[:, None], layout)
-    own = cache.completion.with_new_tokens(live[:, None])
-    own_visible = own.visibility(1)[:, 0]  # [B, Sc]
+    return decode_forward(model, tokens, live, cache, layout, cascade_over)
+
+
+def cascade_over(cache):
+    """The attend function of grpo_rollout.attention.decode_layers over a SharedCache or TableCache:
+    the new keys and values go to the rows' completion part, the attention is the cache's own
+    (`cascade_attention` or `table_attention`)."""
+    own_visible = cache.completion.visibility(1)[:, 0]  # [B, Sc]
     prompt = cache.prompt
 
-    def attend(i, own, q, k, v):
-        own = own.write_layer(i, k, v)
-        return cache.attention(q, prompt.k[i].astype(q.dtype), prompt.v[i].astype(q.dtype),
-                               own.k[i].astype(q.dtype), own.v[i].astype(q.dtype), own_visible), own
+    def attend(i, cache, q, k, v):
+        own = cache.completion.write_layer(i, k, v)
+        attended = cache.attention(q, prompt.k[i].astype(q.dtype), prompt.v[i].astype(q.dtype),
+                                   own.k[i].astype(q.dtype), own.v[i].astype(q.dtype), own_visible)
+        return attended, cache.replace(completion=own)
 
-    x, own = decode_layers(model, x, own, cos, sin, layout, attend)
-    return model.norm(x), cache.replace(completion=own.advance(1))
+    return attend
 
 
 def table_prefill_forward(model, ids: jax.Array, mask: jax.Array, cache: TableCache) -> TableCache:

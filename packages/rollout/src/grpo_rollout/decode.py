@@ -26,6 +26,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from grpo_rollout.attention import decode_forward
 from grpo_rollout.cascade import SharedCache, TableCache, shared_decode_forward
+from grpo_rollout.head_parallel import HeadParallel, LayoutUnsupported, grid_mesh, unsupported
 from grpo_rollout.model_parallel import ActivationLayout, model_parallel_weights
 from grpo_core.contracts import SamplingParams
 from grpo_core.sharding import as_tuple
@@ -236,16 +237,12 @@ def decode(weights, cache, state: LoopState, key, *, graphdef, params: SamplingP
 
     attention: "rollout" runs `attention.decode_forward` (single-query attention),
     "model" the model's own cached forward with T = 1. gather_weights: see `rollout_weights`;
-    model_parallel: weights split by heads / MLP columns / vocabulary over the batch devices
-    (grpo_rollout.model_parallel; needs attention="rollout")."""
+    model_parallel: True splits the weights by heads / MLP columns / vocabulary over the batch
+    devices (grpo_rollout.model_parallel), "heads" runs the attention where its KV heads are
+    (grpo_rollout.head_parallel); both need attention="rollout"."""
     del cache_dtype  # part of the shared static signature only
     rows = state.last.shape[0]
-    layout = ActivationLayout()
-    if model_parallel and batch_sharding is not None:
-        layout = ActivationLayout(batch_sharding.mesh, batch_spec_axes(batch_sharding))
-        weights = model_parallel_weights(weights, layout)  # outside the loop: once per rollout
-    else:
-        weights = rollout_weights(weights, batch_sharding, gather_weights)
+    layout, weights = decode_layout(weights, graphdef, cache, batch_sharding, gather_weights, model_parallel)
 
     def unfinished(carry):
         _, s = carry
@@ -263,6 +260,59 @@ def decode(weights, cache, state: LoopState, key, *, graphdef, params: SamplingP
         logits = layout.logits(model.logits(hidden)[:, 0])  # [N, V]
         sampled, logps = sample_next(logits, step_uniforms(key, s.step, rows), params, block=block,
                                      top_p_candidates=top_p_candidates)
-        return constrain_cache(cache, batch_sharding), s.record(sampled, logps, params, pad_id)
+        return pin_loop(cache, s.record(sampled, logps, params, pad_id), batch_sharding, layout)
 
-    return jax.lax.while_loop(unfinished, one_token, (cache, state))
+    # The head-parallel layout holds the cache split by rows and KV heads inside the loop only:
+    # the jitted phases exchange it split by rows like the batch (one move in, one out per call).
+    # The result pinned in the loop's layout first: else the batch layout reaches back into the carry.
+    cache, state = pin_loop(*jax.lax.while_loop(unfinished, one_token, pin_loop(cache, state, batch_sharding, layout)),
+                            batch_sharding, layout)
+    return constrain_cache(cache, batch_sharding), state
+
+
+def decode_layout(weights, graphdef, cache, batch_sharding, gather_weights: bool, model_parallel):
+    """(layout, weights as the decode loop reads them): model_parallel True splits the weights by
+    heads over the batch devices (grpo_rollout.model_parallel), "heads" runs the head-parallel
+    decode (grpo_rollout.head_parallel), False keeps them sharded or gathers them."""
+    if batch_sharding is None or not model_parallel:
+        return ActivationLayout(), rollout_weights(weights, batch_sharding, gather_weights)
+    if model_parallel == "heads":
+        layout = head_parallel_layout(nnx.merge(graphdef, weights).config, cache, batch_sharding)
+        return layout, layout.weights(weights)  # outside the loop: once per rollout
+    layout = ActivationLayout(batch_sharding.mesh, batch_spec_axes(batch_sharding))
+    return layout, model_parallel_weights(weights, layout)
+
+
+def head_parallel_layout(config, cache, batch_sharding: NamedSharding) -> HeadParallel:
+    """The HeadParallel layout over the batch mesh's devices; a model or batch it cannot split
+    is refused (LayoutUnsupported)."""
+    mesh = batch_sharding.mesh
+    rows, groups = cache_rows(cache)
+    reason = unsupported(config, rows, groups, mesh.size)
+    if reason:
+        raise LayoutUnsupported(f"gather_weights=head_parallel: {reason}; or set gather_weights to auto, "
+                                "model_parallel, true or false.")
+    return HeadParallel(grid_mesh(mesh, config.num_key_value_heads))
+
+
+def cache_rows(cache) -> tuple[int, int]:
+    """(rows, prompts) of a decode cache: a plain cache holds one prompt per row. The prompt table
+    of partial rollouts maps rows to any table slot, which a split by row groups cannot follow."""
+    if isinstance(cache, TableCache):
+        raise LayoutUnsupported("gather_weights=head_parallel: partial rollouts on the prompt table (rows map to "
+                                "any table slot); set gather_weights to auto, model_parallel, true or false, or "
+                                "rollout.options.shared_prompt=false.")
+    if isinstance(cache, SharedCache):
+        return cache.completion.mask.shape[0], cache.prompt.mask.shape[0]
+    return cache.mask.shape[0], cache.mask.shape[0]
+
+
+def pin_loop(cache, state: LoopState, batch_sharding, layout) -> tuple:
+    """The decode loop's carry in its layout: the cache split by rows like the batch, or, head-
+    parallel, by rows and KV heads with the rows' last tokens, flags and lengths replicated (every
+    device then updates its cache mask, embeds the tokens and tests for the loop's end without a
+    collective; the sampled tokens are gathered once instead)."""
+    if not isinstance(layout, HeadParallel):
+        return constrain_cache(cache, batch_sharding), state
+    replicated = {name: layout.replicated(getattr(state, name)) for name in ("last", "done", "lengths")}
+    return layout.pin_cache(cache), state.replace(**replicated)

@@ -20,6 +20,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 
 from grpo_rollout.decode import decode
+from grpo_rollout.head_parallel import LayoutUnsupported
 
 GIB = 1 << 30
 GATHER_HEADROOM = 0.10  # fraction of a device's memory the gathered decode must leave free
@@ -77,9 +78,11 @@ def gather_refused_note(gathered: Any, spare: Optional[int]) -> str:
 
 
 # How the decode loop holds FSDP-sharded weights: the static arguments of `decode` for each.
+# The split layouts (gather_weights values): their `model_parallel` static argument.
+SPLIT_LAYOUTS = {"model_parallel": True, "head_parallel": "heads"}
 LAYOUTS = {"gathered": {"gather_weights": True, "model_parallel": False},
            "sharded": {"gather_weights": False, "model_parallel": False},
-           "model_parallel": {"gather_weights": False, "model_parallel": True}}
+           **{name: {"gather_weights": False, "model_parallel": split} for name, split in SPLIT_LAYOUTS.items()}}
 
 # projector(compiled decode, decode steps) -> projected seconds on the devices, or None.
 Projector = Callable[[Any, int], Optional[float]]
@@ -90,8 +93,17 @@ def layout_static(static: dict[str, Any], layout: str) -> dict[str, Any]:
 
 
 def candidate_layouts(static: dict[str, Any]) -> tuple[str, ...]:
-    """The layouts `auto` compares: model-parallel runs the rollout's own decode step only."""
-    return tuple(name for name in LAYOUTS if name != "model_parallel" or static.get("attention") == "rollout")
+    """The layouts `auto` compares: the split ones run the rollout's own decode step only."""
+    return tuple(name for name in LAYOUTS if name not in SPLIT_LAYOUTS or static.get("attention") == "rollout")
+
+
+def compile_unless_unsupported(compile_layout: Callable[[], Any]) -> Any:
+    """The compiled decode, or None where the layout cannot split this model or batch (the
+    head-parallel decode needs whole prompts per row group and MLP columns split evenly)."""
+    try:
+        return compile_layout()
+    except LayoutUnsupported:
+        return None
 
 
 def fastest_layout(compile_layout: Callable[[str], Any], fits: Callable[[Any], bool], seconds: Callable[[Any], float],
@@ -137,7 +149,8 @@ class AutoDecoders:
         spare = spare_device_bytes(list(sharding.mesh.local_devices))
         steps = static["params"].max_new_tokens - 1
         layout, compiled, note = fastest_layout(
-            lambda name: decode.lower(weights, cache, state, key, **layout_static(static, name)).compile(),
+            lambda name: compile_unless_unsupported(
+                lambda: decode.lower(weights, cache, state, key, **layout_static(static, name)).compile()),
             lambda program: every_process(spare is not None and bytes_beyond_arguments(program) <= spare),
             lambda program: self.projector(program, steps), candidate_layouts(static), steps)
         print(f"rollout: {note}", flush=True)

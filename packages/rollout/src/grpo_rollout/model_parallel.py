@@ -83,14 +83,8 @@ class ActivationLayout:
         if ways == 1 or embedding.shape[0] % ways:
             return self.replicated(jnp.take(embedding, ids, axis=0))
         names = as_tuple(self.axes)
-
-        def local(table, ids):
-            start = jax.lax.axis_index(names) * table.shape[0]
-            inside = (ids >= start) & (ids < start + table.shape[0])
-            rows = jnp.take(table, jnp.clip(ids - start, 0, table.shape[0] - 1), axis=0)
-            return jax.lax.psum(jnp.where(inside[..., None], rows, 0), names)
-
-        return shard_map(local, mesh=self.mesh, in_specs=(PartitionSpec(self.axes, None), PartitionSpec()),
+        return shard_map(lambda table, ids: embed_from_slice(table, ids, names), mesh=self.mesh,
+                         in_specs=(PartitionSpec(self.axes, None), PartitionSpec()),
                          out_specs=PartitionSpec(), check_vma=False)(embedding, ids)
 
     def split(self, x: jax.Array, dim: int) -> jax.Array:
@@ -104,6 +98,15 @@ class ActivationLayout:
     def logits(self, logits: jax.Array) -> jax.Array:
         """[rows, V] made vocabulary-split, then moved to the rows' devices for sampling."""
         return self.rows(self.split(logits, 1))
+
+
+def embed_from_slice(table: jax.Array, ids: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+    """Inside shard_map: the embeddings of replicated `ids` from this device's vocabulary slice
+    `table` of a table split over `axes`, summed over the slices (one all-reduce)."""
+    start = jax.lax.axis_index(axes) * table.shape[0]
+    inside = (ids >= start) & (ids < start + table.shape[0])
+    rows = jnp.take(table, jnp.clip(ids - start, 0, table.shape[0] - 1), axis=0)
+    return jax.lax.psum(jnp.where(inside[..., None], rows, 0), axes)
 
 
 def model_parallel_weights(weights: nnx.State, layout: ActivationLayout) -> nnx.State:

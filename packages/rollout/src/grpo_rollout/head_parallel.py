@@ -1,0 +1,179 @@
+"""Head-parallel decode: the attention runs where its KV heads are, 2 collectives per layer.
+
+The model-parallel decode (grpo_rollout.model_parallel) splits q_proj and o_proj by query heads
+over all D devices but keeps the KV cache split by rows (a model has fewer KV heads than
+devices, e.g. 2 over 8), so q travels to the rows' devices and the attention back: 4
+collectives per layer and token, and at a few microseconds each that latency is a large part
+of a decode step. Here the devices form a (rows R, kv A) grid, A = gcd(KV heads, D):
+
+- device (r, a) holds KV head group a of the rows in row group r (the cache split both ways)
+  and the q, k, v and o_proj weights of head group a (replicated over the R row groups);
+- it projects q, k and v of its own rows and heads from the replicated residual, attends
+  locally, and multiplies by its slice of o_proj: a partial sum over head groups for its
+  rows. Placed at its rows in a zero [B, H] block, one all-reduce over all D devices sums the
+  head groups and gathers the rows at once;
+- the MLP is split by columns over all D devices (down_proj's partial sums all-reduced), as in
+  the model-parallel decode; the vocabulary too.
+
+So each layer runs 2 all-reduces per token, against 2 all-to-alls and 2 all-reduces. The price
+is weight bytes: each device reads 1/A of the attention weights instead of 1/D (for a 3B
+model with 2 KV heads on 8 chips, about 5 MB more per layer and token). `auto` compares it
+with the other layouts by projected time (grpo_rollout.gather).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax import shard_map
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from grpo_core.errors import ConfigError
+from grpo_core.models.layers import rope_tables
+from grpo_core.sharding import variable_names
+from grpo_rollout.model_parallel import ActivationLayout, embed_from_slice
+
+ROWS, KV = "rows", "kv"  # axes of the decode's device grid
+BOTH = (ROWS, KV)  # flattened in the devices' own order: the batch's row order
+HEAD_DIMENSIONS = ("heads", "kv_heads")  # split over KV (query head h serves KV head h // G)
+COLUMN_DIMENSIONS = ("mlp", "vocab")  # split over all devices
+
+
+class LayoutUnsupported(ConfigError, ValueError):
+    """The head-parallel decode cannot split this model or batch (the message says why): bad
+    input, printed by grpo-run as one line."""
+
+
+def grid_mesh(mesh: Mesh, kv_heads: int) -> Mesh:
+    """The (rows, kv) grid over `mesh`'s devices in their order, kv = gcd(kv_heads, devices):
+    device (r, a) is the mesh's device r * kv + a, so row group r holds the rows that devices
+    r * kv .. r * kv + kv - 1 hold when the batch is split over the whole mesh."""
+    devices = np.asarray(mesh.devices).reshape(-1)
+    ways = math.gcd(kv_heads, devices.size)
+    return Mesh(devices.reshape(devices.size // ways, ways), BOTH)
+
+
+def unsupported(config: Any, rows: int, groups: int, devices: int) -> str | None:
+    """Why the head-parallel decode cannot run this model and batch on `devices`, or None."""
+    ways = math.gcd(config.num_key_value_heads, devices)
+    row_groups = devices // ways
+    if config.intermediate_size % devices:
+        return f"the MLP's {config.intermediate_size} columns do not split over {devices} devices"
+    if rows % row_groups or groups % row_groups:
+        return (f"{groups} prompts ({rows} rows) do not split into {row_groups} row groups of whole prompts "
+                f"({devices} devices / {ways} KV head groups): use a multiple of {row_groups} prompts")
+    return None
+
+
+def weight_spec(names: tuple, shape: tuple, mesh: Mesh) -> PartitionSpec:
+    """Heads split over the kv axis, MLP columns and vocabulary over all devices, the rest
+    replicated; a dimension its devices do not divide stays replicated."""
+    spec: list = [None] * len(shape)
+    for dim, (name, size) in enumerate(zip(names, shape)):
+        axes = KV if name in HEAD_DIMENSIONS else BOTH if name in COLUMN_DIMENSIONS else None
+        if axes is not None and size % math.prod(mesh.shape[a] for a in jax.tree.leaves(axes)) == 0:
+            spec[dim] = axes
+    return PartitionSpec(*spec)
+
+
+def weight_specs(weights: nnx.State, mesh: Mesh) -> nnx.State:
+    return nnx.map_state(lambda _, v: v.replace(weight_spec(variable_names(v), v.shape, mesh)), weights)
+
+
+def cache_spec(cache: Any) -> Any:
+    """PartitionSpecs of a KVCache or SharedCache: rows (or prompts) over rows, KV heads over kv."""
+    def spec(x):
+        return {5: PartitionSpec(None, ROWS, None, KV, None), 2: PartitionSpec(ROWS, None)}.get(x.ndim, PartitionSpec())
+
+    return jax.tree.map(spec, cache)
+
+
+@dataclass(frozen=True)
+class HeadParallel:
+    """The head-parallel decode on `mesh` (a grid_mesh); `outside` pins what runs outside the
+    layers (embedding, logits) with the vocabulary split over all devices."""
+
+    mesh: Mesh
+
+    @property
+    def outside(self) -> ActivationLayout:
+        return ActivationLayout(self.mesh, BOTH)
+
+    def replicated(self, x):
+        return self.outside.replicated(x)
+
+    def logits(self, logits):
+        return self.outside.logits(logits)
+
+    def weights(self, weights: nnx.State) -> nnx.State:
+        """The weights resharded for the decode loop (inside jit: once per rollout)."""
+        shardings = nnx.map_state(lambda _, v: v.replace(NamedSharding(self.mesh, v.get_value())),
+                                  weight_specs(weights, self.mesh))
+        return jax.lax.with_sharding_constraint(weights, shardings)
+
+    def pin_cache(self, cache: Any) -> Any:
+        return jax.lax.with_sharding_constraint(
+            cache, jax.tree.map(lambda spec: NamedSharding(self.mesh, spec), cache_spec(cache)))
+
+    def forward(self, model, tokens: jax.Array, live: jax.Array, cache: Any,
+                attention: Callable[[Any], Callable]) -> tuple[jax.Array, Any]:
+        """One token per row through the embedding and every layer, all inside one shard_map:
+        tokens and live [B] replicated; returns x [B, 1, H] replicated and the cache with the
+        new slot marked. `attention(cache)` builds the attend function of
+        grpo_rollout.attention.decode_layers from a device's share of the cache."""
+        graphdef, state = nnx.split(model)
+        specs = (weight_specs(state, self.mesh), PartitionSpec(), PartitionSpec(), cache_spec(cache))
+
+        def local(state, tokens, live, cache):
+            return local_forward(nnx.merge(graphdef, state), tokens, live, cache, attention)
+
+        return shard_map(local, mesh=self.mesh, in_specs=specs, out_specs=(PartitionSpec(), specs[-1]),
+                         check_vma=False)(state, tokens, live, cache)
+
+
+def own_rows(x: jax.Array) -> jax.Array:
+    """This device's row group of a replicated [B, ...] array."""
+    size = x.shape[0] // jax.lax.axis_size(ROWS)
+    return jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(ROWS) * size, size)
+
+
+def sum_over_grid(partial: jax.Array, rows: int) -> jax.Array:
+    """[B/R, ...] partial sums of this device's rows -> [B, ...] summed over head groups, every
+    row on every device: the block placed at its rows among zeros, then one all-reduce."""
+    start = jax.lax.axis_index(ROWS) * partial.shape[0]
+    placed = jax.lax.dynamic_update_slice_in_dim(jnp.zeros((rows,) + partial.shape[1:], partial.dtype), partial,
+                                                 start, 0)
+    return jax.lax.psum(placed, BOTH)
+
+
+def local_forward(model, tokens, live, cache, attention):
+    """One device's share of a decode step (inside shard_map). Its rows' positions come from its
+    own cache and its rows' mask is updated locally: the embedding's sum over vocabulary slices
+    and 2 all-reduces per layer are the step's only collectives before the logits."""
+    positions = cache.lengths()[:, None]  # this device's rows: the position of each row's next token
+    cos, sin = rope_tables(positions, model.config.head_dim, model.config.rope_theta)
+    x = embed_from_slice(model.embed_tokens.embedding[...], tokens[:, None], BOTH)
+    cache = cache.with_new_tokens(own_rows(live)[:, None])
+    return local_layers(model, x, cos, sin, cache, attention)
+
+
+def local_layers(model, x, cos, sin, cache, attention):
+    """Every layer for x [B, 1, H] (replicated) and this device's rows (cos, sin, cache): its rows'
+    attention over its KV heads, its columns of the MLP; 2 all-reduces per layer."""
+    attend = attention(cache)
+    rows = x.shape[0]
+
+    def step(layer, i, carry):
+        x, cache = carry
+        q, k, v = layer.self_attn.project_qkv(layer.input_layernorm(own_rows(x)), cos, sin)
+        attended, cache = attend(i, cache, q[:, 0], k, v)
+        x = x + sum_over_grid(layer.self_attn.o_proj(attended[:, None]), rows)
+        return x + jax.lax.psum(layer.mlp(layer.post_attention_layernorm(x)), BOTH), cache
+
+    return model.over_layers(step, (x, cache))
