@@ -69,20 +69,23 @@ def decode_layers(model, x: jax.Array, cache, cos: jax.Array, sin: jax.Array, la
     return layout.replicated(x), cache
 
 
-def decode_forward(model, tokens: jax.Array, live: jax.Array, cache, layout: ActivationLayout = ActivationLayout()):
+def decode_forward(model, tokens: jax.Array, live: jax.Array, cache, layout: ActivationLayout = ActivationLayout(),
+                   view: int | None = None):
     """Feed one token per row: tokens [B], live [B] bool (False: the slot stays invisible).
 
     Same math and op order as `model(tokens[:, None], attention_mask=live[:, None],
     cache=cache)` except for the attention product. `layout` pins the activations of a
-    model-parallel decode (grpo_rollout.model_parallel). Returns (hidden [B, 1, H], cache).
+    model-parallel decode (grpo_rollout.model_parallel). view: attend over cache slots [:view]
+    only (they hold every visible slot: the rest are empty); None, all. Returns (hidden [B, 1, H], cache).
     """
     x, cos, sin = decode_inputs(model, tokens, cache.lengths()[:, None], layout)  # lengths: this token's position
     cache = cache.with_new_tokens(live[:, None])
-    visible = cache.visibility(1)[:, 0]  # [B, S]
+    visible = cache.visibility(1)[:, 0, :view]  # [B, view]
 
     def attend(i, cache, q, k, v):
         cache = cache.write_layer(i, k, v)
-        return decode_attention(q, cache.k[i].astype(q.dtype), cache.v[i].astype(q.dtype), visible), cache
+        keys, values = cache.k[i, :, :view], cache.v[i, :, :view]  # a static slice: only it is read
+        return decode_attention(q, keys.astype(q.dtype), values.astype(q.dtype), visible), cache
 
     x, cache = decode_layers(model, x, cache, cos, sin, layout, attend)
     return model.norm(x), cache.advance(1)

@@ -90,18 +90,20 @@ def cascade_attention(q: jax.Array, prompt_k: jax.Array, prompt_v: jax.Array, pr
 
 
 def shared_decode_forward(model, tokens: jax.Array, live: jax.Array, cache: SharedCache,
-                          layout: ActivationLayout = ActivationLayout()):
+                          layout: ActivationLayout = ActivationLayout(), view: int | None = None):
     """`grpo_rollout.attention.decode_forward` on a SharedCache: the new token's keys and values go
-    to the row's completion cache; attention is `cascade_attention`. Returns (hidden [B, 1, H], cache)."""
+    to the row's completion cache; attention is `cascade_attention`. view: attend over completion
+    slots [:view] only (None: all). Returns (hidden [B, 1, H], cache)."""
     x, cos, sin = decode_inputs(model, tokens, cache.lengths()[:, None], layout)
     own = cache.completion.with_new_tokens(live[:, None])
-    own_visible = own.visibility(1)[:, 0]  # [B, Sc]
+    own_visible = own.visibility(1)[:, 0, :view]  # [B, view]
     prompt = cache.prompt
 
     def attend(i, own, q, k, v):
         own = own.write_layer(i, k, v)
         return cascade_attention(q, prompt.k[i].astype(q.dtype), prompt.v[i].astype(q.dtype), prompt.mask,
-                                 own.k[i].astype(q.dtype), own.v[i].astype(q.dtype), own_visible), own
+                                 own.k[i, :, :view].astype(q.dtype), own.v[i, :, :view].astype(q.dtype),
+                                 own_visible), own
 
     x, own = decode_layers(model, x, own, cos, sin, layout, attend)
     return model.norm(x), cache.replace(completion=own.advance(1))
