@@ -161,22 +161,29 @@ def project(inputs: PlanInputs, chip: Generation, phases: list[PhaseMemory]) -> 
 
 def projection_lines(projection: Projection, lengths: list[int]) -> list[str]:
     chip = projection.chip
+    labels = {name: phase_label(projection, name) for name in projection.phases}
+    width = max([26] + [len(label) + 1 for label in labels.values()])
     lines = [f"projected time per device: a lower bound from the TPU compiler's programs, not a measurement "
              f"({chip.name}: {chip.peak_tflops:g} TFLOP/s bf16, {chip.hbm_gbps:g} GB/s HBM, {chip.ici_gbps:g} GB/s "
              f"ICI per chip, {chip.collective_latency_us:g} us per collective ({chip.latency_source}); collectives "
              "the schedule issues asynchronously overlap compute, the rest add to it)",
-             f"{'per device':<26}{'TFLOP':>10}{'HBM GB':>10}{'sync MB':>10}{'async MB':>10}{'colls':>8}{'time':>12}"]
-    segments = projection.decode_segments()
+             f"{'per device':<{width}}{'TFLOP':>10}{'HBM GB':>10}{'sync MB':>10}{'async MB':>10}{'colls':>8}{'time':>12}"]
     for p in projection.phases.values():
-        label = "rollout decode (1 token)" if p.name == "rollout decode" else p.name
-        if len(segments) > 1 and p.name == "rollout decode":
-            label = f"rollout decode steps {segments[-1][0]}-"  # per token, like the earlier segments
-        lines.append(f"{label:<26}{p.flops / 1e12:>10.3f}{p.hbm_bytes / 1e9:>10.3f}{p.collective_bytes / 1e6:>10.1f}"
-                     f"{p.overlapped_collective_bytes / 1e6:>10.1f}{p.collectives:>8}{seconds_text(p.seconds):>12}")
+        lines.append(f"{labels[p.name]:<{width}}{p.flops / 1e12:>10.3f}{p.hbm_bytes / 1e9:>10.3f}"
+                     f"{p.collective_bytes / 1e6:>10.1f}{p.overlapped_collective_bytes / 1e6:>10.1f}{p.collectives:>8}"
+                     f"{seconds_text(p.seconds):>12}")
     update = projection.phases["train step"].seconds
     lines.append(f"train micro-batch: {seconds_text(update / projection.micro_batches)} "
                  f"({projection.micro_batches} per update); train MFU {projection.mfu:.1%}")
     return lines + [step_line(projection, tokens) for tokens in lengths] + [latency_line(projection, lengths)]
+
+
+def phase_label(projection: Projection, name: str) -> str:
+    """A phase's row label; a decode's rows are per token (a segmented decode's last segment runs to the end)."""
+    segments = projection.decode_segments()
+    if name != "rollout decode":
+        return name
+    return f"rollout decode steps {segments[-1][0]}-" if len(segments) > 1 else "rollout decode (1 token)"
 
 
 def latency_line(projection: Projection, lengths: list[int]) -> str:
