@@ -168,7 +168,7 @@ def projection_lines(projection: Projection, lengths: list[int]) -> list[str]:
              f"ICI per chip, {chip.collective_latency_us:g} us per collective ({chip.latency_source}); collectives "
              "the schedule issues asynchronously overlap compute, the rest add to it)",
              f"{'per device':<{width}}{'TFLOP':>10}{'HBM GB':>10}{'sync MB':>10}{'async MB':>10}{'colls':>8}{'time':>12}"]
-    for p in projection.phases.values():
+    for p in table_order(projection):
         lines.append(f"{labels[p.name]:<{width}}{p.flops / 1e12:>10.3f}{p.hbm_bytes / 1e9:>10.3f}"
                      f"{p.collective_bytes / 1e6:>10.1f}{p.overlapped_collective_bytes / 1e6:>10.1f}{p.collectives:>8}"
                      f"{seconds_text(p.seconds):>12}")
@@ -176,6 +176,18 @@ def projection_lines(projection: Projection, lengths: list[int]) -> list[str]:
     lines.append(f"train micro-batch: {seconds_text(update / projection.micro_batches)} "
                  f"({projection.micro_batches} per update); train MFU {projection.mfu:.1%}")
     return lines + [step_line(projection, tokens) for tokens in lengths] + [latency_line(projection, lengths)]
+
+
+def table_order(projection: Projection) -> list[PhaseTime]:
+    """The phases in the order they were compiled, a segmented decode's segments in step order."""
+    segments = [p for _, _, p in projection.decode_segments()]
+    ordered: list[PhaseTime] = []
+    for p in projection.phases.values():
+        if p.name == "rollout decode":
+            ordered += segments
+        elif not decode_phase_steps(p.name):
+            ordered.append(p)
+    return ordered
 
 
 def phase_label(projection: Projection, name: str) -> str:
