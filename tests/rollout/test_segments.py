@@ -14,7 +14,7 @@ from grpo_core.models import QwenConfig, init_from_config
 from grpo_core.sharding import DEFAULT_RULES, shard_model
 from grpo_rollout import JaxRollout, JaxRolloutOptions, SamplingParams
 from grpo_rollout.decode import LoopState
-from grpo_rollout.segments import run_segments, segment_count, segment_ranges
+from grpo_rollout.segments import run_segments, segment_count, segment_ranges, segmented_seconds
 
 PROMPTS = [[5, 17, 33, 2, 91], [64, 3], [7, 7, 120, 45, 12, 99, 1, 30], [88, 1]]
 STOP_IDS = tuple(range(100, 108))  # about one token in sixteen ends a row
@@ -78,6 +78,15 @@ def test_the_host_stops_calling_segments_once_every_row_ended():
                       lengths=jnp.zeros(2, jnp.int32), tokens=jnp.zeros((2, 7), jnp.int32), logps=jnp.zeros((2, 7)))
     run_segments(decoder_for, None, None, state, None, 7, 3)
     assert calls == [3]
+
+
+def test_auto_ranks_a_segmented_decode_with_one_setup_per_segment():
+    """A projector's seconds are one setup plus the steps; 3 segments pay the setup 3 times, which
+    turns a gathered layout (a setup, cheaper steps) from the faster into the slower."""
+    projector = lambda program, steps: program["setup"] + steps * program["step"]  # noqa: E731
+    gathered, split = {"setup": 1.0, "step": 0.5}, {"setup": 0.0, "step": 0.625}
+    assert segmented_seconds(projector, gathered, 10, 1) == 6.0 < segmented_seconds(projector, split, 10, 1) == 6.25
+    assert segmented_seconds(projector, gathered, 10, 3) == 8.0 > segmented_seconds(projector, split, 10, 3) == 6.25
 
 
 @pytest.mark.parametrize("bad", [0, -2, "four", True, 2.5])

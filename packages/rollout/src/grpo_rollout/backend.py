@@ -180,8 +180,8 @@ class JaxRollout:
     def _segmented_decode(self, cache, state, key, static: dict[str, Any]):
         """The decode as `decode_segments` loops; the earlier segments in the layout `auto` chose
         for the last one, whose view is the whole cache."""
-        last = self.decoder(self._weights, cache, state, key, static)
         segments = self.decode_segments(static["params"])
+        last = self.decoder(self._weights, cache, state, key, static, segments)
         if segments == 1:
             return last(self._weights, cache, state, key)
         layout = self._auto_decoders.layout(cache, state, static) if self.options.gather_weights == "auto" else None
@@ -261,17 +261,17 @@ class JaxRollout:
         prefill_compiled = self.prefill_phase(static["params"]).lower(weights, ids, mask, key, **static).compile()
         self.memory_check("rollout prefill", prefill_compiled)
         cache, state = abstract_outputs(prefill_compiled)
-        decoder = self.decoder(weights, cache, state, key, static)
+        decoder = self.decoder(weights, cache, state, key, static, self.decode_segments(static["params"]))
         if isinstance(decoder, functools.partial):  # the jitted decode, not a compiled gathered one
             decoder = decode.lower(weights, cache, state, key, **static).compile()
         self.memory_check("rollout decode", decoder)
         self._checked.add(signature)
 
-    def decoder(self, weights, cache, state, key, static: dict[str, Any]) -> Callable[..., Any]:
+    def decoder(self, weights, cache, state, key, static: dict[str, Any], segments: int = 1) -> Callable[..., Any]:
         """`decode` for these arguments; with gather_weights=auto, the gathered decode when it
         fits in device memory (decided once per batch shape, see grpo_rollout.gather)."""
         if self.options.gather_weights == "auto":
-            gathered = self._auto_decoders.get(weights, cache, state, key, static)
+            gathered = self._auto_decoders.get(weights, cache, state, key, static, segments)
             if gathered is not None:
                 return gathered
         return functools.partial(decode, **static)

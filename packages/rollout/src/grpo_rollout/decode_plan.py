@@ -17,13 +17,13 @@ from grpo_rollout.collectives import decode_traffic_note
 from grpo_rollout.decode import decode
 from grpo_rollout.gather import (bytes_beyond_arguments, candidate_layouts, fastest_layout, gather_refused_note,
                                  has_sharded_weights, layout_static)
-from grpo_rollout.segments import decode_phase_name, segment_ranges
+from grpo_rollout.segments import decode_phase_name, segment_ranges, segmented_seconds
 
 
 def compile_decode(compiler: PhaseCompiler, args: tuple, static: dict[str, Any], gather_option: Any,
                    segments: int) -> None:
     """Records `rollout decode` (the last segment, or the whole decode) and the earlier segments."""
-    chosen = compile_last_segment(compiler, args, static, gather_option)
+    chosen = compile_last_segment(compiler, args, static, gather_option, segments)
     if chosen is None:
         return
     for first, end in segment_ranges(static["params"].max_new_tokens, segments)[:-1]:
@@ -34,8 +34,8 @@ def compile_decode(compiler: PhaseCompiler, args: tuple, static: dict[str, Any],
             return
 
 
-def compile_last_segment(compiler: PhaseCompiler, args: tuple, static: dict[str, Any],
-                         gather_option: Any) -> Optional[dict[str, Any]]:
+def compile_last_segment(compiler: PhaseCompiler, args: tuple, static: dict[str, Any], gather_option: Any,
+                         segments: int = 1) -> Optional[dict[str, Any]]:
     """Records `rollout decode` in the layout the run takes; returns that layout's static arguments
     (None when the compiler refused it)."""
     def build(gather: bool) -> Callable[[], Any]:
@@ -43,7 +43,7 @@ def compile_last_segment(compiler: PhaseCompiler, args: tuple, static: dict[str,
 
     auto_note = ""
     if gather_option == "auto" and has_sharded_weights(args[0]):
-        layout = compile_fastest_decode(compiler, args, static)
+        layout = compile_fastest_decode(compiler, args, static, segments)
         if layout is not None:
             return layout
         gathered = compiler.compile("rollout decode", build(True), args, record=False)
@@ -61,9 +61,11 @@ def compile_last_segment(compiler: PhaseCompiler, args: tuple, static: dict[str,
     return None if program is None else static
 
 
-def compile_fastest_decode(compiler: PhaseCompiler, args: tuple, static: dict[str, Any]) -> Optional[dict[str, Any]]:
+def compile_fastest_decode(compiler: PhaseCompiler, args: tuple, static: dict[str, Any],
+                           segments: int = 1) -> Optional[dict[str, Any]]:
     """With a chip to project for: records the fastest decode layout that fits (see
-    grpo_rollout.gather.fastest_layout) and returns its static arguments; None without a chip."""
+    grpo_rollout.gather.fastest_layout; each of `segments` calls pays its setup) and returns its
+    static arguments; None without a chip."""
     steps = static["params"].max_new_tokens - 1
 
     def compile_layout(name: str) -> Any:
@@ -79,7 +81,8 @@ def compile_fastest_decode(compiler: PhaseCompiler, args: tuple, static: dict[st
         return spare is not None and bytes_beyond_arguments(program) <= spare
 
     layout, chosen, note = fastest_layout(lambda name: probe if name == "sharded" else compile_layout(name), fits,
-                                          lambda program: compiler.decode_seconds(program, steps),
+                                          lambda program: segmented_seconds(compiler.decode_seconds, program, steps,
+                                                                            segments),
                                           candidate_layouts(static), steps)
     compiler.compile("rollout decode", lambda: chosen, args,
                      note=lambda compiled: f"{note}; " + decode_traffic_note(compiled, layout != "sharded"))

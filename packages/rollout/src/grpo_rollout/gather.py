@@ -20,6 +20,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 
 from grpo_rollout.decode import decode
+from grpo_rollout.segments import segmented_seconds
 
 GIB = 1 << 30
 GATHER_HEADROOM = 0.10  # fraction of a device's memory the gathered decode must leave free
@@ -125,13 +126,15 @@ class AutoDecoders:
         self._by_signature: dict[Any, tuple[Optional[str], Optional[Callable[..., Any]]]] = {}
         self.projector: Optional[Projector] = None
 
-    def get(self, weights, cache, state, key, static: dict[str, Any]) -> Optional[Callable[..., Any]]:
+    def get(self, weights, cache, state, key, static: dict[str, Any], segments: int = 1) -> Optional[Callable[..., Any]]:
+        """segments: the decode runs as that many calls (grpo_rollout.segments), each paying the setup."""
         signature = self._signature(cache, state, static)
         if signature not in self._by_signature:  # decided once: no tree walk per rollout
             sharding = static.get("batch_sharding")
-            sharded = sharding is not None and has_sharded_weights(weights)  # else nothing to gather
-            choose = self._fastest if self.projector is not None else self._compile_if_fits
-            chosen = choose(weights, cache, state, key, static, sharding) if sharded else (None, None)
+            chosen = (None, None)
+            if sharding is not None and has_sharded_weights(weights):  # else nothing to gather
+                chosen = (self._fastest(weights, cache, state, key, static, sharding, segments) if self.projector
+                          else self._compile_if_fits(weights, cache, state, key, static, sharding))
             self._by_signature[signature] = chosen
         return self._by_signature[signature][1]
 
@@ -144,13 +147,13 @@ class AutoDecoders:
         return (tuple(leaf.shape for leaf in jax.tree.leaves(cache)), state.tokens.shape,
                 tuple(sorted(static.items(), key=lambda kv: kv[0])))
 
-    def _fastest(self, weights, cache, state, key, static, sharding: NamedSharding) -> tuple[str, Any]:
+    def _fastest(self, weights, cache, state, key, static, sharding: NamedSharding, segments: int) -> tuple[str, Any]:
         spare = spare_device_bytes(list(sharding.mesh.local_devices))
         steps = static["params"].max_new_tokens - 1
         layout, compiled, note = fastest_layout(
             lambda name: decode.lower(weights, cache, state, key, **layout_static(static, name)).compile(),
             lambda program: every_process(spare is not None and bytes_beyond_arguments(program) <= spare),
-            lambda program: self.projector(program, steps), candidate_layouts(static), steps)
+            lambda program: segmented_seconds(self.projector, program, steps, segments), candidate_layouts(static), steps)
         print(f"rollout: {note}", flush=True)
         return layout, compiled
 

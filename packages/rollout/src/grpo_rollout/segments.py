@@ -63,6 +63,13 @@ def run_segments(decoder_for: Callable[[int | None], Callable[..., Any]], weight
     return cache, state
 
 
+def segmented_seconds(seconds: Callable[[Any, int], float], program: Any, steps: int, segments: int) -> float:
+    """`seconds(program, steps)` (one setup and the steps, e.g. gather.Projector) with the setup paid
+    by each of `segments` calls: how `gather_weights: auto` ranks a segmented decode's layouts."""
+    one_call = seconds(program, steps)
+    return one_call if segments == 1 else one_call + (segments - 1) * seconds(program, 0)
+
+
 def decode_phase_name(first: int, end: int) -> str:
     """`grpo-run --plan`'s name of a segment before the last (the last is `rollout decode`)."""
     return f"rollout decode steps {first}-{end - 1}"
