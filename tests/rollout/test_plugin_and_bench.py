@@ -96,3 +96,16 @@ def test_partial_bench_times_each_kv_cache_mode_on_the_same_rows(capsys):
 def test_partial_bench_needs_the_length_model():
     with pytest.raises(SystemExit, match="--eos ID and --stop-p P"):
         bench.main(["--partial-budget", "4", "--vocab", "96", "--hidden", "32", "--layers", "1"])
+
+
+def test_bench_compares_one_decode_loop_and_segments_in_one_line(capsys):
+    """2 prompts x n=2, greedy, 5 new tokens in 2 segments: both sides decode every token."""
+    flags = ["--vocab", "96", "--hidden", "32", "--intermediate", "64", "--layers", "1", "--batch", "4",
+             "--prompt-len", "4", "--new-tokens", "5", "--repeats", "1", "--compare-segments", "2", "--n", "2",
+             "--greedy"]
+    assert bench.main(flags) == 0
+    record = json.loads(capsys.readouterr().out.strip())
+    whole, segmented = record["one_loop"], record["segmented"]
+    assert whole["generated_tokens"] == segmented["generated_tokens"] == 20
+    assert whole["decode_steps"] == segmented["decode_steps"] == 5
+    assert record["decode_segments"] == 2 and record["decode_speedup"] > 0 and record["tokens_per_s_speedup"] > 0

@@ -9,6 +9,8 @@ cache axis in the cache's own [B, S, KV, ...] order (no [B, KV, G, T, S] score t
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -74,27 +76,32 @@ def decode_layers(model, x: jax.Array, cache, cos: jax.Array, sin: jax.Array, la
     return layout.replicated(x), cache
 
 
-def plain_attention(cache):
-    """The attend function of decode_layers over a plain KVCache (prompt and completion slots)."""
-    visible = cache.visibility(1)[:, 0]  # [B, S]
+def plain_attention(cache, view: int | None = None):
+    """The attend function of decode_layers over a plain KVCache (prompt and completion slots).
+    view: attend over cache slots [:view] only (they hold every visible slot: the rest are empty);
+    None, all."""
+    visible = cache.visibility(1)[:, 0, :view]  # [B, view]
 
     def attend(i, cache, q, k, v):
         cache = cache.write_layer(i, k, v)
-        return decode_attention(q, cache.k[i].astype(q.dtype), cache.v[i].astype(q.dtype), visible), cache
+        keys, values = cache.k[i, :, :view], cache.v[i, :, :view]  # a static slice: only it is read
+        return decode_attention(q, keys.astype(q.dtype), values.astype(q.dtype), visible), cache
 
     return attend
 
 
 def decode_forward(model, tokens: jax.Array, live: jax.Array, cache, layout: ActivationLayout | HeadParallel = ActivationLayout(),
-                   attention=plain_attention):
+                   attention=plain_attention, view: int | None = None):
     """Feed one token per row: tokens [B], live [B] bool (False: the slot stays invisible).
 
     Same math and op order as `model(tokens[:, None], attention_mask=live[:, None],
     cache=cache)` except for the attention product, which `attention(cache)` builds
     (`plain_attention` for a KVCache, `cascade.cascade_over` for a SharedCache). `layout` pins the
     activations of a model-parallel decode (grpo_rollout.model_parallel), or runs the step
-    head-parallel (grpo_rollout.head_parallel). Returns (hidden [B, 1, H], cache).
+    head-parallel (grpo_rollout.head_parallel). view: the attention reads the cache's (or a shared
+    cache's completion part's) slots [:view] only (grpo_rollout.segments). Returns (hidden [B, 1, H], cache).
     """
+    attention = functools.partial(attention, view=view)
     if isinstance(layout, HeadParallel):
         x, cache = layout.forward(model, tokens, live, cache, attention)
     else:

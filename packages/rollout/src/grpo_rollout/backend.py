@@ -15,14 +15,13 @@ from jax.sharding import NamedSharding
 
 from grpo_rollout.decode import (check_batch_divisible, decode,
                                  group_sharding, place, prefill, prefill_shared, rollout_graphdef)
-from grpo_rollout.collectives import decode_traffic_note
+from grpo_rollout.decode_plan import compile_decode
 from grpo_rollout.kept_cache import admission_batch, admit, compact, kept_counts, kept_width, round_start
 from grpo_rollout.kept_plan import compile_round as compile_kept_round, kept_cache as kept_round_cache
 from grpo_rollout.kept_shared import SharedRounds, SlotGroups
-from grpo_rollout.gather import (SPLIT_LAYOUTS, AutoDecoders, bytes_beyond_arguments, candidate_layouts,
-                                 compile_unless_unsupported, fastest_layout,
-                                 gather_refused_note, has_sharded_weights, layout_static)
+from grpo_rollout.gather import SPLIT_LAYOUTS, AutoDecoders, layout_static
 from grpo_rollout.results import abstract_outputs, finish
+from grpo_rollout.segments import run_segments, segment_count
 from grpo_rollout.prompts import DEFAULT_PROMPT_BUCKETS, bucket_length, fit_to_bucket, left_pad, repeat_samples
 from grpo_core.rollout_records import DEFAULT_TRIM_BUCKET, RolloutResult, TrainBatch, trim_batch, trimmed_widths
 from grpo_core.contracts import PhaseCompiler, Policy, RolloutShapes, RolloutWidths, SamplingParams
@@ -65,6 +64,10 @@ class JaxRolloutOptions:
                       times. Used with decode_attention=rollout and n > 1 by `generate`, and
                       by `generate_round` given the slots' groups (a prompt table,
                       grpo_rollout.kept_shared).
+    decode_segments:  K: `generate` decodes as K jitted loops over consecutive step ranges, each
+                      attending over the completion cache only as far as its last step fills it
+                      (grpo_rollout.segments; decode_attention=rollout). "auto": one per 128 new
+                      tokens, at most 8 (1 below 256 new tokens: no extra compile).
     """
 
     prompt_buckets: list | tuple = DEFAULT_PROMPT_BUCKETS  # YAML gives a list; stored as a tuple
@@ -75,6 +78,7 @@ class JaxRolloutOptions:
     decode_attention: str = "rollout"
     gather_weights: bool | str = "auto"
     shared_prompt: bool = True
+    decode_segments: int | str = "auto"
 
     def __post_init__(self) -> None:
         buckets = tuple(sorted(int(b) for b in self.prompt_buckets))
@@ -94,6 +98,9 @@ class JaxRolloutOptions:
         if self.gather_weights in SPLIT_LAYOUTS and self.decode_attention != "rollout":
             raise ValueError(f"gather_weights={self.gather_weights} runs the rollout's own decode step; set "
                              "decode_attention=rollout")
+        if self.decode_segments != "auto" and (isinstance(self.decode_segments, bool)
+                                               or not isinstance(self.decode_segments, int) or self.decode_segments < 1):
+            raise ValueError(f"decode_segments={self.decode_segments!r} must be auto or a whole number >= 1.")
         if self.cdf_block < 0 or self.top_p_candidates < 1:
             raise ValueError(f"cdf_block={self.cdf_block} must be >= 0 and "
                              f"top_p_candidates={self.top_p_candidates} >= 1.")
@@ -170,8 +177,26 @@ class JaxRollout:
             prompts, prompt_mask = ids, mask
         self._check_memory(prompts, prompt_mask, key, static)
         cache, state = first(self._weights, prompts, prompt_mask, key, **static)
-        _, state = self.decoder(self._weights, cache, state, key, static)(self._weights, cache, state, key)
+        _, state = self._segmented_decode(cache, state, key, static)
         return finish(ids, mask, state, sampling)
+
+    def decode_segments(self, sampling: SamplingParams) -> int:
+        """Segments `generate` decodes in (grpo_rollout.segments): the rollout's own attention only."""
+        if self.options.decode_attention != "rollout":
+            return 1
+        return segment_count(self.options.decode_segments, sampling.max_new_tokens)
+
+    def _segmented_decode(self, cache, state, key, static: dict[str, Any]):
+        """The decode as `decode_segments` loops; the earlier segments in the layout `auto` chose
+        for the last one, whose view is the whole cache."""
+        segments = self.decode_segments(static["params"])
+        last = self.decoder(self._weights, cache, state, key, static, segments)
+        if segments == 1:
+            return last(self._weights, cache, state, key)
+        layout = self._auto_decoders.layout(cache, state, static) if self.options.gather_weights == "auto" else None
+        earlier = static if layout is None else layout_static(static, layout)
+        return run_segments(lambda until: last if until is None else functools.partial(decode, **earlier, until=until),
+                            self._weights, cache, state, key, static["params"].max_new_tokens, segments)
 
     def prefill_phase(self, sampling: SamplingParams) -> Callable[..., Any]:
         """`prefill_shared` (the prompts [P, Tp] once each) where `shared_prompt` applies, else
@@ -261,17 +286,17 @@ class JaxRollout:
         prefill_compiled = self.prefill_phase(static["params"]).lower(weights, ids, mask, key, **static).compile()
         self.memory_check("rollout prefill", prefill_compiled)
         cache, state = abstract_outputs(prefill_compiled)
-        decoder = self.decoder(weights, cache, state, key, static)
+        decoder = self.decoder(weights, cache, state, key, static, self.decode_segments(static["params"]))
         if isinstance(decoder, functools.partial):  # the jitted decode, not a compiled gathered one
             decoder = decode.lower(weights, cache, state, key, **static).compile()
         self.memory_check("rollout decode", decoder)
         self._checked.add(signature)
 
-    def decoder(self, weights, cache, state, key, static: dict[str, Any]) -> Callable[..., Any]:
+    def decoder(self, weights, cache, state, key, static: dict[str, Any], segments: int = 1) -> Callable[..., Any]:
         """`decode` for these arguments; with gather_weights=auto, the gathered decode when it
         fits in device memory (decided once per batch shape, see grpo_rollout.gather)."""
         if self.options.gather_weights == "auto":
-            gathered = self._auto_decoders.get(weights, cache, state, key, static)
+            gathered = self._auto_decoders.get(weights, cache, state, key, static, segments)
             if gathered is not None:
                 return gathered
         return functools.partial(decode, **static)
@@ -314,54 +339,13 @@ class JaxRollout:
         first = compiler.compile("rollout prefill", lambda: phase.lower(*args, **static).compile(), args)
         if first is not None:  # decode's inputs are prefill's outputs
             cache, state = abstract_outputs(first)
-            self.compile_decode(compiler, (weights, cache, state, key), static)
+            compile_decode(compiler, (weights, cache, state, key), static, self.options.gather_weights,
+                           self.decode_segments(shapes.sampling))
 
     def kept_cache(self, shapes: RolloutShapes) -> Any:
         """The abstract KV cache of `generate_round`'s widest round (grpo_rollout.kept_plan)."""
         return kept_round_cache(self, shapes)
 
     def compile_decode(self, compiler: PhaseCompiler, args: tuple, static: dict[str, Any]) -> None:
-        def build(gather: bool) -> Callable[[], Any]:
-            return lambda: decode.lower(*args, **{**static, "gather_weights": gather}).compile()
-
-        auto_note = ""
-        if self.options.gather_weights == "auto" and has_sharded_weights(args[0]):
-            if self._compile_fastest_decode(compiler, args, static):
-                return
-            gathered = compiler.compile("rollout decode", build(True), args, record=False)
-            spare = None if gathered is None else compiler.spare_bytes(gathered)
-            if spare is not None and bytes_beyond_arguments(gathered) <= spare:
-                compiler.compile("rollout decode", lambda: gathered, args, note=lambda compiled: (
-                    "gather_weights=auto: weights gathered once per rollout (the copy fits); "
-                    + decode_traffic_note(compiled, True)))
-                return
-            auto_note = gather_refused_note(gathered, spare)
-        gather, split = static["gather_weights"], static["model_parallel"]
-        layout = "model-parallel weights (resharded once per rollout); " if split else ""
-        compiler.compile("rollout decode", build(gather), args,
-                         note=lambda compiled: auto_note + layout + decode_traffic_note(compiled, gather or split))
-
-    @staticmethod
-    def _compile_fastest_decode(compiler: PhaseCompiler, args: tuple, static: dict[str, Any]) -> bool:
-        """With a chip to project for: records the fastest decode layout that fits (see
-        grpo_rollout.gather.fastest_layout) and returns True; False without a chip."""
-        steps = static["params"].max_new_tokens - 1
-
-        def compile_layout(name: str) -> Any:
-            return compiler.compile("rollout decode", lambda: compile_unless_unsupported(
-                lambda: decode.lower(*args, **layout_static(static, name)).compile()), args, record=False)
-
-        probe = compile_layout("sharded")
-        if probe is None or compiler.decode_seconds(probe, steps) is None:
-            return False
-
-        def fits(program: Any) -> bool:
-            spare = compiler.spare_bytes(program)
-            return spare is not None and bytes_beyond_arguments(program) <= spare
-
-        layout, chosen, note = fastest_layout(lambda name: probe if name == "sharded" else compile_layout(name), fits,
-                                              lambda program: compiler.decode_seconds(program, steps),
-                                              candidate_layouts(static), steps)
-        compiler.compile("rollout decode", lambda: chosen, args,
-                         note=lambda compiled: f"{note}; " + decode_traffic_note(compiled, layout != "sharded"))
-        return True
+        """A partial round's decode for `--plan` (grpo_rollout.decode_plan): one loop, not segmented."""
+        compile_decode(compiler, args, static, self.options.gather_weights, 1)

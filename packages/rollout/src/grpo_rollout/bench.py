@@ -10,6 +10,7 @@ prompt 32, 128 new tokens, EOS suppressed, multinomial sampling at T=1.
     grpo-bench rollout --compare-hf --repeats 3
     grpo-bench rollout --compare-shared --n 8 --prompt-len 256             # shared vs repeated prompts
     grpo-bench rollout --round-costs --n 8 --partial-budget 16             # a partial round's phase costs
+    grpo-bench rollout --compare-segments 4 --n 8 --new-tokens 512          # 4 decode segments vs one loop
     grpo-bench rollout --eos 0 --stop-p 0.03125 --new-tokens 256 --partial-budget 24   # partial vs synchronous
 """
 
@@ -21,6 +22,7 @@ import os
 import subprocess
 import sys
 import time
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -77,16 +79,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     run.add_argument("--stop-p", type=float, default=None,
                      help="stop-token probability per step (length model, needs --eos): geometric lengths")
     add_partial_args(p.add_argument_group("partial rollouts (grpo_rollout.bench_partial)"))
-    run.add_argument("--engine", choices=("jax", "hf"), default="jax")
-    run.add_argument("--compare-hf", action="store_true", help="also time transformers generate")
-    run.add_argument("--compare-shared", action="store_true",
-                     help="time batch / --n prompts of --n samples with each prompt repeated and shared "
-                          "(rollout.options.shared_prompt), in one run")
-    run.add_argument("--round-costs", action="store_true",
-                     help="XLA's FLOPs and bytes of the widest kept-cache partial round, one cache row per slot "
-                          "and on the groups' prompt table (grpo_rollout.bench_round_costs)")
-    run.add_argument("--threads", type=int, default=0, help="torch threads for --engine hf (0: all cores)")
+    add_comparison_args(p.add_argument_group("comparisons"))
     return p.parse_args(argv)
+
+
+def add_comparison_args(group) -> None:
+    group.add_argument("--engine", choices=("jax", "hf"), default="jax")
+    group.add_argument("--compare-hf", action="store_true", help="also time transformers generate")
+    group.add_argument("--compare-shared", action="store_true",
+                       help="time batch / --n prompts of --n samples with each prompt repeated and shared "
+                            "(rollout.options.shared_prompt), in one run")
+    group.add_argument("--round-costs", action="store_true",
+                       help="XLA's FLOPs and bytes of the widest kept-cache partial round, one cache row per slot "
+                            "and on the groups' prompt table (grpo_rollout.bench_round_costs)")
+    group.add_argument("--compare-segments", type=int, default=0, metavar="K",
+                       help="time the decode as one loop and as K segments (rollout.options.decode_segments), "
+                            "shared prompts when --n > 1, in one run")
+    group.add_argument("--threads", type=int, default=0, help="torch threads for --engine hf (0: all cores)")
 
 
 def random_prompts(args: argparse.Namespace) -> np.ndarray:
@@ -95,14 +104,16 @@ def random_prompts(args: argparse.Namespace) -> np.ndarray:
 
 
 # ---- jax ---------------------------------------------------------------------------------
-def bench_jax(args: argparse.Namespace, shared: bool | None = None) -> dict[str, Any]:
+def bench_jax(args: argparse.Namespace, shared: bool | None = None, segments: int = 1) -> dict[str, Any]:
     """shared None: `batch` distinct prompts; else batch / n prompts of n samples each, every prompt
-    repeated n times (False) or prefilled once for its group (True, grpo_rollout.cascade)."""
+    repeated n times (False) or prefilled once for its group (True, grpo_rollout.cascade). segments:
+    the decode as that many loops (grpo_rollout.segments)."""
     import jax
     from flax import nnx
 
     from grpo_rollout.backend import JaxRollout, JaxRolloutOptions
     from grpo_rollout.decode import decode, prefill, prefill_shared
+    from grpo_rollout.segments import run_segments
     from grpo_core.contracts import SamplingParams
 
     model = bench_model(args)
@@ -124,7 +135,8 @@ def bench_jax(args: argparse.Namespace, shared: bool | None = None) -> dict[str,
         start = time.perf_counter()
         cache, state = jax.block_until_ready(first(weights, ids, mask, key, **static))
         middle = time.perf_counter()
-        _, state = jax.block_until_ready(decode(weights, cache, state, key, **static))
+        _, state = jax.block_until_ready(run_segments(lambda until: partial(decode, **static, until=until),
+                                                      weights, cache, state, key, args.new_tokens, segments))
         end = time.perf_counter()
         lengths = np.asarray(state.lengths)
         return middle - start, end - middle, int(lengths.sum()), int(state.step), lengths
@@ -229,12 +241,9 @@ def main(argv: list[str] | None = None) -> int:
 
         print(json.dumps({**run_bench(args), **shape_fields(args)}))
         return 0
-    if args.compare_shared:
-        repeated, shared = bench_jax(args, shared=False), bench_jax(args, shared=True)
-        print(json.dumps({"repeated_prompts": repeated, "shared_prompts": shared, "n": args.n,
-                          "decode_speedup": repeated["decode_ms_per_token"] / shared["decode_ms_per_token"],
-                          "tokens_per_s_speedup": shared["tokens_per_s"] / repeated["tokens_per_s"],
-                          **shape_fields(args)}))
+    compared = comparison(args)
+    if compared is not None:
+        print(json.dumps({**compared, **shape_fields(args)}))
         return 0
     result = bench_jax(args)
     result.update(shape_fields(args))
@@ -243,6 +252,22 @@ def main(argv: list[str] | None = None) -> int:
         result.update(hf_tokens_per_s=hf["tokens_per_s"], speedup_vs_hf=result["tokens_per_s"] / hf["tokens_per_s"])
     print(json.dumps(result))
     return 0
+
+
+def comparison(args: argparse.Namespace) -> dict[str, Any] | None:
+    """Both sides of --compare-segments or --compare-shared, timed in this one run; None without either."""
+    if args.compare_segments:
+        shared = True if args.n > 1 else None
+        whole, segmented = bench_jax(args, shared), bench_jax(args, shared, args.compare_segments)
+        return {"one_loop": whole, "segmented": segmented, "decode_segments": args.compare_segments, "n": args.n,
+                "decode_speedup": whole["decode_ms_per_token"] / segmented["decode_ms_per_token"],
+                "tokens_per_s_speedup": segmented["tokens_per_s"] / whole["tokens_per_s"]}
+    if args.compare_shared:
+        repeated, shared = bench_jax(args, shared=False), bench_jax(args, shared=True)
+        return {"repeated_prompts": repeated, "shared_prompts": shared, "n": args.n,
+                "decode_speedup": repeated["decode_ms_per_token"] / shared["decode_ms_per_token"],
+                "tokens_per_s_speedup": shared["tokens_per_s"] / repeated["tokens_per_s"]}
+    return None
 
 
 def shape_fields(args: argparse.Namespace) -> dict[str, Any]:

@@ -185,24 +185,25 @@ class TableCache:
 
 
 def shared_decode_forward(model, tokens: jax.Array, live: jax.Array, cache,
-                          layout: ActivationLayout = ActivationLayout()):
+                          layout: ActivationLayout = ActivationLayout(), view: int | None = None):
     """`grpo_rollout.attention.decode_forward` on a SharedCache or TableCache: the new token's keys and
     values go to the row's completion cache; the attention merges the prompt part and the row's own.
-    Returns (hidden [B, 1, H], cache)."""
-    return decode_forward(model, tokens, live, cache, layout, cascade_over)
+    view: attend over completion slots [:view] only (None: all). Returns (hidden [B, 1, H], cache)."""
+    return decode_forward(model, tokens, live, cache, layout, cascade_over, view)
 
 
-def cascade_over(cache):
+def cascade_over(cache, view: int | None = None):
     """The attend function of grpo_rollout.attention.decode_layers over a SharedCache or TableCache:
     the new keys and values go to the rows' completion part, the attention is the cache's own
     (`cascade_attention` or `table_attention`)."""
-    own_visible = cache.completion.visibility(1)[:, 0]  # [B, Sc]
+    own_visible = cache.completion.visibility(1)[:, 0, :view]  # [B, view]
     prompt = cache.prompt
 
     def attend(i, cache, q, k, v):
         own = cache.completion.write_layer(i, k, v)
+        own_k, own_v = own.k[i, :, :view], own.v[i, :, :view]  # a static slice: only it is read
         attended = cache.attention(q, prompt.k[i].astype(q.dtype), prompt.v[i].astype(q.dtype),
-                                   own.k[i].astype(q.dtype), own.v[i].astype(q.dtype), own_visible)
+                                   own_k.astype(q.dtype), own_v.astype(q.dtype), own_visible)
         return attended, cache.replace(completion=own)
 
     return attend

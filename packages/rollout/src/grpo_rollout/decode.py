@@ -228,43 +228,53 @@ def first_token(logits, key, params: SamplingParams, pad_id: int, batch_sharding
     return start.record(sampled, logps, params, pad_id)
 
 
-@functools.partial(jax.jit, static_argnames=PHASE_STATIC_ARGS, donate_argnames=("cache", "state"))
+def view_slots(cache, max_new_tokens: int, until: int | None) -> int | None:
+    """Cache slots the decode steps before `until` fill (of a SharedCache: its completion part), the
+    static view a segment ending there attends over; None: the whole cache. Step s feeds column s - 1,
+    written to completion slot s - 1, after the prompt's slots in an unshared cache."""
+    if until is None or until >= max_new_tokens:
+        return None
+    if isinstance(cache, SharedCache):
+        return until - 1
+    return cache.max_len - (max_new_tokens - until)
+
+
+@functools.partial(jax.jit, static_argnames=PHASE_STATIC_ARGS + ("until",), donate_argnames=("cache", "state"))
 def decode(weights, cache, state: LoopState, key, *, graphdef, params: SamplingParams, pad_id: int,
            cache_dtype=None, batch_sharding=None, block=None, top_p_candidates=DEFAULT_TOP_P_CANDIDATES,
-           attention="rollout", gather_weights=False, model_parallel=False):
-    """Sample columns state.step .. Tn-1 in one while loop; the cache and loop state are
-    donated and updated in place. Returns (cache, final LoopState).
+           attention="rollout", gather_weights=False, model_parallel=False, until=None):
+    """Sample columns state.step .. Tn-1 in one while loop; the cache and loop state are donated
+    and updated in place. Returns (cache, final LoopState). until: a segment (grpo_rollout.segments)
+    stops before step `until`, its attention reading only the slots those steps fill (`view_slots`).
 
-    attention: "rollout" runs `attention.decode_forward` (single-query attention),
-    "model" the model's own cached forward with T = 1. gather_weights: see `rollout_weights`;
-    model_parallel: True splits the weights by heads / MLP columns / vocabulary over the batch
-    devices (grpo_rollout.model_parallel), "heads" runs the attention where its KV heads are
-    (grpo_rollout.head_parallel); both need attention="rollout"."""
+    attention: "rollout" runs `attention.decode_forward` (single-query attention), "model" the model's
+    own cached forward with T = 1. gather_weights: see `rollout_weights`; model_parallel: True splits the
+    weights by heads / MLP columns / vocabulary over the batch devices (grpo_rollout.model_parallel),
+    "heads" runs the attention where its KV heads are (grpo_rollout.head_parallel)."""
     del cache_dtype  # part of the shared static signature only
-    rows = state.last.shape[0]
+    rows, end = state.last.shape[0], params.max_new_tokens if until is None else min(until, params.max_new_tokens)
+    view = view_slots(cache, params.max_new_tokens, until)
     layout, weights = decode_layout(weights, graphdef, cache, batch_sharding, gather_weights, model_parallel)
 
     def unfinished(carry):
         _, s = carry
-        return (s.step < params.max_new_tokens) & ~jnp.all(s.done)
+        return (s.step < end) & ~jnp.all(s.done)
 
     def one_token(carry):
         cache, s = carry
         model = nnx.merge(graphdef, weights)
-        if isinstance(cache, (SharedCache, TableCache)):
-            hidden, cache = shared_decode_forward(model, s.last, ~s.done, cache, layout)  # [N, 1, H]
-        elif attention == "rollout":
-            hidden, cache = decode_forward(model, s.last, ~s.done, cache, layout)  # [N, 1, H]
-        else:
+        if attention == "model" and not isinstance(cache, (SharedCache, TableCache)):
             hidden, cache = model(s.last[:, None], attention_mask=~s.done[:, None], cache=cache)
+        else:
+            forward = shared_decode_forward if isinstance(cache, (SharedCache, TableCache)) else decode_forward
+            hidden, cache = forward(model, s.last, ~s.done, cache, layout, view=view)  # [N, 1, H]
         logits = layout.logits(model.logits(hidden)[:, 0])  # [N, V]
         sampled, logps = sample_next(logits, step_uniforms(key, s.step, rows), params, block=block,
                                      top_p_candidates=top_p_candidates)
         return pin_loop(cache, s.record(sampled, logps, params, pad_id), batch_sharding, layout)
 
-    # The head-parallel layout holds the cache split by rows and KV heads inside the loop only:
-    # the jitted phases exchange it split by rows like the batch (one move in, one out per call).
-    # The result pinned in the loop's layout first: else the batch layout reaches back into the carry.
+    # Head-parallel, the cache is split by rows and KV heads inside the loop only (the phases exchange it split
+    # like the batch); the result is pinned in the loop's layout first, else the batch's reaches into the carry.
     cache, state = pin_loop(*jax.lax.while_loop(unfinished, one_token, pin_loop(cache, state, batch_sharding, layout)),
                             batch_sharding, layout)
     return constrain_cache(cache, batch_sharding), state

@@ -21,6 +21,7 @@ from jax.sharding import NamedSharding
 
 from grpo_rollout.decode import decode
 from grpo_rollout.head_parallel import LayoutUnsupported
+from grpo_rollout.segments import segmented_seconds
 
 GIB = 1 << 30
 GATHER_HEADROOM = 0.10  # fraction of a device's memory the gathered decode must leave free
@@ -126,49 +127,62 @@ def fastest_layout(compile_layout: Callable[[str], Any], fits: Callable[[Any], b
 
 
 class AutoDecoders:
-    """The compiled decode `auto` picks per batch signature, or None for the jitted sharded one.
+    """The compiled decode `auto` picks per batch signature, or None for the jitted sharded one
+    (the decode of the whole cache: a segmented decode runs its earlier segments in its `layout`).
 
     Without a projector (CPU, GPU): the gathered decode when it fits. With one (set by the
     run for TPU chips of a known generation): the fastest projected of the gathered,
     sharded and model-parallel decodes that fit, the rule `grpo-run --plan --target` uses."""
 
     def __init__(self) -> None:
-        self._by_signature: dict[Any, Optional[Callable[..., Any]]] = {}
+        self._by_signature: dict[Any, tuple[Optional[str], Optional[Callable[..., Any]]]] = {}
         self.projector: Optional[Projector] = None
 
-    def get(self, weights, cache, state, key, static: dict[str, Any]) -> Optional[Callable[..., Any]]:
-        signature = (tuple(leaf.shape for leaf in jax.tree.leaves(cache)), state.tokens.shape, tuple(sorted(static.items(), key=lambda kv: kv[0])))
+    def get(self, weights, cache, state, key, static: dict[str, Any], segments: int = 1) -> Optional[Callable[..., Any]]:
+        """segments: the decode runs as that many calls (grpo_rollout.segments), each paying the setup."""
+        signature = self._signature(cache, state, static)
         if signature not in self._by_signature:  # decided once: no tree walk per rollout
             sharding = static.get("batch_sharding")
-            sharded = sharding is not None and has_sharded_weights(weights)  # else nothing to gather
-            choose = self._fastest if self.projector is not None else self._compile_if_fits
-            self._by_signature[signature] = choose(weights, cache, state, key, static, sharding) if sharded else None
-        return self._by_signature[signature]
+            chosen = (None, None)
+            if sharding is not None and has_sharded_weights(weights):  # else nothing to gather
+                chosen = (self._fastest(weights, cache, state, key, static, sharding, segments) if self.projector
+                          else self._compile_if_fits(weights, cache, state, key, static, sharding))
+            self._by_signature[signature] = chosen
+        return self._by_signature[signature][1]
 
-    def _fastest(self, weights, cache, state, key, static, sharding: NamedSharding) -> Optional[Callable[..., Any]]:
+    def layout(self, cache, state, static: dict[str, Any]) -> Optional[str]:
+        """The layout `get` chose for these arguments (a key of LAYOUTS); None: the static arguments' own."""
+        return self._by_signature.get(self._signature(cache, state, static), (None, None))[0]
+
+    @staticmethod
+    def _signature(cache, state, static: dict[str, Any]) -> Any:
+        return (tuple(leaf.shape for leaf in jax.tree.leaves(cache)), state.tokens.shape,
+                tuple(sorted(static.items(), key=lambda kv: kv[0])))
+
+    def _fastest(self, weights, cache, state, key, static, sharding: NamedSharding, segments: int) -> tuple[str, Any]:
         spare = spare_device_bytes(list(sharding.mesh.local_devices))
         steps = static["params"].max_new_tokens - 1
         layout, compiled, note = fastest_layout(
             lambda name: compile_unless_unsupported(
                 lambda: decode.lower(weights, cache, state, key, **layout_static(static, name)).compile()),
             lambda program: every_process(spare is not None and bytes_beyond_arguments(program) <= spare),
-            lambda program: self.projector(program, steps), candidate_layouts(static), steps)
+            lambda program: segmented_seconds(self.projector, program, steps, segments), candidate_layouts(static), steps)
         print(f"rollout: {note}", flush=True)
-        return compiled
+        return layout, compiled
 
     @staticmethod
-    def _compile_if_fits(weights, cache, state, key, static, sharding: NamedSharding) -> Optional[Callable[..., Any]]:
+    def _compile_if_fits(weights, cache, state, key, static, sharding: NamedSharding) -> tuple[Optional[str], Any]:
         shape = f"{state.tokens.shape[0]} rows x {cache.max_len} cache slots"
         spare = spare_device_bytes(list(sharding.mesh.local_devices))
         if not every_process(spare is not None):
             print(f"rollout: gather_weights=auto: sharded weights for the decode of {shape} "
                   "(the devices report no memory limit to check a gathered copy against)", flush=True)
-            return None
+            return None, None
         compiled = decode.lower(weights, cache, state, key, **{**static, "gather_weights": True}).compile()
         needed = bytes_beyond_arguments(compiled)
         fits = every_process(needed <= spare)
         print(f"rollout: gather_weights=auto: {'gathered' if fits else 'sharded'} weights for the decode of {shape} "
               f"(gathered needs {needed / GIB:.2f} GiB beyond its arguments, {spare / GIB:.2f} GiB spare with "
               f"{GATHER_HEADROOM:.0%} of device memory kept free)", flush=True)
-        return compiled if fits else None
+        return ("gathered", compiled) if fits else (None, None)
 

@@ -5,15 +5,21 @@ Read off the program the run executes (its HLO and buffer sizes), not XLA's `cos
 that counts a loop body once and, on TPU, counts VMEM traffic as memory traffic (a weight
 prefetched into VMEM shows up ~3 times). HBM bytes here are a lower bound: what a call must
 read and write once (its arguments and outputs; per iteration of a decode loop, the state the
-loop carries: weights as the loop reads them, the KV cache, the sampler state).
+loop carries: weights as the loop reads them, the KV cache, the sampler state). A carried array
+the loop reads through slices of one layer (the KV cache: a segment of a segmented decode attends
+over a static view of it, grpo_rollout.segments) counts the largest such slice's share of it.
 """
 
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import dataclass
 from typing import Any, Optional
 
 from grpo_core.hlo import HloModule, Instruction, shape_bytes
+
+_ARRAY = re.compile(r"(\w+\[[\d,]*\])")
 
 from grpo_runner_gsm8k.costs.tpu_target import Generation
 
@@ -60,6 +66,31 @@ def data_dependent_loop(module: HloModule) -> Optional[Instruction]:
     return max(loops, key=lambda w: shape_bytes(w.shape), default=None)
 
 
+def sliced_shares(module: HloModule) -> dict[str, float]:
+    """{array type, e.g. 'bf16[2,8,256,2,128]': the largest share of it any slice of rank >= 4 reads},
+    a slice of one layer (leading dimension 1) counted once per layer."""
+    shares: dict[str, float] = {}
+    for computation in module.computations.values():
+        for inst in computation.instructions:
+            if inst.op not in ("dynamic-slice", "slice") or not inst.operands:
+                continue
+            source, part = _ARRAY.findall(computation.shapes.get(inst.operands[0], "")), _ARRAY.findall(inst.shape)
+            if len(source) != 1 or len(part) != 1 or source[0].count(",") < 3:
+                continue
+            full, read = (math.prod(int(d) for d in a[a.index("[") + 1:-1].split(",")) for a in (source[0], part[0]))
+            one_layer = part[0].split("[")[1].startswith("1,")
+            layers = int(source[0].split("[")[1].split(",")[0]) if one_layer else 1
+            shares[source[0]] = max(shares.get(source[0], 0.0), min(1.0, read * layers / full))
+    return shares
+
+
+def carried_bytes_read(module: HloModule, loop: Instruction) -> int:
+    """Bytes of a loop's carry one iteration reads: each array whole, but an array read through
+    slices of rank >= 4 (a layer of the KV cache, through a segment's view) at their largest share."""
+    shares = sliced_shares(module)
+    return sum(round(shape_bytes(array) * shares.get(array, 1.0)) for array in _ARRAY.findall(loop.shape))
+
+
 def collectives(module: HloModule, computation: str | None = None) -> Collectives:
     """The synchronous and asynchronous collectives of one execution of `computation`."""
     def total(figures: dict[str, int]) -> int:
@@ -81,7 +112,7 @@ def phase_cost(compiled: Any) -> PhaseCost:
                          everything.exposed_bytes, everything.overlapped_bytes, custom_calls=kernels,
                          collectives=everything.exposed, overlapped_collectives=everything.overlapped)
     body = collectives(module, loop.body())
-    return PhaseCost(module.matmul_flops(loop.body()), shape_bytes(loop.shape), body.exposed_bytes,
+    return PhaseCost(module.matmul_flops(loop.body()), carried_bytes_read(module, loop), body.exposed_bytes,
                      body.overlapped_bytes, per_iteration=True,
                      setup_collective_bytes=everything.total_bytes - body.total_bytes, custom_calls=kernels,
                      collectives=body.exposed, overlapped_collectives=body.overlapped,

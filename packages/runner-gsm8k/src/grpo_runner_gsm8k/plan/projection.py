@@ -12,6 +12,10 @@ HBM bytes are a lower bound (grpo_runner_gsm8k.costs.roofline). So the projectio
            + log-probs (when the run scores old or reference log-probs)
            + teacher log-probs (with a distillation teacher)
 
+A segmented decode (rollout.options.decode_segments, grpo_rollout.segments) is priced per segment:
+segment k's per-step cost x its steps among 1 .. tokens - 1, plus its setup (the weight gather or
+reshard each call runs once), for each segment that starts before the last token.
+
 The prefill samples each row's first token; the update is compiled at the widest training batch
 (the longest completion), at both lengths.
 """
@@ -25,6 +29,7 @@ from typing import Optional
 
 from grpo_core.config import ModelConfig
 from grpo_core.models import QwenConfig
+from grpo_rollout.segments import decode_phase_steps
 
 from grpo_runner_gsm8k.assembly.build import attention_impl, micro_batches, rows_per_step
 from grpo_runner_gsm8k.costs.flops import forward_flops
@@ -98,10 +103,27 @@ class Projection:
     phases: dict[str, PhaseTime]
     model_update_flops: float  # model_update_passes x forward of the widest training batch, all devices
 
+    def decode_segments(self) -> list[tuple[int, Optional[int], PhaseTime]]:
+        """(first step, end step, phase) of each decode segment in step order; the last, `rollout
+        decode`, runs to the end (None). One segment for an unsegmented decode."""
+        earlier = sorted((decode_phase_steps(name), p) for name, p in self.phases.items() if decode_phase_steps(name))
+        first = earlier[-1][0][1] if earlier else 1
+        return [(a, b, p) for (a, b), p in earlier] + [(first, None, self.phases["rollout decode"])]
+
+    def decode_seconds(self, tokens: int) -> float:
+        """Decode steps 1 .. tokens - 1: each segment the host calls (those starting before the last
+        token), its setup and its steps."""
+        total = 0.0
+        for first, end, phase in self.decode_segments():
+            if first < max(tokens, 2):
+                total += phase.setup_seconds + (min(tokens, end or tokens) - first) * phase.seconds
+        return total
+
     def step_seconds(self, tokens: int) -> float:
-        decode, update = self.phases["rollout decode"], self.phases["train step"]
-        others = sum(p.seconds for name, p in self.phases.items() if name not in ("rollout decode", "train step"))
-        return others + decode.setup_seconds + (tokens - 1) * decode.seconds + self.epochs * update.seconds
+        update = self.phases["train step"]
+        others = sum(p.seconds for name, p in self.phases.items()
+                     if name not in ("rollout decode", "train step") and not decode_phase_steps(name))
+        return others + self.decode_seconds(tokens) + self.epochs * update.seconds
 
     def with_latency_scale(self, scale: float) -> "Projection":
         """The same compiled programs (the decode layout chosen at the table's latency) with the
@@ -139,19 +161,41 @@ def project(inputs: PlanInputs, chip: Generation, phases: list[PhaseMemory]) -> 
 
 def projection_lines(projection: Projection, lengths: list[int]) -> list[str]:
     chip = projection.chip
+    labels = {name: phase_label(projection, name) for name in projection.phases}
+    width = max([26] + [len(label) + 1 for label in labels.values()])
     lines = [f"projected time per device: a lower bound from the TPU compiler's programs, not a measurement "
              f"({chip.name}: {chip.peak_tflops:g} TFLOP/s bf16, {chip.hbm_gbps:g} GB/s HBM, {chip.ici_gbps:g} GB/s "
              f"ICI per chip, {chip.collective_latency_us:g} us per collective ({chip.latency_source}); collectives "
              "the schedule issues asynchronously overlap compute, the rest add to it)",
-             f"{'per device':<26}{'TFLOP':>10}{'HBM GB':>10}{'sync MB':>10}{'async MB':>10}{'colls':>8}{'time':>12}"]
-    for p in projection.phases.values():
-        label = "rollout decode (1 token)" if p.name == "rollout decode" else p.name
-        lines.append(f"{label:<26}{p.flops / 1e12:>10.3f}{p.hbm_bytes / 1e9:>10.3f}{p.collective_bytes / 1e6:>10.1f}"
-                     f"{p.overlapped_collective_bytes / 1e6:>10.1f}{p.collectives:>8}{seconds_text(p.seconds):>12}")
+             f"{'per device':<{width}}{'TFLOP':>10}{'HBM GB':>10}{'sync MB':>10}{'async MB':>10}{'colls':>8}{'time':>12}"]
+    for p in table_order(projection):
+        lines.append(f"{labels[p.name]:<{width}}{p.flops / 1e12:>10.3f}{p.hbm_bytes / 1e9:>10.3f}"
+                     f"{p.collective_bytes / 1e6:>10.1f}{p.overlapped_collective_bytes / 1e6:>10.1f}{p.collectives:>8}"
+                     f"{seconds_text(p.seconds):>12}")
     update = projection.phases["train step"].seconds
     lines.append(f"train micro-batch: {seconds_text(update / projection.micro_batches)} "
                  f"({projection.micro_batches} per update); train MFU {projection.mfu:.1%}")
     return lines + [step_line(projection, tokens) for tokens in lengths] + [latency_line(projection, lengths)]
+
+
+def table_order(projection: Projection) -> list[PhaseTime]:
+    """The phases in the order they were compiled, a segmented decode's segments in step order."""
+    segments = [p for _, _, p in projection.decode_segments()]
+    ordered: list[PhaseTime] = []
+    for p in projection.phases.values():
+        if p.name == "rollout decode":
+            ordered += segments
+        elif not decode_phase_steps(p.name):
+            ordered.append(p)
+    return ordered
+
+
+def phase_label(projection: Projection, name: str) -> str:
+    """A phase's row label; a decode's rows are per token (a segmented decode's last segment runs to the end)."""
+    segments = projection.decode_segments()
+    if name != "rollout decode":
+        return name
+    return f"rollout decode steps {segments[-1][0]}-" if len(segments) > 1 else "rollout decode (1 token)"
 
 
 def latency_line(projection: Projection, lengths: list[int]) -> str:
@@ -165,10 +209,14 @@ def latency_line(projection: Projection, lengths: list[int]) -> str:
 
 
 def step_line(projection: Projection, tokens: int) -> str:
-    decode = projection.phases["rollout decode"]
+    segments = projection.decode_segments()
+    steps = f"{tokens - 1} decode steps x {seconds_text(segments[0][2].seconds)}"
+    if len(segments) > 1:
+        called = sum(first < max(tokens, 2) for first, _, _ in segments)
+        steps = (f"{tokens - 1} decode steps in {called} of {len(segments)} segments, "
+                 f"{seconds_text(projection.decode_seconds(tokens))}")
     return (f"projected step at {tokens} completion tokens per row: {projection.step_seconds(tokens):.2f} s "
-            f"({tokens - 1} decode steps x {seconds_text(decode.seconds)}), "
-            f"{projection.tokens_per_second(tokens):,.0f} completion tokens/s")
+            f"({steps}), {projection.tokens_per_second(tokens):,.0f} completion tokens/s")
 
 
 def seconds_text(seconds: float) -> str:
@@ -179,7 +227,14 @@ def seconds_text(seconds: float) -> str:
 
 def steps_json(projection: Projection, lengths: list[int]) -> list[dict]:
     return [{"completion_tokens": t, "step_seconds": projection.step_seconds(t),
-             "completion_tokens_per_second": projection.tokens_per_second(t)} for t in lengths]
+             "decode_seconds": projection.decode_seconds(t), "completion_tokens_per_second": projection.tokens_per_second(t)} for t in lengths]
+
+
+def segments_json(projection: Projection) -> list[dict]:
+    """Each decode segment's steps and per-step cost (one entry for an unsegmented decode)."""
+    return [{"phase": p.name, "first_step": first, "end_step": end, "seconds_per_step": p.seconds,
+             "setup_seconds": p.setup_seconds, "hbm_gb_per_device_per_step": p.hbm_bytes / 1e9}
+            for first, end, p in projection.decode_segments()]
 
 
 def projection_json(projection: Projection, lengths: list[int]) -> str:
@@ -196,5 +251,6 @@ def projection_json(projection: Projection, lengths: list[int]) -> str:
         "train_micro_batch_seconds": projection.phases["train step"].seconds / projection.micro_batches,
         "train_mfu": projection.mfu,
         "steps": steps_json(projection, lengths),
+        "decode_segments": segments_json(projection),
         "latency_sensitivity": [{"scale": scale, "steps": steps_json(projection.with_latency_scale(scale), lengths)}
                                 for scale in (*LATENCY_SCALES, 0.0)]}})

@@ -20,10 +20,11 @@ COLUMNS = ("arguments", "outputs", "aliased", "temp", "other", "total")
 
 
 def table_lines(phases: list[PhaseMemory]) -> list[str]:
-    lines = [f"{'per device (GiB)':<18}" + "".join(f"{c:>11}" for c in COLUMNS)]
+    width = max([18] + [len(p.name) + 1 for p in phases])  # a decode segment's name is longer
+    lines = [f"{'per device (GiB)':<{width}}" + "".join(f"{c:>11}" for c in COLUMNS)]
     for p in phases:
         values = (p.arguments, p.outputs, p.aliased, p.temp, p.other, p.total)
-        lines.append(f"{p.name:<18}" + "".join(f"{v / GIB:>11.3f}" for v in values)
+        lines.append(f"{p.name:<{width}}" + "".join(f"{v / GIB:>11.3f}" for v in values)
                      + ("  refused by the compiler: over HBM (temp as it reported)" if p.refused else ""))
     return lines + [f"  {p.name}: {p.note}" for p in phases if p.note]
 
