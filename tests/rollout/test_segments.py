@@ -20,7 +20,7 @@ PROMPTS = [[5, 17, 33, 2, 91], [64, 3], [7, 7, 120, 45, 12, 99, 1, 30], [88, 1]]
 STOP_IDS = tuple(range(100, 108))  # about one token in sixteen ends a row
 SAMPLED = SamplingParams(max_new_tokens=7, n=2, temperature=0.9, stop_token_ids=STOP_IDS)
 GREEDY = SamplingParams(max_new_tokens=7, n=2, greedy=True)
-LAYOUTS = {"gathered": True, "sharded": False, "model_parallel": "model_parallel"}
+LAYOUTS = {"gathered": True, "sharded": False, "model_parallel": "model_parallel", "head_parallel": "head_parallel"}
 
 
 @pytest.fixture

@@ -259,8 +259,9 @@ class PhaseCompiler(Protocol):
                 note: str | Callable[[Any], str] = "") -> Any:
         """`build()` (e.g. `jitted.lower(*abstract_args).compile()`) with the abstract
         `arguments` it takes; recorded as phase `name` of the plan (with `note`, or
-        `note(compiled)`) unless `record` is False. None when the compiler refused it for
-        memory (a recorded refusal shows what it asked for)."""
+        `note(compiled)`) unless `record` is False; recording a name again replaces that phase (its
+        note kept when none is given). None when the compiler refused it for memory (a recorded
+        refusal shows what it asked for)."""
 
     def spare_bytes(self, compiled: Any) -> int | None:
         """What a call of `compiled` may take beyond its arguments on a planned device, with

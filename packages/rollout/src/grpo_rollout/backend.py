@@ -13,7 +13,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from grpo_rollout.decode import (check_batch_divisible, decode,
+from grpo_rollout.decode import (check_batch_divisible, decode, lay_out,
                                  group_sharding, place, prefill, prefill_shared, rollout_graphdef)
 from grpo_rollout.decode_plan import compile_decode
 from grpo_rollout.kept_cache import admission_batch, admit, compact, kept_counts, kept_width, round_start
@@ -187,16 +187,17 @@ class JaxRollout:
         return segment_count(self.options.decode_segments, sampling.max_new_tokens)
 
     def _segmented_decode(self, cache, state, key, static: dict[str, Any]):
-        """The decode as `decode_segments` loops; the earlier segments in the layout `auto` chose
-        for the last one, whose view is the whole cache."""
+        """The decode as `decode_segments` loops, all in the layout `auto` chose for the last one
+        (whose view is the whole cache), the weights and cache moved into it once."""
         segments = self.decode_segments(static["params"])
         last = self.decoder(self._weights, cache, state, key, static, segments)
         if segments == 1:
             return last(self._weights, cache, state, key)
         layout = self._auto_decoders.layout(cache, state, static) if self.options.gather_weights == "auto" else None
-        earlier = static if layout is None else layout_static(static, layout)
-        return run_segments(lambda until: last if until is None else functools.partial(decode, **earlier, until=until),
-                            self._weights, cache, state, key, static["params"].max_new_tokens, segments)
+        chosen = static if layout is None else layout_static(static, layout)
+        weights, cache = lay_out(self._weights, cache, chosen)  # once: no segment gathers or reshards them
+        return run_segments(lambda until: functools.partial(decode, **chosen, until=until),
+                            weights, cache, state, key, static["params"].max_new_tokens, segments)
 
     def prefill_phase(self, sampling: SamplingParams) -> Callable[..., Any]:
         """`prefill_shared` (the prompts [P, Tp] once each) where `shared_prompt` applies, else

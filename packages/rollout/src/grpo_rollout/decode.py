@@ -27,7 +27,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from grpo_rollout.attention import decode_forward
 from grpo_rollout.cascade import SharedCache, TableCache, shared_decode_forward
 from grpo_rollout.head_parallel import HeadParallel, LayoutUnsupported, grid_mesh, unsupported
-from grpo_rollout.model_parallel import ActivationLayout, model_parallel_weights
+from grpo_rollout.model_parallel import ActivationLayout, model_parallel_weights, weight_shardings
 from grpo_core.contracts import SamplingParams
 from grpo_core.sharding import as_tuple
 from grpo_rollout.sampling import DEFAULT_TOP_P_CANDIDATES, sample_next
@@ -273,11 +273,34 @@ def decode(weights, cache, state: LoopState, key, *, graphdef, params: SamplingP
                                      top_p_candidates=top_p_candidates)
         return pin_loop(cache, s.record(sampled, logps, params, pad_id), batch_sharding, layout)
 
-    # Head-parallel, the cache is split by rows and KV heads inside the loop only (the phases exchange it split
-    # like the batch); the result is pinned in the loop's layout first, else the batch's reaches into the carry.
+    # Head-parallel, the cache is split by rows and KV heads in the loop; the result is pinned so first (else the
+    # batch's layout reaches into the carry), then handed back split like the batch, but by a segment before the
+    # last as it is, for the next (`lay_out`).
     cache, state = pin_loop(*jax.lax.while_loop(unfinished, one_token, pin_loop(cache, state, batch_sharding, layout)),
                             batch_sharding, layout)
-    return constrain_cache(cache, batch_sharding), state
+    return (cache if until is not None else constrain_cache(cache, batch_sharding)), state
+
+
+def loop_shardings(weights, cache, *, graphdef, batch_sharding=None, gather_weights=False, model_parallel=False,
+                   **_) -> tuple:
+    """(the weights' shardings, the cache's) inside a decode loop of this layout (`decode`'s static
+    arguments): a segmented decode moves them there once (`lay_out`), so its segments neither
+    gather nor reshard them again, and each segment but the last hands the cache on as it is."""
+    own = jax.tree.map(lambda a: a.sharding, (weights, cache))
+    if batch_sharding is None or not (gather_weights or model_parallel):
+        return own
+    if model_parallel == "heads":
+        layout = head_parallel_layout(nnx.merge(graphdef, weights).config, cache, batch_sharding)
+        return layout.weight_shardings(weights), layout.cache_shardings(cache)
+    if model_parallel:
+        return weight_shardings(weights, batch_sharding.mesh, batch_spec_axes(batch_sharding)), own[1]
+    return jax.tree.map(lambda _: NamedSharding(batch_sharding.mesh, PartitionSpec()), weights), own[1]
+
+
+def lay_out(weights, cache, static: dict):
+    """(weights, cache) moved into the decode loop's layout (`loop_shardings`); the cache donated."""
+    weight_target, cache_target = loop_shardings(weights, cache, **static)
+    return jax.device_put(weights, weight_target), jax.device_put(cache, cache_target, donate=True)
 
 
 def decode_layout(weights, graphdef, cache, batch_sharding, gather_weights: bool, model_parallel):

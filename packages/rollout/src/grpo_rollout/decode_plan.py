@@ -12,9 +12,11 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
+import jax
+
 from grpo_core.contracts import PhaseCompiler
 from grpo_rollout.collectives import decode_traffic_note
-from grpo_rollout.decode import decode
+from grpo_rollout.decode import decode, loop_shardings
 from grpo_rollout.gather import (bytes_beyond_arguments, candidate_layouts, compile_unless_unsupported, fastest_layout,
                                  gather_refused_note, has_sharded_weights, layout_static)
 from grpo_rollout.segments import decode_phase_name, segment_ranges, segmented_seconds
@@ -24,14 +26,28 @@ def compile_decode(compiler: PhaseCompiler, args: tuple, static: dict[str, Any],
                    segments: int) -> None:
     """Records `rollout decode` (the last segment, or the whole decode) and the earlier segments."""
     chosen = compile_last_segment(compiler, args, static, gather_option, segments)
-    if chosen is None:
+    if chosen is None or segments == 1:
         return
+    args = compile_lay_out(compiler, args, chosen)
+    if compiler.compile("rollout decode", lambda: decode.lower(*args, **chosen).compile(), args) is None:
+        return  # the last segment again, now as the run calls it: on the laid-out weights and cache
     for first, end in segment_ranges(static["params"].max_new_tokens, segments)[:-1]:
         program = compiler.compile(decode_phase_name(first, end),
                                    lambda end=end: decode.lower(*args, **chosen, until=end).compile(), args,
                                    note=f"decode steps {first}-{end - 1}: the cache read up to their last step")
         if program is None:
             return
+
+
+def compile_lay_out(compiler: PhaseCompiler, args: tuple, chosen: dict[str, Any]) -> tuple:
+    """Records `rollout decode layout` (the weights and cache moved into the decode's layout once,
+    grpo_rollout.decode.lay_out) and returns the decode's arguments as the segments receive them."""
+    weights, cache, state, key = args
+    targets = loop_shardings(weights, cache, **chosen)
+    compiler.compile("rollout decode layout", lambda: jax.jit(lambda w, c: (w, c), out_shardings=targets).lower(
+        weights, cache).compile(), (weights, cache), note="the weights and cache moved into the decode's layout once")
+    laid = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), (weights, cache), targets)
+    return (*laid, state, key)
 
 
 def compile_last_segment(compiler: PhaseCompiler, args: tuple, static: dict[str, Any], gather_option: Any,

@@ -111,15 +111,19 @@ class HeadParallel:
     def logits(self, logits):
         return self.outside.logits(logits)
 
+    def weight_shardings(self, weights: nnx.State) -> nnx.State:
+        return nnx.map_state(lambda _, v: v.replace(NamedSharding(self.mesh, v.get_value())),
+                             weight_specs(weights, self.mesh))
+
+    def cache_shardings(self, cache: Any) -> Any:
+        return jax.tree.map(lambda spec: NamedSharding(self.mesh, spec), cache_spec(cache))
+
     def weights(self, weights: nnx.State) -> nnx.State:
-        """The weights resharded for the decode loop (inside jit: once per rollout)."""
-        shardings = nnx.map_state(lambda _, v: v.replace(NamedSharding(self.mesh, v.get_value())),
-                                  weight_specs(weights, self.mesh))
-        return jax.lax.with_sharding_constraint(weights, shardings)
+        """The weights resharded for the decode loop (inside jit: once per call)."""
+        return jax.lax.with_sharding_constraint(weights, self.weight_shardings(weights))
 
     def pin_cache(self, cache: Any) -> Any:
-        return jax.lax.with_sharding_constraint(
-            cache, jax.tree.map(lambda spec: NamedSharding(self.mesh, spec), cache_spec(cache)))
+        return jax.lax.with_sharding_constraint(cache, self.cache_shardings(cache))
 
     def forward(self, model, tokens: jax.Array, live: jax.Array, cache: Any,
                 attention: Callable[[Any], Callable]) -> tuple[jax.Array, Any]:

@@ -75,9 +75,18 @@ class PhaseRecorder:
             return None
         if record:
             text = note(compiled) if callable(note) else note
-            self.phases.append(dataclasses.replace(PhaseMemory.from_compiled(name, compiled, self.other), note=text))
+            self.record(dataclasses.replace(PhaseMemory.from_compiled(name, compiled, self.other), note=text))
             self.compiled[name] = compiled
         return compiled
+
+    def record(self, phase: PhaseMemory) -> None:
+        """Appends `phase`; a phase of the same name recorded before is replaced in place (its note
+        kept when the new one has none): the program the run executes after all."""
+        for i, old in enumerate(self.phases):
+            if old.name == phase.name:
+                self.phases[i] = phase if phase.note else dataclasses.replace(phase, note=old.note)
+                return
+        self.phases.append(phase)
 
     def decode_seconds(self, compiled: Any, steps: int) -> Optional[float]:
         """Projected seconds of `steps` tokens of a compiled decode on the target chip; None without one."""
