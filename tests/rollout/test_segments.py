@@ -10,6 +10,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from grpo_core.contracts import Policy
+from grpo_core.testing import assert_same_rollout
 from grpo_core.models import QwenConfig, init_from_config
 from grpo_core.sharding import DEFAULT_RULES, shard_model
 from grpo_rollout import JaxRollout, JaxRolloutOptions, SamplingParams
@@ -48,10 +49,7 @@ def assert_same_samples(model, params, segment_calls, batch_sharding=None, **opt
         results.append(rollout.generate(PROMPTS, jax.random.key(7), params, batch_sharding=batch_sharding))
     whole, segmented = results
     assert segment_calls == [3, 5, None]  # every segment ran: some row was still live at step 5
-    np.testing.assert_array_equal(segmented.completion_ids, whole.completion_ids)
-    np.testing.assert_array_equal(segmented.completion_mask, whole.completion_mask)
-    np.testing.assert_array_equal(segmented.finished, whole.finished)
-    np.testing.assert_allclose(segmented.sampler_logps, whole.sampler_logps, atol=1e-5, rtol=1e-5)
+    assert_same_rollout(segmented, whole)
     return whole
 
 

@@ -8,6 +8,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from grpo_core.contracts import Policy
+from grpo_core.testing import assert_same_rollout
 from grpo_core.errors import UserError
 from grpo_core.models import QwenConfig, init_from_config
 from grpo_core.models.lora import LoRASpec, add_adapters, resolve_targets
@@ -102,8 +103,7 @@ def assert_samples_like_gathered(model, layout: str, batch_sharding, **options):
         for rollout in (split, gathered):
             rollout.load_weights(Policy.of(model))
             results.append(rollout.generate(PROMPTS, jax.random.key(5), params, batch_sharding=batch_sharding))
-        np.testing.assert_array_equal(results[0].completion_ids, results[1].completion_ids)
-        np.testing.assert_allclose(results[0].sampler_logps, results[1].sampler_logps, atol=1e-5)
+        assert_same_rollout(*results)
 
 
 @pytest.mark.parametrize("style", sorted(STYLES))

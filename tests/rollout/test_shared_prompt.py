@@ -10,6 +10,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from grpo_core.contracts import Policy
+from grpo_core.testing import assert_same_rollout
 from grpo_core.models import QwenConfig, init_from_config
 from grpo_core.models.lora import LoRASpec, add_adapters, resolve_targets
 from grpo_core.sharding import DEFAULT_RULES, shard_model
@@ -37,11 +38,7 @@ def assert_same_samples(model, rollout_pair, params, batch_sharding=None, seed=7
         rollout.load_weights(Policy.of(model))
         results.append(rollout.generate(PROMPTS, jax.random.key(seed), params, batch_sharding=batch_sharding))
     shared, repeated = results
-    np.testing.assert_array_equal(shared.completion_ids, repeated.completion_ids)
-    np.testing.assert_array_equal(shared.completion_mask, repeated.completion_mask)
-    np.testing.assert_array_equal(shared.prompt_ids, repeated.prompt_ids)
-    # f32 log-probs of the same tokens: the two decodes differ only in the order of the softmax sums
-    np.testing.assert_allclose(shared.sampler_logps, repeated.sampler_logps, atol=1e-5, rtol=1e-5)
+    assert_same_rollout(shared, repeated)
     return shared
 
 

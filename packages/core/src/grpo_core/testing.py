@@ -47,3 +47,14 @@ class Multiply:
 
     def __call__(self, arguments):
         return str(arguments["a"] * arguments["b"])
+
+
+def assert_same_rollout(actual: Any, expected: Any) -> None:
+    """Two RolloutResults of the same prompts and key sampled the same tokens (ids, masks, stop flags
+    identical) with log-probs within 1e-5 (f32: two decodes that differ only in the order of their
+    softmax or partial sums)."""
+    import numpy as np
+
+    for field in ("prompt_ids", "completion_ids", "completion_mask", "finished"):
+        np.testing.assert_array_equal(getattr(actual, field), getattr(expected, field), err_msg=field)
+    np.testing.assert_allclose(actual.sampler_logps, expected.sampler_logps, atol=1e-5, rtol=1e-5)
