@@ -12,6 +12,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from grpo_core.contracts import Policy
+from grpo_core.testing import with_random_adapters
 from grpo_core.models import QwenConfig, init_from_config
 from grpo_core.sharding import DEFAULT_RULES, shard_model
 from grpo_rollout import JaxRollout, JaxRolloutOptions, SamplingParams
@@ -75,6 +76,13 @@ def test_the_prompt_table_samples_what_one_cache_row_per_slot_samples(model, kv_
     assert kv_cache == "reprefill" or any(any(c) and not all(c) for c, _ in rounds)  # slots kept and admitted
     assert any(len(set(ids)) < len(ids) for _, ids in rounds)  # a group with several rows in the slots
     assert any(len(row.tokens) > 3 for g in shared for row in g.rows)  # rows carried across rounds
+
+
+def test_the_prompt_table_with_per_token_lora_adapters():
+    """Adapters on every projection of qwen3 (q/k norms too), rows carried across rounds and steps."""
+    lora = with_random_adapters(init_from_config(QwenConfig.tiny("qwen3"), seed=4))
+    shared, _ = run_pool(lora, True, "across_steps", table_size(SLOTS, N))
+    assert_same_rollouts(shared, run_pool(lora, False, "across_steps", table_size(SLOTS, N))[0])
 
 
 def test_greedy_rows_wait_for_a_table_slot_and_sample_the_same_tokens(model):

@@ -8,10 +8,9 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from grpo_core.contracts import Policy
-from grpo_core.testing import assert_same_rollout
+from grpo_core.testing import assert_same_rollout, with_random_adapters
 from grpo_core.errors import UserError
 from grpo_core.models import QwenConfig, init_from_config
-from grpo_core.models.lora import LoRASpec, add_adapters, resolve_targets
 from grpo_core.sharding import DEFAULT_RULES, shard_model
 from grpo_rollout import JaxRollout, JaxRolloutOptions, SamplingParams
 
@@ -142,12 +141,7 @@ def test_head_parallel_decode_with_per_token_lora_on_qwen3(mesh):
     """Adapters on every projection (o_proj's and down_proj's a split with their kernels' inputs:
     partial sums like the kernels'), q/k norms of qwen3."""
     cfg = QwenConfig.tiny("qwen3", tie_word_embeddings=True)
-    model = init_from_config(cfg, seed=4)
-    add_adapters(model, LoRASpec(rank=4, alpha=8.0, targets=resolve_targets(["all-linear"])), jax.random.key(1))
-    for path, variable in nnx.to_flat_state(nnx.state(model, nnx.LoRAParam)):
-        if path[-1] == "b":  # b = 0 at init would leave the adapters out of the check
-            variable.set_value(0.1 * jax.random.normal(jax.random.key(len(path)), variable.shape))
-    sharded = shard_model(model, mesh, DEFAULT_RULES)
+    sharded = shard_model(with_random_adapters(init_from_config(cfg, seed=4)), mesh, DEFAULT_RULES)
     assert_samples_like_gathered(sharded, "head_parallel", NamedSharding(mesh, PartitionSpec(STYLES["legacy"])))
 
 

@@ -10,9 +10,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from grpo_core.contracts import Policy
-from grpo_core.testing import assert_same_rollout
+from grpo_core.testing import assert_same_rollout, with_random_adapters
 from grpo_core.models import QwenConfig, init_from_config
-from grpo_core.models.lora import LoRASpec, add_adapters, resolve_targets
 from grpo_core.sharding import DEFAULT_RULES, shard_model
 from grpo_rollout import JaxRollout, JaxRolloutOptions, SamplingParams
 from grpo_rollout.attention import decode_attention
@@ -71,11 +70,7 @@ def test_shared_prompt_samples_the_repeated_prompts_tokens(model_type):
 
 
 def test_shared_prompt_with_per_token_lora_adapters():
-    model = init_from_config(QwenConfig.tiny("qwen3"), seed=4)
-    add_adapters(model, LoRASpec(rank=4, alpha=8.0, targets=resolve_targets(["all-linear"])), jax.random.key(1))
-    for path, variable in nnx.to_flat_state(nnx.state(model, nnx.LoRAParam)):
-        if path[-1] == "b":  # b = 0 at init would leave the adapters out of the check
-            variable.set_value(0.1 * jax.random.normal(jax.random.key(len(path)), variable.shape))
+    model = with_random_adapters(init_from_config(QwenConfig.tiny("qwen3"), seed=4))
     assert all(float(jnp.abs(b.get_value()).max()) > 0 for path, b in nnx.to_flat_state(nnx.state(model, nnx.LoRAParam))
                if path[-1] == "b")
     assert_same_samples(model, rollouts(), SAMPLED)

@@ -58,3 +58,19 @@ def assert_same_rollout(actual: Any, expected: Any) -> None:
     for field in ("prompt_ids", "completion_ids", "completion_mask", "finished"):
         np.testing.assert_array_equal(getattr(actual, field), getattr(expected, field), err_msg=field)
     np.testing.assert_allclose(actual.sampler_logps, expected.sampler_logps, atol=1e-5, rtol=1e-5)
+
+
+def with_random_adapters(model: Any, rank: int = 4, seed: int = 1) -> Any:
+    """`model` with LoRA adapters on every linear layer, their b random (b = 0 at init would leave
+    the adapters out of a check): for tests that must see per-token adapters change the output."""
+    import jax
+    from flax import nnx
+
+    from grpo_core.models.lora import LoRASpec, add_adapters, resolve_targets
+
+    add_adapters(model, LoRASpec(rank=rank, alpha=2.0 * rank, targets=resolve_targets(["all-linear"])),
+                 jax.random.key(seed))
+    for path, variable in nnx.to_flat_state(nnx.state(model, nnx.LoRAParam)):
+        if path[-1] == "b":
+            variable.set_value(0.1 * jax.random.normal(jax.random.key(len(path)), variable.shape))
+    return model
