@@ -298,9 +298,10 @@ def loop_shardings(weights, cache, *, graphdef, batch_sharding=None, gather_weig
 
 
 def lay_out(weights, cache, static: dict):
-    """(weights, cache) moved into the decode loop's layout (`loop_shardings`); the cache donated."""
+    """(weights, cache) moved into the decode loop's layout (`loop_shardings`): new arrays (the cache's
+    old ones are freed when the caller drops them)."""
     weight_target, cache_target = loop_shardings(weights, cache, **static)
-    return jax.device_put(weights, weight_target), jax.device_put(cache, cache_target, donate=True)
+    return jax.device_put((weights, cache), (weight_target, cache_target))
 
 
 def decode_layout(weights, graphdef, cache, batch_sharding, gather_weights: bool, model_parallel):
