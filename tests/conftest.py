@@ -20,6 +20,16 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(REPO / ".cache" / "xla-te
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
+
+def pytest_configure(config):
+    """The test processes themselves compile without that cache (the runs they start keep it): its
+    writes crashed two test workers inside XLA:CPU's executable serialization, and a worker started
+    after them hung; most of what the cache saves is the subprocess runs' start-up compiles."""
+    import jax
+
+    jax.config.update("jax_enable_compilation_cache", False)
+
+
 pytest_plugins = ["grpo_core.testing"]
 
 
