@@ -47,6 +47,22 @@ def pytest_xdist_make_scheduler(config, log):
             module = nodeid.split("::", 1)[0]
             return module if module.startswith("tests/e2e/") else nodeid
 
+        def remove_node(self, node) -> Optional[str]:
+            """A crashed worker's unfinished tests go back on the queue, less the test it crashed
+            in (reported failed once, as `--dist load` does) and less its finished units: xdist
+            3.8's LoadScope re-queues those too, as empty units a replacement worker waits on
+            forever, so a run with one crash never ends."""
+            workload = self.assigned_work.pop(node)
+            unfinished = [nodeid for unit in workload.values() for nodeid, done in unit.items() if not done]
+            if not unfinished:
+                return None
+            crashed = unfinished[0]  # a worker runs its units in order: the first unfinished was running
+            workload[self._split_scope(crashed)][crashed] = True
+            self.workqueue.update({scope: unit for scope, unit in workload.items() if not all(unit.values())})
+            for other in self.assigned_work:
+                self._reschedule(other)
+            return crashed
+
     return EndToEndModulesWhole(config, log)
 
 
