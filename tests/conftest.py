@@ -43,25 +43,39 @@ def pytest_xdist_make_scheduler(config, log):
     from xdist.scheduler import LoadScopeScheduling
 
     class EndToEndModulesWhole(LoadScopeScheduling):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.retried: set[str] = set()
+
         def _split_scope(self, nodeid: str) -> str:
             module = nodeid.split("::", 1)[0]
             return module if module.startswith("tests/e2e/") else nodeid
 
         def remove_node(self, node) -> Optional[str]:
-            """A crashed worker's unfinished tests go back on the queue, less the test it crashed
-            in (reported failed once, as `--dist load` does) and less its finished units: xdist
-            3.8's LoadScope re-queues those too, as empty units a replacement worker waits on
-            forever, so a run with one crash never ends."""
+            """A crashed worker's unfinished tests go back on the queue. The test it died in runs
+            once more, in a fresh worker, and fails if that worker dies too: XLA:CPU's compiler
+            has crashed long-lived workers (hours of compiles, GBs resident) inside the train
+            step's compile, a crash a fresh process does not meet. Its finished units stay off
+            the queue: xdist 3.8's LoadScope re-queues them as empty units that a replacement
+            worker waits on forever, so a run with one crash never ended."""
             workload = self.assigned_work.pop(node)
             unfinished = [nodeid for unit in workload.values() for nodeid, done in unit.items() if not done]
             if not unfinished:
                 return None
             crashed = unfinished[0]  # a worker runs its units in order: the first unfinished was running
-            workload[self._split_scope(crashed)][crashed] = True
+            retry = crashed not in self.retried
+            self.retried.add(crashed)
+            workload[self._split_scope(crashed)][crashed] = not retry
             self.workqueue.update({scope: unit for scope, unit in workload.items() if not all(unit.values())})
             for other in self.assigned_work:
                 self._reschedule(other)
-            return crashed
+            if not retry:
+                return crashed
+            terminal = config.pluginmanager.get_plugin("terminalreporter")
+            if terminal is not None:
+                terminal.write_line(f"\nworker {node.gateway.id} crashed in {crashed}: running it once more "
+                                    "in a new worker", red=True)
+            return None
 
     return EndToEndModulesWhole(config, log)
 

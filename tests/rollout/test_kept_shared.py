@@ -9,7 +9,7 @@ import json
 import jax
 import numpy as np
 import pytest
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 
 from grpo_core.contracts import Policy
 from grpo_core.testing import with_random_adapters
@@ -114,11 +114,8 @@ def unsharded_rollouts():
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_the_prompt_table_in_every_decode_layout(unsharded_rollouts, layout):
+def test_the_prompt_table_in_every_decode_layout(mesh, unsharded_rollouts, layout):
     """8 slots over 8 devices: the table (any group's rows on any device) is replicated beside them."""
-    if jax.device_count() < 8:
-        pytest.skip("needs 8 devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
-    mesh = Mesh(np.asarray(jax.devices()[:8]).reshape(2, 2, 2), ("dp", "fsdp", "tp"))
     sharded = shard_model(init_from_config(WIDE, seed=3), mesh, DEFAULT_RULES)
     batch_sharding = NamedSharding(mesh, PartitionSpec(("dp", "fsdp", "tp")))
     shared, _ = run_pool(sharded, True, "across_steps", table_size(SLOTS, N), steps=3, batch_sharding=batch_sharding,

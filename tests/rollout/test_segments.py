@@ -5,9 +5,8 @@ qwen2 and qwen3, shared and repeated prompt caches, and on 8 devices in every de
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 
 from grpo_core.contracts import Policy
 from grpo_core.testing import assert_same_rollout
@@ -100,13 +99,6 @@ def test_segmented_decode_samples_the_one_loop_decodes_tokens(model_type, shared
     sampled = assert_same_samples(model, SAMPLED, segment_calls, shared_prompt=shared_prompt)
     assert 0 < int(sampled.finished.sum()) < len(sampled.finished)  # stopped and running rows both covered
     assert_same_samples(model, GREEDY, segment_calls, shared_prompt=shared_prompt)
-
-
-@pytest.fixture(scope="module")
-def mesh():
-    if jax.device_count() < 8:
-        pytest.skip("needs 8 devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
-    return Mesh(np.asarray(jax.devices()[:8]).reshape(2, 2, 2), ("dp", "fsdp", "tp"))
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))

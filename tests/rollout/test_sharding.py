@@ -5,7 +5,7 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 
 from grpo_core.contracts import Policy
 from grpo_core.testing import assert_same_rollout, with_random_adapters
@@ -23,13 +23,6 @@ STYLES = {"legacy": ("dp", "fsdp", "tp"), "maxtext": "dp"}
 def sample(model, prompts, key, batch_sharding=None):
     ROLLOUT.load_weights(Policy.of(model))
     return ROLLOUT.generate(prompts, key, PARAMS, batch_sharding=batch_sharding)
-
-
-@pytest.fixture(scope="module")
-def mesh():
-    if jax.device_count() < 8:
-        pytest.skip("needs 8 devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
-    return Mesh(np.asarray(jax.devices()[:8]).reshape(2, 2, 2), ("dp", "fsdp", "tp"))
 
 
 @pytest.fixture(scope="module")

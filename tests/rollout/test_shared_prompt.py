@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 
 from grpo_core.contracts import Policy
 from grpo_core.testing import assert_same_rollout, with_random_adapters
@@ -74,13 +74,6 @@ def test_shared_prompt_with_per_token_lora_adapters():
     assert all(float(jnp.abs(b.get_value()).max()) > 0 for path, b in nnx.to_flat_state(nnx.state(model, nnx.LoRAParam))
                if path[-1] == "b")
     assert_same_samples(model, rollouts(), SAMPLED)
-
-
-@pytest.fixture(scope="module")
-def mesh():
-    if jax.device_count() < 8:
-        pytest.skip("needs 8 devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
-    return Mesh(np.asarray(jax.devices()[:8]).reshape(2, 2, 2), ("dp", "fsdp", "tp"))
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
