@@ -10,8 +10,10 @@ from typing import Callable, Optional
 
 import pytest
 
+from grpo_core.testing import cpu_test_xla_flags
+
 REPO = Path(__file__).resolve().parents[1]
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("XLA_FLAGS", cpu_test_xla_flags(8))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # One XLA compilation cache for the test processes and the runs they start: the tiny model's
 # programs are compiled once per clone instead of once per `grpo-run` subprocess (a tiny run's

@@ -17,6 +17,7 @@ from typing import Callable
 
 import numpy as np
 import pytest
+from grpo_core.testing import cpu_test_xla_flags
 from grpo_runner_gsm8k.operations.checkpoint import checkpoint_dir, complete_steps
 from grpo_runner_gsm8k.tasks.arithmetic import ArithmeticOptions, ArithmeticTask
 
@@ -61,7 +62,7 @@ def free_port() -> int:
 
 
 def cpu_env(devices: int) -> dict[str, str]:
-    return {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+    return {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": cpu_test_xla_flags(devices)}
 
 
 @pytest.fixture(scope="session")

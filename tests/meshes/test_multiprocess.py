@@ -14,6 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from grpo_core.testing import cpu_test_xla_flags
+
 WORKER = Path(__file__).with_name("multiprocess_worker.py")
 DEVICES_PER_PROCESS = 4
 HARD_TIMEOUT_S = 120
@@ -28,7 +30,7 @@ def free_port() -> int:
 
 def launch(mode: str, num_processes: int, launched: int, *extra: str) -> list[subprocess.Popen]:
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1",
-           "XLA_FLAGS": f"--xla_force_host_platform_device_count={DEVICES_PER_PROCESS}"}
+           "XLA_FLAGS": cpu_test_xla_flags(DEVICES_PER_PROCESS)}
     port = str(free_port())
     return [subprocess.Popen([sys.executable, str(WORKER), mode, port, str(num_processes), str(i), *extra],
                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -104,7 +106,7 @@ def test_distributed_on_without_a_coordinator_is_a_clear_error():
     # No cluster for jax to detect: drop the variables of the launchers it knows.
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("SLURM_", "OMPI_", "TPU_", "KUBERNETES_", "JAX_COORDINATOR", "PMI_"))}
-    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=cpu_test_xla_flags(2))
     proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
                           timeout=HARD_TIMEOUT_S)
     assert proc.returncode == 0, proc.stderr[-3000:]

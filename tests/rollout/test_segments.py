@@ -92,8 +92,7 @@ def test_decode_segments_must_be_auto_or_a_positive_whole_number(bad):
         JaxRolloutOptions(decode_segments=bad)
 
 
-@pytest.mark.parametrize("model_type", ["qwen2", "qwen3"])
-@pytest.mark.parametrize("shared_prompt", [True, False])
+@pytest.mark.parametrize(("model_type", "shared_prompt"), [("qwen2", False), ("qwen3", True)])
 def test_segmented_decode_samples_the_one_loop_decodes_tokens(model_type, shared_prompt, segment_calls):
     model = init_from_config(QwenConfig.tiny(model_type, tie_word_embeddings=model_type == "qwen3"), seed=3)
     sampled = assert_same_samples(model, SAMPLED, segment_calls, shared_prompt=shared_prompt)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from grpo_core.config_io import read_yaml
+from grpo_core.testing import cpu_test_xla_flags
 from grpo_core.models.config import PRESETS
 from grpo_runner_gsm8k.commands.gpu_acceptance import PHASES, SHAPES
 
@@ -35,7 +36,7 @@ def test_full_shapes_are_the_one_gpu_preset():
 
 @pytest.mark.slow
 def test_cpu_run_prints_one_json_line_with_gpu_parts_skipped():
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": cpu_test_xla_flags(1)}
     done = subprocess.run([sys.executable, "-m", "grpo_runner_gsm8k.commands.gpu_acceptance"], capture_output=True, text=True,
                           env=env, cwd=REPO, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
