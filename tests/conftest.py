@@ -15,7 +15,8 @@ from grpo_core.testing import cpu_test_xla_flags
 REPO = Path(__file__).resolve().parents[1]
 os.environ.setdefault("XLA_FLAGS", cpu_test_xla_flags(8))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# One XLA compilation cache for the test processes and the runs they start: the tiny model's
+# One XLA compilation cache for the `grpo-run` runs the tests start (pytest_configure keeps the
+# test processes themselves off it): the tiny model's
 # programs are compiled once per clone instead of once per `grpo-run` subprocess (a tiny run's
 # 19 s drop to 8). Cached programs are the same executables, so results stay bitwise equal.
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(REPO / ".cache" / "xla-tests"))
@@ -56,7 +57,7 @@ def pytest_xdist_make_scheduler(config, log):
         def remove_node(self, node) -> Optional[str]:
             """A crashed worker's unfinished tests go back on the queue. The test it died in runs
             once more, in a fresh worker, and fails if that worker dies too: XLA:CPU's compiler
-            has crashed long-lived workers (hours of compiles, GBs resident) inside the train
+            has crashed long-lived workers (30+ minutes of compiles, GBs resident) inside the train
             step's compile, a crash a fresh process does not meet. Its finished units stay off
             the queue: xdist 3.8's LoadScope re-queues them as empty units that a replacement
             worker waits on forever, so a run with one crash never ended."""
