@@ -10,7 +10,7 @@ from typing import Callable, Optional
 
 import pytest
 
-from grpo_core.testing import cpu_test_xla_flags
+from grpo_core.testing import cpu_test_xla_flags, kernel_map_limit, release_compiled_programs
 
 REPO = Path(__file__).resolve().parents[1]
 os.environ.setdefault("XLA_FLAGS", cpu_test_xla_flags(8))
@@ -31,6 +31,17 @@ def pytest_configure(config):
     import jax
 
     jax.config.update("jax_enable_compilation_cache", False)
+
+
+# Half the kernel's cap on a process's memory mappings: one test adds at most a few thousand.
+MAPPINGS_BEFORE_RELEASE = kernel_map_limit() // 2
+
+
+def pytest_runtest_logfinish(nodeid, location):
+    """Between tests, a process near the kernel's mapping cap drops its compiled programs: a
+    long-lived xdist worker otherwise reaches `vm.max_map_count` (65,530) after 25-40 minutes of
+    compiles and segfaults in the next one (see release_compiled_programs)."""
+    release_compiled_programs(MAPPINGS_BEFORE_RELEASE)
 
 
 pytest_plugins = ["grpo_core.testing"]

@@ -18,7 +18,8 @@ Example::
 from __future__ import annotations
 
 import importlib.util
-from typing import Any
+from pathlib import Path
+from typing import Any, Optional
 
 from grpo_core.registry import Registry, build_registry
 
@@ -33,6 +34,41 @@ def cpu_test_xla_flags(devices: int) -> str:
     if importlib.util.find_spec("libtpu") is None:
         flags += " --xla_backend_optimization_level=0"
     return flags
+
+
+def memory_map_count() -> int:
+    """How many memory mappings this process holds (Linux; 0 elsewhere)."""
+    try:
+        with open("/proc/self/maps") as maps:
+            return sum(1 for _ in maps)
+    except OSError:
+        return 0
+
+
+def kernel_map_limit(default: int = 65530) -> int:
+    """The kernel's cap on one process's memory mappings (`vm.max_map_count`)."""
+    try:
+        return int(Path("/proc/sys/vm/max_map_count").read_text())
+    except (OSError, ValueError):
+        return default
+
+
+def release_compiled_programs(threshold: int) -> Optional[tuple[int, int]]:
+    """Drop JAX's compiled-program caches when this process holds more than `threshold` memory
+    mappings; returns the counts (before, after) when it did. XLA:CPU maps three regions for each
+    compiled program and frees them only with the program: a test process that compiles for half
+    an hour reaches `vm.max_map_count`, and the next compile's mmap fails inside LLVM as a
+    segmentation fault or abort. Dropping the caches costs only recompiles."""
+    before = memory_map_count()
+    if before <= threshold:
+        return None
+    import gc
+
+    import jax
+
+    jax.clear_caches()
+    gc.collect()
+    return before, memory_map_count()
 
 
 def registry_with(*plugins: Any, entry_points: bool = True) -> Registry:
