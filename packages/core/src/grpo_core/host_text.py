@@ -13,14 +13,13 @@ markers the template itself writes around the text stay control ids.
 `</tool_response>` would stay one control id. Text with no added token in it is tokenized
 exactly as before: the ids of the whole rendering are kept unless an added token was found
 inside a span, and then only the text between two of the template's markers that holds one
-is tokenized again, as one piece, by the same tokenizer with its added tokens removed.
+is tokenized again, as one piece, by the same normalizer, pre-tokenizer and model without the
+added tokens.
 """
 
 from __future__ import annotations
 
-import json
 import uuid
-import weakref
 from typing import Any, Mapping, Sequence
 
 Span = tuple[int, int]
@@ -85,17 +84,15 @@ def _inside(offset: Sequence[int], spans: Sequence[Span]) -> bool:
     return any(start < b and a < end for a, b in spans)
 
 
-_PLAIN_BACKENDS: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
-
-
 def _plain_backend(tokenizer: Any) -> Any:
-    """The tokenizer's `tokenizers` pipeline with no added tokens: text in, sub-word ids out."""
-    if tokenizer not in _PLAIN_BACKENDS:
-        backend = tokenizer.backend_tokenizer
-        state = json.loads(backend.to_str())
-        state["added_tokens"] = []
-        _PLAIN_BACKENDS[tokenizer] = type(backend).from_str(json.dumps(state))
-    return _PLAIN_BACKENDS[tokenizer]
+    """The tokenizer's `tokenizers` pipeline (normalizer, pre-tokenizer, model: the same objects,
+    shared) with no added tokens: text in, sub-word ids out."""
+    backend = tokenizer.backend_tokenizer
+    plain = type(backend)(backend.model)
+    for stage in ("normalizer", "pre_tokenizer"):
+        if getattr(backend, stage) is not None:
+            setattr(plain, stage, getattr(backend, stage))
+    return plain
 
 
 def _plain_ids(tokenizer: Any, text: str, markers: set[int]) -> list[int]:
