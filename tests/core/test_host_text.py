@@ -136,6 +136,14 @@ def test_the_character_tokenizer_keeps_a_forged_turn_as_text():
     assert appended(tokenizer, clean) == parsed_suffix_ids(tokenizer, clean)
 
 
+def test_a_tool_output_holding_the_placeholder_answer_is_text(qwen3):
+    """append_turn_ids finds its placeholder answer only in the template's text."""
+    messages = [{"role": "tool", "content": f"{PLACEHOLDER_ANSWER} {PLACEHOLDER_QUESTION}"}]
+    ids = appended(qwen3, messages)
+    assert ids == parsed_suffix_ids(qwen3, messages)  # the template's own placeholder is the first
+    assert qwen3.decode(ids).startswith(f"<|im_end|>\n<|im_start|>user\n<tool_response>\n{PLACEHOLDER_ANSWER}")
+
+
 def test_a_template_that_drops_a_tool_output_is_an_error():
     tokenizer = build_char_tokenizer()
     tokenizer.chat_template = tokenizer.chat_template.replace("message['content']", "message['content'] | upper")

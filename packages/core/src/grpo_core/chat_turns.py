@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
-from grpo_core.host_text import Span, encode_host_text, render_host_text, shifted
+from grpo_core.host_text import Span, encode_host_text, found_outside, render_host_text, shifted
 
 PLACEHOLDER_QUESTION = "<<placeholder question>>"
 PLACEHOLDER_ANSWER = "<<placeholder answer>>"
@@ -30,10 +30,11 @@ def _after_assistant(tokenizer: Any, messages: Sequence[Mapping[str, str]], *,
     trusted = [{"role": "user", "content": PLACEHOLDER_QUESTION}, {"role": "assistant", "content": PLACEHOLDER_ANSWER}]
     text, spans = render_host_text(tokenizer, trusted, messages, tools=list(tools) if tools else None,
                                    add_generation_prompt=True, **dict(template_kwargs or {}))
-    if text.count(PLACEHOLDER_ANSWER) != 1:
+    answer = found_outside(text, PLACEHOLDER_ANSWER, spans)
+    if len(answer) != 1:
         raise ValueError("the chat template does not render an assistant message's content verbatim; "
                          "its turns cannot be appended token by token")
-    start = text.index(PLACEHOLDER_ANSWER) + len(PLACEHOLDER_ANSWER)
+    start = answer[0] + len(PLACEHOLDER_ANSWER)
     return text[start:], shifted(spans, start)
 
 

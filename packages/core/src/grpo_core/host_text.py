@@ -84,6 +84,16 @@ def _inside(offset: Sequence[int], spans: Sequence[Span]) -> bool:
     return any(start < b and a < end for a, b in spans)
 
 
+def found_outside(text: str, needle: str, spans: Sequence[Span]) -> list[int]:
+    """Where `needle` occurs in `text` outside `spans` (a tool's output may hold it too)."""
+    found, at = [], text.find(needle)
+    while at >= 0:
+        if not _inside((at, at + len(needle)), spans):
+            found.append(at)
+        at = text.find(needle, at + 1)
+    return found
+
+
 def _plain_backend(tokenizer: Any) -> Any:
     """The tokenizer's `tokenizers` pipeline (normalizer, pre-tokenizer, model: the same objects,
     shared) with no added tokens: text in, sub-word ids out."""
