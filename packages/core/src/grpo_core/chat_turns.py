@@ -8,30 +8,34 @@ user message and rewrites tool calls in its own JSON spacing, so the model would
 on tokens it never produced. The difference is rendered once around a placeholder assistant
 turn (the template's text after the placeholder: the turn's close, the new messages and the
 generation prompt) and only those tokens are appended; the ids so far are never decoded
-and re-encoded.
+and re-encoded. The messages' own text (a tool's output, an environment's message) never
+becomes a control token (grpo_core.host_text).
 """
 
 from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
+from grpo_core.host_text import Span, encode_host_text, found_outside, render_host_text, shifted
+
 PLACEHOLDER_QUESTION = "<<placeholder question>>"
 PLACEHOLDER_ANSWER = "<<placeholder answer>>"
 
 
-def rendered_after_assistant(tokenizer: Any, messages: Sequence[Mapping[str, str]], *,
-                             tools: Sequence[Mapping[str, Any]] | None = None,
-                             template_kwargs: Mapping[str, Any] | None = None) -> str:
-    """The template's text from the end of an assistant turn's content through `messages`
-    and the next generation prompt (e.g. "<|im_end|>\\n<|im_start|>user\\n<tool_response>...")."""
-    conversation = [{"role": "user", "content": PLACEHOLDER_QUESTION},
-                    {"role": "assistant", "content": PLACEHOLDER_ANSWER}, *map(dict, messages)]
-    text = tokenizer.apply_chat_template(conversation, tools=list(tools) if tools else None, tokenize=False,
-                                         add_generation_prompt=True, **dict(template_kwargs or {}))
-    if text.count(PLACEHOLDER_ANSWER) != 1:
+def _after_assistant(tokenizer: Any, messages: Sequence[Mapping[str, str]], *,
+                     tools: Sequence[Mapping[str, Any]] | None = None,
+                     template_kwargs: Mapping[str, Any] | None = None) -> tuple[str, list[Span]]:
+    """The template's text from the end of an assistant turn's content through `messages` and
+    the next generation prompt, and the spans of the messages' strings in it (host text)."""
+    trusted = [{"role": "user", "content": PLACEHOLDER_QUESTION}, {"role": "assistant", "content": PLACEHOLDER_ANSWER}]
+    text, spans = render_host_text(tokenizer, trusted, messages, tools=list(tools) if tools else None,
+                                   add_generation_prompt=True, **dict(template_kwargs or {}))
+    answer = found_outside(text, PLACEHOLDER_ANSWER, spans)
+    if len(answer) != 1:
         raise ValueError("the chat template does not render an assistant message's content verbatim; "
                          "its turns cannot be appended token by token")
-    return text.split(PLACEHOLDER_ANSWER, 1)[1]
+    start = answer[0] + len(PLACEHOLDER_ANSWER)
+    return text[start:], shifted(spans, start)
 
 
 def _already_sampled(conversation_ids: Sequence[int], suffix_ids: Sequence[int], close_length: int) -> int:
@@ -56,10 +60,22 @@ def append_turn_ids(tokenizer: Any, conversation_ids: Sequence[int], messages: S
                     template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
     """The ids to append to `conversation_ids` (the prompt and everything sampled so far, the
     last turn the model's) for `messages` (e.g. `tool` responses) and the next generation
-    prompt. `tools` are the template's `tools=` (as when the prompt was rendered)."""
+    prompt. `tools` are the template's `tools=` (as when the prompt was rendered). The
+    messages' text is tokenized as plain text (grpo_core.host_text): only the template's own
+    markers become control ids."""
     if not messages:
         raise ValueError("append_turn_ids needs at least one message to append; got none")
-    suffix = rendered_after_assistant(tokenizer, messages, tools=tools, template_kwargs=template_kwargs)
-    suffix_ids = list(tokenizer.encode(suffix, add_special_tokens=False))
+    suffix, host_spans = _after_assistant(tokenizer, messages, tools=tools, template_kwargs=template_kwargs)
+    suffix_ids = encode_host_text(tokenizer, suffix, host_spans)
     skip = _already_sampled(conversation_ids, suffix_ids, _close_length(tokenizer, suffix_ids))
     return suffix_ids[skip:]
+
+
+def host_conversation_ids(tokenizer: Any, messages: Sequence[Mapping[str, str]], *,
+                          tools: Sequence[Mapping[str, Any]] | None = None,
+                          template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
+    """Ids of `messages`, all host text (an environment's opening messages), rendered by the
+    template with `tools` and the generation prompt; their text tokenized as plain text."""
+    text, spans = render_host_text(tokenizer, [], messages, tools=list(tools) if tools else None,
+                                   add_generation_prompt=True, **dict(template_kwargs or {}))
+    return encode_host_text(tokenizer, text, spans)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from grpo_core.chat_turns import host_conversation_ids
 from grpo_core.config import MultiTurnConfig
 from grpo_core.config_io import plugin_options
 from grpo_core.contracts import ConversationText, KeptCacheRollout, Policy
@@ -41,9 +42,13 @@ def build_tools(multi: MultiTurnConfig, registry: Any) -> list:
     return tools
 
 
-def tool_prompt_ids(tokenizer: Any, openings: list, offered: list[dict]) -> list[list[int]]:
+def tool_prompt_ids(tokenizer: Any, openings: list, offered: list[dict], *, host_text: bool = False) -> list[list[int]]:
     """Token ids of each opening conversation rendered by the chat template with the `offered`
-    tools (`ToolRunner.offered()`) and the generation prompt: a multi-turn row's prompt."""
+    tools (`ToolRunner.offered()`) and the generation prompt: a multi-turn row's prompt.
+    host_text: the openings are an environment's, their text tokenized as plain text
+    (grpo_core.host_text), never as control tokens."""
+    if host_text:
+        return [host_conversation_ids(tokenizer, messages, tools=offered) for messages in openings]
     texts = [tokenizer.apply_chat_template(messages, tools=offered, add_generation_prompt=True, tokenize=False)
              for messages in openings]
     ids = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
@@ -51,10 +56,10 @@ def tool_prompt_ids(tokenizer: Any, openings: list, offered: list[dict]) -> list
 
 
 def checked_tool_prompts(tokenizer: Any, examples: list, openings: list, offered: list[dict],
-                         max_prompt_length: int) -> list[list[int]]:
+                         max_prompt_length: int, *, host_text: bool = False) -> list[list[int]]:
     """`tool_prompt_ids` of the examples' openings; one longer than `max_prompt_length` is a
     UserError."""
-    ids = tool_prompt_ids(tokenizer, openings, offered)
+    ids = tool_prompt_ids(tokenizer, openings, offered, host_text=host_text)
     for ex, row in zip(examples, ids):
         if len(row) > max_prompt_length:
             raise UserError(f"prompt of example {ex.id or ex.question[:40]!r} has {len(row)} tokens with the "
@@ -113,12 +118,13 @@ class ToolRows:
         self.environment, self.environment_options = build_environment(run.cfg, registry)
 
     def render(self, examples: list, openings: list | None = None) -> list[list[int]]:
-        """The examples' prompts (or an environment's `openings`, one per example) rendered with
-        the offered tools; too long is a UserError."""
+        """The examples' prompts (or an environment's `openings`, one per example, tokenized as
+        plain text) rendered with the offered tools; too long is a UserError."""
         cfg = self.run.cfg
-        openings = openings or [ex.messages(cfg.task.system_prompt) for ex in examples]
+        host_text = openings is not None
+        openings = openings if host_text else [ex.messages(cfg.task.system_prompt) for ex in examples]
         return checked_tool_prompts(self.run.inputs.tokenizer, examples, openings, self.runner.offered(),
-                                    cfg.rollout.max_prompt_length)
+                                    cfg.rollout.max_prompt_length, host_text=host_text)
 
     def prompt_ids(self, examples: list) -> list[list[int]]:
         """Token ids of the examples' prompts."""
