@@ -16,6 +16,7 @@ import uuid
 from dataclasses import dataclass
 
 PROC_CGROUP, MOUNTINFO = "/proc/self/cgroup", "/proc/self/mountinfo"
+SWAP_FILES = ("memory.swap.max", "memory.memsw.limit_in_bytes")  # no swap beyond the memory bound
 REMOVE_TRIES, REMOVE_PAUSE_SECONDS = 40, 0.05  # the kernel reaps a killed pid namespace shortly after pid 1 exits
 
 
@@ -115,8 +116,8 @@ class CallCgroups:
                 os.mkdir(directory)
                 self.directories.append(directory)
                 for file, value in files.items():
-                    if file != "memory.memsw.limit_in_bytes" or os.path.exists(os.path.join(directory, file)):
-                        _write(os.path.join(directory, file), value)  # memsw exists only with swap accounting
+                    if file not in SWAP_FILES or os.path.exists(os.path.join(directory, file)):
+                        _write(os.path.join(directory, file), value)  # swap files exist only with swap accounting
         except OSError:
             self.remove()
             raise
