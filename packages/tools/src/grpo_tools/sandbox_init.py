@@ -12,7 +12,7 @@ pid 1, and pid 1 with this process, so killing this process ends every process t
 started. When the trainer made cgroups for the call, this process joins them first, so every
 process of the sandbox counts against one memory and one process bound.
 
-It reports on the file descriptor `status_fd` (which the code never holds): "setup" when the
+It reports on the file descriptor `status_fd` (which neither the code nor pid 1 holds): "setup" when the
 sandbox could not be set up (with one line on stderr), "timeout" when the code ran past its
 wall-clock limit, else "exit N", the code's exit status (128 + S when killed by signal S).
 """
@@ -31,6 +31,7 @@ CANNOT_EXECUTE = 127
 NOBODY = 65534
 CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC = 0x00020000, 0x04000000, 0x08000000
 CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x10000000, 0x20000000, 0x40000000
+CLONE_NEWCGROUP = 0x02000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 0x1, 0x2, 0x4, 0x8
 MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 0x20, 0x1000, 0x4000, 0x40000
 MS_NOATIME, MS_NODIRATIME, MS_RELATIME = 0x400, 0x800, 0x200000
@@ -54,7 +55,7 @@ DENIED_SYSCALLS = (
 )
 NOT_ON_EVERY_ARCHITECTURE = frozenset({"uselib"})
 # clone() with any of these flags would make a namespace (a user namespace hands out capabilities in it).
-NAMESPACE_FLAGS = (CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC, CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET, 0x02000000)
+NAMESPACE_FLAGS = (CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC, CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET, CLONE_NEWCGROUP)
 DEVICES = ("null", "zero", "random", "urandom")
 STAGING = "/tmp"  # any directory every uid can reach; mounted over only inside the new namespace
 
