@@ -170,6 +170,26 @@ def test_risky_kernel_interfaces_are_refused():
         "bpf", "perf_event_open", "userfaultfd", "io_uring_setup", "personality")], result.output
 
 
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="x86_64's other ABIs")
+@pytest.mark.parametrize("abi", ["x32", "i386"])
+def test_system_calls_of_another_abi_kill_the_process(abi):
+    """The filter knows x86_64's numbers only: getpid through the x32 bit or `int 0x80` (which
+    would dodge every rule above) ends the process with SIGSYS."""
+    call = {"x32": "libc.syscall(0x40000000 | 39)",  # x32's getpid
+            "i386": "getpid_by_int_0x80()"}[abi]
+    result = run(f"""
+        import ctypes, mmap
+        libc = ctypes.CDLL(None)
+        def getpid_by_int_0x80():
+            code = bytes([0xB8, 20, 0, 0, 0, 0xCD, 0x80, 0xC3])  # mov eax, 20 (i386 getpid); int 0x80; ret
+            page = mmap.mmap(-1, 4096, prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC)
+            page.write(code)
+            return ctypes.CFUNCTYPE(ctypes.c_int)(ctypes.addressof(ctypes.c_char.from_buffer(page)))()
+        print("answered", {call})
+    """)
+    assert (result.output, result.stopped_by) == ("", "system call of another architecture"), result.output
+
+
 FIVE_HOLDERS = """
     import os
     reports, report = os.pipe()

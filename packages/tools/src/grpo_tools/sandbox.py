@@ -30,7 +30,7 @@ from grpo_tools.sandbox_init import rlimit_problem
 
 INIT_SCRIPT = Path(__file__).with_name("sandbox_init.py")
 SIGNAL_EXIT = {128 + signal.SIGXFSZ: "output limit", 128 + signal.SIGXCPU: "CPU time limit",
-               128 + signal.SIGKILL: "killed"}
+               128 + signal.SIGKILL: "killed", 128 + signal.SIGSYS: "system call of another architecture"}
 BACKSTOP_SECONDS = 2.0  # the sandbox enforces the wall clock itself; the trainer waits this much longer
 SYSTEM_DIRECTORIES = ("/usr", "/bin", "/lib", "/lib64", "/sbin")
 
