@@ -9,6 +9,7 @@ from grpo_core.errors import UserError
 from grpo_core.registry import build_registry
 from grpo_core.tool_calls import ToolRunner, parse_tool_calls
 from grpo_tools import python_tool
+from grpo_tools.sandbox_cgroup import usable_layout
 
 
 def test_the_entry_point_registers_both_tools():
@@ -45,6 +46,27 @@ def test_over_long_code_is_the_model_s_error(python_runner):
 
 
 def test_without_a_sandbox_the_tool_is_refused_in_one_line(monkeypatch):
-    monkeypatch.setattr(python_tool, "sandbox_problem", lambda: "the python tool's sandbox does not start here (x)")
+    monkeypatch.setattr(python_tool, "sandbox_problem", lambda limits: "the python tool's sandbox does not start here (x)")
     with pytest.raises(UserError, match=r"^the python tool's sandbox does not start here \(x\)$"):
         python_tool.PythonTool()
+
+
+def test_the_limit_note_survives_the_runner_s_cut(python_runner):
+    """The runner cuts the body at max_response_chars; the model still reads why the code stopped."""
+    runner = ToolRunner([python_runner.tools["python"]], max_response_chars=200)
+    try:
+        [outcome] = runner.run(parse_tool_calls(
+            '<tool_call>{"name": "python", "arguments": {"code": "print(\'x\' * 5000)"}}</tool_call>'))
+    finally:
+        runner.close()
+    assert outcome.response == "x" * 200 + "\n[response cut at 200 characters]\n[stopped: output limit]\n"
+
+
+def test_the_tool_says_at_start_which_memory_bound_holds(capsys):
+    python_tool.PythonTool(python_tool.PythonOptions(memory_mib=256, processes=8))
+    line = capsys.readouterr().err
+    assert line.startswith("python tool sandbox: ") and line.count("\n") == 1, line
+    layout, _ = usable_layout()
+    per_call = f"for each call as a whole (cgroup v{layout.version} under {layout.memory_parent})\n" if layout else ""
+    fallback = "memory is bounded per process only: 256 MiB of address space x 10 processes = up to 2560 MiB per call\n"
+    assert line.endswith(per_call or fallback), line

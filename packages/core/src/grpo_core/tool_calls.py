@@ -26,6 +26,7 @@ from typing import Any, Mapping, Sequence
 from grpo_core.multi_turn import Tool, ToolError
 
 CALL_BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
+CLOSING_NOTES = re.compile(r"(?:^\[[^\[\]\n]{1,80}\]\n){1,3}\Z", re.M)  # e.g. "[stopped: output limit]\n"
 JSON_TYPES = {"string": (str,), "integer": (int,), "number": (int, float), "boolean": (bool,),
               "object": (dict,), "array": (list,), "null": (type(None),)}
 CALL_FORMAT = '<tool_call>\n{"name": <tool name>, "arguments": {<argument>: <value>, ...}}\n</tool_call>'
@@ -155,10 +156,18 @@ class ToolRunner:
         self._lock = threading.Lock()
 
     def _cut(self, text: str) -> str:
+        """At most `max_response_chars` of the body; a tool's closing notes (up to three short
+        `[...]` lines at the very end, e.g. "[stopped: output limit]") are kept after the cut,
+        beyond the limit, so the model still reads why its call ended."""
         text = text if isinstance(text, str) else str(text)
         if len(text) <= self.max_response_chars:
             return text
-        return text[: self.max_response_chars] + f"\n[response cut at {self.max_response_chars} characters]"
+        notes = CLOSING_NOTES.search(text)
+        body, kept = (text[: notes.start()], notes.group()) if notes else (text, "")
+        if len(body) > self.max_response_chars:
+            body = body[: self.max_response_chars] + f"\n[response cut at {self.max_response_chars} characters]"
+            kept = "\n" + kept if kept else ""
+        return body + kept
 
     def _call(self, call: ToolCall) -> ToolOutcome:
         """Runs one parsed call on this thread; every failure becomes an error response."""

@@ -3,11 +3,13 @@ answers with what it printed (stdout and stderr, as the code wrote them)."""
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 from grpo_core.multi_turn import ToolError
 from grpo_core.errors import UserError
 from grpo_tools.sandbox import SandboxLimits, run_python, sandbox_problem
+from grpo_tools.sandbox_cgroup import limits_mode
 
 
 @dataclass(frozen=True)
@@ -31,7 +33,8 @@ class PythonOptions:
 
 
 class PythonTool:
-    """A `grpo_core.contracts.Tool`; refuses to be built where the sandbox cannot start."""
+    """A `grpo_core.contracts.Tool`; refuses to be built where the sandbox cannot start, and
+    says in one line (stderr) whether its memory and process bounds hold per call or per process."""
 
     name = "python"
     description = ("Run a Python 3 program in a sandbox (no network, no files but its own, limited time and "
@@ -41,9 +44,10 @@ class PythonTool:
 
     def __init__(self, options: PythonOptions = PythonOptions()):
         self.options, self.sandbox_limits = options, options.limits()
-        problem = sandbox_problem()
+        problem = sandbox_problem(self.sandbox_limits)
         if problem:
             raise UserError(problem)
+        print(limits_mode(self.sandbox_limits.memory_bytes, self.sandbox_limits.processes), file=sys.stderr, flush=True)
 
     def __call__(self, arguments) -> str:
         code = arguments["code"]
@@ -58,4 +62,6 @@ class PythonTool:
         elif result.exit_code:
             notes.append(f"exit status {result.exit_code}")
         text = result.output if result.output.strip() else "(no output)\n"
+        if notes and not text.endswith("\n"):
+            text += "\n"  # each note on its own line: the ToolRunner keeps such closing notes through its cut
         return text + "".join(f"[{note}]\n" for note in notes)

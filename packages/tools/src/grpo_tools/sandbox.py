@@ -1,10 +1,12 @@
 """Runs model-written Python in a sandbox (standard library only, Linux).
 
 Each call starts `sandbox_init.py` in a new session (its own process group) with an empty
-environment; that process drops to `nobody` when the trainer is root, enters new user, mount,
-network, pid and IPC namespaces, chroots into a read-only tree of the system directories and
-the Python installation with a fresh size-limited tmpfs at /sandbox (cwd and HOME), sets the
-rlimits, drops every capability and runs the code. The output (stdout and stderr together) goes
+environment; that process joins the call's cgroups (when they can be made here, see
+`grpo_tools.sandbox_cgroup`) and a new empty session keyring, drops to `nobody` when the
+trainer is root, enters new user, mount, network, pid and IPC namespaces, chroots into a
+read-only tree of the system directories and the Python installation with a fresh
+size-limited tmpfs at /sandbox (cwd and HOME), sets the rlimits, drops every capability and
+runs the code in its own process group behind a seccomp filter. The output (stdout and stderr together) goes
 to a file the trainer opened, so RLIMIT_FSIZE bounds it. At the wall-clock limit the sandbox
 kills its code itself; the trainer kills the whole process group a little later as a backstop.
 See docs/tools.md for each guarantee and how it is tested.
@@ -19,12 +21,16 @@ import subprocess
 import sys
 import tempfile
 import time
+import dataclasses
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from grpo_tools.sandbox_cgroup import CallCgroups, usable_layout
+from grpo_tools.sandbox_init import rlimit_problem
+
 INIT_SCRIPT = Path(__file__).with_name("sandbox_init.py")
 SIGNAL_EXIT = {128 + signal.SIGXFSZ: "output limit", 128 + signal.SIGXCPU: "CPU time limit",
-               128 + signal.SIGKILL: "killed"}
+               128 + signal.SIGKILL: "killed", 128 + signal.SIGSYS: "system call of another architecture"}
 BACKSTOP_SECONDS = 2.0  # the sandbox enforces the wall clock itself; the trainer waits this much longer
 SYSTEM_DIRECTORIES = ("/usr", "/bin", "/lib", "/lib64", "/sbin")
 
@@ -32,9 +38,11 @@ SYSTEM_DIRECTORIES = ("/usr", "/bin", "/lib", "/lib64", "/sbin")
 @dataclass(frozen=True)
 class SandboxLimits:
     """What one run of code may use. wall_seconds: elapsed time; cpu_seconds: CPU time per
-    process; memory_bytes: address space per process (RLIMIT_AS); processes: tasks the code
-    may have alive at once, its interpreter and threads included; output_bytes: stdout and stderr together, and any
-    one file; disk_bytes: the /sandbox tmpfs."""
+    process; memory_bytes: memory of the whole call (a cgroup, the /sandbox tmpfs included)
+    and address space of each process (RLIMIT_AS); processes: tasks the code may have alive
+    at once, its interpreter and threads included (per call with a cgroup, and per user
+    namespace by RLIMIT_NPROC); output_bytes: stdout and stderr together, and any one file;
+    disk_bytes: the /sandbox tmpfs."""
 
     wall_seconds: float = 10.0
     cpu_seconds: int = 5
@@ -54,7 +62,8 @@ class SandboxResult:
     """output: stdout and stderr as the code wrote them (at most output_bytes, decoded with
     replacement); exit_code: the code's exit status (128 + N when killed by signal N);
     timed_out: stopped at the wall-clock limit; setup_failed: the sandbox never started (the
-    reason is the output); truncated: the output reached its limit; seconds: wall clock."""
+    reason is the output); truncated: the output reached its limit; seconds: wall clock;
+    out_of_memory: the kernel killed a process of the call at its memory bound (cgroup)."""
 
     output: str
     exit_code: int
@@ -62,13 +71,18 @@ class SandboxResult:
     setup_failed: bool
     truncated: bool
     seconds: float
+    out_of_memory: bool = False
 
     @property
     def stopped_by(self) -> str | None:
         """Which limit ended the code, if one did."""
         if self.timed_out:
             return "wall-clock limit"
-        return "output limit" if self.truncated else SIGNAL_EXIT.get(self.exit_code)
+        if self.truncated:
+            return "output limit"
+        if self.out_of_memory and self.exit_code == 128 + signal.SIGKILL:
+            return "memory limit"
+        return SIGNAL_EXIT.get(self.exit_code)
 
 
 def _python_installation() -> tuple[str, str]:
@@ -127,37 +141,61 @@ def _result(status: str, killed: bool, text: str, truncated: bool, seconds: floa
     return SandboxResult(text, exit_code, timed_out, status == "setup" or not (status or killed), truncated, seconds)
 
 
-def run_python(code: str, limits: SandboxLimits = SandboxLimits()) -> SandboxResult:
-    """Runs `code` in a fresh sandbox and waits for it (at most about limits.wall_seconds)."""
-    status_read, status_write = os.pipe()  # the sandbox's own report: the code's exit status cannot fake it
-    settings = {**sandbox_settings(limits), "status_fd": status_write}
-    try:
-        with tempfile.TemporaryDirectory(prefix="grpo-sandbox-") as scratch:
-            output_path = Path(scratch) / "output"
-            with open(output_path, "wb") as output:
-                start = time.monotonic()
+def _call_cgroups(limits: SandboxLimits) -> CallCgroups | None:
+    """The call's cgroups, where this machine lets the trainer make them (see `limits_mode`)."""
+    layout, _ = usable_layout()
+    return None if layout is None else CallCgroups(layout, limits.memory_bytes, limits.processes + 2)
+
+
+def _run(code: str, limits: SandboxLimits, settings: dict) -> tuple:
+    """Starts the sandbox and waits for it: (killed by the backstop, output, truncated, seconds)."""
+    with tempfile.TemporaryDirectory(prefix="grpo-sandbox-") as scratch:
+        output_path = Path(scratch) / "output"
+        with open(output_path, "wb") as output:
+            start = time.monotonic()
+            try:
                 process = _start(settings["python"], settings, output, scratch)
-                os.close(status_write)
-                status_write = None
-                killed = _wait(process, code, limits)
-                seconds = time.monotonic() - start
-            text, truncated = _read_output(output_path, limits.output_bytes)
+            finally:
+                os.close(settings["status_fd"])  # the sandbox holds it now: its end alone closes the pipe
+            killed = _wait(process, code, limits)
+            seconds = time.monotonic() - start
+        return (killed, *_read_output(output_path, limits.output_bytes), seconds)
+
+
+def _run_in(cgroups: CallCgroups | None, code: str, limits: SandboxLimits) -> SandboxResult:
+    status_read, status_write = os.pipe()  # the sandbox's own report: the code's exit status cannot fake it
+    settings = {**sandbox_settings(limits), "status_fd": status_write,
+                "cgroup_procs": cgroups.procs_files if cgroups else []}
+    try:
+        killed, text, truncated, seconds = _run(code, limits, settings)
         status = os.read(status_read, 64).decode(errors="replace").strip()
     finally:
-        for fd in (status_read, status_write):
-            if fd is not None:
-                os.close(fd)
-    return _result(status, killed, text, truncated, seconds)
+        os.close(status_read)
+    result = _result(status, killed, text, truncated, seconds)
+    return dataclasses.replace(result, out_of_memory=bool(cgroups and cgroups.oom_kills()))
 
 
-def sandbox_problem() -> str | None:
-    """Why the sandbox cannot run on this machine (one line with the fix), or None when it can."""
+def run_python(code: str, limits: SandboxLimits = SandboxLimits()) -> SandboxResult:
+    """Runs `code` in a fresh sandbox and waits for it (at most about limits.wall_seconds)."""
+    cgroups = _call_cgroups(limits)
+    try:
+        return _run_in(cgroups, code, limits)
+    finally:
+        if cgroups:
+            cgroups.remove()
+
+
+def sandbox_problem(limits: SandboxLimits = SandboxLimits()) -> str | None:
+    """Why the sandbox cannot run with `limits` on this machine (one line with the fix), or None."""
     if not sys.platform.startswith("linux"):
         return f"the python tool's sandbox needs Linux namespaces; this is {sys.platform}"
-    result = run_python("print(6 * 7)", SandboxLimits(wall_seconds=30.0))
+    problem = rlimit_problem(asdict(limits))
+    if problem:
+        return problem
+    result = run_python("print(6 * 7)", dataclasses.replace(limits, wall_seconds=30.0))
     if result.output.strip() == "42" and result.exit_code == 0 and not result.setup_failed:
         return None
     detail = result.output.strip().splitlines()[-1:] or [f"exit status {result.exit_code}"]
     return (f"the python tool's sandbox does not start here ({detail[0]}); it needs unprivileged user "
             "namespaces (sysctl user.max_user_namespaces > 0, kernel.unprivileged_userns_clone=1, no "
-            "AppArmor userns restriction): enable them or do not offer the python tool")
+            "AppArmor userns restriction) and libseccomp2: enable them or do not offer the python tool")
