@@ -40,7 +40,7 @@ from grpo_core.registry import default_registry
 
 from grpo_runner_gsm8k.cli import ArgumentParser
 from grpo_runner_gsm8k.cli import _remember_run as remember_run
-from grpo_runner_gsm8k.evaluation.store import SampleStore
+from grpo_runner_gsm8k.evaluation.store import SampleStore, read_state
 from grpo_runner_gsm8k.assembly.eval_tasks import eval_tasks
 from grpo_runner_gsm8k.evaluation.evaluate import (GradedTask, Sample, eval_ks, question_fields, question_multiple,
                                                    sample_questions, samples_metrics)
@@ -262,13 +262,12 @@ def task_questions(plan: EvalPlan) -> dict[str, tuple[Any, list]]:
 def _checkpoint_params(run_dir: str, step: int, target: Any) -> Any:
     """Checkpoint `step`'s params as training restores them; an unreadable one (a truncated or
     partly deleted file) is one line naming it, its cause and what to do."""
-    from grpo_runner_gsm8k.operations.checkpoint import Resume, cause_of, complete_steps
+    from grpo_runner_gsm8k.operations.checkpoint import Resume, cause_of, check_param_layout, complete_steps
 
     resume = Resume.read(Path(run_dir).expanduser(), [step])
+    check_param_layout(resume.meta, resume.where)  # an old layout has its own message
     try:
         return resume.params(target)
-    except UserError:
-        raise
     except Exception as exc:  # noqa: BLE001 - orbax and TensorStore wrap a bad file in many types
         earlier = [s for s in complete_steps(resume.run_dir) if s < step]
         advice = (f"pass --step {earlier[-1]} to evaluate the checkpoint before it (or delete {resume.where} to make "
@@ -438,8 +437,12 @@ def prepare(plan: EvalPlan, given: dict[str, Any]) -> dict[str, tuple[Any, list]
     settings, the output directory. Returns task name -> (task, test questions)."""
     tasks = task_questions(plan)
     check_grading(plan, {name: task for name, (task, _) in tasks.items()}, given)
+    check_out_dir(plan.out)
     for name in tasks:
         check_out_dir(plan.out / name)
+        for state in ("settings.json", "summary.json"):  # a corrupt one fails now, not after sampling
+            if not plan.fresh and (plan.out / name / state).is_file():
+                read_state(plan.out / name / state)
     return tasks
 
 
