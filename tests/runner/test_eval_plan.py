@@ -55,6 +55,11 @@ def test_every_eval_override_changes_the_plan_or_is_refused(tiny_config_path, tm
     assert {k for k in base if base[k] != changed[k]}, f"{override} changed nothing the eval does"
 
 
+def test_a_refused_key_is_refused_in_a_section_mapping_too(tiny_config_path, tmp_path):
+    with pytest.raises(UserError, match=r"eval\.every_steps=5: "):
+        _plan(tiny_config_path, tmp_path, "eval={every_steps: 5, n: 2}")
+
+
 def test_limit_and_num_questions_are_one_setting(tiny_config_path, tmp_path):
     by_limit = _plan(tiny_config_path, tmp_path, "--limit", "16")
     by_key = _plan(tiny_config_path, tmp_path, "eval.num_questions=16")

@@ -123,3 +123,29 @@ def test_gsm8k_and_arithmetic_vote_on_the_number(tiny_config):
                           ["So #### 1,000", "The answer is 1000.0", "#### 999", "no number"], ["1000"] * 4)
     assert [g.answer for g in graded] == ["1000", "1000", "999", None]
     assert [g.correct for g in graded] == [True, True, False, False]
+
+
+def test_a_countdown_samples_file_regrades_to_its_summary(tiny_config, tmp_path):
+    """The grader path of --regrade (a task with its own grader): rows written as the eval writes
+    them, one verdict flipped in the file, regraded to the summary of the true grades."""
+    from grpo_core.contracts import CompletionText
+    from grpo_runner_gsm8k.evaluation.evaluate import Sample, samples_metrics
+    from grpo_runner_gsm8k.evaluation.regrade import regrade_file
+    from grpo_runner_gsm8k.evaluation.store import SampleStore
+
+    task = CountdownTask(CountdownOptions(count=2, max_number=4, max_target=9), seed=0)
+    examples = task.test_examples(3)
+    guesses = [["\\boxed{1+2}", "\\boxed{2+1}"], ["\\boxed{4}", "\\boxed{3*4}"], ["", "\\boxed{1+1+1}"]]
+    samples = [[Sample(CompletionText(text, 4, 8, True), *task.grade(text, ex.answer)) for text in texts]
+               for ex, texts in zip(examples, guesses)]
+    store = SampleStore(tmp_path / "countdown", {"task": "countdown", "model": "m", "n": 2, "greedy": False})
+    store.append(examples, samples)
+    expected = samples_metrics(samples, [{}] * 3, False, [1, 2])
+    rows = store.samples_path.read_text().splitlines()
+    flipped = json.loads(rows[0]) | {"correct": not json.loads(rows[0])["correct"]}
+    store.samples_path.write_text("\n".join([json.dumps(flipped), *rows[1:]]) + "\n")
+    cfg = tiny_config("eval.greedy=false", "eval.n=2")
+    options = {"count": 2, "max_number": 4, "max_target": 9}
+    summary, changed, count = regrade_file(cfg, store.samples_path, [1, 2], lambda name: options)
+    assert summary == {**expected, "task": "countdown", "model": "m", "n": 2, "greedy": False}
+    assert (changed, count) == (1, 6)
