@@ -64,6 +64,18 @@ def test_eval_writes_samples_and_summary_and_resumes(tiny_config_path, tmp_path,
     assert _lines_tolerant(out / "samples.jsonl") == samples
     assert json.loads((out / "summary.json").read_text())["pass@2"] == summary["pass@2"]
     assert "eval arithmetic: 8/8 questions" in capsys.readouterr().err
+    # Every row is regraded from the file alone (a flipped verdict is graded again) to the same summary.
+    rows = _lines_tolerant(out / "samples.jsonl")
+    assert {"task", "prompt", "reference"} <= set(rows[0]) and rows[0]["task"] == "arithmetic"
+    rows[0]["correct"] = not rows[0]["correct"]
+    (out / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    regrade = _eval(tiny_config_path, tmp_path / "run", "eval.greedy=false", "eval.n=2",
+                    "--regrade", str(out / "samples.jsonl"))
+    assert main(regrade) == 0
+    printed = capsys.readouterr()
+    summary = json.loads((out / "summary.json").read_text())
+    assert json.loads(printed.out) == {k: v for k, v in summary.items() if k != "seconds"}
+    assert "regraded 16 samples" in printed.err and "1 verdicts differ from the file" in printed.err
 
 
 def _lines_tolerant(path: Path) -> list[dict]:
@@ -111,7 +123,8 @@ def test_an_exported_model_evaluates_as_its_checkpoint(tiny_config_path, tmp_pat
     assert main(["export", "--run-dir", str(run_dir), "--out", str(exported)]) == 0
     common = ("--limit", "8", "eval.greedy=false", "eval.n=2")
     assert main(["eval", "--run-dir", str(run_dir), *common]) == 0
-    assert main(["eval", "--config", tiny_config_path, *small_run(1), "--model", str(exported), "model.tokenizer=null",
+    same_run = [a for a in small_run(1) if not a.startswith("eval.every_steps=")]  # training's alone: refused
+    assert main(["eval", "--config", tiny_config_path, *same_run, "--model", str(exported), "model.tokenizer=null",
                  f"logging.dir={tmp_path / 'base'}", *common]) == 0
     from_checkpoint = _lines(run_dir / "eval" / "step-1" / "arithmetic" / "samples.jsonl")
     from_export = _lines(tmp_path / "base" / "eval" / "model" / "arithmetic" / "samples.jsonl")

@@ -92,3 +92,60 @@ def test_countdown_problems_are_seeded_and_rewarded():
         assert str(target) in example.question
     reward = countdown_reward(CountdownRewardOptions())
     assert reward(["\\boxed{(3 + 5) * 2}", "\\boxed{3+5}"], ["16 from 3,5,2,7"] * 2) == [1.0, 0.0]
+
+
+# ---------------------------------------------------------------- what maj@k votes on, per task
+
+def test_countdown_votes_on_the_value_an_expression_reaches():
+    """`2+3` and `3+2` are one answer; text votes would tie three ways and pick the wrong `2*4`."""
+    from grpo_runner_gsm8k.evaluation.metrics import maj_at_k
+
+    graded = [check_countdown(f"\\boxed{{{e}}}", "5 from 2,3,4") for e in ("2*4", "2+3", "3 + 2")]
+    assert [g.answer for g in graded] == ["8", "5", "5"]
+    assert maj_at_k([[g.answer for g in graded]], [[g.correct for g in graded]], 3) == 1.0
+    assert check_countdown("\\boxed{4/(2+3)}", "5 from 2,3,4").answer == "4/5"  # exact, not 0.8
+    assert check_countdown("\\boxed{2+3+3}", "8 from 2,3,4").answer is None  # 3 given once: no vote
+
+
+def test_math_votes_on_the_normalised_answer():
+    task = preset("math500")(Math500Options(path="unused.jsonl"))
+    spans = ("\\dfrac{1}{2}", "\\frac{1}{2}", " \\frac{1}{2}. ", "$\\frac{1}{2}$")
+    graded = [task.grade(f"so \\boxed{{{s}}}", "\\frac{1}{2}") for s in spans]
+    assert {g.answer for g in graded} == {"\\frac{1}{2}"} and all(g.correct for g in graded)
+
+
+def test_gsm8k_and_arithmetic_vote_on_the_number(tiny_config):
+    from grpo_runner_gsm8k.assembly.build import from_plugin
+    from grpo_runner_gsm8k.evaluation.evaluate import judge_grades
+
+    correctness = from_plugin(default_registry(), "reward", "correctness", {}, "task.reward_options.correctness")
+    graded = judge_grades(tiny_config(), {"correctness": (correctness, 1.0)},
+                          ["So #### 1,000", "The answer is 1000.0", "#### 999", "no number"], ["1000"] * 4)
+    assert [g.answer for g in graded] == ["1000", "1000", "999", None]
+    assert [g.correct for g in graded] == [True, True, False, False]
+
+
+def test_a_countdown_samples_file_regrades_to_its_summary(tiny_config, tmp_path):
+    """The grader path of --regrade (a task with its own grader): rows written as the eval writes
+    them, one verdict flipped in the file, regraded to the summary of the true grades."""
+    from grpo_core.contracts import CompletionText
+    from grpo_runner_gsm8k.evaluation.evaluate import Sample, samples_metrics
+    from grpo_runner_gsm8k.evaluation.regrade import regrade_file
+    from grpo_runner_gsm8k.evaluation.store import SampleStore
+
+    task = CountdownTask(CountdownOptions(count=2, max_number=4, max_target=9), seed=0)
+    examples = task.test_examples(3)
+    guesses = [["\\boxed{1+2}", "\\boxed{2+1}"], ["\\boxed{4}", "\\boxed{3*4}"], ["", "\\boxed{1+1+1}"]]
+    samples = [[Sample(CompletionText(text, 4, 8, True), *task.grade(text, ex.answer)) for text in texts]
+               for ex, texts in zip(examples, guesses)]
+    store = SampleStore(tmp_path / "countdown", {"task": "countdown", "model": "m", "n": 2, "greedy": False})
+    store.append(examples, samples)
+    expected = samples_metrics(samples, [{}] * 3, False, [1, 2])
+    rows = store.samples_path.read_text().splitlines()
+    flipped = json.loads(rows[0]) | {"correct": not json.loads(rows[0])["correct"]}
+    store.samples_path.write_text("\n".join([json.dumps(flipped), *rows[1:]]) + "\n")
+    cfg = tiny_config("eval.greedy=false", "eval.n=2")
+    options = {"count": 2, "max_number": 4, "max_target": 9}
+    summary, changed, count = regrade_file(cfg, store.samples_path, [1, 2], lambda name: options)
+    assert summary == {**expected, "task": "countdown", "model": "m", "n": 2, "greedy": False}
+    assert (changed, count) == (1, 6)

@@ -67,9 +67,15 @@ def _answer_text(answer: Fraction | str | None) -> str | None:
 
 def reward_grades(run, completions: Sequence[CompletionText], references: Sequence[str]) -> list[Graded]:
     """Verdicts of `eval.reward` (at least `eval.pass_threshold`), answers as the correctness reward reads them."""
-    cfg = run.cfg
+    return judge_grades(run.cfg, run.inputs.rewards, completions, references)
+
+
+def judge_grades(cfg, rewards: dict, completions: Sequence[CompletionText], references: Sequence[str]) -> list[Graded]:
+    """`reward_grades` from the config and the run's reward functions (name -> (function, weight)),
+    so a samples file is regraded without a model. The answer is the number the correctness
+    reward reads, as its exact value ("1,000" and "1000.0" are one answer in a majority vote)."""
     judge = cfg.eval.reward
-    judged = score({judge: (run.inputs.rewards[judge][0], 1.0)}, completions, references)
+    judged = score({judge: (rewards[judge][0], 1.0)}, completions, references)
     fallback = cfg.task.reward_options.get("correctness", {}).get("fallback", "final_line")
     return [Graded(_answer_text(extract_answer(c, fallback)), bool(total >= cfg.eval.pass_threshold))
             for c, total in zip(completions, judged.total)]
@@ -124,18 +130,30 @@ def tool_counts(samples: list[list[Sample]]) -> list[dict]:
     return [s.tools for question in samples for s in question if s.tools is not None]
 
 
+def question_fields(task, examples: list[Example]) -> list[dict[str, Any]]:
+    """The breakdown fields of each example ({} each for a task without fields)."""
+    if isinstance(task, FieldedTask):
+        return [task.example_fields(ex.id) for ex in examples]
+    return [{} for _ in examples]
+
+
 def question_metrics(task, examples: list[Example], samples: list[list[Sample]], greedy: bool,
                      ks: list[int]) -> dict[str, Any]:
     """The summary of one task's questions, with a breakdown by its fields when it has any."""
+    return samples_metrics(samples, question_fields(task, examples), greedy, ks)
+
+
+def samples_metrics(samples: list[list[Sample]], fields: list[dict[str, Any]], greedy: bool,
+                    ks: list[int]) -> dict[str, Any]:
+    """The summary of graded samples per question, broken down by the questions' fields when
+    any has one (what `grpo-run eval` writes and `--regrade` recomputes from a samples file)."""
     verdicts = [[s.correct for s in question] for question in samples]
     answers = [[s.answer for s in question] for question in samples]
     out: dict[str, Any] = summarize(verdicts, answers, greedy, ks)
     if tool_counts(samples):  # a multi-turn eval: its rows' tool work
         out["tools"] = tool_metrics(tool_counts(samples), "")
-    if isinstance(task, FieldedTask):
-        fields = [task.example_fields(ex.id) for ex in examples]
-        if any(fields):
-            out["by"] = breakdown(verdicts, answers, fields, greedy, ks)
+    if any(fields):
+        out["by"] = breakdown(verdicts, answers, fields, greedy, ks)
     return out
 
 

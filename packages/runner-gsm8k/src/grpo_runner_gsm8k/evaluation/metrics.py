@@ -17,6 +17,7 @@ k runs over 1, 2, 4, ... (powers of two) up to n, plus n itself (`ks_up_to`).
 
 from __future__ import annotations
 
+import math
 from collections import Counter, defaultdict
 from typing import Hashable, Mapping, Sequence
 
@@ -130,4 +131,4 @@ def _common_n(verdicts: Sequence[Sequence[bool]]) -> int:
 def _mean(values: list[float]) -> float:
     if not values:
         raise ValueError("no questions to average over")
-    return sum(values) / len(values)
+    return math.fsum(values) / len(values)  # exact sum: the same mean in any question order (a regrade's)

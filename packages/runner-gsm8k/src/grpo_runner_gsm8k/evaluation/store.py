@@ -1,23 +1,64 @@
 """What `grpo-run eval` writes per task, and how a re-run continues from it.
 
-`<out>/<task>/samples.jsonl`: one line per sample (question id, sample index, completion,
-extracted answer, verdict, tokens, finished; a multi-turn sample also its conversation,
-environment information and tool work), appended chunk by chunk; `settings.json`: what
-the samples were drawn with (a re-run with other settings is refused, not mixed in);
-`summary.json`: the metrics. A re-run reads samples.jsonl and skips the questions whose n
-samples are all there; a line cut off by an interruption is ignored.
+`<out>/<task>/samples.jsonl`: one line per sample, enough to regrade it from the file alone
+(task, question id, prompt text, reference answer, sample index, completion, extracted
+answer, verdict, tokens, finished; the question's breakdown fields when the task has any; a
+multi-turn sample also its conversation, environment information and tool work), appended
+chunk by chunk; `settings.json`: what the samples were drawn and graded with (a re-run with
+other settings is refused, not mixed in); `summary.json`: the metrics. A re-run reads
+samples.jsonl and skips the questions whose n samples are all there; a line cut off by an
+interruption is ignored. settings.json and summary.json are replaced atomically (a temporary
+file in the same directory, flushed to disk, renamed over the old one), so a kill mid-write
+leaves the old file or the new one, never half of one.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
-from grpo_core.contracts import ConversationText
+from grpo_core.contracts import ConversationText, Example
 from grpo_core.errors import UserError
 
 from grpo_runner_gsm8k.evaluation.evaluate import Sample
+
+STATE_FILES = ("samples.jsonl", "settings.json", "summary.json")
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Replaces `path` by a file holding `text`: written beside it, synced, then renamed over it."""
+    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(handle, "w", encoding="utf-8") as out:
+            out.write(text)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+    directory = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(directory)  # the rename itself survives a power cut
+    finally:
+        os.close(directory)
+
+
+def read_state(path: Path) -> dict[str, Any]:
+    """An eval state file (settings.json, summary.json) as a dict; a corrupt one is a UserError
+    that names it and what to do."""
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise UserError(f"eval state file {path} is corrupt ({type(exc).__name__}: {exc}); delete it (or pass "
+                        "--fresh to start that task's eval over)") from None
+    if not isinstance(value, dict):
+        raise UserError(f"eval state file {path} holds a {type(value).__name__}, not an object; delete it (or "
+                        "pass --fresh to start that task's eval over)")
+    return value
 
 
 class SampleStore:
@@ -34,7 +75,7 @@ class SampleStore:
         path = self.directory / "settings.json"
         if not path.is_file():
             return
-        saved = json.loads(path.read_text())
+        saved = read_state(path)
         changed = {k: (saved.get(k), v) for k, v in self.settings.items() if saved.get(k) != v}
         if changed:
             detail = ", ".join(f"{k} was {old!r}, now {new!r}" for k, (old, new) in changed.items())
@@ -44,20 +85,22 @@ class SampleStore:
     def done(self, n: int) -> dict[str, list[dict]]:
         """Question id -> its n sample records, for the questions whose samples are all written."""
         by_question: dict[str, dict[int, dict]] = {}
-        if self.samples_path.is_file():
-            for line in self.samples_path.read_text(encoding="utf-8").splitlines():
-                record = _record(line)
-                if record is not None:
-                    by_question.setdefault(record["id"], {}).setdefault(record["sample"], record)
+        for record in read_samples(self.samples_path) if self.samples_path.is_file() else ():
+            by_question.setdefault(record["id"], {}).setdefault(record["sample"], record)
         return {qid: [samples[i] for i in range(n)] for qid, samples in by_question.items()
                 if all(i in samples for i in range(n))}
 
-    def append(self, ids: list[str], samples: list[list[Sample]]) -> list[list[dict]]:
+    def append(self, examples: list[Example], samples: list[list[Sample]],
+               fields: list[dict] | None = None) -> list[list[dict]]:
         """Writes the samples of these questions (in order) and returns their records."""
-        records = [[sample_record(qid, i, s) for i, s in enumerate(question)] for qid, question in zip(ids, samples)]
+        fields = fields or [{} for _ in examples]
+        task = self.settings.get("task")
+        records = [[sample_record(task, ex, i, s, f) for i, s in enumerate(question)]
+                   for ex, question, f in zip(examples, samples, fields)]
         if self.writes:
             self.directory.mkdir(parents=True, exist_ok=True)
-            (self.directory / "settings.json").write_text(json.dumps(self.settings, indent=1))
+            if not (self.directory / "settings.json").is_file():
+                write_atomic(self.directory / "settings.json", json.dumps(self.settings, indent=1) + "\n")
             with self.samples_path.open("a", encoding="utf-8") as out:
                 if out.tell() and not self.samples_path.read_bytes().endswith(b"\n"):
                     out.write("\n")  # after a line cut off by an interruption
@@ -68,26 +111,36 @@ class SampleStore:
         path = self.directory / "summary.json"
         if self.writes:
             self.directory.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(summary, indent=1) + "\n")
+            write_atomic(path, json.dumps(summary, indent=1) + "\n")
         return path
 
     def clear(self) -> None:
         """Forgets earlier samples (--fresh)."""
-        for name in ("samples.jsonl", "settings.json", "summary.json"):
+        for name in STATE_FILES:
             (self.directory / name).unlink(missing_ok=True)
 
 
-def sample_record(question_id: str, index: int, sample: Sample) -> dict[str, Any]:
+def sample_record(task: str | None, example: Example, index: int, sample: Sample,
+                  fields: dict | None = None) -> dict[str, Any]:
     """One line of samples.jsonl; a multi-turn sample adds its whole conversation and its tool work."""
     completion = sample.completion
-    record = {"id": question_id, "sample": index, "completion": str(completion), "answer": sample.answer,
+    record = {"task": task, "id": example.id, "sample": index, "prompt": example.question,
+              "reference": example.answer, "completion": str(completion), "answer": sample.answer,
               "correct": bool(sample.correct), "tokens": getattr(completion, "num_tokens", None),
-              "finished": getattr(completion, "finished", None)}
+              "max_tokens": getattr(completion, "max_tokens", None), "finished": getattr(completion, "finished", None)}
+    if fields:
+        record["fields"] = fields
     if isinstance(completion, ConversationText):
         record.update(conversation=completion.conversation, environment=completion.environment)
     if sample.tools is not None:
         record["tools"] = sample.tools
     return record
+
+
+def read_samples(path: Path) -> list[dict]:
+    """The whole records of a samples.jsonl, in file order (a line cut off by an interruption is skipped)."""
+    return [record for line in path.read_text(encoding="utf-8").splitlines()
+            if (record := _record(line)) is not None]
 
 
 def _record(line: str) -> dict | None:

@@ -92,10 +92,22 @@ def _read_rows(options: BoxedMathOptions, task: str, split: str) -> tuple[str, l
     if not options.hub_dataset:
         raise UserError(f"task {task} has no data: set task.options.path to a .jsonl/.parquet file "
                         "(or task.options.hub_dataset to an HF Hub dataset id)")
+    return f"{options.hub_dataset} split {split}", list(enumerate(_hub_rows(options, task, split), 1))
+
+
+def _hub_rows(options: BoxedMathOptions, task: str, split: str) -> list[Any]:
+    """The rows of a Hub dataset split; one that cannot be fetched (offline, no such dataset or
+    split) is a UserError saying what to do."""
     import datasets
 
-    table = datasets.load_dataset(options.hub_dataset, options.hub_config or None, split=split)
-    return f"{options.hub_dataset} split {split}", list(enumerate(table.to_list(), 1))
+    try:
+        return datasets.load_dataset(options.hub_dataset, options.hub_config or None, split=split).to_list()
+    except (OSError, ValueError) as exc:  # ConnectionError (offline), DatasetNotFoundError, unknown split
+        cause = " ".join(str(exc).split())[:300]
+        offline = " (HF_HUB_OFFLINE is set)" if os.environ.get("HF_HUB_OFFLINE") not in (None, "", "0") else ""
+        raise UserError(f"task {task}: cannot load HF Hub dataset {options.hub_dataset} split {split}{offline} "
+                        f"({type(exc).__name__}: {cause}); set task.options.path to a local .jsonl/.parquet copy, "
+                        "or reach the Hub") from None
 
 
 def _field(row: Any, name: str, where: str, option: str) -> Any:

@@ -6,7 +6,8 @@ every problem has a solution. The reference answer carries the target and the nu
 ("24 from 3,5,7,2"). A completion's expression (its last `\\boxed{}`, else its last
 line; the left side of an `=`) is parsed by a small recursive-descent parser, never by
 `eval`, with exact fractions; it is right when it uses each given number at most once
-and equals the target.
+and equals the target. Its answer (what maj@k votes on) is the value a valid expression
+reaches, not its text.
 """
 
 from __future__ import annotations
@@ -163,7 +164,10 @@ def completion_expression(completion: str) -> str | None:
 
 
 def check_countdown(completion: str, answer: str) -> Graded:
-    """Whether the completion's expression uses each given number at most once and equals the target."""
+    """Whether the completion's expression uses each given number at most once and equals the
+    target. The answer is the expression's canonical answer: the exact value it reaches ("5",
+    "7/2") when it is valid (it parses and uses only the given numbers, each at most once), so
+    `2+3` and `3+2` are one answer in a majority vote; None when it is not valid."""
     target, numbers = decode_answer(answer)
     expression = completion_expression(completion)
     if expression is None:
@@ -172,8 +176,9 @@ def check_countdown(completion: str, answer: str) -> Graded:
         value, used = evaluate_expression(expression)
     except (ValueError, ZeroDivisionError):
         return Graded(None, False)
-    fits = not Counter(used) - Counter(numbers)
-    return Graded(expression.replace(" ", ""), fits and value == target)
+    if Counter(used) - Counter(numbers):  # a number not given, or one used twice: no answer to vote for
+        return Graded(None, False)
+    return Graded(str(value), value == target)
 
 
 class CountdownTask(GeneratedTask):
