@@ -16,7 +16,7 @@ MATH500 = Path(__file__).resolve().parents[3] / "shared/data/math500/test.jsonl"
 # (reference, answer, equivalent)
 CASES = [
     ("\\frac{1}{2}", "0.5", True), ("\\frac{1}{2}", "1/2", True), ("\\frac{1}{2}", "\\dfrac{1}{2}", True),
-    ("\\frac{1}{2}", "\\tfrac12", True), ("\\frac{3}{4}", "0.75", True), ("\\frac{1}{2}", "0.6", False),
+    ("\\frac{1}{2}", "\\tfrac12", True), ("\\frac{1}{2}", "0.5.", True), ("\\frac{3}{4}", "0.75", True), ("\\frac{1}{2}", "0.6", False),
     ("\\frac{1}{3}", "0.33", False),
     ("30^\\circ", "30", True), ("30^\\circ", "30^{\\circ}", True), ("30^\\circ", "60^\\circ", False),
     ("\\frac{\\pi}{6}", "30^\\circ", False),
@@ -62,7 +62,8 @@ def test_grade_boxed_reads_the_box(verifier):
 
 
 @pytest.mark.parametrize("box", [
-    "9 \\text{ or } \\text{no solution}", "9 or 10", "9 \\text{ or } 10", "9\\text{ (or }10\\text{)}", "9, 10"])
+    "9 \\text{ or } \\text{no solution}", "9 or 10", "9 \\text{ or } 10", "9\\text{ (or }10\\text{)}", "9, 10",
+    "9 \\text{ or none}"])
 def test_a_hedge_inside_the_box_is_wrong(verifier, box):
     assert grade_boxed(verifier, f"so $\\boxed{{{box}}}$.", "9").correct is False
 
@@ -114,6 +115,7 @@ def test_several_boxes_must_agree(verifier, completion, right):
 @pytest.mark.parametrize("completion,right", [
     ("$\\boxed{1}$, $\\boxed{-2}$", True), ("$\\boxed{-2}$ and $\\boxed{1}$", True),
     ("$\\boxed{1}$, $\\boxed{-2}$, $\\boxed{3}$", False), ("$\\boxed{1}$", False),
+    ("$\\boxed{-2}$, $\\boxed{1\\text{ (or }5\\text{)}}$", False),
 ])
 def test_a_set_may_be_boxed_member_by_member(verifier, completion, right):
     assert grade_boxed(verifier, completion, "1,-2").correct is right

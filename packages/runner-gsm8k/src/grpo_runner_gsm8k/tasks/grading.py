@@ -6,6 +6,10 @@ in a worker process (`python -m grpo_runner_gsm8k.tasks.grading`, one JSON line 
 reply): a reply that does not come within `timeout_s` kills the worker, the answer counts
 as wrong and is logged, and the next request starts a fresh worker. This works from any
 thread of any process, and nothing the worker does can stall the caller.
+
+`grade_boxed` reads every box of a completion (`answers.boxed_spans`: `\\boxed{}`, `\\fbox{}`,
+brace-less `\\boxed 3`), each as LaTeX only, and credits it when all its different boxes equal
+the reference (or, for a set, when they join into it); docs/evaluation.md has the rules.
 """
 
 from __future__ import annotations
@@ -204,7 +208,7 @@ def _right(verifier: TimedVerifier, boxes: list[str], reference: str) -> bool:
     if len(boxes) < 2 or set_members(reference) is None:
         return False
     joined = ", ".join(boxes)
-    return verifier.equal(reference, f"\\{{{joined}\\}}" if reference.strip().startswith("\\{") else joined)
+    return _box_right(verifier, reference, f"\\{{{joined}\\}}" if reference.strip().startswith("\\{") else joined)
 
 
 def grade_boxed(verifier: TimedVerifier, completion: str, reference: str) -> Graded:
