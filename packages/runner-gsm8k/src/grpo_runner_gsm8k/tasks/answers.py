@@ -4,7 +4,7 @@ Final-answer extraction (`extract_answer`) looks for explicit markers first, in
 this order, and takes the first that yields a parseable answer:
 
 1. `#### <answer>`: the last `####` marker (the GSM8K format);
-2. `\\boxed{<answer>}`: the last `\\boxed{...}` or `\\fbox{...}`;
+2. `\\boxed{<answer>}`: the last `\\boxed{...}` or `\\fbox{...}` (or brace-less `\\boxed 3`);
 3. an answer statement: the last of `answer is <answer>`, `answer: <answer>`,
    `answer = <answer>` (case-insensitive, optionally `final answer`), or a line
    starting with `A: <answer>` (the Q:/A: few-shot format);
@@ -91,7 +91,10 @@ def parse_number(text: str) -> Fraction | None:
 # ---------------------------------------------------------------- locating the answer
 
 _HASHES = re.compile(r"####[ \t]*\n?[ \t]*([^\n]*)")
-_BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
+_BOX = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])")
+# A box without braces holds one token, as in TeX: a number, a command (`\pi`) or a letter.
+_BRACE = re.compile(r"\s*\{")
+_BRACE_LESS = re.compile(r"\s*(\d+(?:\.\d+)?|\\[A-Za-z]+)(?![\w{^_]|\.\d)|\s+([A-Za-z])(?![\w{^_\\])")
 _STATEMENT = re.compile(
     r"(?:\b(?:final\s+)?answer\s*(?:is|was|=|:)|^[ \t]*A:)[ \t]*([^\n]*)",
     re.IGNORECASE | re.MULTILINE)
@@ -103,17 +106,36 @@ def _last_group(pattern: re.Pattern, text: str) -> str | None:
     return spans[-1] if spans else None
 
 
-def last_boxed(text: str) -> str | None:
-    """Content of the last `\\boxed{...}`, braces balanced; None if absent or unclosed."""
-    starts = [m.end() for m in _BOXED.finditer(text)]
-    if not starts:
-        return None
-    depth, start = 1, starts[-1]
-    for pos in range(start, len(text)):
+def _box_at(text: str, start: int) -> tuple[str | None, int]:
+    """The content of the box whose command ends at `start` (None when unclosed or not one
+    token) and where the text after it begins."""
+    brace = _BRACE.match(text, start)
+    if brace is None:
+        token = _BRACE_LESS.match(text, start)
+        return (token[1] or token[2], token.end()) if token else (None, start)
+    depth = 0
+    for pos in range(brace.end() - 1, len(text)):
         depth += {"{": 1, "}": -1}.get(text[pos], 0)
         if depth == 0:
-            return text[start:pos]
-    return None
+            return text[brace.end():pos], pos + 1
+    return None, len(text)
+
+
+def boxed_spans(text: str) -> list[str | None]:
+    """The content of every `\\boxed{...}` / `\\fbox{...}` (braces balanced) or brace-less
+    `\\boxed 3` (one token), in order; None for a box that is unclosed or not one token.
+    A box inside another is part of the outer one's content."""
+    spans, position = [], 0
+    while (box := _BOX.search(text, position)) is not None:
+        span, position = _box_at(text, box.end())
+        spans.append(span)
+    return spans
+
+
+def last_boxed(text: str) -> str | None:
+    """Content of the last box (see `boxed_spans`); None if absent, unclosed or unreadable."""
+    spans = boxed_spans(text)
+    return spans[-1] if spans else None
 
 
 def _final_line_number(text: str) -> str | None:

@@ -3,8 +3,8 @@
 `boxed_math` reads any JSONL/parquet file or HF Hub dataset through a field mapping
 (problem, answer, id, and the fields results are broken down by); the presets `math500`
 (Hub `HuggingFaceH4/MATH-500`), `aime` and `amc` (by path) only change the defaults.
-A completion is graded by its last `\\boxed{...}` against the reference with math-verify,
-each answer under a time limit (see `grading`).
+A completion is graded by its boxed answers (every box must agree; see `grading.grade_boxed`)
+against the reference with math-verify, each answer under a time limit.
 """
 
 from __future__ import annotations

@@ -22,7 +22,8 @@ class BoxedAnswerOptions:
 
 
 def boxed_answer_reward(options: BoxedAnswerOptions) -> RewardFn:
-    """`fn(completions, answers)` -> 1.0 where the last `\\boxed{}` is equivalent to the reference."""
+    """`fn(completions, answers)` -> 1.0 where the boxed answer is equivalent to the reference
+    (`grading.grade_boxed`: every box agrees, LaTeX only inside a box)."""
     verifier = TimedVerifier(options.timeout_s)  # one worker process for the run
 
     def boxed_answer(completions: list[str], answers: list[str]) -> list[float]:
@@ -49,7 +50,7 @@ def countdown_reward(options: CountdownRewardOptions) -> RewardFn:
 
 MATH_REWARD_SPECS = [
     RewardSpec("boxed_answer", boxed_answer_reward, BoxedAnswerOptions,
-               "1 when the last \\boxed{} equals the reference by math-verify (time-limited)"),
+               "1 when the boxed answer (all boxes agreeing) equals the reference by math-verify (time-limited)"),
     RewardSpec("countdown", countdown_reward, CountdownRewardOptions,
                "1 when the expression uses each given number at most once and equals the target"),
 ]
