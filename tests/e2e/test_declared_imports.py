@@ -16,7 +16,7 @@ import pytest
 
 MEMBERS = ("core", "losses", "meshes", "rollout", "runner-gsm8k", "tools")
 # The test-only packages every member's tests may use beside what the member declares.
-TEST_TOOLS = {"pytest", "hypothesis", "_pytest"}
+TEST_TOOLS = {"pytest", "hypothesis", "_pytest", "kubernetes"}  # the dev group of the root pyproject.toml
 
 
 def guarded(tree: ast.AST) -> set[int]:

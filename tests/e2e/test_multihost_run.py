@@ -385,3 +385,25 @@ def test_two_process_multi_turn_run_runs_each_call_and_environment_once_and_shar
     assert evals[0] == evals[1] and evals[0]["eval/tools/turns_mean"] >= 1  # the eval went turn by turn alike
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2] and all(r["train-tools/calls"] == 1 for r in records)
+
+
+@pytest.mark.slow
+def test_processes_started_with_different_configs_stop_before_loading_the_model(tmp_path, start_command):
+    """Process 1 was given another seed: both processes compare their config hashes right after
+    joining and exit 2 with one line naming the process and host that differ."""
+    port = free_port()
+    procs = [start_command(["-m", "grpo_runner_gsm8k.cli"],
+                           [*RUN, f"logging.dir={tmp_path}", f"train.seed={1 + i}", *distributed(port, i)])
+             for i in range(2)]
+    try:
+        errs = [p.communicate(timeout=LEAVE_TIMEOUT_S)[1] for p in procs]
+    finally:
+        for proc in procs:
+            proc.kill()
+    host = socket.gethostname()
+    expected = (f"grpo-run: error: the resolved config of process 1 ({host}) differs from that of process 0 "
+                f"({host}); start every host with the same --config and overrides; no step was run")
+    for proc, err in zip(procs, errs):
+        assert proc.returncode == 2, err[-3000:]
+        assert err.strip().splitlines()[-1] == expected
+    assert not (tmp_path / "metrics.jsonl").exists() and not (tmp_path / "checkpoints").exists()

@@ -4,6 +4,7 @@ usage: python multiprocess_worker.py <mode> <port> <num_processes> <process_id> 
 mode "mesh": join, build auto / host_local, assemble global batches from this
 process's rows, reduce them, and print one JSON line with what was seen.
 mode "join": only set up the processes (used to check the process-count guard).
+mode "slurm": set up the processes from Slurm's variables alone (port and ids unused).
 """
 
 import json
@@ -84,9 +85,12 @@ def host_local_warnings(shape: str) -> list[str]:
 def main() -> None:
     mode, port, num_processes, process_id = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
     timeout = int(sys.argv[5]) if len(sys.argv) > 5 else 30
-    config = MeshConfig(coordinator_address=f"127.0.0.1:{port}", num_processes=num_processes,
-                        process_id=process_id, require_process_count=num_processes, init_timeout_s=timeout)
-    layout = setup_processes(config, environ={})
+    if mode == "slurm":
+        layout = setup_processes(MeshConfig(init_timeout_s=timeout))
+    else:
+        config = MeshConfig(coordinator_address=f"127.0.0.1:{port}", num_processes=num_processes,
+                            process_id=process_id, require_process_count=num_processes, init_timeout_s=timeout)
+        layout = setup_processes(config, environ={})
     report = {"layout": [layout.process_index, layout.process_count, layout.local_device_count,
                          layout.device_count, layout.distributed]}
     if mode == "mesh":

@@ -4,6 +4,8 @@ import pytest
 
 from grpo_core.config import MeshConfig
 from grpo_meshes import MeshError, distributed_reason, setup_processes
+from grpo_meshes.distributed import with_slurm_settings
+from grpo_meshes.slurm import expand_nodelist
 
 
 @pytest.mark.parametrize("config, environ, reason", [
@@ -42,3 +44,42 @@ def test_one_process_when_three_are_required_fails_at_once():
 def test_config_contradiction_fails_before_any_wait():
     with pytest.raises(MeshError, match="mesh.num_processes is 2 but mesh.require_process_count is 3"):
         setup_processes(MeshConfig(num_processes=2, require_process_count=3, coordinator_address="127.0.0.1:1"))
+
+
+@pytest.mark.parametrize("nodelist, hosts", [
+    ("node07", ["node07"]),
+    ("node[01-04,07]", ["node01", "node02", "node03", "node04", "node07"]),
+    ("a[8-10],b3", ["a8", "a9", "a10", "b3"]),
+    ("gpu[1-2]-ib,login", ["gpu1-ib", "gpu2-ib", "login"]),
+    ("r[1-2]n[01-02]", ["r1n01", "r1n02", "r2n01", "r2n02"]),
+])
+def test_slurm_nodelist_expands_in_order(nodelist, hosts):
+    assert expand_nodelist(nodelist) == hosts
+
+
+@pytest.mark.parametrize("nodelist", ["node[01-", "node[3-1]", "a,,b", "node[x]"])
+def test_unreadable_slurm_nodelist_is_a_clear_error(nodelist):
+    with pytest.raises(MeshError, match="cannot read the"):
+        expand_nodelist(nodelist)
+
+
+SLURM = {"SLURM_NTASKS": "4", "SLURM_PROCID": "2", "SLURM_JOB_NODELIST": "n[1-4]",
+         "SLURM_STEP_NODELIST": "gpu[03-04,09]-ib"}
+
+
+def test_slurm_step_gives_process_fields_and_required_count():
+    filled = with_slurm_settings(MeshConfig(), SLURM)
+    assert (filled.coordinator_address, filled.num_processes, filled.process_id) == ("gpu03-ib:8476", 4, 2)
+    assert filled.require_process_count == 4
+    job_only = {k: v for k, v in SLURM.items() if k != "SLURM_STEP_NODELIST"}
+    assert with_slurm_settings(MeshConfig(), {**job_only, "GRPO_COORDINATOR_PORT": "9000"}
+                               ).coordinator_address == "n1:9000"
+
+
+def test_slurm_settings_leave_set_fields_and_off_alone():
+    own = MeshConfig(coordinator_address="head:1234", require_process_count=4)
+    assert with_slurm_settings(own, SLURM).coordinator_address == "head:1234"
+    assert with_slurm_settings(MeshConfig(distributed="off"), SLURM) == MeshConfig(distributed="off")
+    assert with_slurm_settings(MeshConfig(), {**SLURM, "SLURM_NTASKS": "1"}) == MeshConfig()
+    with pytest.raises(MeshError, match="GRPO_COORDINATOR_PORT='70000' is not a TCP port"):
+        with_slurm_settings(MeshConfig(), {**SLURM, "GRPO_COORDINATOR_PORT": "70000"})

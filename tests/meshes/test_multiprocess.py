@@ -28,13 +28,22 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def launch(mode: str, num_processes: int, launched: int, *extra: str) -> list[subprocess.Popen]:
+def launch(mode: str, num_processes: int, launched: int, *extra: str,
+           env_of=lambda process_id: {}) -> list[subprocess.Popen]:
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1",
            "XLA_FLAGS": cpu_test_xla_flags(DEVICES_PER_PROCESS)}
     port = str(free_port())
     return [subprocess.Popen([sys.executable, str(WORKER), mode, port, str(num_processes), str(i), *extra],
-                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             env={**env, **env_of(i)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             for i in range(launched)]
+
+
+def slurm_env(process_id: int, port: int) -> dict[str, str]:
+    """What `srun --ntasks=2` on one node gives each task; the node list is compressed, and
+    its first entry (127.0.0.1) is the coordinator."""
+    return {"SLURM_JOB_ID": "4242", "SLURM_NTASKS": "2", "SLURM_PROCID": str(process_id),
+            "SLURM_LOCALID": str(process_id), "SLURM_STEP_NODELIST": "127.0.0.[1-2]",
+            "SLURM_JOB_NODELIST": "127.0.0.[1-2]", "GRPO_COORDINATOR_PORT": str(port)}
 
 
 def collect(processes: list[subprocess.Popen], timeout: float) -> list[tuple[int, str, str]]:
@@ -94,6 +103,20 @@ def test_two_of_three_required_processes_fail_fast_with_a_clear_message():
         assert "MeshError: not all 3 processes joined jax.distributed within mesh.init_timeout_s=3 s" in err
         assert "Launch the run on every host" in err
         assert out == ""
+
+
+def test_two_tasks_of_a_slurm_step_join_from_slurms_variables_alone():
+    port = free_port()
+    # JAX's own Slurm detection would serve on 61440 + job id % 4096; that port is held here,
+    # so only the documented GRPO_COORDINATOR_PORT works.
+    with socket.socket() as taken:
+        taken.bind(("", 61440 + 4242 % 4096))
+        taken.listen()
+        results = collect(launch("slurm", 2, 2, env_of=lambda i: slurm_env(i, port)), HARD_TIMEOUT_S)
+    for i, (code, out, err) in enumerate(results):
+        assert code == 0, f"task {i} failed with {code}:\n{err[-3000:]}"
+        layout = json.loads(out.strip().splitlines()[-1])["layout"]
+        assert layout == [i, 2, DEVICES_PER_PROCESS, 2 * DEVICES_PER_PROCESS, True]
 
 
 def test_distributed_on_without_a_coordinator_is_a_clear_error():

@@ -82,7 +82,7 @@ BAD_LAUNCHES = [
      "--coordinator-port goes with --hosts"),
     (["--hosts", "a,b", "--zone", "z"], "go with --tpu"),
     (["--hosts", "a,b", "--tpu", "pod"], "not allowed with argument --hosts"),
-    ([], "one of the arguments --hosts --tpu is required"),
+    ([], "one of the arguments --hosts --tpu --jobset --xpk is required"),
 ]
 
 

@@ -6,6 +6,7 @@ Call `setup_processes(mesh_config)` first thing, before any other JAX call.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import threading
@@ -17,6 +18,7 @@ import jax
 from grpo_core.config import MeshConfig
 
 from grpo_meshes.errors import MeshError
+from grpo_meshes.slurm import slurm_process
 
 # Exit status when not every process joined in time (the wait cannot be interrupted
 # from Python, so the process reports and exits instead of raising).
@@ -39,13 +41,26 @@ class ProcessLayout:
 
 def setup_processes(mesh_config: MeshConfig, environ: Optional[Mapping[str, str]] = None) -> ProcessLayout:
     """Initialise jax.distributed when asked for, then check the process count."""
-    check_configured_process_count(mesh_config)
     reason = distributed_reason(mesh_config, environ)
+    mesh_config = with_slurm_settings(mesh_config, os.environ if environ is None else environ)
+    check_configured_process_count(mesh_config)
     if reason is not None and not jax.distributed.is_initialized():
         initialize_distributed(mesh_config, reason)
     layout = current_layout()
     check_joined_process_count(mesh_config.require_process_count, layout)
     return layout
+
+
+def with_slurm_settings(mesh_config: MeshConfig, environ: Mapping[str, str]) -> MeshConfig:
+    """Under a multi-task `srun`, the unset process fields from Slurm's variables, and the
+    process count required to be SLURM_NTASKS (a step that lost tasks then fails at start)."""
+    found = slurm_process(environ) if mesh_config.distributed != "off" else None
+    if found is None:
+        return mesh_config
+    fields = {"coordinator_address": found.coordinator_address, "num_processes": found.num_processes,
+              "process_id": found.process_id, "require_process_count": found.num_processes}
+    return dataclasses.replace(mesh_config, **{name: value for name, value in fields.items()
+                                               if getattr(mesh_config, name) is None})
 
 
 def current_layout() -> ProcessLayout:

@@ -32,6 +32,7 @@ from grpo_runner_gsm8k.operations.checkpoint import Resume, TrainState
 from grpo_runner_gsm8k.training.loss_inputs import LogpSources
 from grpo_runner_gsm8k.assembly.operations import Operations, build_operations, start_point
 from grpo_runner_gsm8k.assembly.optim import build_optimizer, learning_rate_schedule
+from grpo_runner_gsm8k.multihost import check_same_run
 from grpo_runner_gsm8k.assembly.policy import PolicyModel, policy_model
 from grpo_runner_gsm8k.samplers.factory import restore_carried, step_sampler
 from grpo_runner_gsm8k.training.step import make_score, make_update
@@ -184,6 +185,7 @@ def build_run(cfg: RunConfig, registry: Registry, resume: bool = False, *, train
     state restored from the newest checkpoint when there is one, which `resume` requires)."""
     resume_from = start_point(cfg, resume) if training else None
     layout = setup_processes(cfg.mesh)
+    check_same_run(cfg)  # every process, the same config and code, before any model is loaded
     resolved = build_mesh_from_config(cfg.mesh, registry.mesh)
     mesh, strategy = resolved.mesh, resolved.strategy
     qcfg, inputs = check_inputs(cfg, registry, layout.process_index, layout.process_count)

@@ -2,6 +2,8 @@
 
     grpo-run launch --hosts h1,h2 [--coordinator-port 8476] [--dry-run] -- --config X [overrides]
     grpo-run launch --tpu NAME --zone Z --num-workers N [--dry-run] -- --config X [overrides]
+    grpo-run launch --jobset NAME --image I --accelerator A --topology T --num-workers N --storage S -- ...
+    grpo-run launch --xpk NAME --cluster C --tpu-type T --num-workers N --image I --run-dir D [--submit] -- ...
 
 With --hosts, host i runs `grpo-run ... mesh.process_id=i` over ssh, with the first host as
 the jax.distributed coordinator; all hosts start at once (they must join each other), their
@@ -25,6 +27,7 @@ from typing import IO
 from grpo_core.errors import UserError
 
 from grpo_runner_gsm8k.cli import ArgumentParser, train_parser
+from grpo_runner_gsm8k.commands import jobset
 
 DEFAULT_PORT = 8476
 HOST_NAME = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?$")
@@ -35,9 +38,11 @@ def _parser() -> ArgumentParser:
     where = parser.add_mutually_exclusive_group(required=True)
     where.add_argument("--hosts", help="comma-separated hosts reachable by ssh; the first is the coordinator")
     where.add_argument("--tpu", metavar="NAME", help="TPU VM (pod) name for gcloud compute tpus tpu-vm ssh")
+    where.add_argument("--jobset", metavar="NAME", help="print a JobSet manifest (GKE) of this name")
+    where.add_argument("--xpk", metavar="NAME", help="print (--submit: run) the xpk workload create command")
     parser.add_argument("--coordinator-port", type=int, help=f"--hosts: coordinator port (default {DEFAULT_PORT})")
-    parser.add_argument("--zone", help="--tpu: the TPU's zone")
-    parser.add_argument("--num-workers", type=int, help="--tpu: worker (host) count of the pod slice")
+    parser.add_argument("--zone", help="--tpu, --xpk: the TPU's (cluster's) zone")
+    parser.add_argument("--num-workers", type=int, help="--tpu, --jobset, --xpk: worker (host) count of the slice")
     parser.add_argument("--workdir", help="directory to cd into on each host first, relative to the login "
                         "directory unless absolute (default: the login directory)")
     parser.add_argument("--program", default="grpo-run",
@@ -45,6 +50,7 @@ def _parser() -> ArgumentParser:
     parser.add_argument("--ssh", default="ssh -o BatchMode=yes -o ConnectTimeout=20",
                         help="--hosts: ssh command (default: %(default)s)")
     parser.add_argument("--dry-run", action="store_true", help="print the commands instead of running them")
+    jobset.add_arguments(parser)
     return parser
 
 
@@ -71,7 +77,12 @@ def parse_hosts(text: str) -> list[str]:
 
 
 def check_launch_args(args) -> None:
-    if args.tpu is not None:
+    if args.jobset is not None or args.xpk is not None:
+        if args.coordinator_port is not None:
+            raise UserError("--coordinator-port goes with --hosts; a JobSet's coordinator is its pod 0 on port "
+                            f"{jobset.COORDINATOR_PORT}")
+        jobset.check_gke_args(args)
+    elif args.tpu is not None:
         missing = [flag for flag, value in (("--zone", args.zone), ("--num-workers", args.num_workers))
                    if value is None]
         if missing:
@@ -83,7 +94,8 @@ def check_launch_args(args) -> None:
         if args.coordinator_port is not None:
             raise UserError("--coordinator-port goes with --hosts; on a TPU pod JAX finds the coordinator itself")
     elif args.zone is not None or args.num_workers is not None:
-        raise UserError("--zone and --num-workers go with --tpu; with --hosts the host list gives the count")
+        raise UserError("--zone and --num-workers go with --tpu, --jobset or --xpk; with --hosts the host list "
+                        "gives the count")
     port = args.coordinator_port
     if port is not None and not 1 <= port <= 65535:
         raise UserError(f"--coordinator-port {port} is not a TCP port; use 1-65535 (default {DEFAULT_PORT})")
@@ -214,13 +226,10 @@ def main(argv: list[str]) -> int:
         raise UserError("grpo-run launch needs the training arguments after '--', e.g. "
                         "grpo-run launch --hosts h1,h2 -- --config configs/x.yaml")
     check_launch_args(args)
+    if args.jobset is not None or args.xpk is not None:
+        return launch_on_gke(args, train_argv)
     if args.tpu is not None:
-        check_training_args(train_argv, tpu_overrides(args))
-        command = tpu_command(args, train_argv)
-        if args.dry_run:
-            print(shlex.join(command))
-            return 0
-        return run_tpu(command)
+        return launch_on_tpu(args, train_argv)
     hosts = parse_hosts(args.hosts)
     check_training_args(train_argv, overrides_per_host(args, hosts)[0])
     commands = ssh_commands(args, hosts, train_argv)
@@ -229,3 +238,27 @@ def main(argv: list[str]) -> int:
             print(shlex.join(command))
         return 0
     return run_on_hosts(hosts, commands)
+
+
+def launch_on_tpu(args, train_argv: list[str]) -> int:
+    check_training_args(train_argv, tpu_overrides(args))
+    command = tpu_command(args, train_argv)
+    if args.dry_run:
+        print(shlex.join(command))
+        return 0
+    return run_tpu(command)
+
+
+def launch_on_gke(args, train_argv: list[str]) -> int:
+    if args.jobset is not None:
+        check_training_args(train_argv, jobset.jobset_overrides(args, "0"))
+        print(jobset.manifest_yaml(jobset.jobset_manifest(args, shlex.split(args.program), train_argv)), end="")
+        return 0
+    check_training_args(train_argv, jobset.xpk_overrides(args))
+    command = jobset.xpk_command(args, train_argv)
+    if not args.submit or args.dry_run:
+        print(shlex.join(command))
+        return 0
+    if shutil.which("xpk") is None:
+        raise UserError("xpk is not on PATH; install it (pip install xpk), or leave out --submit to print the command")
+    return subprocess.call(command)
