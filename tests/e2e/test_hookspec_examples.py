@@ -14,7 +14,8 @@ from grpo_core.testing import registry_with
 
 EXAMPLES = {"grpo_losses": "loss", "grpo_meshes": "mesh", "grpo_rollouts": "rollout", "grpo_rewards": "reward",
             "grpo_tasks": "task", "grpo_advantages": "advantage", "grpo_commands": "command",
-            "grpo_step_end": "step_end", "grpo_tools": "tool", "grpo_environments": "environment"}
+            "grpo_step_end": "step_end", "grpo_tools": "tool", "grpo_environments": "environment",
+            "grpo_model_families": "model_family"}
 SELECT = {
     "grpo_losses": ["loss.impl=naive"],
     "grpo_meshes": ["mesh.strategy=data_only"],
@@ -37,6 +38,7 @@ SELECT = {
                           "task.reward_options={environment: {key: solved}}", "rollout.max_prompt_length=80",
                           "rollout.max_new_tokens=8", "rollout.multi_turn.max_total_tokens=48",
                           "model.architecture.max_position_embeddings=160"],
+    "grpo_model_families": ["model.architecture.model_type=biased_decoder"],
 }
 
 
@@ -121,8 +123,17 @@ def environment_rewarded(trainer, registry, metrics) -> None:
     assert metrics["train-tools/turns_mean"] >= 1
 
 
+def family_trained(trainer, registry, metrics) -> None:
+    """The policy trained is the example family's: its config.json and its q/k/v biases."""
+    import jax
+
+    assert trainer.built.qcfg.to_hf_dict()["architectures"] == ["BiasedDecoderForCausalLM"]
+    paths = {jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_leaves_with_path(trainer.state.params)}
+    assert any("q_proj" in p and "bias" in p for p in paths), sorted(paths)[:5]
+
+
 CHECK_AFTER_STEP = {"grpo_step_end": step_end_logged, "grpo_commands": command_runs,
-                    "grpo_environments": environment_rewarded}
+                    "grpo_environments": environment_rewarded, "grpo_model_families": family_trained}
 
 
 @pytest.mark.parametrize("hook", sorted(EXAMPLES))

@@ -6,7 +6,7 @@ on, left-padded batch) is recorded in golden/<name>/golden.json, once without a 
 token and once with one that ends some rows early. CI then checks the `jax` backend
 against these tokens without torch.
 
-    uv run python tests/rollout/make_golden.py
+    uv run python tests/rollout/make_golden.py [family ...]
 """
 
 from __future__ import annotations
@@ -27,6 +27,10 @@ FAMILIES = {
     "qwen2": dict(model_type="qwen2", tie_word_embeddings=False),
     # Tied Qwen3 (q/k RMSNorm, explicit head_dim).
     "qwen3": dict(model_type="qwen3", tie_word_embeddings=True, head_dim=16),
+    # Tied Llama 3 with llama3 RoPE scaling (head_dim 8: one frequency kept, one interpolated, two divided).
+    "llama3": dict(model_type="llama", tie_word_embeddings=True,
+                   rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
 }
 ARCHITECTURE = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                     num_attention_heads=4, num_key_value_heads=2, rope_theta=10000.0, rms_norm_eps=1e-6,
@@ -77,8 +81,11 @@ def make_model(name: str, seed: int) -> Path:
     return out
 
 
-def main() -> None:
+def main(names: list[str]) -> None:
+    """Writes the fixtures of `names` (default: every family); a family's seed is its place in FAMILIES."""
     for seed, name in enumerate(FAMILIES):
+        if names and name not in names:
+            continue
         model_dir = make_model(name, seed)
         free, gap = hf_greedy(model_dir, PROMPTS, eos=None)
         eos = int(free[0, 3])  # a token row 0 produces mid-way: it ends that row (and maybe others) early
@@ -90,4 +97,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    main(sys.argv[1:])

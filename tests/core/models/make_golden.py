@@ -1,7 +1,7 @@
 """Regenerate the golden fixtures under tests/core/models/golden/ (needs torch).
 
     uv pip install torch==2.13.0   # CPU wheel; never a runtime dependency
-    uv run python tests/core/models/make_golden.py
+    uv run python tests/core/models/make_golden.py [family ...]
 
 For each family a tiny HF model is built from its config with seeded random weights,
 saved with HF `save_pretrained` (config.json + model.safetensors), and run in f32 on a
@@ -22,7 +22,8 @@ import numpy as np
 GOLDEN_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden")
 
 # Tiny configs covering: Qwen2 tied (Qwen2.5 <= 3B), Qwen2 untied with one KV head
-# (7B-style untied head, maximal grouping), Qwen3 (q/k norm, head_dim * heads != hidden).
+# (7B-style untied head, maximal grouping), Qwen3 (q/k norm, head_dim * heads != hidden),
+# Llama 3 tied and untied (no biases, llama3 RoPE scaling).
 _COMMON = {
     "vocab_size": 96,
     "hidden_size": 32,
@@ -33,6 +34,8 @@ _COMMON = {
     "torch_dtype": "float32",
     "use_sliding_window": False,
 }
+LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 256}
 FAMILIES: dict[str, dict] = {
     "qwen2_tied": dict(
         _COMMON,
@@ -63,8 +66,16 @@ FAMILIES: dict[str, dict] = {
         rms_norm_eps=1e-6,
         tie_word_embeddings=True,
     ),
+    # Llama 3.x with llama3 RoPE scaling: head_dim 8 and theta 5e5 give one frequency kept, one
+    # interpolated and two divided by `factor` (wavelengths 6, 167, 4443, 1.2e5 against 64 and 256).
+    "llama3_tied": dict(_COMMON, model_type="llama", num_attention_heads=4, num_key_value_heads=2,
+                        rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=True,
+                        rope_scaling=LLAMA3_SCALING),
+    "llama3_untied": dict(_COMMON, model_type="llama", num_attention_heads=4, num_key_value_heads=1,
+                          rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                          rope_scaling=LLAMA3_SCALING),
 }
-SEEDS = {"qwen2_tied": 11, "qwen2_untied": 12, "qwen3": 13}
+SEEDS = {"qwen2_tied": 11, "qwen2_untied": 12, "qwen3": 13, "llama3_tied": 14, "llama3_untied": 15}
 WEIGHT_STD = 0.2  # large enough that logits are O(1) and layout mistakes show
 
 
@@ -140,12 +151,13 @@ def write_family(name: str) -> None:
         json.dump(meta, f, indent=2)
 
 
-def main() -> int:
-    for name in FAMILIES:
+def main(names: list[str]) -> int:
+    """Writes the fixtures of `names` (default: every family)."""
+    for name in names or FAMILIES:
         write_family(name)
         print(f"wrote {os.path.join(GOLDEN_DIR, name)}")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

@@ -80,10 +80,10 @@ def test_preset_parameter_counts_match_published_sizes():
     "overrides, key, value",
     [
         ({"rope_scaling": {"type": "yarn", "factor": 4.0}}, "rope_scaling.rope_type", "yarn"),
-        ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e6}}, "rope_parameters.rope_type", "dynamic"),
+        ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e6}}, "rope_type", "dynamic"),
         ({"use_sliding_window": True}, "use_sliding_window", "True"),
         ({"hidden_act": "gelu"}, "hidden_act", "gelu"),
-        ({"model_type": "llama"}, "model_type", "llama"),
+        ({"model_type": "gemma3"}, "model_type", "gemma3"),
         ({"attention_dropout": 0.1}, "attention_dropout", "0.1"),
         ({"quantization_config": {"quant_method": "gptq"}}, "quantization_config", "gptq"),
         ({"torch_dtype": "int8"}, "torch_dtype", "int8"),

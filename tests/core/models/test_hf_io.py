@@ -19,7 +19,7 @@ from grpo_core.sharding import DEFAULT_RULES, param_shardings
 from grpo_core.tokenizer import build_char_tokenizer, load_tokenizer
 from safetensors.numpy import load_file
 
-FAMILIES = ("qwen2_tied", "qwen2_untied", "qwen3")
+FAMILIES = ("qwen2_tied", "qwen2_untied", "qwen3", "llama3_tied", "llama3_untied")
 PARITY_ATOL = 1e-4  # issue requirement for f32; observed max diff is ~3e-7
 
 
@@ -48,6 +48,21 @@ def test_golden_hf_checkpoint_logits(golden, name, logits_of):
     assert np.abs(logits_of(model, ids, mask) - hf_logits)[real].max() <= PARITY_ATOL
     far = golden.positions(mask) + golden.POSITION_OFFSET
     assert np.abs(logits_of(model, ids, mask, far) - _golden_far_logits(golden, name))[real].max() <= PARITY_ATOL
+
+
+@pytest.mark.parametrize("name", ["llama3_tied", "llama3_untied"])
+def test_golden_hf_logits_through_the_kv_cache(golden, name):
+    """A 6-token prefill then 4 one-token decode steps give HF's logits on every real token."""
+    ids, mask, hf_logits = _golden_io(golden, name)
+    model = load_pretrained(_golden_dir(golden, name), dtype="float32")
+    cache = model.init_cache(ids.shape[0], ids.shape[1])
+    steps = [(0, 6)] + [(t, t + 1) for t in range(6, ids.shape[1])]
+    logits = []
+    for start, end in steps:
+        hidden, cache = model(ids[:, start:end], attention_mask=mask[:, start:end], cache=cache)
+        logits.append(np.asarray(model.logits(hidden)))
+    real = mask.astype(bool)
+    assert np.abs(np.concatenate(logits, axis=1) - hf_logits)[real].max() <= PARITY_ATOL
 
 
 @pytest.mark.parametrize("name", FAMILIES)

@@ -3,7 +3,7 @@
 from grpo_core.hookspecs import hookimpl
 from grpo_core.specs import (AdvantageSpec, CommandSpec, LossSpec, MeshSpec, NoOptions, PluginSpec, RewardSpec,
                              RolloutSpec, TaskSpec)
-from grpo_core.specs import EnvironmentSpec, ToolSpec
+from grpo_core.specs import EnvironmentSpec, ModelFamilySpec, ToolSpec
 
 __all__ = [
     "hookimpl",
@@ -18,4 +18,5 @@ __all__ = [
     "TaskSpec",
     "ToolSpec",
     "EnvironmentSpec",
+    "ModelFamilySpec",
 ]

@@ -24,6 +24,7 @@ from grpo_core.config_notes import config_notes
 from grpo_core.config_yaml import parse_yaml, read_yaml
 from grpo_core.config_teacher import check_teacher, check_teacher_section
 from grpo_core.errors import ConfigError, PluginError
+from grpo_core.model_families import publish_registry
 from grpo_core.multi_turn_checks import check_multi_turn, check_tools
 
 EXPLICIT_MESH = re.compile(r"^\s*-?\d+\s*,\s*-?\d+\s*,\s*-?\d+\s*$")
@@ -379,6 +380,8 @@ def load_config(path: str | Path | None = None, overrides: Iterable[str] = (), r
     for override in overrides:
         apply_override(tree, override)
     check_teacher_section(tree)
+    if registry is not None:
+        publish_registry(registry)  # the model families it holds resolve from config.json model_type
     cfg = resolve_defaults(expand_home(resolve_run_dir(build_dataclass(RunConfig, tree))))
     validate_cross_fields(cfg)
     if registry is not None:

@@ -32,6 +32,7 @@ HOOK_BY_KIND = {
     "command": "grpo_commands",
     "tool": "grpo_tools",
     "environment": "grpo_environments",
+    "model_family": "grpo_model_families",
 }
 
 
@@ -90,7 +91,7 @@ def load_entry_points(pm: pluggy.PluginManager, strict: bool | None = None) -> d
 
 class Registry:
     """Every named plugin (loss, mesh, rollout, reward, task, advantage estimator, command, tool,
-    environment), by kind and name; the step-end hooks."""
+    environment, model family), by kind and name; the step-end hooks."""
 
     def __init__(self, pm: pluggy.PluginManager, distributions: dict[str, str] | None = None):
         self._pm = pm
@@ -168,6 +169,9 @@ class Registry:
 
     def environment(self, name: str) -> PluginSpec:
         return self.get("environment", name)
+
+    def model_family(self, name: str) -> PluginSpec:
+        return self.get("model_family", name)
 
 
 def build_registry(extra_plugins: Iterable[Any] = (), *, entry_points: bool = True,

@@ -128,4 +128,12 @@ class EnvironmentSpec(PluginSpec):
     kind: ClassVar[str] = "environment"
 
 
-SPEC_TYPES.update({spec.kind: spec for spec in (ToolSpec, EnvironmentSpec)})
+@dataclass(frozen=True)
+class ModelFamilySpec(PluginSpec):
+    """A decoder family selected by its HF `model_type` (the name) in `model.architecture` or a
+    checkpoint's config.json: `factory(options) -> grpo_core.model_families.ModelFamily`."""
+
+    kind: ClassVar[str] = "model_family"
+
+
+SPEC_TYPES.update({spec.kind: spec for spec in (ToolSpec, EnvironmentSpec, ModelFamilySpec)})

@@ -38,7 +38,7 @@ def decode_inputs(model, tokens: jax.Array, positions: jax.Array, layout: Activa
     """(x [B, 1, H], cos, sin) of one decode step: the embedded tokens and the rope tables at
     `positions` [B, 1]. q and k are made from the replicated residual, so the tables are made
     replicated once per token (split by rows, XLA gathered them again in every layer)."""
-    cos, sin = rope_tables(layout.replicated(positions), model.config.head_dim, model.config.rope_theta)
+    cos, sin = rope_tables(layout.replicated(positions), model.config.rope_frequencies())
     return layout.embed(model.embed_tokens.embedding[...], tokens[:, None]), cos, sin
 
 

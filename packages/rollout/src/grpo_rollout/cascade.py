@@ -215,7 +215,7 @@ def table_prefill_forward(model, ids: jax.Array, mask: jax.Array, cache: TableCa
     row's own slots up to itself, merged as in `table_attention` (one query position at a time)."""
     width = ids.shape[1]
     positions = jnp.maximum(cache.lengths()[:, None] + jnp.cumsum(mask, axis=1) - 1, 0)  # as the model counts them
-    cos, sin = rope_tables(positions, model.config.head_dim, model.config.rope_theta)
+    cos, sin = rope_tables(positions, model.config.rope_frequencies())
     own = cache.completion.with_new_tokens(mask)
     visible = own.visibility(width)  # [B, A, S]
     prompt = cache.prompt

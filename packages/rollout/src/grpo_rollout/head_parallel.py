@@ -161,7 +161,7 @@ def local_forward(model, tokens, live, cache, attention):
     own cache and its rows' mask is updated locally: the embedding's sum over vocabulary slices
     and 2 all-reduces per layer are the step's only collectives before the logits."""
     positions = cache.lengths()[:, None]  # this device's rows: the position of each row's next token
-    cos, sin = rope_tables(positions, model.config.head_dim, model.config.rope_theta)
+    cos, sin = rope_tables(positions, model.config.rope_frequencies())
     x = embed_from_slice(model.embed_tokens.embedding[...], tokens[:, None], BOTH)
     cache = cache.with_new_tokens(own_rows(live)[:, None])
     return local_layers(model, x, cos, sin, cache, attention)

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from grpo_core.model_families import family_named
 from grpo_core.models.attention_impls import ATTENTION_CHOICES, resolve_attention
 from grpo_core.models.config import PRESETS, QwenConfig
 from grpo_core.models.qwen import DTYPES, REMAT_MODES, init_from_config
@@ -42,7 +43,7 @@ _SHAPE_FLAGS = {
 def argument_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="grpo-bench model", description=__doc__.split("\n")[0])
     p.add_argument("--preset", choices=sorted(PRESETS), help="model shape preset (default tiny-<family>)")
-    p.add_argument("--family", choices=("qwen2", "qwen3"), default=None, help="model family (default qwen2)")
+    p.add_argument("--family", choices=[name.removeprefix("tiny-") for name in PRESETS if name.startswith("tiny-")], default=None, help="model family (default qwen2)")
     for flag in _SHAPE_FLAGS:
         p.add_argument(f"--{flag.replace('_', '-')}", dest=flag, type=int, default=None)
     p.add_argument("--batch", type=int, default=4)
@@ -62,7 +63,8 @@ def build_config(args: argparse.Namespace) -> QwenConfig:
     if args.family and args.family != cfg.model_type:
         changes.update(model_type=args.family, attention_bias=None)
     if "hidden_size" in changes or "num_attention_heads" in changes:
-        changes.setdefault("head_dim", 0 if (args.family or cfg.model_type) == "qwen2" else cfg.head_dim)
+        explicit = family_named(args.family or cfg.model_type).writes_head_dim
+        changes.setdefault("head_dim", cfg.head_dim if explicit else 0)
     return cfg.replace(**changes)
 
 

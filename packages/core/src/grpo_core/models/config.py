@@ -1,9 +1,10 @@
-"""`QwenConfig`: the architecture of a Qwen2 / Qwen2.5 / Qwen3 model, read from and
-written to a Hugging Face `config.json`.
+"""`QwenConfig`: the architecture of a model of the shared decoder (Qwen2 / Qwen2.5 / Qwen3,
+Llama 3.x, or a plugin's family), read from and written to a Hugging Face `config.json`.
 
-Only options this implementation reproduces exactly are accepted; anything else
-(rope scaling, sliding-window attention, another activation, ...) is a ValueError that
-names the key, the value seen, and what is supported.
+Its `model_type` names the family (`grpo_core.model_families`), which answers every
+question that differs between families. Only options this implementation reproduces exactly
+are accepted; anything else (an unimplemented rope scaling, sliding-window attention, another
+activation, ...) is a ValueError that names the key, the value seen, and what is supported.
 """
 
 from __future__ import annotations
@@ -14,10 +15,15 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-SUPPORTED_FAMILIES = ("qwen2", "qwen3")
-SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
+import jax.numpy as jnp
 
-_ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+from grpo_core.model_families import ModelFamily, family_named, family_of_hf_dict, publish, unsupported
+from grpo_core.models.llama_family import LLAMA
+from grpo_core.models.qwen_family import QWEN2, QWEN3
+
+BUILTIN_FAMILIES = (QWEN2, QWEN3, LLAMA)
+publish(list(BUILTIN_FAMILIES))
+SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
 
 # Bookkeeping keys of HF configs that do not change the forward pass.
 _IGNORED_KEYS = frozenset(
@@ -35,13 +41,14 @@ _IGNORED_KEYS = frozenset(
         "output_hidden_states",
         "return_dict",
         "layer_types",
+        "pretraining_tp",  # Llama: a tensor-parallel split of the original training, no effect on outputs
     }
 )
 
 # Keys that change the forward pass in ways not implemented here: allowed value only.
 _ONLY_ALLOWED = {"quantization_config": None, "partial_rotary_factor": 1.0, "mlp_bias": False}
 # config.json keys `from_hf_dict` reads without a QwenConfig field of the same name.
-HF_EXTRA_KEYS = frozenset({"torch_dtype", "dtype", "rope_scaling", "rope_parameters", "use_sliding_window"})
+HF_EXTRA_KEYS = frozenset({"torch_dtype", "dtype", "rope_parameters", "use_sliding_window"})
 
 
 def architecture_keys() -> frozenset[str]:
@@ -49,8 +56,7 @@ def architecture_keys() -> frozenset[str]:
     return frozenset(f.name for f in dataclasses.fields(QwenConfig)) | HF_EXTRA_KEYS
 
 
-def _unsupported(key: str, value: Any, supported: str) -> ValueError:
-    return ValueError(f"config.json: {key}={value!r} is not supported; supported: {supported}.")
+_unsupported = unsupported
 
 
 @dataclass(frozen=True)
@@ -71,26 +77,28 @@ class QwenConfig:
     tie_word_embeddings: bool = True
     max_position_embeddings: int = 32768
     torch_dtype: str = "bfloat16"
-    attention_bias: bool | None = None  # None = family default: qwen2 True, qwen3 False
+    attention_bias: bool | None = None  # None = the family's default (qwen2 True, qwen3 and llama False)
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
+    # HF rope_scaling as sorted (key, value) pairs (hashable), None = plain RoPE; the family reads it.
+    rope_scaling: tuple | None = None
 
     def __post_init__(self) -> None:
-        if self.model_type not in SUPPORTED_FAMILIES:
-            raise _unsupported("model_type", self.model_type, " | ".join(SUPPORTED_FAMILIES))
+        family = family_named(self.model_type)
         if not self.head_dim:
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
         if self.attention_bias is None:
-            object.__setattr__(self, "attention_bias", self.model_type == "qwen2")
+            object.__setattr__(self, "attention_bias", family.attention_bias)
         if isinstance(self.eos_token_id, list):
             object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
+        scaling = self.rope_scaling
+        object.__setattr__(self, "rope_scaling", family.rope_scaling(dict(scaling) if scaling else None))
         self._validate()
+        family.validate(self)
 
     def _validate(self) -> None:
         if self.hidden_act != "silu":
             raise _unsupported("hidden_act", self.hidden_act, "'silu'")
-        if self.model_type == "qwen2" and not self.attention_bias:
-            raise _unsupported("attention_bias", self.attention_bias, "True for qwen2 (HF Qwen2 always has q/k/v bias)")
         if self.torch_dtype not in SUPPORTED_DTYPES:
             raise _unsupported("torch_dtype", self.torch_dtype, " | ".join(SUPPORTED_DTYPES))
         for name in (
@@ -113,15 +121,22 @@ class QwenConfig:
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings.")
 
-    # ---- derived -------------------------------------------------------------------
+    # ---- derived (the family's answers) ----------------------------------------------
+    @property
+    def family(self) -> ModelFamily:
+        return family_named(self.model_type)
+
     @property
     def has_qk_norm(self) -> bool:
-        return self.model_type == "qwen3"
+        return self.family.qk_norm(self)
 
     @property
     def has_o_bias(self) -> bool:
-        # HF Qwen2 never biases o_proj; HF Qwen3 biases all four projections together.
-        return self.model_type == "qwen3" and bool(self.attention_bias)
+        return self.family.o_bias(self)
+
+    def rope_frequencies(self) -> jnp.ndarray:
+        """Inverse RoPE frequencies [head_dim / 2] in f32, the family's scaling applied."""
+        return self.family.rope_frequencies(self)
 
     def replace(self, **changes: Any) -> QwenConfig:
         return dataclasses.replace(self, **changes)
@@ -138,7 +153,8 @@ class QwenConfig:
     def from_hf_dict(cls, d: dict[str, Any]) -> QwenConfig:
         """Build from a parsed HF `config.json` (transformers 4.x or 5.x layout)."""
         d = dict(d)
-        _check_rope(d)
+        d["model_type"] = family_of_hf_dict(d).name
+        _read_rope(d)
         _check_attention_options(d)
         fields = {f.name for f in dataclasses.fields(cls)}
         kwargs: dict[str, Any] = {}
@@ -167,8 +183,9 @@ class QwenConfig:
 
     def to_hf_dict(self) -> dict[str, Any]:
         """An HF `config.json` dict that transformers 4.50+ and 5.x both load."""
+        family = self.family
         d: dict[str, Any] = {
-            "architectures": [_ARCHITECTURES[self.model_type]],
+            "architectures": [family.architecture],
             "model_type": self.model_type,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
@@ -180,19 +197,16 @@ class QwenConfig:
             "max_position_embeddings": self.max_position_embeddings,
             "rms_norm_eps": self.rms_norm_eps,
             "rope_theta": self.rope_theta,
-            "rope_scaling": None,
+            "rope_scaling": dict(self.rope_scaling) if self.rope_scaling else None,
             "tie_word_embeddings": self.tie_word_embeddings,
             "torch_dtype": self.torch_dtype,
-            "use_sliding_window": False,
             "attention_dropout": 0.0,
             "bos_token_id": self.bos_token_id,
             "eos_token_id": list(self.eos_token_id) if isinstance(self.eos_token_id, tuple) else self.eos_token_id,
         }
-        if self.model_type == "qwen3":
-            d["head_dim"] = self.head_dim
-            d["attention_bias"] = self.attention_bias
-        elif self.head_dim != self.hidden_size // self.num_attention_heads:
-            d["head_dim"] = self.head_dim  # HF Qwen2 honours an explicit head_dim attribute
+        d.update(family.hf_extras(self))
+        if family.writes_head_dim or self.head_dim != self.hidden_size // self.num_attention_heads:
+            d["head_dim"] = self.head_dim  # HF Qwen2 and Llama honour an explicit head_dim attribute
         return d
 
     # ---- presets -------------------------------------------------------------------
@@ -207,13 +221,13 @@ class QwenConfig:
         """A few-kB model for tests and CPU smoke runs."""
         base = cls(
             model_type=model_type,
+            **family_named(model_type).tiny_changes(),
             vocab_size=128,
             hidden_size=32,
             intermediate_size=64,
             num_hidden_layers=2,
             num_attention_heads=4,
             num_key_value_heads=2,
-            head_dim=16 if model_type == "qwen3" else 0,
             rope_theta=10_000.0,
             tie_word_embeddings=True,
             max_position_embeddings=512,
@@ -222,16 +236,16 @@ class QwenConfig:
         return base.replace(**changes)
 
 
-def _check_rope(d: dict[str, Any]) -> None:
-    """Accept only default RoPE, read theta from either HF layout into d['rope_theta']."""
+def _read_rope(d: dict[str, Any]) -> None:
+    """Read theta and the scaling from either HF layout (4.x `rope_scaling`, 5.x `rope_parameters`)
+    into d['rope_theta'] and d['rope_scaling'] (the family checks the scaling)."""
     params = d.pop("rope_parameters", None) or {}
-    scaling = d.pop("rope_scaling", None) or {}
-    for key, block in (("rope_parameters", params), ("rope_scaling", scaling)):
-        kind = block.get("rope_type", block.get("type", "default"))
-        if kind != "default":
-            raise _unsupported(f"{key}.rope_type", kind, "'default' RoPE (no scaling)")
+    scaling = {**params, **(d.pop("rope_scaling", None) or {})}
     if "rope_theta" in params:
         d.setdefault("rope_theta", params["rope_theta"])
+    scaling.pop("rope_theta", None)
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    d["rope_scaling"] = None if kind == "default" else scaling
 
 
 def _check_attention_options(d: dict[str, Any]) -> None:
@@ -252,6 +266,7 @@ def _check_attention_options(d: dict[str, Any]) -> None:
 PRESETS: dict[str, QwenConfig] = {
     "tiny-qwen2": QwenConfig.tiny("qwen2"),
     "tiny-qwen3": QwenConfig.tiny("qwen3"),
+    "tiny-llama": QwenConfig.tiny("llama"),
     "qwen2.5-0.5b": QwenConfig(
         hidden_size=896,
         intermediate_size=4864,

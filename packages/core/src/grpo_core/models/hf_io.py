@@ -122,7 +122,7 @@ def _place(host: np.ndarray, sharding: jax.sharding.Sharding | None) -> jax.Arra
 
 
 def _target_path(hf_name: str, cfg: QwenConfig, targets: dict, file: str) -> tuple[str, Any, int | None] | None:
-    found = hf_names.hf_to_ours(hf_name)
+    found = hf_names.hf_to_ours(hf_name, cfg.family.hf_table)
     if found is None and hf_names.is_ignored(hf_name):
         return None
     if found and found[0] in targets and (found[2] is None or found[2] < cfg.num_hidden_layers):
@@ -207,7 +207,7 @@ def _fill_state(state: nnx.State, cfg: QwenConfig, model_dir: str, dtype, shardi
                 path, transform, layer = target
                 _load_into(f, hf_name, file, (targets[path], path, layer), transform, dtype, shardings, stacks)
                 loaded.add((path, layer))
-    _check_complete(targets, loaded, cfg.num_hidden_layers, model_dir)
+    _check_complete(targets, loaded, cfg, model_dir)
     for path, array in stacks.finished().items():
         targets[path].set_value(array)
 
@@ -247,12 +247,12 @@ def load_pretrained(
     return model
 
 
-def _check_complete(targets: dict, loaded: set, num_layers: int, model_dir: str) -> None:
-    expected = {(p, i) for p in targets if hf_names.is_stacked(p) for i in range(num_layers)}
+def _check_complete(targets: dict, loaded: set, cfg: QwenConfig, model_dir: str) -> None:
+    expected = {(p, i) for p in targets if hf_names.is_stacked(p) for i in range(cfg.num_hidden_layers)}
     expected |= {(p, None) for p in targets if not hf_names.is_stacked(p)}
     missing = sorted(expected - loaded, key=lambda pl: (pl[1] or 0, pl[0]))
     if missing:
-        names = [hf_names.ours_to_hf(p, layer)[0] for p, layer in missing]
+        names = [hf_names.ours_to_hf(p, layer, cfg.family.hf_table)[0] for p, layer in missing]
         shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
         raise ValueError(f"checkpoint in {model_dir} is missing {len(names)} tensor(s): {shown}.")
 
@@ -275,11 +275,11 @@ def _hf_tensors(model: QwenModel) -> list[tuple[str, jax.Array, Any]]:
     unstacked, layer by layer, in between the embedding and the final norm (HF order)."""
     params = {_dotted(p): v.get_value() for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
     stacked = [p for p in params if hf_names.is_stacked(p)]
-    rows = []
+    table, rows = model.config.family.hf_table, []
     for path in (p for p in params if not hf_names.is_stacked(p)):
-        rows.append((*hf_names.ours_to_hf(path), params[path]))
+        rows.append((*hf_names.ours_to_hf(path, table=table), params[path]))
     for layer in range(model.config.num_hidden_layers):
-        rows.extend((*hf_names.ours_to_hf(path, layer), params[path][layer]) for path in stacked)
+        rows.extend((*hf_names.ours_to_hf(path, layer, table), params[path][layer]) for path in stacked)
     return [(name, value, transform) for name, transform, value in rows]
 
 

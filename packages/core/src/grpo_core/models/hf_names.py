@@ -10,6 +10,7 @@ the tensor is laid out: HF Linear weights are [out, in] while our kernels are
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from dataclasses import dataclass
@@ -84,14 +85,17 @@ def _compile(template: str) -> re.Pattern:
     return re.compile(pattern + r"\Z")
 
 
-_FORWARD = tuple((_compile(hf), ours, t) for hf, ours, t in HF_TABLE)
-_BACKWARD = tuple((_compile(ours), hf, t) for hf, ours, t in HF_TABLE)
+@functools.cache
+def _compiled(table: tuple) -> tuple[tuple, tuple]:
+    """(HF pattern -> our template rows, our pattern -> HF template rows) of `table`."""
+    return (tuple((_compile(hf), ours, t) for hf, ours, t in table),
+            tuple((_compile(ours), hf, t) for hf, ours, t in table))
 
 
-def hf_to_ours(hf_name: str) -> tuple[str, Transform, int | None] | None:
+def hf_to_ours(hf_name: str, table: tuple | None = None) -> tuple[str, Transform, int | None] | None:
     """(our dotted path, transform, layer index or None when the parameter is not
-    stacked) for an HF tensor name; None if it is not a parameter."""
-    for pattern, template, transform in _FORWARD:
+    stacked) for an HF tensor name by `table` (a family's; None = HF_TABLE); None if it is not a parameter."""
+    for pattern, template, transform in _compiled(table or HF_TABLE)[0]:
         match = pattern.match(hf_name)
         if match:
             groups = match.groupdict()
@@ -105,9 +109,9 @@ def is_stacked(path: str) -> bool:
     return path.startswith("layers.")
 
 
-def ours_to_hf(path: str, layer: int | None = None) -> tuple[str, Transform]:
-    """HF name and transform of our parameter `path` (its slice `layer` when stacked)."""
-    for pattern, template, transform in _BACKWARD:
+def ours_to_hf(path: str, layer: int | None = None, table: tuple | None = None) -> tuple[str, Transform]:
+    """HF name and transform of our parameter `path` (its slice `layer` when stacked) by `table`."""
+    for pattern, template, transform in _compiled(table or HF_TABLE)[1]:
         match = pattern.match(path)
         if match and (layer is None) != is_stacked(path):
             return template.format(layer=layer, **match.groupdict()), transform

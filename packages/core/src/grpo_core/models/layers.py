@@ -1,4 +1,4 @@
-"""Building blocks shared by the Qwen families: parameters with logical axis names,
+"""Building blocks of the shared decoder (every model family): parameters with logical axis names,
 projections, RMSNorm, rotary embeddings and the SwiGLU MLP.
 
 Logical axis names used on parameters (mapped to mesh axes by `grpo_core.sharding`):
@@ -102,10 +102,9 @@ class MLP(nnx.Module):
 
 
 # ---- rotary position embeddings -----------------------------------------------------
-def rope_tables(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
-    """cos/sin [B, T, head_dim/2] in f32 for integer positions [B, T]."""
-    exponents = jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim
-    inv_freq = 1.0 / (jnp.float32(theta) ** exponents)  # [D/2]
+def rope_tables(positions: jax.Array, inv_freq: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """cos/sin [B, T, head_dim/2] in f32 for integer positions [B, T] and the inverse
+    frequencies [head_dim/2] of the model's family (`QwenConfig.rope_frequencies()`)."""
     angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, D/2]
     return jnp.cos(angles), jnp.sin(angles)
 

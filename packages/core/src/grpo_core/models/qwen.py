@@ -229,7 +229,7 @@ class QwenModel(nnx.Module):
 
     def _embedded(self, input_ids, positions) -> tuple[jax.Array, jax.Array, jax.Array]:
         """(residual stream [B, T, H], rope cos, sin [B, T, D/2]) of the tokens at `positions`."""
-        cos, sin = rope_tables(positions, self.config.head_dim, self.config.rope_theta)
+        cos, sin = rope_tables(positions, self.config.rope_frequencies())
         return self._constrain(self.embed_tokens(input_ids)), cos, sin
 
     def accumulating_forward(self, input_ids, attention_mask, layer_grads, compute_dtype: Any = None):

@@ -1,0 +1,126 @@
+"""Model families: what one decoder family (an HF `model_type`) changes in the shared decoder.
+
+Every family runs the shared decoder of `grpo_core.models` (RMSNorm, grouped-query attention
+with rotary embeddings, SwiGLU MLP, optional tied head; its parameter shapes and logical axes,
+init, cache-free and KV-cached forward, decode step, and the FLOP/byte counts the planner
+derives from `QwenConfig`). A family is written as its difference from that block: the
+methods of `ModelFamily` below, whose defaults are the plain decoder (Llama's layout without
+biases). `model_type ==` appears in no other module: a config asks its family.
+
+Families register through the `grpo_model_families` hook (entry-point group `grpo`) and are
+selected by `model_type` (or `architectures`) in `model.architecture` or a checkpoint's
+`config.json`. The built-in families and those of the registry a run config is checked against
+are published here, so a config built anywhere in the process resolves them; an unknown name
+is looked up in the installed plugins, then refused.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax.numpy as jnp
+
+from grpo_core.errors import PluginError
+from grpo_core.registry import Registry, default_registry
+
+_PUBLISHED: dict[str, ModelFamily] = {}
+
+
+def unsupported(key: str, value: Any, supported: str) -> ValueError:
+    return ValueError(f"config.json: {key}={value!r} is not supported; supported: {supported}.")
+
+
+class ModelFamily:
+    """One HF `model_type`, as its difference from the shared decoder.
+
+    name:           the HF `model_type` ("llama"); also the `ModelFamilySpec` name.
+    architecture:   the HF class in config.json `architectures` ("LlamaForCausalLM").
+    attention_bias: the default of `QwenConfig.attention_bias` (q/k/v projection biases).
+    writes_head_dim: config.json always carries `head_dim` (else only when it is not hidden / heads).
+    hf_table:       HF tensor name <-> parameter path rows for load and export; None = the shared
+                    `grpo_core.models.hf_names.HF_TABLE` (parameters a config lacks are simply absent).
+    """
+
+    name: str = ""
+    architecture: str = ""
+    attention_bias: bool = False
+    writes_head_dim: bool = False
+    hf_table: tuple | None = None
+
+    def validate(self, cfg: Any) -> None:
+        """Raise ValueError (one line: key, value seen, what is supported) for a config this family cannot run."""
+
+    def qk_norm(self, cfg: Any) -> bool:
+        """Per-head RMSNorm of queries and keys before RoPE."""
+        return False
+
+    def o_bias(self, cfg: Any) -> bool:
+        """A bias on the attention output projection."""
+        return False
+
+    def rope_scaling(self, block: dict | None) -> tuple | None:
+        """The HF `rope_scaling` mapping (rope_theta removed) as sorted (key, value) pairs, or None for
+        plain RoPE; a scaling this family does not implement is refused."""
+        kind = (block or {}).get("rope_type", (block or {}).get("type", "default"))
+        if kind != "default":
+            raise unsupported("rope_scaling.rope_type", kind, "'default' RoPE (no scaling)")
+        return None
+
+    def rope_frequencies(self, cfg: Any) -> jnp.ndarray:
+        """Inverse frequencies [head_dim / 2] (f32) of the rotary embedding."""
+        return default_frequencies(cfg.head_dim, cfg.rope_theta)
+
+    def hf_extras(self, cfg: Any) -> dict[str, Any]:
+        """config.json keys this family writes beyond the shared ones."""
+        return {"attention_bias": cfg.attention_bias, "mlp_bias": False}
+
+    def tiny_changes(self) -> dict[str, Any]:
+        """`QwenConfig.tiny` changes that give this family its distinguishing shape."""
+        return {}
+
+
+def default_frequencies(head_dim: int, theta: float) -> jnp.ndarray:
+    exponents = jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim
+    return 1.0 / (jnp.float32(theta) ** exponents)
+
+
+def publish(families: list[ModelFamily]) -> None:
+    """Make `families` resolvable by name in this process."""
+    for family in families:
+        _PUBLISHED[family.name] = family
+
+
+def publish_registry(registry: Registry) -> None:
+    """Publish every family `registry` holds (its `grpo_model_families` hooks)."""
+    for item in registry.entries("model_family"):
+        family = item.spec.factory(item.spec.options())
+        if not isinstance(family, ModelFamily) or family.name != item.spec.name:
+            raise PluginError(f"model family {item.spec.name!r} of plugin {item.plugin!r} built {family!r}; expected "
+                              f"a grpo_core.model_families.ModelFamily named {item.spec.name!r}")
+        publish([family])
+
+
+def published_names() -> list[str]:
+    return sorted(_PUBLISHED)
+
+
+def family_named(name: str) -> ModelFamily:
+    """The family of HF `model_type` `name`; ValueError naming the installed ones when none is."""
+    if name not in _PUBLISHED:
+        publish_registry(default_registry())
+    if name not in _PUBLISHED:
+        raise unsupported("model_type", name, " | ".join(published_names()) + " (the installed model families)")
+    return _PUBLISHED[name]
+
+
+def family_of_hf_dict(d: dict[str, Any]) -> ModelFamily:
+    """The family a config.json names: its `model_type`, else its `architectures`."""
+    if d.get("model_type"):
+        return family_named(d["model_type"])
+    publish_registry(default_registry())
+    names = list(d.get("architectures") or [])
+    for family in _PUBLISHED.values():
+        if family.architecture in names:
+            return family
+    supported = " | ".join(sorted(f.architecture for f in _PUBLISHED.values()))
+    raise unsupported("architectures", names, supported + " (or give model_type)")

@@ -1,0 +1,17 @@
+"""The built-in model families, registered through the `grpo` entry point like any plugin's."""
+
+from grpo_core.hookspecs import hookimpl
+from grpo_core.models.config import BUILTIN_FAMILIES
+from grpo_core.specs import ModelFamilySpec
+
+DESCRIPTIONS = {
+    "qwen2": "Qwen2 / Qwen2.5: q/k/v biases",
+    "qwen3": "Qwen3: per-head q/k RMSNorm, explicit head_dim",
+    "llama": "Llama 3.x: no attention biases, llama3 RoPE scaling",
+}
+
+
+@hookimpl
+def grpo_model_families() -> list[ModelFamilySpec]:
+    return [ModelFamilySpec(family.name, lambda options, family=family: family, description=DESCRIPTIONS[family.name])
+            for family in BUILTIN_FAMILIES]
