@@ -225,18 +225,24 @@ sys.exit(cli.main(sys.argv[1:]))
 """
 
 
-@pytest.mark.slow
-def test_a_process_failing_alone_ends_the_run_on_every_process(tmp_path, start_command):
-    """Neither the failed process (at JAX's shutdown barrier) nor its peer (in a collective)
-    may wait for the other: both exit, the failed one with its own one-line error."""
+def two_processes_to_the_end(start_command, program: list[str], overrides) -> tuple[list, list[str]]:
+    """Processes 0 and 1 of one distributed run (`overrides(i)` each), waited for; their stderr."""
     port = free_port()
-    procs = [start_command(["-c", FAIL_ON_ONE], [*RUN, f"logging.dir={tmp_path}", *distributed(port, i)])
-             for i in range(2)]
+    procs = [start_command(program, [*overrides(i), *distributed(port, i)]) for i in range(2)]
     try:
         errs = [p.communicate(timeout=LEAVE_TIMEOUT_S)[1] for p in procs]
     finally:
         for proc in procs:
             proc.kill()
+    return procs, errs
+
+
+@pytest.mark.slow
+def test_a_process_failing_alone_ends_the_run_on_every_process(tmp_path, start_command):
+    """Neither the failed process (at JAX's shutdown barrier) nor its peer (in a collective)
+    may wait for the other: both exit, the failed one with its own one-line error."""
+    procs, errs = two_processes_to_the_end(start_command, ["-c", FAIL_ON_ONE],
+                                           lambda i: [*RUN, f"logging.dir={tmp_path}"])
     assert procs[1].returncode == 2, errs[1][-3000:]
     assert errs[1].strip().splitlines()[-1] == "grpo-run: error: process 1 fails alone"
     assert procs[0].returncode == 1, errs[0][-3000:]
@@ -391,15 +397,8 @@ def test_two_process_multi_turn_run_runs_each_call_and_environment_once_and_shar
 def test_processes_started_with_different_configs_stop_before_loading_the_model(tmp_path, start_command):
     """Process 1 was given another seed: both processes compare their config hashes right after
     joining and exit 2 with one line naming the process and host that differ."""
-    port = free_port()
-    procs = [start_command(["-m", "grpo_runner_gsm8k.cli"],
-                           [*RUN, f"logging.dir={tmp_path}", f"train.seed={1 + i}", *distributed(port, i)])
-             for i in range(2)]
-    try:
-        errs = [p.communicate(timeout=LEAVE_TIMEOUT_S)[1] for p in procs]
-    finally:
-        for proc in procs:
-            proc.kill()
+    procs, errs = two_processes_to_the_end(start_command, ["-m", "grpo_runner_gsm8k.cli"],
+                                           lambda i: [*RUN, f"logging.dir={tmp_path}", f"train.seed={1 + i}"])
     host = socket.gethostname()
     expected = (f"grpo-run: error: the resolved config of process 1 ({host}) differs from that of process 0 "
                 f"({host}); start every host with the same --config and overrides; no step was run")
