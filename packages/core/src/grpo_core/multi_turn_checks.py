@@ -27,6 +27,10 @@ def check_multi_turn(cfg: Any) -> None:
     if multi.environment_options and multi.environment is None:
         raise ConfigError("rollout.multi_turn.environment_options is set but rollout.multi_turn.environment is null; "
                           "name the environment or remove its options")
+    twice = sorted({str(name) for name in multi.tools if multi.tools.count(name) > 1})
+    if twice:
+        raise ConfigError(f"rollout.multi_turn.tools = {multi.tools!r} offers {twice[0]!r} more than once; "
+                          "list each tool once")
     for name in multi.tool_options:
         if name not in multi.tools:
             raise ConfigError(f"rollout.multi_turn.tool_options.{name} configures a tool that rollout.multi_turn.tools "
