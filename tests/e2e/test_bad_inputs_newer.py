@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from grpo_core.config_io import config_to_yaml, load_config
+from grpo_core.config_unused import UnusedSettingWarning
 from grpo_core.models import QwenConfig, init_from_config
 from grpo_core.models.hf_io import export_pretrained
 from grpo_core.registry import default_registry
@@ -143,15 +144,10 @@ CATALOGUE = [
         "not used", "set loss.mismatch_correction=truncate"),
     Bad("extra-rollouts-without-refill", ("loss.dynamic_sampling=true", "loss.max_extra_rollouts=2"),
         "loss.max_extra_rollouts = 2 is not used", "loss.dynamic_sampling_mode=refill"),
-    Bad("fixed-length-without-its-aggregation", ("loss.max_completion_length=3",),
-        "loss.max_completion_length = 3 is not used: loss.aggregation = 'token_mean'",
-        "set loss.aggregation=fixed_length_norm"),
     Bad("moments-with-sgd", ("train.optimizer=sgd", "train.b2=0.9"), "train.b2 = 0.9 is not used: train.optimizer = 'sgd'",
         "set train.optimizer=adamw"),
     Bad("min-lr-with-constant-schedule", ("train.min_lr_ratio=0.5",),
         "train.min_lr_ratio = 0.5 is not used: train.schedule = 'constant'", "set train.schedule=cosine"),
-    Bad("partial-budget-while-partial-off", ("rollout.partial.budget=2",),
-        "rollout.partial.budget = 2 is not used: rollout.partial.enabled is false", "set rollout.partial.enabled=true"),
     Bad("partial-cache-while-partial-off", ("rollout.partial.kv_cache=reprefill",),
         "rollout.partial.kv_cache = 'reprefill' is not used", "set rollout.partial.enabled=true"),
     # ---- k of pass@k / maj@k
@@ -229,3 +225,25 @@ def test_every_preset_and_its_printed_config_load(preset, tmp_path):
     printed.write_text(config_to_yaml(cfg))
     assert load_config(printed, registry=default_registry()) == cfg
     assert yaml.safe_load(printed.read_text())["rollout"]["multi_turn"]["enabled"] == cfg.rollout.multi_turn.enabled
+
+
+# The two settings the loader fills in from rollout.max_new_tokens are warned about, not refused: a
+# saved config carries the filled value, and it must load back with another rollout.max_new_tokens.
+@pytest.mark.parametrize("setting, line", [
+    ("loss.max_completion_length=3", "loss.max_completion_length = 3 is not used: loss.aggregation = 'token_mean' "
+     "has no fixed length; set loss.aggregation=fixed_length_norm"),
+    ("rollout.partial.budget=2", "rollout.partial.budget = 2 is not used: rollout.partial.enabled is false; set "
+     "rollout.partial.enabled=true"),
+], ids=["max-completion-length", "partial-budget"])
+def test_an_unused_filled_in_setting_is_one_warning_line(setting, line, tiny_config_path, tmp_path, capsys):
+    assert main(["--config", tiny_config_path, "--print-config", f"logging.dir={tmp_path / 'run'}", setting]) == 0
+    warned = [x for x in capsys.readouterr().err.splitlines() if x.startswith("grpo-run: warning: ")]
+    assert len(warned) == 1 and line in warned[0], warned
+
+
+def test_a_saved_config_loads_back_with_another_max_new_tokens(tiny_config_path, tmp_path):
+    saved = tmp_path / "saved.yaml"
+    saved.write_text(config_to_yaml(load_config(tiny_config_path, [f"logging.dir={tmp_path}"])))
+    with pytest.warns(UnusedSettingWarning, match="loss.max_completion_length = 1 is not used"):
+        cfg = load_config(saved, ["rollout.max_new_tokens=4"])
+    assert cfg.rollout.max_new_tokens == 4

@@ -4,14 +4,23 @@ A key set away from its default while the feature that reads it is off would be 
 ignored (a CISPO cap under the clip loss, a mismatch threshold with no correction). Each is one
 ConfigError naming the key, the value, what leaves it unused and the fix. A value equal to the
 default (or to the value the loader fills in, as `--print-config` writes it) is not a setting,
-so every printed or saved config loads back.
+so every printed or saved config loads back. The two keys the loader fills in from
+rollout.max_new_tokens (loss.max_completion_length, rollout.partial.budget) are only warned about:
+a saved config carries the filled value, and reloading it with another rollout.max_new_tokens
+(`grpo-run eval --run-dir R rollout.max_new_tokens=N`) must keep working.
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Iterable, Optional
 
 from grpo_core.errors import ConfigError
+
+
+class UnusedSettingWarning(UserWarning):
+    """A setting the configuration does not read, kept because a saved config may carry it."""
+
 
 # loss.policy_loss -> the loss options only that policy loss reads (docs/losses.md)
 POLICY_LOSS_KEYS = {"clip": ("epsilon_low", "epsilon_high"), "cispo": ("cispo_epsilon_max",),
@@ -21,15 +30,19 @@ PARTIAL_KEYS = ("budget", "max_staleness", "budget_quantile", "kv_cache")
 
 
 def refuse_unused(section: Any, prefix: str, names: Iterable[str], why: str, fix: str,
-                  defaults: Optional[dict] = None) -> None:
+                  filled: Optional[dict] = None) -> None:
     """A ConfigError for the first of `names` whose value differs from its default (the section
-    class's own, or `defaults[name]`): `why` says what leaves it unused, `fix` how to use it."""
+    class's own): `why` says what leaves it unused, `fix` how to use it. A name in `filled` (its
+    value the loader's fill) gets a warning instead (see the module doc)."""
     fresh = type(section)()
     for name in names:
-        value, default = getattr(section, name), (defaults or {}).get(name, getattr(fresh, name))
-        if value != default:
-            raise ConfigError(f"{prefix}.{name} = {value!r} is not used: {why}; {fix}, or remove "
-                              f"{prefix}.{name}")
+        value, default = getattr(section, name), (filled or {}).get(name, getattr(fresh, name))
+        if value == default:
+            continue
+        message = f"{prefix}.{name} = {value!r} is not used: {why}; {fix}, or remove {prefix}.{name}"
+        if name not in (filled or {}):
+            raise ConfigError(message)
+        warnings.warn(message, UnusedSettingWarning, stacklevel=2)
 
 
 def check_unused_loss(loss: Any, max_new_tokens: int) -> None:
@@ -50,7 +63,7 @@ def check_unused_loss(loss: Any, max_new_tokens: int) -> None:
     if loss.aggregation != "fixed_length_norm":
         refuse_unused(loss, "loss", ("max_completion_length",), f"loss.aggregation = {loss.aggregation!r} has no "
                       "fixed length", "set loss.aggregation=fixed_length_norm",
-                      defaults={"max_completion_length": max_new_tokens})
+                      filled={"max_completion_length": max_new_tokens})
     if loss.advantage_estimator != "grpo":
         refuse_unused(loss, "loss", ("scale_rewards",), f"loss.advantage_estimator = {loss.advantage_estimator!r} "
                       "scales advantages its own way (only grpo reads it)", "set loss.advantage_estimator=grpo")
@@ -68,4 +81,4 @@ def check_unused_train(train: Any) -> None:
 def check_unused_partial(partial: Any, max_new_tokens: int) -> None:
     if not partial.enabled:
         refuse_unused(partial, "rollout.partial", PARTIAL_KEYS, "rollout.partial.enabled is false",
-                      "set rollout.partial.enabled=true", defaults={"budget": -(-max_new_tokens // 4)})
+                      "set rollout.partial.enabled=true", filled={"budget": -(-max_new_tokens // 4)})
