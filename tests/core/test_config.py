@@ -104,7 +104,8 @@ def test_same_as_defaults_are_filled_in_at_load():
                              "rollout.max_new_tokens=24"])
     assert (cfg.model.tokenizer, cfg.train.moment_dtype) == ("/models/q", "bfloat16")
     assert (cfg.loss.max_completion_length, cfg.eval.max_new_tokens) == (24, 24)
-    given = load_config(None, ["model.tokenizer=char", "train.moment_dtype=float32", "loss.max_completion_length=7",
+    given = load_config(None, ["model.tokenizer=char", "train.moment_dtype=float32", "loss.aggregation=fixed_length_norm",
+                               "loss.max_completion_length=7",
                                "eval.max_new_tokens=5"])
     assert (given.model.tokenizer, given.train.moment_dtype, given.loss.max_completion_length,
             given.eval.max_new_tokens) == ("char", "float32", 7, 5)

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from grpo_core.errors import UserError
 from grpo_core.config_io import plugin_options
 from grpo_runner_gsm8k import plugin
 from grpo_runner_gsm8k.tasks.answers import is_correct
@@ -219,13 +220,19 @@ def test_arithmetic_completions_score_with_the_rewards():
     assert is_correct(example.answer, example.answer)
 
 
-@pytest.mark.parametrize("options, message", [
-    (ArithmeticOptions(operations="/"), "unknown: \\['/'\\]"),
-    (ArithmeticOptions(template="{a}+{b}"), "lacks '{expression}'"),
-    (ArithmeticOptions(operations="-", operands=8, digits=1, max_result=0), "no problem with a result in range"),
+@pytest.mark.parametrize("fields, message", [
+    (dict(operations="/"), "unknown: \\['/'\\]"),
+    (dict(template="{a}+{b}"), "names the unknown field {a}"),
+    (dict(template="What is it?"), "lacks {expression}"),
 ])
-def test_arithmetic_bad_options(options, message):
+def test_arithmetic_bad_options_are_refused_when_validated(fields, message):
     with pytest.raises(ValueError, match=message):
+        ArithmeticOptions(**fields)
+
+
+def test_arithmetic_options_without_a_problem_in_range_are_a_user_error():
+    options = ArithmeticOptions(operations="-", operands=8, digits=1, max_result=0)
+    with pytest.raises(UserError, match="no problem with a result in range.*raise task.options.max_result"):
         ArithmeticTask(options).train_batch(50)
 
 

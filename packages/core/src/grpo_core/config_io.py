@@ -23,6 +23,7 @@ from grpo_core.config import LORA_TARGETS, RunConfig
 from grpo_core.config_notes import config_notes
 from grpo_core.config_yaml import parse_yaml, read_yaml
 from grpo_core.config_teacher import check_teacher, check_teacher_section
+from grpo_core.config_unused import check_unused_loss, check_unused_partial, check_unused_train
 from grpo_core.errors import ConfigError, PluginError
 from grpo_core.model_families import publish_registry
 from grpo_core.multi_turn_checks import check_multi_turn, check_tools
@@ -258,6 +259,9 @@ def validate_cross_fields(cfg: RunConfig) -> None:
     _check_loss_options(cfg.loss)
     _check_lora(cfg.model.lora)
     _check_partial(cfg)
+    check_unused_loss(cfg.loss, cfg.rollout.max_new_tokens)
+    check_unused_train(cfg.train)
+    check_unused_partial(cfg.rollout.partial, cfg.rollout.max_new_tokens)
     check_multi_turn(cfg)
     check_teacher(cfg)
     if not cfg.task.rewards:
@@ -331,6 +335,14 @@ def check_eval_reward(cfg: RunConfig) -> None:
                           f"task.rewards (weight 0 judges answers without training on it)")
 
 
+def check_eval_k(eval_cfg: Any) -> None:
+    """Each k of pass@k and maj@k is a whole number of samples out of eval.n (2.5 is not rounded)."""
+    for k in eval_cfg.k:
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= eval_cfg.n:
+            raise ConfigError(f"eval.k holds {k!r}: each k must be an integer in 1..eval.n = {eval_cfg.n}; "
+                              "give whole numbers of samples no larger than eval.n, or raise eval.n")
+
+
 def resolve_run_dir(cfg: RunConfig) -> RunConfig:
     """logging.dir with `~` expanded and made absolute, so checkpoints (orbax wants absolute
     paths) and every later message use one unambiguous directory."""
@@ -386,6 +398,7 @@ def load_config(path: str | Path | None = None, overrides: Iterable[str] = (), r
     validate_cross_fields(cfg)
     if registry is not None:
         validate_plugins(cfg, registry)
+    check_eval_k(cfg.eval)
     check_eval_reward(cfg)  # after the plugins: a misspelt reward is reported as unknown first
     config_notes(cfg)
     return cfg

@@ -5,13 +5,20 @@ from __future__ import annotations
 
 from typing import Any
 
+from grpo_core.config_unused import refuse_unused
 from grpo_core.errors import ConfigError, PluginError
+
+# what only a multi-turn rollout reads: accepted and ignored without it, so refused
+MULTI_TURN_KEYS = ("tools", "tool_options", "environment", "environment_options", "max_turns", "max_total_tokens",
+                   "call_timeout_s", "kv_cache")
 
 
 def check_multi_turn(cfg: Any) -> None:
     """Cross-field checks of rollout.multi_turn (no registry needed)."""
     multi = cfg.rollout.multi_turn
     if not multi.enabled:
+        refuse_unused(multi, "rollout.multi_turn", MULTI_TURN_KEYS, "rollout.multi_turn.enabled is false, so rows "
+                      "are sampled in one turn", "set rollout.multi_turn.enabled=true")
         return
     if not multi.tools and multi.environment is None:
         raise ConfigError("rollout.multi_turn.enabled with rollout.multi_turn.tools = [] and no environment: offer "
@@ -20,6 +27,10 @@ def check_multi_turn(cfg: Any) -> None:
     if multi.environment_options and multi.environment is None:
         raise ConfigError("rollout.multi_turn.environment_options is set but rollout.multi_turn.environment is null; "
                           "name the environment or remove its options")
+    twice = sorted({str(name) for name in multi.tools if multi.tools.count(name) > 1})
+    if twice:
+        raise ConfigError(f"rollout.multi_turn.tools = {multi.tools!r} offers {twice[0]!r} more than once; "
+                          "list each tool once")
     for name in multi.tool_options:
         if name not in multi.tools:
             raise ConfigError(f"rollout.multi_turn.tool_options.{name} configures a tool that rollout.multi_turn.tools "

@@ -31,7 +31,7 @@ from grpo_meshes import TRAIN_BATCH_AXES, ModelDims, batch_shard_count, validate
 from grpo_runner_gsm8k.assembly.adapters import check_lora_fits
 from grpo_runner_gsm8k.multihost import local_prompt_count
 from grpo_runner_gsm8k.samplers.multi_turn_inputs import check_multi_turn_inputs
-from grpo_runner_gsm8k.assembly.teacher import check_teacher_tokenizer
+from grpo_runner_gsm8k.assembly.teacher import check_teacher_positions, check_teacher_tokenizer
 from grpo_runner_gsm8k.tasks.base import prompts_to_check
 from grpo_runner_gsm8k.tokens import prompt_token_ids
 
@@ -253,6 +253,7 @@ def check_inputs(cfg: RunConfig, registry: Registry, process_index: int = 0,
     check_lengths(cfg.rollout, cfg.eval, qcfg)
     if cfg.teacher.path:
         check_teacher_tokenizer(cfg.teacher, tokenizer)
+        check_teacher_positions(cfg.teacher, cfg.rollout)
     task = from_plugin(registry, "task", cfg.task.name, cfg.task.options, "task.options", seed=cfg.task.seed,
                        process_index=process_index, process_count=process_count)
     check_multi_turn_inputs(cfg, tokenizer, task, qcfg.max_position_embeddings)
@@ -261,9 +262,20 @@ def check_inputs(cfg: RunConfig, registry: Registry, process_index: int = 0,
                for name, weight in cfg.task.rewards.items()}
     estimator = from_plugin(registry, "advantage", cfg.loss.advantage_estimator, cfg.loss.advantage_options,
                             "loss.advantage_options", setup=AdvantageSetup.from_config(cfg))
-    prompt_ids = check_prompts(tokenizer, task, prompts_to_check(cfg.eval, task, prompts_per_process),
+    prompt_ids = check_prompts(tokenizer, task, first_examples(cfg.eval, cfg.task.name, task, prompts_per_process),
                                system_prompt=cfg.task.system_prompt, max_length=cfg.rollout.max_prompt_length)
     return qcfg, Inputs(tokenizer, task, rewards, prompt_ids, prompts_per_process, estimator)
+
+
+def first_examples(eval_cfg: EvalConfig, task_name: str, task: Any, prompts_per_process: int) -> list:
+    """prompts_to_check, with a task plugin that fails on its options (a ValueError, a template's
+    KeyError or IndexError) reported as bad task options, not as a crash."""
+    try:
+        return prompts_to_check(eval_cfg, task, prompts_per_process)
+    except (ValueError, KeyError, IndexError) as exc:
+        detail = " ".join(str(exc).split()) or type(exc).__name__
+        raise UserError(f"task.options of task {task_name!r}: {type(exc).__name__}: {detail} while making its "
+                        "first examples; fix the options or the plugin's inputs") from None
 
 
 def check_run_dir(logging: LoggingConfig) -> None:

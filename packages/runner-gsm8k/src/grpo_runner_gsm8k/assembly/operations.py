@@ -24,6 +24,7 @@ from grpo_runner_gsm8k.evaluation.evaluate import eval_ks
 from grpo_runner_gsm8k.evaluation.multi_turn import MultiTurnEval
 from grpo_runner_gsm8k.operations.lock import RunDirLock
 from grpo_runner_gsm8k.operations.memory_check import MemoryGuard
+from grpo_runner_gsm8k.operations.atomic import write_text_atomic
 from grpo_runner_gsm8k.operations.metrics import MetricsLogger, truncate_metrics
 from grpo_runner_gsm8k.assembly.teacher import TeacherScoring
 from grpo_runner_gsm8k.costs.tpu_target import generation_of
@@ -107,7 +108,7 @@ def metric_sinks(run: Any, run_dir: Path) -> MetricsLogger:
     """metrics.jsonl (cut back to the restored step: later steps run again), W&B and the progress
     display; the resolved config is written beside them."""
     cfg, is_main = run.cfg, run.layout.process_index == 0
-    (run_dir / "config.yaml").write_text(config_to_yaml(cfg))
+    write_text_atomic(run_dir / "config.yaml", config_to_yaml(cfg))
     if is_main:
         truncate_metrics(run_dir / "metrics.jsonl", run.state.step)
     return MetricsLogger(cfg.logging, run_dir, cfg.train.steps, config_to_dict(cfg), is_main_process=is_main)

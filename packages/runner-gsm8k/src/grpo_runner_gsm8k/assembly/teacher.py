@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
-from grpo_core.config import ModelConfig, TeacherConfig
+from grpo_core.config import ModelConfig, RolloutConfig, TeacherConfig
 from grpo_core.errors import UserError
 from grpo_core.models import QwenConfig, load_pretrained
 from grpo_core.models.attention_impls import resolve_attention
@@ -34,6 +34,7 @@ from grpo_core.tokenizer import load_tokenizer
 from grpo_losses.distillation import distillation_advantages, mean_reverse_kl
 from grpo_losses.full_kl import FullKLTerm
 
+from grpo_runner_gsm8k.samplers.multi_turn_inputs import row_budget
 from grpo_runner_gsm8k.training.step import make_completion_hidden, make_score
 
 TEACHER_PHASE = "teacher log-probs"  # the name of its scoring phase in memory checks and the plan
@@ -112,6 +113,20 @@ def check_teacher_tokenizer(teacher: TeacherConfig, student_tokenizer: Any) -> N
         qcfg.check_tokenizer_fits(len(student_tokenizer), "use a teacher whose embedding covers the tokenizer")
     except ValueError as exc:
         raise teacher_error(exc, "or pick another teacher") from None
+
+
+def check_teacher_positions(teacher: TeacherConfig, rollout: RolloutConfig) -> None:
+    """The teacher scores whole training rows (prompt + completion), so its context must hold them,
+    as the student's must (build.check_lengths)."""
+    completion_key, completion = "rollout.max_new_tokens", rollout.max_new_tokens
+    if rollout.multi_turn.enabled:
+        completion_key, completion = "rollout.multi_turn.max_total_tokens", row_budget(rollout)
+    longest, positions = rollout.max_prompt_length + completion, teacher_architecture(teacher).max_position_embeddings
+    if longest > positions:
+        raise UserError(f"teacher.path {teacher.path!r}: rollout.max_prompt_length + {completion_key} = "
+                        f"{rollout.max_prompt_length} + {completion} = {longest} exceeds the teacher's "
+                        f"max_position_embeddings {positions}; lower {completion_key} or rollout.max_prompt_length, "
+                        "or use a teacher with a longer context")
 
 
 def teacher_rules(teacher: TeacherConfig, strategy: Any) -> list:

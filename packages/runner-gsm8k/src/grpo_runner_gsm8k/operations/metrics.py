@@ -12,6 +12,7 @@ from typing import Any, TextIO
 
 from grpo_core.config import LoggingConfig
 from grpo_core.errors import RunFault
+from grpo_runner_gsm8k.operations.atomic import write_text_atomic
 
 
 def _plain(value: Any) -> Any:
@@ -136,4 +137,4 @@ def truncate_metrics(path: Path, last_step: int) -> None:
     lines = path.read_text().splitlines(keepends=True)
     kept = [line for line in lines if _logged_at_or_before(line, last_step)]
     if len(kept) != len(lines):
-        path.write_text("".join(kept))
+        write_text_atomic(path, "".join(kept))  # a kill while cutting back must not lose the earlier steps

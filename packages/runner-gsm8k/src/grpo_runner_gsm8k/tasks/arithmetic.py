@@ -15,8 +15,9 @@ from typing import Optional
 import numpy as np
 from grpo_core.config import setting
 from grpo_core.contracts import Example
+from grpo_core.errors import UserError
 
-from grpo_runner_gsm8k.tasks.base import TRAIN_STREAM, GeneratedTask
+from grpo_runner_gsm8k.tasks.base import TRAIN_STREAM, GeneratedTask, check_template
 
 OPERATIONS = "+-*"
 MAX_DRAWS = 10_000  # redraws allowed to find a result within the configured range
@@ -44,15 +45,16 @@ class ArithmeticOptions:
     use_chat_template: bool = setting(
         False, "Render prompts with the tokenizer's chat template (false: the raw question).")
 
+    def __post_init__(self):
+        _check(self)
+
 
 def _check(options: ArithmeticOptions) -> None:
     unknown = sorted(set(options.operations) - set(OPERATIONS))
     if not options.operations or unknown:
         raise ValueError(f"arithmetic operations {options.operations!r} must be a non-empty string of "
                          f"'+', '-', '*' (unknown: {unknown})")
-    if "{expression}" not in options.template:
-        raise ValueError(f"arithmetic template {options.template!r} lacks '{{expression}}'; "
-                         f"e.g. use '{{expression}}=' or 'What is {{expression}}?'")
+    check_template("template", options.template, ("expression",), required=("expression",))
 
 
 def evaluate(numbers: list[int], operators: list[str]) -> int:
@@ -86,10 +88,11 @@ def make_problem(options: ArithmeticOptions, seed: int, stream: int, index: int)
         if _in_range(result, options):
             break
     else:
-        raise ValueError(f"no problem with a result in range (allow_negative={options.allow_negative}, "
-                         f"max_result={options.max_result}) in {MAX_DRAWS} draws for operations="
-                         f"{options.operations!r}, operands={options.operands}, digits={options.digits}; "
-                         f"allow negative results or raise max_result")
+        # a user error, whenever it happens: these options (nearly) never give a result in range
+        raise UserError(f"arithmetic task options give no problem with a result in range (allow_negative="
+                        f"{options.allow_negative}, max_result={options.max_result}) in {MAX_DRAWS} draws of "
+                        f"operations={options.operations!r}, operands={options.operands}, digits={options.digits}; "
+                        "raise task.options.max_result, set task.options.allow_negative=true or use fewer digits")
     joiner = " {} " if options.spaces else "{}"
     expression = str(numbers[0]) + "".join(joiner.format(op) + str(n) for op, n in zip(operators, numbers[1:]))
     question = options.template.format(expression=expression)
@@ -105,5 +108,4 @@ class ArithmeticTask(GeneratedTask):
 
     def __init__(self, options: ArithmeticOptions, *, seed: int = 0, process_index: int = 0,
                  process_count: int = 1):
-        _check(options)
         super().__init__(options, seed=seed, process_index=process_index, process_count=process_count)

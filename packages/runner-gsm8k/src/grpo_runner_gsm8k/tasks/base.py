@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import string
 from typing import Any, Callable
 
 import numpy as np
@@ -84,6 +85,25 @@ class EpochOrder:
             raise ValueError(f"data position epoch={state['epoch']} offset={state['offset']} is out of "
                              f"range for a shard of {self.shard_size} rows")
         self.epoch, self.offset = int(state["epoch"]), int(state["offset"])
+
+
+def check_template(option: str, template: str, fields: tuple[str, ...], required: tuple[str, ...] = ()) -> None:
+    """A `str.format` text of a task option names only `fields` and each of `required`: a misspelt
+    field would fail when the first problem is made, a missing one leave the question without it."""
+    shown = ", ".join("{" + f + "}" for f in fields)
+    try:
+        named = [name for _, name, _, _ in string.Formatter().parse(template) if name is not None]
+    except ValueError as exc:
+        raise ValueError(f"{option} = {template!r} is not a format text ({exc}); write a literal brace as "
+                         "{{ or }}") from None
+    for name in named:
+        if name not in fields:
+            raise ValueError(f"{option} = {template!r} names the unknown field {{{name}}}; the fields are "
+                             f"{shown} (write a literal brace as {{{{ or }}}})")
+    for name in required:
+        if name not in named:
+            raise ValueError(f"{option} = {template!r} lacks {{{name}}}; the question needs it, e.g. "
+                             f"add {{{name}}} to {option}")
 
 
 TRAIN_STREAM, TEST_STREAM = 0, 1  # problem streams of a generated task

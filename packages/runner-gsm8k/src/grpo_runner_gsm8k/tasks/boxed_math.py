@@ -19,7 +19,7 @@ from grpo_core.contracts import Example
 from grpo_core.errors import UserError
 
 from grpo_runner_gsm8k.tasks.grading import Graded, TimedVerifier, grade_boxed
-from grpo_runner_gsm8k.tasks.base import EpochOrder, check_process, shard_of
+from grpo_runner_gsm8k.tasks.base import EpochOrder, check_process, check_template, shard_of
 from grpo_runner_gsm8k.tasks.gsm8k import _BLANK, _parse_jsonl_line, _read_parquet
 
 BOXED_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
@@ -46,6 +46,9 @@ class BoxedMathOptions:
     # 5 s: every MATH-500 reference answer grades in well under a second; only runaway sympy work is cut.
     grading_timeout_s: float = setting(5.0, "Wall-clock limit of one math-verify comparison; past it, wrong.",
                                        gt=0.0)
+
+    def __post_init__(self):
+        check_template("path", self.path, ("split",))
 
 
 @dataclass(frozen=True)
@@ -141,6 +144,7 @@ class BoxedMathTask:
                 raise UserError(f"{where} holds no rows; check task.options.path")
             self._splits[split] = [self._example(row, f"{where} line {number}", split, number)
                                    for number, row in rows]
+            self._check_breakdown(where, [row for _, row in rows])
         return self._splits[split]
 
     def _example(self, row: Any, where: str, split: str, number: int) -> Example:
@@ -152,6 +156,15 @@ class BoxedMathTask:
         example = Example(question, str(answer).strip(), f"{self.name}/{split}/{ident}")
         self._fields[example.id] = {f: row[f] for f in o.breakdown_fields if row.get(f) is not None}
         return example
+
+    def _check_breakdown(self, where: str, rows: list[dict]) -> None:
+        """A breakdown field set away from the default that no row holds is misspelt, not sparse."""
+        if self.options.breakdown_fields == type(self.options)().breakdown_fields:
+            return
+        for name in self.options.breakdown_fields:
+            if not any(row.get(name) is not None for row in rows):
+                raise UserError(f"task.options.breakdown_fields names {name!r}, which no row of {where} holds "
+                                f"(fields: {sorted(rows[0])}); name fields the rows have")
 
     def example_fields(self, example_id: str) -> dict[str, Any]:
         """The breakdown fields of an example (e.g. MATH's subject and level)."""

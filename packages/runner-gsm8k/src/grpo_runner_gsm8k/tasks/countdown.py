@@ -20,10 +20,11 @@ from fractions import Fraction
 import numpy as np
 from grpo_core.config import setting
 from grpo_core.contracts import Example
+from grpo_core.errors import UserError
 
 from grpo_runner_gsm8k.tasks.answers import last_boxed
 from grpo_runner_gsm8k.tasks.grading import Graded
-from grpo_runner_gsm8k.tasks.base import TRAIN_STREAM, GeneratedTask
+from grpo_runner_gsm8k.tasks.base import TRAIN_STREAM, GeneratedTask, check_template
 
 MAX_DRAWS = 1000  # redraws allowed to find a target within range
 MAX_EXPRESSION_CHARS = 200  # bounds the parser's recursion on runaway generations
@@ -42,6 +43,9 @@ class CountdownOptions:
     template: str = setting(DEFAULT_TEMPLATE, "Question text; {numbers} and {target} are filled in.")
     test_size: int = setting(256, "Problems in the test split (a stream separate from training).", ge=1)
     use_chat_template: bool = setting(True, "Render prompts with the tokenizer's chat template.")
+
+    def __post_init__(self):
+        check_template("template", self.template, ("numbers", "target"), required=("numbers", "target"))
 
 
 def encode_answer(target: int, numbers: list[int]) -> str:
@@ -75,7 +79,10 @@ def make_problem(options: CountdownOptions, seed: int, stream: int, index: int) 
         if target.denominator == 1 and 1 <= target <= options.max_target:
             break
     else:
-        raise ValueError(f"no countdown target in 1..{options.max_target} in {MAX_DRAWS} draws; raise max_target")
+        # a user error, whenever it happens: these options (nearly) never give a whole target in range
+        raise UserError(f"countdown task options give no whole target in 1..{options.max_target} in {MAX_DRAWS} "
+                        f"draws of {options.count} numbers up to {options.max_number}; raise task.options.max_target "
+                        "or lower task.options.max_number")
     question = options.template.format(numbers=", ".join(map(str, numbers)), target=int(target))
     split = "train" if stream == TRAIN_STREAM else "test"
     return Example(question, encode_answer(int(target), numbers), f"countdown/{split}/{index}")

@@ -18,7 +18,7 @@ from grpo_core.config import setting
 from grpo_core.contracts import Example
 from grpo_core.errors import UserError
 
-from grpo_runner_gsm8k.tasks.base import EpochOrder, check_process, shard_of
+from grpo_runner_gsm8k.tasks.base import EpochOrder, check_process, check_template, shard_of
 
 DEFAULT_INSTRUCTION = ("Solve the problem step by step. On the last line, write only the final "
                        "answer as a number in the form: #### <number>")
@@ -40,6 +40,9 @@ class Gsm8kOptions:
         "format the rewards read; empty for none.")
     use_chat_template: bool = setting(
         True, "Render prompts with the tokenizer's chat template (false: the raw question).")
+
+    def __post_init__(self):
+        check_template("path", self.path, ("split",))
 
 
 NUMBER = re.compile(r"-?(?:\d+\.?\d*|\.\d+)")  # "72", "-3", "0.5", "1200" (commas removed)
