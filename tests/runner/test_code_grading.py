@@ -10,10 +10,11 @@ from grpo_core.registry import default_registry
 from grpo_tools.sandbox import SandboxResult
 
 from grpo_runner_gsm8k.assembly.build import from_plugin
+from grpo_runner_gsm8k.evaluation.evaluate import task_grades
 from grpo_runner_gsm8k.tasks.code_grading import (CodeGrader, CodeOptions, code_reference, program_of,
                                                   read_reference, verdicts_of)
 from grpo_runner_gsm8k.tasks.code_tasks import humaneval_rows
-from grpo_runner_gsm8k.tasks.graders import code_reward
+from grpo_runner_gsm8k.tasks.grading import Graded
 from grpo_runner_gsm8k.training.scoring import reward_details
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the sandbox needs Linux")
@@ -105,3 +106,20 @@ def test_tiny_code_config_loads_and_its_reward_grades_a_problem(repo_root):
     assert reward([constant, wrong, "?"], [example.answer] * 3) == [1.0, 0.0, 0.0]
     details = reward_details({"code": (reward, 1.0)})
     assert details["train-reward/func/code/programs_pass"] == 1 and details["train-reward/func/code/programs_syntax"] == 1
+
+
+def test_eval_grades_a_batch_at_once_when_the_task_can():
+    class Batched:
+        def grade(self, completion, reference):
+            raise AssertionError("graded one by one")
+
+        def grade_many(self, completions, references):
+            return [Graded(c, c == r) for c, r in zip(completions, references)]
+
+    assert task_grades(Batched(), ["a", "b"], ["a", "a"]) == [Graded("a", True), Graded("b", False)]
+
+
+def test_grpo_run_plugins_lists_the_code_and_dataset_tasks_and_the_grader_rewards():
+    registry = default_registry()
+    assert {"humaneval", "code_functions", "dataset"} <= set(registry.names("task"))
+    assert {"code", "exact", "choice"} <= set(registry.names("reward"))

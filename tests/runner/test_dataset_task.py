@@ -87,3 +87,11 @@ def test_the_code_grader_from_a_dataset_row(tmp_path):
     grades = task.grade_many(["```python\ndef double(x):\n    return 2 * x\n```", "def double(x): return x"],
                              [example.answer] * 2)
     assert [g.correct for g in grades] == [True, False]
+
+
+def test_references_the_grader_cannot_use_are_refused_when_the_task_is_built(tmp_path):
+    path = _write_jsonl(tmp_path / "mc.jsonl", ROWS)
+    with pytest.raises(UserError, match=r"row 1: reference 'B' is not a number"):
+        _task(path=path, prompt="{q}", answer_field="gold", grader="number")
+    with pytest.raises(UserError, match=r"row 1: reference 'B' is not a code reference"):
+        _task(path=path, prompt="{q}", answer_field="gold", grader="code")

@@ -20,7 +20,8 @@ from grpo_core.errors import UserError
 
 from grpo_runner_gsm8k.tasks.base import EpochOrder, check_process, shard_of
 from grpo_runner_gsm8k.tasks.boxed_math import _rows_of_file
-from grpo_runner_gsm8k.tasks.code_grading import CodeOptions
+from grpo_runner_gsm8k.tasks.answers import parse_number
+from grpo_runner_gsm8k.tasks.code_grading import CodeOptions, read_reference
 from grpo_runner_gsm8k.tasks.grading import Graded
 from grpo_runner_gsm8k.tasks.graders import GRADERS, make_grader
 
@@ -144,6 +145,20 @@ def make_example(row: dict, number: int, split: str, options: DatasetOptions, wh
     return DatasetExample(question, _reference(row[options.answer_field]), ident, chat, options.system_prompt)
 
 
+def check_reference(grader: str, reference: str, where: str) -> None:
+    """A reference the grader cannot use is refused when the task is built, not mid-run."""
+    problem = None
+    if grader == "number" and parse_number(reference) is None:
+        problem = "is not a number (use grader exact or math for text or LaTeX answers)"
+    elif grader == "code":
+        try:
+            read_reference(reference)
+        except ValueError:
+            problem = "is not a code reference: JSON with 'tests' and 'entry_points' (see docs/rewards.md)"
+    if problem:
+        raise UserError(f"{where}: reference {reference[:80]!r} {problem}; fix task.options.answer_field or the data")
+
+
 class DatasetTask:
     """Rows of any data set graded by a named grader: real epochs over the train split, a fixed test split."""
 
@@ -164,7 +179,10 @@ class DatasetTask:
         if not rows:
             raise UserError(f"{where} holds no rows; check task.options.path and the split names")
         check_columns(rows, self.options, where)
-        return [make_example(row, number, split, self.options, where) for number, row in rows]
+        examples = [make_example(row, number, split, self.options, where) for number, row in rows]
+        for (number, _), example in zip(rows, examples):
+            check_reference(self.options.grader, example.answer, f"{where} row {number}")
+        return examples
 
     def train_examples(self) -> list[Example]:
         return list(self.splits[self.options.train_split])
