@@ -66,6 +66,7 @@ def test_a_json_file_with_chat_messages(tmp_path):
                  system_prompt="unused: the messages have one")
     example = task.test_examples()[0]
     assert example.messages() == rows[0]["chat"] and example.question == "Name 1." and example.answer == "1"
+    assert hash(example) == hash(task.test_examples()[0])
     assert task.grade("So it is 1.", example.answer).correct and not task.grade("2", example.answer).correct
 
 

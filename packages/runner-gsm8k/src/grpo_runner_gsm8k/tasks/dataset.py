@@ -31,12 +31,13 @@ class DatasetExample(Example):
     """An example whose prompt is a list of chat messages (`messages_field`), or one user
     message with the task's own system prompt."""
 
-    chat: tuple = ()
+    chat: tuple = ()  # (role, content) pairs: hashable, as a frozen Example is
     system: str = ""
 
     def messages(self, system_prompt: str | None = None) -> list[dict[str, str]]:
         system = system_prompt or self.system
-        turns = [dict(m) for m in self.chat] or [{"role": "user", "content": self.question}]
+        turns = [{"role": role, "content": content} for role, content in self.chat]
+        turns = turns or [{"role": "user", "content": self.question}]
         has_system = turns[0].get("role") == "system"
         return ([{"role": "system", "content": system}] if system and not has_system else []) + turns
 
@@ -128,7 +129,7 @@ def _chat(row: dict, field: str, where: str) -> tuple:
                                                       for t in turns)):
         raise UserError(f"{where}: field {field!r} is not a non-empty list of {{role, content}} messages; "
                         "set task.options.messages_field to one that is, or use task.options.prompt")
-    return tuple({"role": str(t["role"]), "content": str(t["content"])} for t in turns)
+    return tuple((str(t["role"]), str(t["content"])) for t in turns)
 
 
 def _reference(value: Any) -> str:
@@ -139,7 +140,7 @@ def make_example(row: dict, number: int, split: str, options: DatasetOptions, wh
     ident = f"dataset/{split}/{row[options.id_field] if options.id_field else number}"
     if options.messages_field:
         chat = _chat(row, options.messages_field, f"{where} row {number}")
-        question = next((t["content"] for t in reversed(chat) if t["role"] == "user"), chat[-1]["content"])
+        question = next((content for role, content in reversed(chat) if role == "user"), chat[-1][1])
     else:
         chat, question = (), options.prompt.format_map(row)
     return DatasetExample(question, _reference(row[options.answer_field]), ident, chat, options.system_prompt)
