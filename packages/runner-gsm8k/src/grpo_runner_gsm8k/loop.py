@@ -25,6 +25,7 @@ from grpo_runner_gsm8k.training.advantages import step_advantages
 from grpo_runner_gsm8k.operations.checkpoint import TrainState
 from grpo_runner_gsm8k.evaluation.evaluate import training_eval
 from grpo_runner_gsm8k.training.loss_inputs import loss_inputs
+from grpo_runner_gsm8k.training.scoring import reward_details
 from grpo_runner_gsm8k.operations.metrics import MetricsLogger
 from grpo_runner_gsm8k.assembly.operations import Operations
 from grpo_runner_gsm8k.training.train_metrics import memory_metrics, objective_metrics
@@ -159,6 +160,7 @@ class Trainer:
         for name, values in scores.per_fn.items():
             out[f"train-reward/func/{name}/mean"] = float(values.mean())
             out[f"train-reward/func/{name}/errors"] = scores.errors[name]
+        out.update(reward_details(self.built.inputs.rewards))
         out.update({
             "train-other/loss": train["loss"], "train-other/grad_norm": train["grad_norm"],
             "train-other/clip_frac_low": train["clip_frac_low"], "train-other/clip_frac_high": train["clip_frac_high"],

@@ -4,6 +4,7 @@ like any plugin."""
 from grpo_core import CommandSpec, RewardSpec, TaskSpec, hookimpl
 
 from grpo_runner_gsm8k.commands.builtin import COMMAND_SPECS
+from grpo_runner_gsm8k.tasks.graders import GRADER_REWARD_SPECS
 from grpo_runner_gsm8k.tasks.math_rewards import MATH_REWARD_SPECS
 from grpo_runner_gsm8k.tasks.rewards import REWARD_SPECS
 from grpo_runner_gsm8k.tasks.tool_rewards import TOOL_REWARD_SPECS
@@ -17,7 +18,7 @@ def grpo_tasks() -> list[TaskSpec]:
 
 @hookimpl
 def grpo_rewards() -> list[RewardSpec]:
-    return list(REWARD_SPECS) + list(MATH_REWARD_SPECS) + list(TOOL_REWARD_SPECS)
+    return list(REWARD_SPECS) + list(MATH_REWARD_SPECS) + list(TOOL_REWARD_SPECS) + list(GRADER_REWARD_SPECS)
 
 
 @hookimpl

@@ -83,8 +83,17 @@ def judge_grades(cfg, rewards: dict, completions: Sequence[CompletionText], refe
 
 def grade_all(run, task, completions: Sequence[CompletionText], references: Sequence[str]) -> list[Graded]:
     if isinstance(task, GradedTask):
-        return [task.grade(c, r) for c, r in zip(completions, references)]
+        return task_grades(task, completions, references)
     return reward_grades(run, completions, references)
+
+
+def task_grades(task: GradedTask, completions: Sequence[str], references: Sequence[str]) -> list[Graded]:
+    """The task's verdicts, all at once when it grades batches (`grade_many`: the code tasks run
+    their sandboxes concurrently), else one by one."""
+    grade_many = getattr(task, "grade_many", None)
+    if grade_many is not None:
+        return list(grade_many(list(completions), list(references)))
+    return [task.grade(c, r) for c, r in zip(completions, references)]
 
 
 def question_multiple(run, n: int) -> int:

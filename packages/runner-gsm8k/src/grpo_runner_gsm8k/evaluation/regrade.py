@@ -15,7 +15,7 @@ from grpo_core.registry import default_registry
 
 from grpo_runner_gsm8k.assembly.build import from_plugin
 from grpo_runner_gsm8k.assembly.eval_tasks import eval_tasks
-from grpo_runner_gsm8k.evaluation.evaluate import GradedTask, Sample, judge_grades, samples_metrics
+from grpo_runner_gsm8k.evaluation.evaluate import GradedTask, Sample, judge_grades, samples_metrics, task_grades
 from grpo_runner_gsm8k.evaluation.store import read_samples, read_state
 
 
@@ -53,7 +53,7 @@ def grades(cfg, task_name: str, options: dict, rows: list[dict]) -> list:
     task = eval_tasks({task_name: options}, default_registry(), cfg.task.seed)[task_name]
     completions = [_completion(r) for r in rows]
     if isinstance(task, GradedTask):
-        return [task.grade(c, r["reference"]) for c, r in zip(completions, rows)]
+        return task_grades(task, completions, [r["reference"] for r in rows])
     judge = cfg.eval.reward
     if judge not in cfg.task.rewards:
         raise UserError(f"eval.reward = {judge!r} is not one of task.rewards ({', '.join(cfg.task.rewards)}); set "

@@ -11,7 +11,10 @@ from grpo_core.contracts import Example, Task
 from grpo_runner_gsm8k.tasks.arithmetic import ArithmeticOptions, ArithmeticTask
 from grpo_runner_gsm8k.tasks.boxed_math import (BoxedMathOptions, BoxedMathTask, CompetitionOptions,
                                                 Math500Options, preset)
+from grpo_runner_gsm8k.tasks.code_tasks import (CodeFunctionsOptions, CodeFunctionsTask, HumanEvalOptions,
+                                                HumanEvalTask)
 from grpo_runner_gsm8k.tasks.countdown import CountdownOptions, CountdownTask
+from grpo_runner_gsm8k.tasks.dataset import DatasetOptions, DatasetTask
 from grpo_runner_gsm8k.tasks.base import EpochOrder, render_prompt
 from grpo_runner_gsm8k.tasks.gsm8k import Gsm8kOptions, Gsm8kTask, final_answer
 from grpo_runner_gsm8k.tasks.gsm8k_tools import Gsm8kToolsOptions, Gsm8kToolsTask
@@ -33,6 +36,12 @@ TASK_SPECS = [
              "AMC problems from a JSONL/parquet file (task.options.path), boxed answers"),
     TaskSpec("countdown", CountdownTask, CountdownOptions,
              "Generated countdown puzzles: reach a target from a few numbers with + - * /"),
+    TaskSpec("code_functions", CodeFunctionsTask, CodeFunctionsOptions,
+             "Generated one-line functions ('add 3:' -> x+3), graded by running their tests in the sandbox"),
+    TaskSpec("humaneval", HumanEvalTask, HumanEvalOptions,
+             "OpenAI HumanEval's 164 problems (MIT, bundled), graded by running their tests in the sandbox"),
+    TaskSpec("dataset", DatasetTask, DatasetOptions,
+             "Any JSON/JSONL/parquet/Hub data: a prompt template over its fields and a grader by name"),
 ]
 
 __all__ = ["ArithmeticOptions", "ArithmeticTask", "BoxedMathOptions", "BoxedMathTask", "CountdownOptions",

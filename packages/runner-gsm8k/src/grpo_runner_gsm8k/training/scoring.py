@@ -69,3 +69,14 @@ def score(reward_fns: Mapping[str, tuple[RewardFn, float]], completions: Sequenc
         per_fn[name] = rewards.astype(np.float32)
         total += weight * rewards
     return Scores(total.astype(np.float32), per_fn, errors)
+
+
+def reward_details(reward_fns: Mapping[str, tuple[RewardFn, float]]) -> dict[str, float]:
+    """`train-reward/func/<name>/<key>` for what each reward function with a `take_metrics()`
+    counted since it was last asked (the `code` reward: programs by outcome, grading seconds)."""
+    out = {}
+    for name, (fn, _) in reward_fns.items():
+        take = getattr(fn, "take_metrics", None)
+        for key, value in (take() if take is not None else {}).items():
+            out[f"train-reward/func/{name}/{key}"] = value
+    return out
