@@ -7,6 +7,7 @@ import pytest
 from flax import nnx
 
 from grpo_core.contracts import Policy
+from grpo_core.errors import ConfigError
 from grpo_core.models import QwenConfig, init_from_config
 from grpo_rollout import JaxRollout, JaxRolloutOptions, SamplingParams
 from grpo_rollout.gather import candidate_layouts
@@ -70,3 +71,10 @@ def test_quantized_decode_refuses_the_split_layouts_and_auto_skips_them():
 def test_none_leaves_the_weights_as_they_are(model):
     graphdef, weights = nnx.split(model)
     assert quantize_weights(graphdef, weights, "none") is weights
+
+
+def test_config_load_refuses_int8_with_a_split_layout(tiny_config):
+    with pytest.raises(ConfigError, match=r"^rollout.quantize=int8 serves the gathered and sharded decode layouts, "
+                                          r"not gather_weights=model_parallel; set rollout.options.gather_weights"):
+        tiny_config("rollout.quantize=int8", "rollout.options.gather_weights=model_parallel")
+    assert tiny_config("rollout.quantize=int8").rollout.quantize == "int8"
