@@ -138,6 +138,8 @@ def build_plugins(loss: LossConfig, rollout: RolloutConfig, registry: Registry, 
     backend = from_plugin(registry, "rollout", rollout.backend, rollout.options, "rollout.options")
     if rollout.quantize != "none":  # the backend's support was checked when the config loaded
         backend.quantize_with(rollout.quantize)
+        print(f"rollout: quantize={rollout.quantize}: sampling from {rollout.quantize} projection weights made "
+              "once per step; the trainer scores in full precision", flush=True)
     return Plugins(loss_impl, backend)
 
 
