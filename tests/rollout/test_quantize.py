@@ -11,7 +11,8 @@ from grpo_core.errors import ConfigError
 from grpo_core.models import QwenConfig, init_from_config
 from grpo_rollout import JaxRollout, JaxRolloutOptions, SamplingParams
 from grpo_rollout.gather import candidate_layouts
-from grpo_rollout.quantize import is_quantized, quantize_int8, quantize_weights
+from grpo_core.models import lora
+from grpo_rollout.quantize import Int8Kernel, is_quantized, quantize_int8, quantize_weights
 
 PROMPTS = [[5, 17, 33, 2, 91], [64, 3], [7, 7, 120, 45, 12, 99, 1, 30, 4, 4, 9]]
 
@@ -78,3 +79,16 @@ def test_config_load_refuses_int8_with_a_split_layout(tiny_config):
                                           r"not gather_weights=model_parallel; set rollout.options.gather_weights"):
         tiny_config("rollout.quantize=int8", "rollout.options.gather_weights=model_parallel")
     assert tiny_config("rollout.quantize=int8").rollout.quantize == "int8"
+
+
+def test_per_token_lora_keeps_its_adapters_in_full_precision_over_int8_kernels():
+    """The rollout without a merged copy applies the adapters per token: only the base kernels are quantized."""
+    model = init_from_config(QwenConfig.tiny("qwen2"), seed=3)
+    lora.add_adapters(model, lora.LoRASpec(2, 4.0, tuple(lora.TARGET_PATHS)), jax.random.key(1))
+    graphdef, weights = nnx.split(model)
+    flat, quantized = dict(nnx.to_flat_state(weights)), dict(nnx.to_flat_state(quantize_weights(graphdef, weights,
+                                                                                                    "int8")))
+    kernels = [path for path in flat if path[-1] == "kernel"]
+    assert len(kernels) == 7 and all(isinstance(quantized[path].get_value(), Int8Kernel) for path in kernels)
+    adapters = [path for path in flat if "lora" in path]
+    assert len(adapters) == 14 and all(quantized[path].get_value() is flat[path].get_value() for path in adapters)
