@@ -106,27 +106,34 @@ def random_prompts(args: argparse.Namespace) -> np.ndarray:
 
 
 # ---- jax ---------------------------------------------------------------------------------
+def split_weights(model, quantize: str) -> tuple:
+    """(graphdef, weights) of `model`, the weights quantized as `JaxRollout.load_weights` makes them."""
+    from flax import nnx
+
+    from grpo_rollout.quantize import quantize_weights
+
+    graphdef, weights = nnx.split(model)
+    return graphdef, quantize_weights(graphdef, weights, quantize)
+
+
 def bench_jax(args: argparse.Namespace, shared: bool | None = None, segments: int = 1,
               quantize: str = "none") -> dict[str, Any]:
-    """shared None: `batch` distinct prompts; else batch / n prompts of n samples each, every prompt
-    repeated n times (False) or prefilled once for its group (True, grpo_rollout.cascade). segments:
-    the decode as that many loops (grpo_rollout.segments); quantize: the weights' (grpo_rollout.quantize)."""
+    """shared None: `batch` distinct prompts; else batch / n prompts of n samples each, repeated n times
+    (False) or prefilled once per group (True, grpo_rollout.cascade). segments: the decode as that many
+    loops (grpo_rollout.segments); quantize: of the weights (grpo_rollout.quantize)."""
     import jax
-    from flax import nnx
 
     from grpo_rollout.backend import JaxRollout, JaxRolloutOptions
     from grpo_rollout.decode import decode, prefill, prefill_shared
-    from grpo_rollout.quantize import quantize_weights
     from grpo_rollout.segments import run_segments
     from grpo_core.contracts import SamplingParams
 
     model = bench_model(args)
     n = 1 if shared is None else args.n
-    sampling = SamplingParams(
-        max_new_tokens=args.new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-        greedy=args.greedy, stop_token_ids=() if args.eos is None else (args.eos,), n=n)
-    graphdef, weights = nnx.split(model)
-    weights = quantize_weights(graphdef, weights, quantize)
+    stop = () if args.eos is None else (args.eos,)
+    sampling = SamplingParams(max_new_tokens=args.new_tokens, temperature=args.temperature, top_p=args.top_p,
+                              top_k=args.top_k, greedy=args.greedy, stop_token_ids=stop, n=n)
+    graphdef, weights = split_weights(model, quantize)
     rollout = JaxRollout(JaxRolloutOptions(decode_attention=args.decode_attention, shared_prompt=bool(shared)))
     static = rollout.static_args(graphdef, weights, sampling, 0, None)
     prompts = random_prompts(args)[: args.batch // n]
