@@ -5,10 +5,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 from grpo_core.contracts import Policy
 from grpo_core.errors import ConfigError
 from grpo_core.models import QwenConfig, init_from_config
+from grpo_core.sharding import DEFAULT_RULES, shard_model
 from grpo_rollout import JaxRollout, JaxRolloutOptions, SamplingParams
 from grpo_rollout.gather import candidate_layouts
 from grpo_core.models import lora
@@ -92,3 +94,21 @@ def test_per_token_lora_keeps_its_adapters_in_full_precision_over_int8_kernels()
     assert len(kernels) == 7 and all(isinstance(quantized[path].get_value(), Int8Kernel) for path in kernels)
     adapters = [path for path in flat if "lora" in path]
     assert len(adapters) == 14 and all(quantized[path].get_value() is flat[path].get_value() for path in adapters)
+
+
+@pytest.mark.parametrize("gather", [True, False])
+def test_int8_on_fsdp_sharded_weights_samples_as_unsharded_in_both_layouts(mesh, gather):
+    """Quantized on device from sharded kernels (a max over a split axis is exact), gathered or left sharded."""
+    cfg = QwenConfig.tiny("qwen2", tie_word_embeddings=False)
+    plain = init_from_config(cfg, seed=1)
+    sharded = shard_model(nnx.clone(init_from_config(cfg, seed=1)), mesh, DEFAULT_RULES)
+    params = SamplingParams(max_new_tokens=8, n=2, temperature=0.9)
+    results = []
+    for model, options, batch_sharding in ((plain, {}, None), (sharded, {"gather_weights": gather},
+                                                               NamedSharding(mesh, PartitionSpec(("dp", "fsdp", "tp"))))):
+        rollout = JaxRollout(JaxRolloutOptions(prompt_buckets=(16,), **options))
+        rollout.quantize_with("int8")
+        rollout.load_weights(Policy.of(model))
+        results.append(rollout.generate(PROMPTS + [[88, 1]], jax.random.key(7), params, batch_sharding=batch_sharding))
+    np.testing.assert_array_equal(results[1].completion_ids, results[0].completion_ids)
+    np.testing.assert_allclose(results[1].sampler_logps, results[0].sampler_logps, atol=1e-5)
