@@ -23,8 +23,9 @@ MISMATCH = ["train-other/mismatch_kl", "train-other/mismatch_ratio_mean", "train
 REFILL = ["train-other/refill_extra_rollouts", "train-other/refill_prompts_consumed",
           "train-other/refill_groups_dropped", "train-other/refill_groups_missing"]
 OPTION_RUNS = {
-    "tis_token_two_epochs": (["loss.mismatch_correction=truncate", "train.ppo_epochs=2", "model.dtype=bfloat16"],
-                             MISMATCH),
+    # int8 rollouts: the gap between the int8 sampler and the bf16 trainer is what TIS corrects
+    "tis_token_two_epochs_int8": (["loss.mismatch_correction=truncate", "train.ppo_epochs=2", "model.dtype=bfloat16",
+                                   "rollout.quantize=int8"], MISMATCH),
     "mis_sequence": (["loss.mismatch_correction=mask", "loss.mismatch_level=sequence", "loss.mismatch_c_min=0.5"],
                      MISMATCH),
     "overlong": (["loss.mask_truncated_completions=true", "task.rewards={correctness: 1.0, overlong: 0.5}",
@@ -63,9 +64,11 @@ def train(tiny_config, fast) -> Callable[..., list[dict]]:
 
 
 @pytest.mark.parametrize("name", list(OPTION_RUNS))
-def test_option_trains_and_logs_its_metrics(train, name):
+def test_option_trains_and_logs_its_metrics(train, name, capsys):
     overrides, keys = OPTION_RUNS[name]
     records = train(*overrides)
+    quantized = "rollout: quantize=int8: sampling from int8 projection weights" in capsys.readouterr().out
+    assert quantized == ("rollout.quantize=int8" in overrides)
     for record in records:
         assert math.isfinite(record["train-other/loss"]) and record["train-other/skipped_steps"] == 0, record
         for key in keys:

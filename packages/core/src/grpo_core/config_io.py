@@ -224,6 +224,8 @@ def validate_plugins(cfg: RunConfig, registry: Any) -> None:
             _check_entropy_provided(cfg, spec)
         if kind == "advantage":
             _check_estimator(cfg, spec, checked)
+        if kind == "rollout" and cfg.rollout.quantize != "none":
+            _check_quantize(cfg.rollout.quantize, spec, checked)
     check_tools(cfg, registry, plugin_options)
 
 
@@ -232,6 +234,18 @@ def _check_entropy_provided(cfg: RunConfig, spec: Any) -> None:
         raise ConfigError(f"loss.top_entropy_quantile = {cfg.loss.top_entropy_quantile} selects tokens by entropy, "
                           f"but loss.impl = {cfg.loss.impl!r} cannot provide the entropy; use loss.impl=fused "
                           "(or jax, pallas) or set loss.top_entropy_quantile=1.0")
+
+
+def _check_quantize(mode: str, spec: Any, options: Any) -> None:
+    """The backend samples from `mode`-quantized weights in its configured layout (`quantize_with`)."""
+    backend = spec.factory(options)
+    if not hasattr(backend, "quantize_with"):
+        raise ConfigError(f"rollout.quantize = {mode}: rollout.backend = {spec.name!r} cannot quantize its weights; "
+                          "set rollout.quantize=none or rollout.backend=jax")
+    try:
+        backend.quantize_with(mode)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def _name_key(kind: str) -> str:

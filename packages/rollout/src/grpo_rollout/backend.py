@@ -22,6 +22,7 @@ from grpo_rollout.kept_shared import SharedRounds, SlotGroups
 from grpo_rollout.gather import SPLIT_LAYOUTS, AutoDecoders, layout_static
 from grpo_rollout.results import abstract_outputs, finish
 from grpo_rollout.segments import run_segments, segment_count
+from grpo_rollout.quantize import QUANTIZE_MODES, quantize_weights
 from grpo_rollout.prompts import DEFAULT_PROMPT_BUCKETS, bucket_length, fit_to_bucket, left_pad, repeat_samples
 from grpo_core.rollout_records import DEFAULT_TRIM_BUCKET, RolloutResult, TrainBatch, trim_batch, trimmed_widths
 from grpo_core.contracts import PhaseCompiler, Policy, RolloutShapes, RolloutWidths, SamplingParams
@@ -132,15 +133,31 @@ class JaxRollout:
         self._checked: set[Any] = set()
         self._kept: Any = None  # the KV cache of `generate_round`'s slots, kept between rounds
         self._shared = SharedRounds()  # their groups' prompt table (grpo_rollout.kept_shared)
+        self.quantize = "none"  # rollout.quantize (grpo_rollout.quantize); see `quantize_with`
 
     def project_decodes_with(self, projector: Any) -> None:
         """`projector(compiled decode, steps)` -> projected seconds: `gather_weights: auto` then
         takes the fastest projected decode layout that fits (grpo_rollout.gather)."""
         self._auto_decoders.projector = projector
 
+    def quantize_with(self, mode: str) -> None:
+        """Sample from `mode`-quantized weights (grpo_rollout.quantize), made on device at each
+        `load_weights`. int8 serves the gathered and sharded decode layouts only: `auto` then
+        compares those, and a split layout asked for by name is refused."""
+        if mode not in QUANTIZE_MODES:
+            raise ValueError(f"rollout.quantize={mode!r} is not supported; use one of {', '.join(QUANTIZE_MODES)}.")
+        if mode != "none" and self.options.gather_weights in SPLIT_LAYOUTS:
+            raise ValueError(f"rollout.quantize={mode} serves the gathered and sharded decode layouts, not "
+                             f"gather_weights={self.options.gather_weights}; set rollout.options.gather_weights "
+                             "to auto, true or false, or rollout.quantize=none.")
+        self.quantize = mode
+        self._auto_decoders.split_layouts = mode == "none"
+
     def load_weights(self, policy: Policy) -> None:
-        """Sample from the policy's weights until the next call (no copy: the arrays are shared)."""
-        self._graphdef, self._weights = policy.graphdef, policy.weights
+        """Sample from the policy's weights until the next call (no copy: the arrays are shared;
+        quantized, a copy made from them now)."""
+        self._graphdef, self._weights = policy.graphdef, quantize_weights(policy.graphdef, policy.weights,
+                                                                          self.quantize)
 
     def release_weights(self) -> None:
         self._graphdef = self._weights = None

@@ -95,6 +95,8 @@ def add_comparison_args(group) -> None:
     group.add_argument("--compare-segments", type=int, default=0, metavar="K",
                        help="time the decode as one loop and as K segments (rollout.options.decode_segments), "
                             "shared prompts when --n > 1, in one run")
+    group.add_argument("--compare-quantize", action="store_true",
+                       help="time the decode on full-precision and on int8 weights (rollout.quantize)")
     group.add_argument("--threads", type=int, default=0, help="torch threads for --engine hf (0: all cores)")
 
 
@@ -104,12 +106,22 @@ def random_prompts(args: argparse.Namespace) -> np.ndarray:
 
 
 # ---- jax ---------------------------------------------------------------------------------
-def bench_jax(args: argparse.Namespace, shared: bool | None = None, segments: int = 1) -> dict[str, Any]:
-    """shared None: `batch` distinct prompts; else batch / n prompts of n samples each, every prompt
-    repeated n times (False) or prefilled once for its group (True, grpo_rollout.cascade). segments:
-    the decode as that many loops (grpo_rollout.segments)."""
-    import jax
+def split_weights(model, quantize: str) -> tuple:
+    """(graphdef, weights) of `model`, the weights quantized as `JaxRollout.load_weights` makes them."""
     from flax import nnx
+
+    from grpo_rollout.quantize import quantize_weights
+
+    graphdef, weights = nnx.split(model)
+    return graphdef, quantize_weights(graphdef, weights, quantize)
+
+
+def bench_jax(args: argparse.Namespace, shared: bool | None = None, segments: int = 1,
+              quantize: str = "none") -> dict[str, Any]:
+    """shared None: `batch` distinct prompts; else batch / n prompts of n samples each, repeated n times
+    (False) or prefilled once per group (True, grpo_rollout.cascade). segments: the decode as that many
+    loops (grpo_rollout.segments); quantize: of the weights (grpo_rollout.quantize)."""
+    import jax
 
     from grpo_rollout.backend import JaxRollout, JaxRolloutOptions
     from grpo_rollout.decode import decode, prefill, prefill_shared
@@ -118,10 +130,10 @@ def bench_jax(args: argparse.Namespace, shared: bool | None = None, segments: in
 
     model = bench_model(args)
     n = 1 if shared is None else args.n
-    sampling = SamplingParams(
-        max_new_tokens=args.new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-        greedy=args.greedy, stop_token_ids=() if args.eos is None else (args.eos,), n=n)
-    graphdef, weights = nnx.split(model)
+    stop = () if args.eos is None else (args.eos,)
+    sampling = SamplingParams(max_new_tokens=args.new_tokens, temperature=args.temperature, top_p=args.top_p,
+                              top_k=args.top_k, greedy=args.greedy, stop_token_ids=stop, n=n)
+    graphdef, weights = split_weights(model, quantize)
     rollout = JaxRollout(JaxRolloutOptions(decode_attention=args.decode_attention, shared_prompt=bool(shared)))
     static = rollout.static_args(graphdef, weights, sampling, 0, None)
     prompts = random_prompts(args)[: args.batch // n]
@@ -255,7 +267,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def comparison(args: argparse.Namespace) -> dict[str, Any] | None:
-    """Both sides of --compare-segments or --compare-shared, timed in this one run; None without either."""
+    """Both sides of --compare-segments, --compare-shared or --compare-quantize, timed in this one run;
+    None without any."""
     if args.compare_segments:
         shared = True if args.n > 1 else None
         whole, segmented = bench_jax(args, shared), bench_jax(args, shared, args.compare_segments)
@@ -267,6 +280,10 @@ def comparison(args: argparse.Namespace) -> dict[str, Any] | None:
         return {"repeated_prompts": repeated, "shared_prompts": shared, "n": args.n,
                 "decode_speedup": repeated["decode_ms_per_token"] / shared["decode_ms_per_token"],
                 "tokens_per_s_speedup": shared["tokens_per_s"] / repeated["tokens_per_s"]}
+    if args.compare_quantize:
+        full, int8 = bench_jax(args), bench_jax(args, quantize="int8")
+        return {"full_precision": full, "int8": int8,
+                "decode_speedup": full["decode_ms_per_token"] / int8["decode_ms_per_token"]}
     return None
 
 

@@ -93,9 +93,11 @@ def layout_static(static: dict[str, Any], layout: str) -> dict[str, Any]:
     return {**static, **LAYOUTS[layout]}
 
 
-def candidate_layouts(static: dict[str, Any]) -> tuple[str, ...]:
-    """The layouts `auto` compares: the split ones run the rollout's own decode step only."""
-    return tuple(name for name in LAYOUTS if name not in SPLIT_LAYOUTS or static.get("attention") == "rollout")
+def candidate_layouts(static: dict[str, Any], split: bool = True) -> tuple[str, ...]:
+    """The layouts `auto` compares: the split ones run the rollout's own decode step only, and
+    not on quantized weights (`split` False; grpo_rollout.quantize)."""
+    return tuple(name for name in LAYOUTS
+                 if name not in SPLIT_LAYOUTS or (split and static.get("attention") == "rollout"))
 
 
 def compile_unless_unsupported(compile_layout: Callable[[], Any]) -> Any:
@@ -137,6 +139,7 @@ class AutoDecoders:
     def __init__(self) -> None:
         self._by_signature: dict[Any, tuple[Optional[str], Optional[Callable[..., Any]]]] = {}
         self.projector: Optional[Projector] = None
+        self.split_layouts = True  # False: weights the split layouts cannot serve (int8, grpo_rollout.quantize)
 
     def get(self, weights, cache, state, key, static: dict[str, Any], segments: int = 1) -> Optional[Callable[..., Any]]:
         """segments: the decode runs as that many calls (grpo_rollout.segments), each paying the setup."""
@@ -166,7 +169,8 @@ class AutoDecoders:
             lambda name: compile_unless_unsupported(
                 lambda: decode.lower(weights, cache, state, key, **layout_static(static, name)).compile()),
             lambda program: every_process(spare is not None and bytes_beyond_arguments(program) <= spare),
-            lambda program: segmented_seconds(self.projector, program, steps, segments), candidate_layouts(static), steps)
+            lambda program: segmented_seconds(self.projector, program, steps, segments),
+            candidate_layouts(static, self.split_layouts), steps)
         print(f"rollout: {note}", flush=True)
         return layout, compiled
 

@@ -135,7 +135,12 @@ def build_plugins(loss: LossConfig, rollout: RolloutConfig, registry: Registry, 
     loss_impl = from_plugin(registry, "loss", loss.impl, loss.options, "loss.options")
     if isinstance(loss_impl, MeshAwareLoss):  # pallas: shard_map, Mosaic
         loss_impl = loss_impl.on_mesh(mesh)
-    return Plugins(loss_impl, from_plugin(registry, "rollout", rollout.backend, rollout.options, "rollout.options"))
+    backend = from_plugin(registry, "rollout", rollout.backend, rollout.options, "rollout.options")
+    if rollout.quantize != "none":  # the backend's support was checked when the config loaded
+        backend.quantize_with(rollout.quantize)
+        print(f"rollout: quantize={rollout.quantize}: sampling from {rollout.quantize} projection weights made "
+              "once per step; the trainer scores in full precision", flush=True)
+    return Plugins(loss_impl, backend)
 
 
 def init_opt_state(optimizer: optax.GradientTransformation, params: Any, mesh: Mesh) -> Any:

@@ -1,0 +1,91 @@
+"""`rollout.quantize: int8`: the rollout's projection matmuls read int8 weights.
+
+Each projection kernel (q/k/v/o, gate/up/down, an untied LM head) is quantized per output
+channel, symmetrically: scale = max |w| over the input axes / 127, w_int8 = round(w / scale).
+It happens on device once per rollout, in `JaxRollout.load_weights`, from the weights the
+trainer just updated (with LoRA: the merged kernels, or the base kernels under the per-token
+adapters, which stay in full precision). The kernel's value becomes an `Int8Kernel`, a pytree
+of the int8 values and the scales that the model reads as usual (`kernel[...]`): it returns
+w_int8 * scale in the compute dtype, made inside the layer scan from that layer's int8 slice,
+so the model's forward is unchanged and the loop holds int8 weights. The embedding (a gather,
+and the tied LM head) stays in full precision.
+
+qwix (Google's JAX quantization library) was read and not used: it quantizes a Flax model by
+intercepting the `dot_general` calls of one traced method (`__call__` for NNX) and swapping
+the model's params for its own quantized array types; the decode never calls the model's
+`__call__` (it runs `grpo_rollout.attention.decode_forward` over the model's modules, one
+`lax.scan` over stacked layers), and a changed graph would reach into every decode layout.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+
+from grpo_core.models.layers import Projection
+
+QUANTIZE_MODES = ("none", "int8")
+INT8_MAX = 127
+
+
+@struct.dataclass
+class Int8Kernel:
+    """A projection kernel as int8 values [..., in..., out...] and f32 scales of the same rank
+    (1 on the input axes); indexing it gives the dequantized kernel in `dtype`."""
+
+    values: jax.Array
+    scale: jax.Array
+    dtype: Any = struct.field(pytree_node=False)
+
+    def __getitem__(self, index) -> jax.Array:
+        # One rounding, to the compute dtype: the product of two exact f32 factors.
+        return (self.values.astype(jnp.float32) * self.scale).astype(self.dtype)[index]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.values.shape
+
+
+@functools.partial(jax.jit, static_argnames=("in_axes",))
+def quantize_int8(kernel: jax.Array, in_axes: tuple[int, ...]) -> Int8Kernel:
+    """Symmetric per-output-channel int8 of `kernel`, its scales reduced over `in_axes`."""
+    w = kernel.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(w), axis=in_axes, keepdims=True)
+    scale = jnp.where(amax > 0, amax / INT8_MAX, 1.0)  # an all-zero channel stays zero
+    values = jnp.clip(jnp.round(w / scale), -INT8_MAX, INT8_MAX).astype(jnp.int8)
+    return Int8Kernel(values, scale, kernel.dtype)
+
+
+def input_axes(kernel: nnx.Variable, n_in: int) -> tuple[int, ...]:
+    """The contracted axes of a projection kernel; a stacked one leads with its `layers` axis."""
+    names = kernel.get_metadata().get("out_sharding") or ()
+    lead = 1 if names and names[0] == "layers" else 0
+    return tuple(range(lead, lead + n_in))
+
+
+def projection_kernels(graphdef, weights) -> dict[tuple, tuple[int, ...]]:
+    """{kernel path in the state: its input axes} of every projection of the model."""
+    model = nnx.merge(graphdef, weights)
+    return {(*path, "kernel"): input_axes(node.kernel, node.n_in)
+            for path, node in nnx.iter_graph(model) if isinstance(node, Projection)}
+
+
+def quantize_weights(graphdef, weights, mode: str):
+    """The rollout's weights with every projection kernel quantized (`mode` int8), or as they are (none)."""
+    if mode == "none":
+        return weights
+    kernels = projection_kernels(graphdef, weights)
+    flat = dict(nnx.to_flat_state(weights))
+    for path, axes in kernels.items():
+        flat[path] = flat[path].replace(quantize_int8(flat[path].get_value(), axes))
+    return nnx.from_flat_state(flat)
+
+
+def is_quantized(weights) -> bool:
+    """Some kernel of `weights` is an Int8Kernel."""
+    return any(isinstance(leaf, Int8Kernel)
+               for leaf in jax.tree.leaves(weights, is_leaf=lambda x: isinstance(x, Int8Kernel)))
