@@ -130,7 +130,7 @@ def test_a_countdown_samples_file_regrades_to_its_summary(tiny_config, tmp_path)
     them, one verdict flipped in the file, regraded to the summary of the true grades."""
     from grpo_core.contracts import CompletionText
     from grpo_runner_gsm8k.evaluation.evaluate import Sample, samples_metrics
-    from grpo_runner_gsm8k.evaluation.regrade import regrade_file
+    from grpo_runner_gsm8k.commands.regrade import regrade_file
     from grpo_runner_gsm8k.evaluation.store import SampleStore
 
     task = CountdownTask(CountdownOptions(count=2, max_number=4, max_target=9), seed=0)

@@ -45,7 +45,7 @@ from grpo_runner_gsm8k.assembly.eval_tasks import eval_tasks
 from grpo_runner_gsm8k.evaluation.evaluate import (GradedTask, Sample, eval_ks, question_fields, question_multiple,
                                                    sample_questions, samples_metrics)
 from grpo_runner_gsm8k.evaluation.multi_turn import MultiTurnEval
-from grpo_runner_gsm8k.evaluation.regrade import regrade_file
+from grpo_runner_gsm8k.commands.regrade import regrade_file
 
 EVAL_STREAM = 0x45564C  # the eval key's stream, as training's (loop.EVAL_STREAM)
 # eval.* keys that mean nothing to a one-off eval: refused when given as overrides, with why
