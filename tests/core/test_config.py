@@ -77,6 +77,9 @@ def test_plugin_options_are_validated_by_the_plugin_dataclass():
         def get(self, kind, name):
             return registry.get("loss", name) if kind == "loss" else LossSpec(name, lambda o, **_: o, _Any, "")
 
+        def entries(self, kind):
+            return registry.entries(kind)
+
     cfg = load_config(None, ["loss.impl=blocky", "loss.options.block_size=256"], registry=OnlyLoss())
     assert cfg.loss.options == {"block_size": 256}
     with pytest.raises(ConfigError, match=r"unknown config key loss.options.blok_size; did you mean loss.options.block_size"):
