@@ -62,10 +62,15 @@ def test_the_limit_note_survives_the_runner_s_cut(python_runner):
     assert outcome.response == "x" * 200 + "\n[response cut at 200 characters]\n[stopped: output limit]\n"
 
 
-def test_the_tool_says_at_start_which_memory_bound_holds(capsys):
-    python_tool.PythonTool(python_tool.PythonOptions(memory_mib=256, processes=8))
+def test_the_tool_says_at_its_first_call_which_memory_bound_holds(capsys, monkeypatch):
+    monkeypatch.setattr(python_tool, "_REPORTED", set())
+    tool = python_tool.PythonTool(python_tool.PythonOptions(memory_mib=256, processes=8))
+    assert capsys.readouterr().err == ""  # building it (config checks, refusals) prints nothing
+    assert tool({"code": "print(1)"}) == "1\n"
     line = capsys.readouterr().err
     assert line.startswith("python tool sandbox: ") and line.count("\n") == 1, line
+    tool({"code": "print(2)"})
+    assert capsys.readouterr().err == ""  # once per process
     layout, _ = usable_layout()
     per_call = f"for each call as a whole (cgroup v{layout.version} under {layout.memory_parent})\n" if layout else ""
     fallback = "memory is bounded per process only: 256 MiB of address space x 10 processes = up to 2560 MiB per call\n"

@@ -32,9 +32,22 @@ class PythonOptions:
                              output_bytes=self.output_kib * 2**10, disk_bytes=self.disk_mib * 2**20)
 
 
+_REPORTED: set[str] = set()
+
+
+def report_limits_mode(limits: SandboxLimits) -> None:
+    """Print which memory bound holds, once per process for each distinct line."""
+    line = limits_mode(limits.memory_bytes, limits.processes)
+    if line not in _REPORTED:
+        _REPORTED.add(line)
+        print(line, file=sys.stderr, flush=True)
+
+
 class PythonTool:
-    """A `grpo_core.contracts.Tool`; refuses to be built where the sandbox cannot start, and
-    says in one line (stderr) whether its memory and process bounds hold per call or per process."""
+    """A `grpo_core.contracts.Tool`; refuses to be built where the sandbox cannot start. Its first
+    call in a process says in one line (stderr) whether the memory and process bounds hold per call
+    or per process: at the first call, not when built, so config checks and refusals print only
+    their own line."""
 
     name = "python"
     description = ("Run a Python 3 program in a sandbox (no network, no files but its own, limited time and "
@@ -47,12 +60,12 @@ class PythonTool:
         problem = sandbox_problem(self.sandbox_limits)
         if problem:
             raise UserError(problem)
-        print(limits_mode(self.sandbox_limits.memory_bytes, self.sandbox_limits.processes), file=sys.stderr, flush=True)
 
     def __call__(self, arguments) -> str:
         code = arguments["code"]
         if len(code) > self.options.max_code_chars:
             raise ToolError(f"the code is too long ({len(code)} characters; at most {self.options.max_code_chars})")
+        report_limits_mode(self.sandbox_limits)
         result = run_python(code, self.sandbox_limits)
         if result.setup_failed:
             raise RuntimeError(result.output.strip() or "the sandbox did not start")
