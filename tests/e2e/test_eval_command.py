@@ -25,7 +25,8 @@ def _one_line(err: str, *pieces: str) -> None:
 
 @pytest.mark.parametrize("args,pieces", [
     (("--tasks", "mathh500"), ("unknown task 'mathh500'", "math500")),
-    (("eval.greedy=false", "eval.n=2", "eval.k=[4]"), ("k = 4 is outside 1..n with n = 2", "raise eval.n")),
+    (("eval.greedy=false", "eval.n=2", "eval.k=[4]"),
+     ("eval.k holds 4: each k must be an integer in 1..eval.n = 2", "raise eval.n")),
     (("eval.n=4",), ("eval.greedy is true with eval.n = 4", "eval.greedy=false")),
     (("--tasks", "boxed_math", "eval.tasks={boxed_math: {path: '{tmp}/d.jsonl'}}"),
      ("d.jsonl line 2 has no field 'answer'", "task.options.answer_field")),
