@@ -397,4 +397,13 @@ class Checkpointer:
             if not self.failed:
                 raise self._save_failed(exc) from None
         finally:
+            self._release_manager()
+
+    def _release_manager(self) -> None:
+        """Releasing the manager writes too: on a full disk it fails like the save it follows, and
+        says so once (a failure already reported, or being raised, is not reported again)."""
+        try:
             self.manager.close()
+        except OSError as exc:
+            if not self.failed:
+                raise self._save_failed(exc) from None
