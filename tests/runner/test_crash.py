@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from grpo_runner_gsm8k import loop
+from grpo_core.errors import RunFault, UserError
+from grpo_runner_gsm8k import cli, loop
 from grpo_runner_gsm8k.operations import memory_check
 from grpo_runner_gsm8k.cli import main
 
@@ -89,3 +90,24 @@ def test_rollout_n_100000_on_cpu_exits_3_instead_of_running_out_of_memory(tmp_pa
                  f"logging.dir={run_dir}"]) == 3
     line = capsys.readouterr().err.strip().splitlines()[-1]
     assert line.startswith("grpo-run: error: rollout prefill needs ") and "lower rollout.prompts_per_step" in line
+
+
+@pytest.mark.parametrize("fault,at_once", [(RunFault("disk full"), True), (UserError("bad value"), False)])
+def test_a_machine_fault_exits_at_once_after_its_line(fault, at_once, monkeypatch, capsys):
+    """A failed save leaves orbax threads that would hold interpreter shutdown for minutes: after
+    its one line, a machine fault leaves through os._exit; bad input returns its code as usual."""
+    def fail(argv):
+        raise fault
+
+    def exit_now(code):
+        raise SystemExit(("os._exit", code))
+
+    monkeypatch.setattr(cli, "run", fail)
+    monkeypatch.setattr(cli.os, "_exit", exit_now)
+    if at_once:
+        with pytest.raises(SystemExit) as left:
+            cli.main(["--config", "x.yaml"])
+        assert left.value.code == ("os._exit", 1)
+    else:
+        assert cli.main(["--config", "x.yaml"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == f"grpo-run: error: {fault}"

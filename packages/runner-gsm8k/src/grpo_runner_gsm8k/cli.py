@@ -21,7 +21,7 @@ import sys
 import traceback
 import warnings
 
-from grpo_core.errors import UserError
+from grpo_core.errors import RunFault, UserError
 from grpo_runner_gsm8k.operations import orbax_noise
 from grpo_runner_gsm8k.environ import environment, unset
 from grpo_runner_gsm8k.operations.crash import CONTEXT, begin, report_crash
@@ -168,7 +168,7 @@ def _main(argv: list[str]) -> int:
             traceback.print_exc()
         one_line = " ".join(str(exc).split())
         print(f"grpo-run: error: {one_line}", file=sys.stderr)
-        return leave_peers(exc.exit_code)
+        return leave_peers(exc.exit_code, at_once=isinstance(exc, RunFault))
     except KeyboardInterrupt:  # outside training (which turns SIGINT into a saved stop): nothing to save
         print("grpo-run: interrupted (SIGINT) outside a training step; the last checkpoint is as it was",
               file=sys.stderr)
@@ -187,11 +187,13 @@ def has_peers() -> bool:
     return jax is not None and jax.distributed.is_initialized() and jax.process_count() > 1
 
 
-def leave_peers(code: int) -> int:
+def leave_peers(code: int, at_once: bool = False) -> int:
     """A process of a multi-process run that fails on its own exits at once: at JAX's shutdown
     barrier it would wait for peers still running (5 minutes, then a crash dump). Its
-    peers are stopped by JAX's coordination service when its heartbeat stops."""
-    if not has_peers():
+    peers are stopped by JAX's coordination service when its heartbeat stops. A failed save
+    (`at_once`) exits at once too: orbax's threads of that save wait minutes at interpreter
+    shutdown for signals the failed save never sends."""
+    if not (at_once or has_peers()):
         return code
     sys.stdout.flush()
     sys.stderr.flush()
