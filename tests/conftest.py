@@ -65,6 +65,20 @@ def pytest_xdist_make_scheduler(config, log):
             module = nodeid.split("::", 1)[0]
             return module if module.startswith("tests/e2e/") else nodeid
 
+        def _reschedule(self, node) -> None:
+            """Keep a worker at three or more pending tests, or tell it no more work comes. xdist 3.8
+            adds one unit per call: a replacement worker handed a one-test unit waited forever (a
+            worker runs a test only once it knows the next one, or that none comes). A replacement
+            that has not finished collecting gets nothing yet (its collectionfinish schedules it):
+            xdist would pop a unit for it and then fail on its missing collection, in remove_node
+            (where the KeyError is swallowed and the unit lost) or in schedule (an internal error)."""
+            if node not in self.registered_collections or node.shutting_down:
+                return
+            while self.workqueue and self._pending_of(self.assigned_work[node]) <= 2:
+                self._assign_work_unit(node)
+            if not self.workqueue:
+                node.shutdown()
+
         def remove_node(self, node) -> Optional[str]:
             """A crashed worker's unfinished tests go back on the queue. The test it died in runs
             once more, in a fresh worker, and fails if that worker dies too: XLA:CPU's compiler
