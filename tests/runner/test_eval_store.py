@@ -8,8 +8,10 @@ import pytest
 from grpo_core.contracts import CompletionText, Example
 from grpo_core.errors import UserError
 from grpo_runner_gsm8k.evaluation import store as store_module
-from grpo_runner_gsm8k.evaluation.store import SampleStore, read_state, write_atomic
+from grpo_runner_gsm8k.evaluation.store import SampleStore, read_state
 from grpo_runner_gsm8k.evaluation.evaluate import Sample
+from grpo_runner_gsm8k.operations import atomic
+from grpo_runner_gsm8k.operations.atomic import write_text_atomic
 
 SETTINGS = {"task": "t", "n": 2, "greedy": False}
 
@@ -60,21 +62,21 @@ def test_a_row_carries_task_question_reference_and_grade(tmp_path):
 
 def test_a_failed_state_write_leaves_the_old_file_whole(tmp_path, monkeypatch):
     path = tmp_path / "settings.json"
-    write_atomic(path, '{"n": 2}\n')
+    write_text_atomic(path, '{"n": 2}\n')
 
     def fail(*args):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(store_module.os, "fsync", fail)  # the new text is written, then the sync fails
+    monkeypatch.setattr(atomic.os, "fsync", fail)  # the new text is written, then the sync fails
     with pytest.raises(OSError, match="No space left"):
-        write_atomic(path, '{"n": 4, "padding": "' + "x" * 10000 + '"}\n')
+        write_text_atomic(path, '{"n": 4, "padding": "' + "x" * 10000 + '"}\n')
     assert read_state(path) == {"n": 2} and [p.name for p in tmp_path.iterdir()] == ["settings.json"]
 
 
 def test_settings_are_written_once_not_after_every_chunk(tmp_path, monkeypatch):
     store = SampleStore(tmp_path / "t", SETTINGS)
     writes = []
-    monkeypatch.setattr(store_module, "write_atomic", lambda path, text: writes.append(path.name) or
+    monkeypatch.setattr(store_module, "write_text_atomic", lambda path, text: writes.append(path.name) or
                         path.write_text(text))
     store.append([_q("q1")], [_samples(True, False)])
     store.append([_q("q2")], [_samples(True, False)])

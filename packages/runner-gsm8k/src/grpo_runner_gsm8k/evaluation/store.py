@@ -15,8 +15,6 @@ leaves the old file or the new one, never half of one.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -24,27 +22,9 @@ from grpo_core.contracts import ConversationText, Example
 from grpo_core.errors import UserError
 
 from grpo_runner_gsm8k.evaluation.evaluate import Sample
+from grpo_runner_gsm8k.operations.atomic import write_text_atomic
 
 STATE_FILES = ("samples.jsonl", "settings.json", "summary.json")
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Replaces `path` by a file holding `text`: written beside it, synced, then renamed over it."""
-    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(handle, "w", encoding="utf-8") as out:
-            out.write(text)
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
-    directory = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(directory)  # the rename itself survives a power cut
-    finally:
-        os.close(directory)
 
 
 def read_state(path: Path) -> dict[str, Any]:
@@ -100,7 +80,7 @@ class SampleStore:
         if self.writes:
             self.directory.mkdir(parents=True, exist_ok=True)
             if not (self.directory / "settings.json").is_file():
-                write_atomic(self.directory / "settings.json", json.dumps(self.settings, indent=1) + "\n")
+                write_text_atomic(self.directory / "settings.json", json.dumps(self.settings, indent=1) + "\n")
             with self.samples_path.open("a", encoding="utf-8") as out:
                 if out.tell() and not self.samples_path.read_bytes().endswith(b"\n"):
                     out.write("\n")  # after a line cut off by an interruption
@@ -111,7 +91,7 @@ class SampleStore:
         path = self.directory / "summary.json"
         if self.writes:
             self.directory.mkdir(parents=True, exist_ok=True)
-            write_atomic(path, json.dumps(summary, indent=1) + "\n")
+            write_text_atomic(path, json.dumps(summary, indent=1) + "\n")
         return path
 
     def clear(self) -> None:
