@@ -138,6 +138,15 @@ def last_boxed(text: str) -> str | None:
     return spans[-1] if spans else None
 
 
+def last_boxed_or_line(text: str) -> str | None:
+    """The last box's content, else the last non-empty line; None for a text with neither."""
+    span = last_boxed(text)
+    if span is not None:
+        return span
+    lines = [line for line in text.splitlines() if line.strip()]
+    return lines[-1] if lines else None
+
+
 def _final_line_number(text: str) -> str | None:
     """The last non-empty line, when it holds exactly one number."""
     lines = [line for line in text.splitlines() if line.strip()]

@@ -22,7 +22,7 @@ from grpo_core.config import setting
 from grpo_core.contracts import Example
 from grpo_core.errors import UserError
 
-from grpo_runner_gsm8k.tasks.answers import last_boxed
+from grpo_runner_gsm8k.tasks.answers import last_boxed_or_line
 from grpo_runner_gsm8k.tasks.grading import Graded
 from grpo_runner_gsm8k.tasks.base import TRAIN_STREAM, GeneratedTask, check_template
 
@@ -161,10 +161,7 @@ def evaluate_expression(expression: str) -> tuple[Fraction, list[int]]:
 def completion_expression(completion: str) -> str | None:
     """The expression a completion answers with: its last `\\boxed{}`, else its last line;
     only the left side of an `=`."""
-    span = last_boxed(completion)
-    if span is None:
-        lines = [line for line in completion.splitlines() if line.strip()]
-        span = lines[-1] if lines else None
+    span = last_boxed_or_line(completion)
     if span is None:
         return None
     return span.split("=")[0].strip().strip("$").strip() or None

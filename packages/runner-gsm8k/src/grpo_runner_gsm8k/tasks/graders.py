@@ -22,7 +22,7 @@ from grpo_core import RewardSpec
 from grpo_core.config import setting
 from grpo_core.contracts import RewardFn
 
-from grpo_runner_gsm8k.tasks.answers import extract_answer, last_boxed, parse_number
+from grpo_runner_gsm8k.tasks.answers import extract_answer, last_boxed, last_boxed_or_line, parse_number
 from grpo_runner_gsm8k.tasks.code_grading import CodeGrader, CodeOptions
 from grpo_runner_gsm8k.tasks.grading import Graded, TimedVerifier, grade_boxed
 from grpo_runner_gsm8k.tasks.rewards import check_pairs
@@ -34,10 +34,7 @@ _CHOICE = re.compile(r"(?<![A-Za-z])\(?([A-J])\)?(?![A-Za-z])")
 
 def final_text(completion: str) -> str | None:
     """The last `\\boxed{}`'s content, else the last non-empty line; spacing collapsed, a final period dropped."""
-    span = last_boxed(completion)
-    if span is None:
-        lines = [line for line in completion.splitlines() if line.strip()]
-        span = lines[-1] if lines else None
+    span = last_boxed_or_line(completion)
     if span is None:
         return None
     text = _SPACES.sub(" ", span).strip().rstrip(".").strip()
