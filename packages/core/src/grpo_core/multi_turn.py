@@ -9,10 +9,9 @@ chat template; `grpo_core.tool_calls` parses the calls and renders those turns a
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Mapping, Protocol, runtime_checkable
+from typing import Any, Mapping, Protocol, runtime_checkable
 
-if TYPE_CHECKING:  # contracts re-exports this module
-    from grpo_core.contracts import Example
+from grpo_core.task_contracts import Example
 
 
 class ToolError(Exception):

@@ -20,12 +20,11 @@ from __future__ import annotations
 import contextlib
 from typing import TYPE_CHECKING, Any, Iterator, Protocol, runtime_checkable
 
+from grpo_core.rollout_contracts import Policy, RolloutBackend
 from grpo_core.rollout_records import Sampled
 
-if TYPE_CHECKING:  # contracts re-exports this module
+if TYPE_CHECKING:
     import jax
-
-    from grpo_core.contracts import Policy, RolloutBackend
 
 
 @runtime_checkable
