@@ -13,7 +13,7 @@ from grpo_core.config import EvalConfig
 from grpo_core.config_io import load_config
 from grpo_core.errors import UserError
 from grpo_runner_gsm8k.cli import main
-from grpo_runner_gsm8k.commands import evaluate
+from grpo_runner_gsm8k.commands import eval_plan
 
 BASE = ("eval.greedy=false", "eval.n=4")
 
@@ -35,7 +35,7 @@ def _plan(tiny_config_path, tmp_path, *args: str, config: str | None = None):
     argv = ["--config", config or tiny_config_path, f"logging.dir={tmp_path / 'run'}", *BASE, *args]
     if "--run-dir" in args:
         argv = [a for a in argv[2:] if not a.startswith("logging.dir=")]
-    return evaluate.plan_eval(evaluate._parser().parse_intermixed_args(argv))
+    return eval_plan.plan_eval(eval_plan.eval_parser().parse_intermixed_args(argv))
 
 
 def test_the_walk_covers_every_eval_key():
@@ -114,7 +114,7 @@ REFUSED = [
 
 
 def test_the_walk_covers_every_flag():
-    flags = {o for a in evaluate._parser()._actions for o in a.option_strings if o not in ("-h", "--help")}
+    flags = {o for a in eval_plan.eval_parser()._actions for o in a.option_strings if o not in ("-h", "--help")}
     assert set(FLAG_CASES) == flags
 
 
