@@ -5,7 +5,7 @@ it depends on.
 
 A taker is a function with a parameter annotated `RunConfig` (bare, quoted, `Optional[...]` or
 `grpo_core.config.RunConfig`). Not counted, as config loading: grpo_core's config_io,
-config_teacher and config_notes, the runner's config-load checks (`build.check_inputs`, also run by
+config_checks, config_teacher and config_notes, the runner's config-load checks (`build.check_inputs`, also run by
 `--print-config`), and functions that return a changed copy of the config (`-> RunConfig`), which
 need all of it."""
 
@@ -16,7 +16,8 @@ from pathlib import Path
 
 MAX_TAKERS = 8
 # config_notes runs inside config_io.load_config: its checks are part of loading the config
-CONFIG_LOADING_MODULES = {"grpo_core/config_io.py", "grpo_core/config_teacher.py", "grpo_core/config_notes.py"}
+CONFIG_LOADING_MODULES = {"grpo_core/config_io.py", "grpo_core/config_checks.py", "grpo_core/config_teacher.py",
+                          "grpo_core/config_notes.py"}
 CONFIG_LOADING_FUNCTIONS = {("grpo_runner_gsm8k/assembly/build.py", "check_inputs")}
 
 

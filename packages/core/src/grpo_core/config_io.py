@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import math
 import os
 import re
 import types
@@ -19,14 +18,14 @@ from typing import Any, Iterable, Literal, Optional, Union
 import yaml
 
 from grpo_core.advantage_records import AdvantageSetup
-from grpo_core.config import LORA_TARGETS, RunConfig
+from grpo_core.config import RunConfig
+from grpo_core.config_checks import check_eval_k, check_eval_reward, finite, validate_cross_fields
 from grpo_core.config_notes import config_notes
 from grpo_core.config_yaml import parse_yaml, read_yaml
-from grpo_core.config_teacher import check_teacher, check_teacher_section
-from grpo_core.config_unused import check_unused_loss, check_unused_partial, check_unused_train
+from grpo_core.config_teacher import check_teacher_section
 from grpo_core.errors import ConfigError, PluginError
 from grpo_core.model_families import publish_registry
-from grpo_core.multi_turn_checks import check_multi_turn, check_tools
+from grpo_core.multi_turn_checks import check_tools
 
 EXPLICIT_MESH = re.compile(r"^\s*-?\d+\s*,\s*-?\d+\s*,\s*-?\d+\s*$")
 
@@ -95,13 +94,6 @@ def _describe(tp: Any) -> str:
             bool: "true/false", dict: "a mapping", list: "a list"}.get(tp, getattr(tp, "__name__", str(tp)))
 
 
-def _finite(value: int | float) -> bool:
-    try:
-        return math.isfinite(value)
-    except OverflowError:  # an integer beyond the float range
-        return False
-
-
 def _coerce(tp: Any, value: Any) -> tuple[bool, Any]:
     """(ok, converted value) for `value` against type annotation `tp`."""
     origin = typing.get_origin(tp)
@@ -116,7 +108,7 @@ def _coerce(tp: Any, value: Any) -> tuple[bool, Any]:
     if tp is type(None):
         return value is None, value
     if tp is float:  # every float setting means a finite number: NaN and inf are refused
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and _finite(value)
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and finite(value)
         return ok, float(value) if ok else value
     if tp is int:
         return isinstance(value, int) and not isinstance(value, bool), value
@@ -259,102 +251,6 @@ def _check_estimator(cfg: RunConfig, spec: Any, options: Any) -> None:
         spec.factory(options, setup=AdvantageSetup.from_config(cfg))
     except ValueError as exc:
         raise ConfigError(f"loss.advantage_estimator = {spec.name!r}: {exc}") from None
-
-
-def validate_cross_fields(cfg: RunConfig) -> None:
-    """Constraints that involve more than one field."""
-    for name, weight in cfg.task.rewards.items():
-        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not _finite(weight):
-            raise ConfigError(f"task.rewards.{name} = {weight!r} has the wrong type: expected a finite number "
-                              "(the weight)")
-    if cfg.model.param_dtype == "bfloat16" and cfg.model.dtype == "float32":
-        raise ConfigError("model.param_dtype = bfloat16 with model.dtype = float32: float32 compute on bfloat16 "
-                          "weights gains nothing; set model.param_dtype=float32 (or model.dtype=bfloat16)")
-    _check_loss_options(cfg.loss)
-    _check_lora(cfg.model.lora)
-    _check_partial(cfg)
-    check_unused_loss(cfg.loss, cfg.rollout.max_new_tokens)
-    check_unused_train(cfg.train)
-    check_unused_partial(cfg.rollout.partial, cfg.rollout.max_new_tokens)
-    check_multi_turn(cfg)
-    check_teacher(cfg)
-    if not cfg.task.rewards:
-        raise ConfigError("task.rewards is empty: name at least one reward function, e.g. {correctness: 1.0}")
-    for name in cfg.task.reward_options:
-        if name not in cfg.task.rewards:
-            raise ConfigError(f"task.reward_options.{name} configures a reward that task.rewards does not use; "
-                              f"add it to task.rewards or remove the options")
-
-
-def _check_loss_options(loss: Any) -> None:
-    if loss.policy_loss != "clip" and loss.epsilon_c is not None:
-        raise ConfigError(f"loss.epsilon_c = {loss.epsilon_c} is the dual clip of the clipped surrogate, but "
-                          f"loss.policy_loss = {loss.policy_loss!r} has none; set loss.epsilon_c=null")
-    if loss.mismatch_c_min is not None and loss.mismatch_c_min > loss.mismatch_c_max:
-        raise ConfigError(f"loss.mismatch_c_min = {loss.mismatch_c_min} is above loss.mismatch_c_max = "
-                          f"{loss.mismatch_c_max}: every ratio would be truncated or masked; set c_min <= c_max")
-    if loss.dynamic_sampling_mode == "refill" and not loss.dynamic_sampling:
-        raise ConfigError("loss.dynamic_sampling_mode = 'refill' with loss.dynamic_sampling = false: refilling "
-                          "replaces groups that dynamic sampling drops; set loss.dynamic_sampling=true")
-
-
-def _check_partial(cfg: RunConfig) -> None:
-    """Partial rollouts carry tokens drawn by older policies: the loss must correct them."""
-    partial, max_new = cfg.rollout.partial, cfg.rollout.max_new_tokens
-    if not partial.enabled:
-        return
-    if cfg.loss.mismatch_correction == "none":
-        raise ConfigError("rollout.partial.enabled with loss.mismatch_correction = 'none': carried tokens were "
-                          "sampled by older policies; set loss.mismatch_correction=truncate (or mask)")
-    if cfg.rollout.use_sampler_logps:
-        raise ConfigError("rollout.partial.enabled with rollout.use_sampler_logps = true: the old log-probs must "
-                          "be the current policy's to correct carried tokens; set rollout.use_sampler_logps=false")
-    if cfg.loss.dynamic_sampling and cfg.loss.dynamic_sampling_mode == "refill":
-        raise ConfigError("rollout.partial.enabled with loss.dynamic_sampling_mode = 'refill': partial rollouts "
-                          "already keep the slots full; set loss.dynamic_sampling_mode=mask")
-    budget = partial.budget or -(-max_new // 4)
-    if budget > max_new:
-        raise ConfigError(f"rollout.partial.budget = {budget} is above rollout.max_new_tokens = {max_new}; "
-                          f"set rollout.partial.budget <= {max_new}")
-    rounds = -(-max_new // budget)
-    if partial.max_staleness is not None and partial.budget_quantile is not None:
-        raise ConfigError("rollout.partial.max_staleness with rollout.partial.budget_quantile: rounds shrink with "
-                          "the recent lengths, so no staleness cap is sure to let the longest rows finish; set "
-                          "one of them to null")
-    if partial.max_staleness is not None and partial.max_staleness < rounds - 1:
-        raise ConfigError(f"rollout.partial.max_staleness = {partial.max_staleness} is below {rounds - 1}: a row "
-                          f"of {max_new} tokens spans {rounds} rounds of {budget} and could never finish; set "
-                          f"rollout.partial.max_staleness >= {rounds - 1} (or null)")
-
-
-def _check_lora(lora: Any) -> None:
-    if lora.rank is None:
-        return
-    for name in lora.target_modules:
-        if name not in LORA_TARGETS:
-            close = difflib.get_close_matches(str(name), LORA_TARGETS, n=1, cutoff=0.5)
-            hint = f"did you mean {close[0]}?" if close else f"use some of {', '.join(LORA_TARGETS)}"
-            raise ConfigError(f"model.lora.target_modules: unknown module {name!r}; {hint}")
-    if not lora.target_modules:
-        raise ConfigError(f"model.lora.target_modules is empty; name some of {', '.join(LORA_TARGETS)}")
-    if lora.dropout > 0:
-        raise ConfigError(f"model.lora.dropout = {lora.dropout} is not supported (adapter dropout is not "
-                          "implemented); set model.lora.dropout=0")
-
-
-def check_eval_reward(cfg: RunConfig) -> None:
-    if cfg.eval.every_steps and cfg.eval.reward not in cfg.task.rewards:
-        raise ConfigError(f"eval.reward = {cfg.eval.reward!r} is not one of task.rewards "
-                          f"({', '.join(cfg.task.rewards)}); set eval.reward to one of them, or add it to "
-                          f"task.rewards (weight 0 judges answers without training on it)")
-
-
-def check_eval_k(eval_cfg: Any) -> None:
-    """Each k of pass@k and maj@k is a whole number of samples out of eval.n (2.5 is not rounded)."""
-    for k in eval_cfg.k:
-        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= eval_cfg.n:
-            raise ConfigError(f"eval.k holds {k!r}: each k must be an integer in 1..eval.n = {eval_cfg.n}; "
-                              "give whole numbers of samples no larger than eval.n, or raise eval.n")
 
 
 def resolve_run_dir(cfg: RunConfig) -> RunConfig:
