@@ -144,6 +144,13 @@ class QwenConfig:
         """Per layer the sliding window (0: global), None when no layer has one."""
         return self.family.sliding_windows(self)
 
+    @property
+    def plain_decoder(self) -> bool:
+        """Every layer is the plain pre-norm block with full attention on unscaled embeddings (what
+        the rollout's own decode step runs; grpo_rollout.attention)."""
+        family = self.family
+        return self.sliding_windows is None and not family.post_norms(self) and family.embedding_scale(self) is None
+
     def rope_frequencies(self) -> jnp.ndarray:
         """Inverse RoPE frequencies [head_dim / 2] in f32, the family's scaling applied."""
         return self.family.rope_frequencies(self)
@@ -279,6 +286,7 @@ PRESETS: dict[str, QwenConfig] = {
     "tiny-qwen2": QwenConfig.tiny("qwen2"),
     "tiny-qwen3": QwenConfig.tiny("qwen3"),
     "tiny-llama": QwenConfig.tiny("llama"),
+    "tiny-gemma3_text": QwenConfig.tiny("gemma3_text"),
     "qwen2.5-0.5b": QwenConfig(
         hidden_size=896,
         intermediate_size=4864,
