@@ -88,6 +88,10 @@ FAMILIES: dict[str, dict] = {
 SEEDS = {"qwen2_tied": 11, "qwen2_untied": 12, "qwen3": 13, "llama3_tied": 14, "llama3_untied": 15, "gemma3": 16}
 GREEDY_NEW_TOKENS = 8
 WEIGHT_STD = 0.2  # large enough that logits are O(1) and layout mistakes show
+# Families whose norms scale by (1 + weight): their weights are drawn around 0, so every norm
+# scales by about 1 as in the others (drawn around 1, each of the four norms per layer doubled the
+# scale and float32 noise grew with it).
+NORM_SCALE_ADDS_ONE = ("gemma3_text",)
 
 
 def golden_inputs(vocab_size: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -106,7 +110,7 @@ def positions(mask: np.ndarray) -> np.ndarray:
 
 
 def build_hf_model(config: dict, seed: int):
-    """An HF CausalLM from `config` with every parameter redrawn (norms around 1)."""
+    """An HF CausalLM from `config` with every parameter redrawn (norm scales around 1)."""
     import torch
     import transformers
 
@@ -117,7 +121,7 @@ def build_hf_model(config: dict, seed: int):
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.normal_(0.0, WEIGHT_STD)
-            if "norm" in name:
+            if "norm" in name and config["model_type"] not in NORM_SCALE_ADDS_ONE:
                 p.add_(1.0)
     return model
 
