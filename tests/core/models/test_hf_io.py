@@ -20,7 +20,7 @@ from grpo_core.tokenizer import build_char_tokenizer, load_tokenizer
 from safetensors.numpy import load_file
 
 FAMILIES = ("qwen2_tied", "qwen2_untied", "qwen3", "llama3_tied", "llama3_untied", "gemma3")
-PARITY_ATOL = 1e-4  # issue requirement for f32; observed max diff is ~3e-7 (gemma3, 6 layers: ~2e-5)
+PARITY_ATOL = 1e-4  # issue requirement for f32; observed max diff is ~3e-7 (gemma3, 6 layers: ~8e-6)
 
 
 def _golden_dir(golden, name):
