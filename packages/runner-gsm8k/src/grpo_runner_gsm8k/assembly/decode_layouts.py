@@ -5,7 +5,7 @@ model-parallel and head-parallel layouts built on it) runs the plain pre-norm la
 full attention. A model whose family differs there (Gemma 3: sliding-window layers,
 post-norms, scaled embeddings) decodes through its own cached forward
 (`rollout.options.decode_attention: model`), which honours the window; partial rollouts and
-kept multi-turn caches continue rows on compacted caches, which are not built for a window.
+kept multi-turn caches continue rows on compacted kept caches, not yet checked with a window.
 Each other choice is refused in one line rather than run without the window.
 """
 
@@ -28,8 +28,8 @@ def check_decode_layouts(rollout: RolloutConfig, qcfg: QwenConfig) -> None:
                         "rollout.options.decode_attention: model")
     if rollout.partial.enabled:
         raise UserError(f"rollout.partial.enabled=true: {why}, and partial rollouts continue rows on compacted "
-                        "kept caches not built for a sliding window; set rollout.partial.enabled: false")
+                        "kept caches not yet checked with a sliding window; set rollout.partial.enabled: false")
     if rollout.multi_turn.enabled and rollout.multi_turn.kv_cache != "reprefill":
         raise UserError(f"rollout.multi_turn.kv_cache={rollout.multi_turn.kv_cache!r}: {why}, and kept caches "
-                        "are compacted without regard to a sliding window; set rollout.multi_turn.kv_cache: "
+                        "are compacted and not yet checked with a sliding window; set rollout.multi_turn.kv_cache: "
                         "reprefill")
