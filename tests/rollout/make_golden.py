@@ -31,6 +31,10 @@ FAMILIES = {
     "llama3": dict(model_type="llama", tie_word_embeddings=True,
                    rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                  "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+    # Gemma 3 text: layer 0 slides over 4 slots (rows reach 20 tokens), layer 1 is global; untied
+    # (tied, the scaled embeddings make the tiny random model repeat its last token).
+    "gemma3": dict(model_type="gemma3_text", tie_word_embeddings=False, head_dim=16, sliding_window=4,
+                   sliding_window_pattern=2, query_pre_attn_scalar=16, rope_local_base_freq=10000.0),
 }
 ARCHITECTURE = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                     num_attention_heads=4, num_key_value_heads=2, rope_theta=10000.0, rms_norm_eps=1e-6,

@@ -62,3 +62,16 @@ def test_live_transformers_generate_matches(name):
     hf_tokens, _ = maker.hf_greedy(GOLDEN / name, record["prompts"], eos=record["eos"])
     tokens, _ = greedy_tokens(name, eos=record["eos"])
     np.testing.assert_array_equal(tokens, hf_tokens)
+
+
+def test_gemma3_greedy_through_the_model_decode_equals_transformers_generate():
+    """Sliding-window layers (4 slots, rows of up to 20 tokens) decoded by the model's cached forward."""
+    record = golden("gemma3")
+    for eos, expected in ((None, record["tokens"]), (record["eos"], record["tokens_with_eos"])):
+        tokens, _ = greedy_tokens("gemma3", eos=eos, decode_attention="model")
+        np.testing.assert_array_equal(tokens, expected)
+
+
+def test_gemma3_refuses_the_rollouts_own_decode_step():
+    with pytest.raises(ValueError, match="model_type 'gemma3_text'.*use decode_attention='model'"):
+        greedy_tokens("gemma3", decode_attention="rollout")

@@ -5,7 +5,8 @@
 
 For each family a tiny HF model is built from its config with seeded random weights,
 saved with HF `save_pretrained` (config.json + model.safetensors), and run in f32 on a
-fixed left-padded batch; `io.npz` keeps the inputs and HF's logits. Tests without torch
+fixed left-padded batch; `io.npz` keeps the inputs, HF's logits and (fixtures written since
+Gemma 3) HF's greedy `generate` tokens. Tests without torch
 load the HF-saved weights with `load_pretrained` and compare against those logits.
 
 Importable without torch: the tests reuse FAMILIES, INPUTS and the helpers.
@@ -23,7 +24,7 @@ GOLDEN_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden")
 
 # Tiny configs covering: Qwen2 tied (Qwen2.5 <= 3B), Qwen2 untied with one KV head
 # (7B-style untied head, maximal grouping), Qwen3 (q/k norm, head_dim * heads != hidden),
-# Llama 3 tied and untied (no biases, llama3 RoPE scaling).
+# Llama 3 tied and untied (no biases, llama3 RoPE scaling), Gemma 3 text (sliding-window layers).
 _COMMON = {
     "vocab_size": 96,
     "hidden_size": 32,
@@ -74,9 +75,23 @@ FAMILIES: dict[str, dict] = {
     "llama3_untied": dict(_COMMON, model_type="llama", num_attention_heads=4, num_key_value_heads=1,
                           rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
                           rope_scaling=LLAMA3_SCALING),
+    # Gemma 3 text: 6 layers at the released 5:1 pattern (5 sliding, the 6th global), a window of 4
+    # slots (shorter than the 10-token rows), linear RoPE scaling on the global layer as in 4B+,
+    # query_pre_attn_scalar != head_dim and head_dim * heads != hidden.
+    "gemma3": dict(model_type="gemma3_text", vocab_size=96, hidden_size=32, intermediate_size=64,
+                   num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                   max_position_embeddings=4096, hidden_activation="gelu_pytorch_tanh", torch_dtype="float32",
+                   sliding_window=4, sliding_window_pattern=6, query_pre_attn_scalar=24, rope_theta=1000000.0,
+                   rope_local_base_freq=10000.0, rope_scaling={"rope_type": "linear", "factor": 8.0},
+                   rms_norm_eps=1e-6, tie_word_embeddings=True),
 }
-SEEDS = {"qwen2_tied": 11, "qwen2_untied": 12, "qwen3": 13, "llama3_tied": 14, "llama3_untied": 15}
+SEEDS = {"qwen2_tied": 11, "qwen2_untied": 12, "qwen3": 13, "llama3_tied": 14, "llama3_untied": 15, "gemma3": 16}
+GREEDY_NEW_TOKENS = 8
 WEIGHT_STD = 0.2  # large enough that logits are O(1) and layout mistakes show
+# Families whose norms scale by (1 + weight): their weights are drawn around 0, so every norm
+# scales by about 1 as in the others (drawn around 1, each of the four norms per layer doubled the
+# scale and float32 noise grew with it).
+NORM_SCALE_ADDS_ONE = ("gemma3_text",)
 
 
 def golden_inputs(vocab_size: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -95,7 +110,7 @@ def positions(mask: np.ndarray) -> np.ndarray:
 
 
 def build_hf_model(config: dict, seed: int):
-    """An HF CausalLM from `config` with every parameter redrawn (norms around 1)."""
+    """An HF CausalLM from `config` with every parameter redrawn (norm scales around 1)."""
     import torch
     import transformers
 
@@ -106,7 +121,7 @@ def build_hf_model(config: dict, seed: int):
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.normal_(0.0, WEIGHT_STD)
-            if "norm" in name:
+            if "norm" in name and config["model_type"] not in NORM_SCALE_ADDS_ONE:
                 p.add_(1.0)
     return model
 
@@ -128,6 +143,17 @@ def hf_logits(model, ids: np.ndarray, mask: np.ndarray, position_offset: int = 0
     return out.logits.float().numpy()
 
 
+def hf_greedy(model, ids: np.ndarray, mask: np.ndarray, new_tokens: int = GREEDY_NEW_TOKENS) -> np.ndarray:
+    """transformers `generate` (greedy, KV cache, no stop token) on the left-padded rows -> [B, new_tokens]."""
+    import torch
+
+    with torch.no_grad():
+        out = model.generate(torch.tensor(ids, dtype=torch.long), attention_mask=torch.tensor(mask, dtype=torch.long),
+                             do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0,
+                             eos_token_id=None, top_k=None, top_p=None, temperature=None)
+    return out[:, ids.shape[1]:].numpy().astype(np.int32)
+
+
 def write_family(name: str) -> None:
     import torch
     import transformers
@@ -145,6 +171,7 @@ def write_family(name: str) -> None:
         attention_mask=mask,
         logits=hf_logits(model, ids, mask),
         logits_far=hf_logits(model, ids, mask, POSITION_OFFSET),  # positions + POSITION_OFFSET
+        greedy=hf_greedy(model, ids, mask),
     )
     meta = {"torch": torch.__version__, "transformers": transformers.__version__, "seed": SEEDS[name]}
     with open(os.path.join(out, "versions.json"), "w") as f:

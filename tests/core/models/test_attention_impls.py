@@ -52,8 +52,8 @@ def _value_and_grads(attention, q, k, v, w):
     return out, grads
 
 
-def _check_against_dense(attention, q, k, v, w, real):
-    dense = functools.partial(grouped_query_attention, visible=CausalMask(real).dense(q.shape[1]))
+def _check_against_dense(attention, q, k, v, w, real, window=None):
+    dense = functools.partial(grouped_query_attention, visible=CausalMask(real, window=window).dense(q.shape[1]))
     out, grads = _value_and_grads(jax.jit(attention), q, k, v, w)
     ref_out, ref_grads = _value_and_grads(jax.jit(dense), q, k, v, w)
     _assert_close(out, ref_out, real)
@@ -86,6 +86,26 @@ def test_chunked_with_cache_offset_matches_dense():
         want = grouped_query_attention(q, k, v, mask.dense(140))
         query_real = np.asarray(mask.dense(140).any(-1))
         _assert_close(got, want, query_real)
+
+
+# splash and cuDNN hand a sliding-window layer to chunked.
+@pytest.mark.parametrize("impl", ["chunked", "splash"])
+def test_sliding_window_matches_dense_attention(impl):
+    """A 50-slot window over 200 tokens (blocks of 128): outputs and gradients of the banded mask."""
+    q, k, v, w, real = _inputs(200, 4, 2, 8)
+    window = jnp.int32(50)
+    windowed = lambda q, k, v: memory_efficient_attention(q, k, v, CausalMask(real, impl=impl, window=window))  # noqa: E731
+    _check_against_dense(windowed, q, k, v, w, real, window)
+
+
+def test_chunked_sliding_window_with_cache_offset_matches_dense():
+    q, _, _, _, _ = _inputs(140, 4, 2, 8)
+    _, k, v, _, real = _inputs(300, 4, 2, 8, pads=(0, 20, 290), seed=1)
+    mask = CausalMask(real, jnp.int32(7), window=jnp.int32(30))
+    got = jax.jit(chunked_attention)(q, k, v, real, jnp.int32(7), jnp.int32(30))
+    dense = mask.dense(140)
+    assert not bool(jnp.all(dense == CausalMask(real, jnp.int32(7)).dense(140)))  # the window hides keys
+    _assert_close(got, grouped_query_attention(q, k, v, dense), np.asarray(dense.any(-1)))
 
 
 FAMILIES = {

@@ -109,3 +109,56 @@ def test_missing_config_json_names_the_file(tmp_path):
 def test_unknown_preset_lists_available():
     with pytest.raises(ValueError, match="qwen2.5-0.5b"):
         QwenConfig.preset("qwen9")
+
+
+def _gemma3_1b_style(**overrides):
+    """google/gemma-3-1b-it's config.json (transformers 4.50 layout)."""
+    d = {"architectures": ["Gemma3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+         "attn_logit_softcapping": None, "bos_token_id": 2, "cache_implementation": "hybrid", "eos_token_id": [1, 106],
+         "final_logit_softcapping": None, "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
+         "hidden_size": 1152, "initializer_range": 0.02, "intermediate_size": 6912, "max_position_embeddings": 32768,
+         "model_type": "gemma3_text", "num_attention_heads": 4, "num_hidden_layers": 26, "num_key_value_heads": 1,
+         "pad_token_id": 0, "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-06, "rope_local_base_freq": 10000,
+         "rope_scaling": None, "rope_theta": 1000000, "sliding_window": 512, "sliding_window_pattern": 6,
+         "torch_dtype": "bfloat16", "transformers_version": "4.50.0.dev0", "use_cache": True, "vocab_size": 262144}
+    d.update(overrides)
+    return d
+
+
+def test_gemma3_1b_config_reads_its_layers_and_parameter_count():
+    cfg = QwenConfig.from_hf_dict(_gemma3_1b_style())
+    windows = cfg.sliding_windows
+    assert [i for i, w in enumerate(windows) if w == 0] == [5, 11, 17, 23] and set(windows) == {0, 512}
+    assert _param_count(cfg) == 999_885_952  # Gemma 3 1B's published total (tied head)
+    assert QwenConfig.from_hf_dict(json.loads(json.dumps(cfg.to_hf_dict()))) == cfg
+
+
+def test_gemma3_transformers5_layout_equals_4x_layout(golden):
+    """transformers 5 writes rope_parameters per layer type; 4.x keys give the same config."""
+    with open(f"{golden.GOLDEN_DIR}/gemma3/config.json") as f:
+        v5 = json.load(f)
+    assert "full_attention" in v5["rope_parameters"]
+    v4 = dict(golden.FAMILIES["gemma3"], bos_token_id=2, eos_token_id=1)  # Gemma3TextConfig's defaults
+    assert QwenConfig.from_hf_dict(v5) == QwenConfig.from_hf_dict(v4)
+
+
+@pytest.mark.parametrize(
+    "overrides, key, value",
+    [
+        ({"final_logit_softcapping": 30.0}, "final_logit_softcapping", "30.0"),
+        ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping", "50.0"),
+        ({"use_bidirectional_attention": True}, "use_bidirectional_attention", "True"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 8.0}}, "rope_scaling.rope_type", "yarn"),
+        ({"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                              "sliding_attention": {"rope_type": "linear", "factor": 2.0}}},
+         "rope_parameters.sliding_attention.rope_type", "linear"),
+        ({"layer_types": ["full_attention"] * 3}, "layer_types", "26 entries"),
+        ({"hidden_activation": "silu"}, "hidden_act", "silu"),
+        ({"attention_bias": True}, "attention_bias", "True"),
+    ],
+)
+def test_gemma3_unsupported_options_are_named_errors(overrides, key, value):
+    with pytest.raises(ValueError) as err:
+        QwenConfig.from_hf_dict(_gemma3_1b_style(**overrides))
+    msg = str(err.value)
+    assert key in msg and value in msg and "supported" in msg and "\n" not in msg, msg

@@ -15,6 +15,7 @@ from grpo_core.models import QwenConfig, init_from_config
 FAMILIES = {
     "qwen2": QwenConfig.tiny("qwen2", tie_word_embeddings=False),
     "qwen3": QwenConfig.tiny("qwen3", tie_word_embeddings=True, rope_theta=1e6),
+    "gemma3": QwenConfig.tiny("gemma3_text"),  # per-layer windows and RoPE tables inside the accumulating loop
 }
 
 

@@ -18,6 +18,7 @@ FAMILIES = {
     "qwen2_tied": QwenConfig.tiny("qwen2", tie_word_embeddings=True),
     "qwen2_untied": QwenConfig.tiny("qwen2", tie_word_embeddings=False, num_key_value_heads=1),
     "qwen3": QwenConfig.tiny("qwen3", tie_word_embeddings=False, rope_theta=1e6),
+    "gemma3": QwenConfig.tiny("gemma3_text"),  # a 4-slot window: rows of 9 and 11 tokens reach past it
 }
 
 

@@ -46,6 +46,8 @@ class ModelFamily:
     attention_bias: bool = False
     writes_head_dim: bool = False
     hf_table: tuple | None = None
+    activations: tuple[str, ...] = ("silu",)  # accepted `hidden_act` values (grpo_core.models.layers.ACTIVATIONS)
+    option_keys: frozenset[str] = frozenset()  # config.json keys kept in `QwenConfig.family_options`
 
     def validate(self, cfg: Any) -> None:
         """Raise ValueError (one line: key, value seen, what is supported) for a config this family cannot run."""
@@ -73,6 +75,45 @@ class ModelFamily:
     def hf_extras(self, cfg: Any) -> dict[str, Any]:
         """config.json keys this family writes beyond the shared ones."""
         return {"attention_bias": cfg.attention_bias, "mlp_bias": False}
+
+    # ---- config.json keys of this family only ------------------------------------------
+    def read_hf(self, d: dict[str, Any]) -> None:
+        """Rewrite a parsed config.json in place before the shared reader sees it (e.g. move this
+        family's own keys into d['family_options'], refuse what it does not implement)."""
+
+    def options(self, given: dict[str, Any], cfg: Any) -> tuple:
+        """`QwenConfig.family_options` completed and checked, as sorted (key, value) pairs."""
+        if given:
+            raise unsupported("family_options", sorted(given), f"none for {self.name}")
+        return ()
+
+    # ---- the decoder's hooks (defaults: the plain pre-norm decoder) -----------------------
+    def norm_adds_one(self, cfg: Any) -> bool:
+        """RMSNorm scales by (1 + weight), computed in f32, weights initialised at 0 (Gemma)."""
+        return False
+
+    def post_norms(self, cfg: Any) -> bool:
+        """Four norms per layer: attention and MLP outputs are normed too before the residual
+        add (post_attention_layernorm then norms the attention output, pre_feedforward_layernorm
+        the MLP input, post_feedforward_layernorm its output)."""
+        return False
+
+    def embedding_scale(self, cfg: Any) -> float | None:
+        """A factor on the token embeddings (in the model dtype), None for none."""
+        return None
+
+    def attention_scale(self, cfg: Any) -> float:
+        """The factor on q.k scores."""
+        return cfg.head_dim ** -0.5
+
+    def sliding_windows(self, cfg: Any) -> tuple[int, ...] | None:
+        """Per layer: the sliding window (a key is visible iff query slot - key slot < window),
+        0 for a global layer; None when every layer is global."""
+        return None
+
+    def sliding_rope_frequencies(self, cfg: Any) -> jnp.ndarray:
+        """Inverse RoPE frequencies of the sliding-window layers."""
+        return self.rope_frequencies(cfg)
 
     def tiny_changes(self) -> dict[str, Any]:
         """`QwenConfig.tiny` changes that give this family its distinguishing shape."""

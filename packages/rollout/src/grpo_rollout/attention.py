@@ -101,6 +101,9 @@ def decode_forward(model, tokens: jax.Array, live: jax.Array, cache, layout: Act
     head-parallel (grpo_rollout.head_parallel). view: the attention reads the cache's (or a shared
     cache's completion part's) slots [:view] only (grpo_rollout.segments). Returns (hidden [B, 1, H], cache).
     """
+    if not model.config.plain_decoder:
+        raise ValueError(f"the rollout's decode step runs the plain pre-norm layer with full attention, not "
+                         f"model_type {model.config.model_type!r}'s layers; use decode_attention='model'")
     attention = functools.partial(attention, view=view)
     if isinstance(layout, HeadParallel):
         x, cache = layout.forward(model, tokens, live, cache, attention)

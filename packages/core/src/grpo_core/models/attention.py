@@ -114,7 +114,7 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: CausalMask) -> jax.Ar
 
 
 class Attention(nnx.Module):
-    """Qwen2 (q/k/v bias) / Qwen3 (per-head q/k RMSNorm) self-attention."""
+    """Grouped-query self-attention: Qwen2 (q/k/v bias), Qwen3 / Gemma 3 (per-head q/k RMSNorm)."""
 
     def __init__(self, cfg: QwenConfig, *, dtype, rngs: nnx.Rngs):
         h, n, kv, d = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -125,16 +125,21 @@ class Attention(nnx.Module):
         self.o_proj = Projection(
             (n, d), (h,), ("heads", "head_dim", "embed"), bias=cfg.has_o_bias, dtype=dtype, rngs=rngs
         )
-        norm = cfg.has_qk_norm
-        self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype=dtype, rngs=rngs) if norm else None
-        self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype=dtype, rngs=rngs) if norm else None
+        norm, adds_one = cfg.has_qk_norm, cfg.family.norm_adds_one(cfg)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype=dtype, rngs=rngs, adds_one=adds_one) if norm else None
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype=dtype, rngs=rngs, adds_one=adds_one) if norm else None
+        # The attention kernels scale scores by D**-0.5; a family's other scale goes onto q.
+        self.q_factor = cfg.family.attention_scale(cfg) * d**0.5
 
     def project_qkv(self, x: jax.Array, cos: jax.Array, sin: jax.Array):
         """x [B, T, H] -> rotated q [B, T, N, D], k [B, T, KV, D], v [B, T, KV, D]."""
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+        q = apply_rope(q, cos, sin)
+        if abs(self.q_factor - 1.0) > 1e-12:
+            q = (q.astype(jnp.float32) * self.q_factor).astype(q.dtype)
+        return q, apply_rope(k, cos, sin), v
 
     def __call__(self, x, cos, sin, visible: CausalMask, cache: KVCache | None = None, layer: int = 0):
         """Returns (output [B, T, H], cache with this layer's keys/values written)."""

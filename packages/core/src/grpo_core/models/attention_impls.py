@@ -13,7 +13,9 @@ and backward, and the prompt pass of the rollout):
     auto     splash on TPU, cudnn on GPU with a 16-bit dtype, chunked otherwise
 
 Visibility is always "key slot s is real and s <= query slot": `CausalMask` holds the
-[B, S] real-slot mask and the slot of query 0 (None when queries are slots 0..T-1).
+[B, S] real-slot mask and the slot of query 0 (None when queries are slots 0..T-1). A
+sliding-window layer (`window`) also needs query slot - s < window; xla and chunked honour
+it, and splash / cudnn hand such a mask to chunked.
 """
 
 from __future__ import annotations
@@ -65,21 +67,28 @@ class CausalMask:
     offset: jax.Array | None = None  # slot of query 0; None: 0 and S == T (no cache)
     impl: str = struct.field(pytree_node=False, default="xla")
     sharding: Any = struct.field(pytree_node=False, default=None)  # (mesh, activation rules) or None
+    window: jax.Array | None = None  # [] int32 sliding window of this layer; None: no window
 
     def dense(self, num_queries: int) -> jax.Array:
         """[B, T, S] bool."""
         query_slot = jnp.arange(num_queries) + (0 if self.offset is None else self.offset)
-        causal = jnp.arange(self.real.shape[1])[None, :] <= query_slot[:, None]
+        causal = within_window(jnp.arange(self.real.shape[1])[None, :], query_slot[:, None], self.window)
         return self.real[:, None, :].astype(jnp.bool_) & causal[None]
+
+
+def within_window(key_slot: jax.Array, query_slot: jax.Array, window: jax.Array | None) -> jax.Array:
+    """Causal (key <= query) and, with a window, query - key < window (HF's sliding mask)."""
+    causal = key_slot <= query_slot
+    return causal if window is None else causal & (key_slot > query_slot - window)
 
 
 def memory_efficient_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: CausalMask) -> jax.Array:
     """q [B, T, N, D], k/v [B, S, KV, D] -> [B, T, N, D] with mask.impl in MEMORY_EFFICIENT.
     The prompt pass with a cache (traced offset, no gradient) always runs chunked."""
     real = mask.real.astype(jnp.bool_)
-    if mask.offset is not None or mask.impl == "chunked":
+    if mask.offset is not None or mask.impl == "chunked" or mask.window is not None:
         offset = jnp.zeros((), jnp.int32) if mask.offset is None else jnp.asarray(mask.offset, jnp.int32)
-        return chunked_attention(q, k, v, real, offset)
+        return chunked_attention(q, k, v, real, offset, mask.window)
     if mask.impl == "splash":
         splash = functools.partial(splash_attention, platform=_platform(mask.sharding))
         return _over_mesh(splash, mask.sharding, q, k, v, real)
@@ -103,12 +112,12 @@ def _num_key_blocks(offset, q_block, num_blocks: int):
     return jnp.minimum(num_blocks, last_slot // CHUNK + 1)
 
 
-def _block_scores(qi, kj, rj, q_block, k_block, offset):
+def _block_scores(qi, kj, rj, q_block, k_block, offset, window):
     """Scaled f32 scores [B, KV, G, bq, bk] of a query block vs a key block, and visibility."""
     scores = jnp.einsum("bqkgd,bskd->bkgqs", qi, kj, preferred_element_type=jnp.float32)
     q_slot = offset + q_block * CHUNK + jnp.arange(CHUNK)
     k_slot = k_block * CHUNK + jnp.arange(CHUNK)
-    visible = rj[:, None, None, None, :] & (k_slot[None, :] <= q_slot[:, None])[None, None, None]
+    visible = rj[:, None, None, None, :] & within_window(k_slot[None, :], q_slot[:, None], window)[None, None, None]
     return scores * qi.shape[-1] ** -0.5, visible
 
 
@@ -116,12 +125,12 @@ def _key_block(x: jax.Array, j) -> jax.Array:
     return jax.lax.dynamic_slice_in_dim(x, j * CHUNK, CHUNK, axis=1)
 
 
-def _forward_q_block(qi, i, k, v, real, offset):
+def _forward_q_block(qi, i, k, v, real, offset, window):
     """Output [B, KV, G, bq, D] (f32) and row log-sum-exp [B, KV, G, bq] of query block i."""
 
     def step(j, carry):
         m, l, acc = carry
-        scores, visible = _block_scores(qi, _key_block(k, j), _key_block(real, j), i, j, offset)
+        scores, visible = _block_scores(qi, _key_block(k, j), _key_block(real, j), i, j, offset, window)
         m_new = jnp.maximum(m, jnp.max(jnp.where(visible, scores, _MASKED), axis=-1))
         p = jnp.where(visible, jnp.exp(scores - m_new[..., None]), 0.0)
         rescale = jnp.exp(m - m_new)
@@ -160,36 +169,37 @@ def _unblocked(x: jax.Array, t: int) -> jax.Array:
 
 
 @jax.custom_vjp
-def chunked_attention(q, k, v, real, offset):
-    """q [B, T, N, D], k/v [B, S, KV, D], real [B, S] bool, offset [] int32 -> [B, T, N, D]."""
-    return _chunked_forward(q, k, v, real, offset)[0]
+def chunked_attention(q, k, v, real, offset, window=None):
+    """q [B, T, N, D], k/v [B, S, KV, D], real [B, S] bool, offset [] int32, window [] int32 or
+    None (a sliding-window layer) -> [B, T, N, D]."""
+    return _chunked_forward(q, k, v, real, offset, window)[0]
 
 
-def _chunked_forward(q, k, v, real, offset):
+def _chunked_forward(q, k, v, real, offset, window):
     q_blocks = _query_blocks(q, k.shape[2])
     k, v, real = _padded_keys(k, v, real)
-    forward = lambda xs: _forward_q_block(xs[0], xs[1], k, v, real, offset)  # noqa: E731
+    forward = lambda xs: _forward_q_block(xs[0], xs[1], k, v, real, offset, window)  # noqa: E731
     out, lse = jax.lax.map(forward, (q_blocks, jnp.arange(q_blocks.shape[0])))
     return _unblocked(out, q.shape[1]).astype(q.dtype), lse
 
 
-def _chunked_fwd(q, k, v, real, offset):
-    out, lse = _chunked_forward(q, k, v, real, offset)
-    return out, (q, k, v, real, offset, out, lse)
+def _chunked_fwd(q, k, v, real, offset, window):
+    out, lse = _chunked_forward(q, k, v, real, offset, window)
+    return out, (q, k, v, real, offset, window, out, lse)
 
 
 def _add_key_block(acc: jax.Array, block: jax.Array, j) -> jax.Array:
     return jax.lax.dynamic_update_slice_in_dim(acc, _key_block(acc, j) + block, j * CHUNK, axis=1)
 
 
-def _backward_q_block(carry, xs, k, v, real, offset):
+def _backward_q_block(carry, xs, k, v, real, offset, window):
     """Adds query block i's share to dk, dv [B, S, KV, D] (f32); returns its dq."""
     qi, doi, lse_i, delta_i, i = xs
 
     def step(j, inner):
         dqi, dk, dv = inner
         kj, vj = _key_block(k, j), _key_block(v, j)
-        scores, visible = _block_scores(qi, kj, _key_block(real, j), i, j, offset)
+        scores, visible = _block_scores(qi, kj, _key_block(real, j), i, j, offset, window)
         p = jnp.where(visible, jnp.exp(scores - lse_i[..., None]), 0.0)
         dp = jnp.einsum("bqkgd,bskd->bkgqs", doi, vj, preferred_element_type=jnp.float32)
         ds = (p * (dp - delta_i[..., None]) * qi.shape[-1] ** -0.5).astype(qi.dtype)
@@ -204,17 +214,17 @@ def _backward_q_block(carry, xs, k, v, real, offset):
 
 
 def _chunked_bwd(residuals, dout):
-    q, k_in, v_in, real_in, offset, out, lse = residuals
+    q, k_in, v_in, real_in, offset, window, out, lse = residuals
     t, s = q.shape[1], k_in.shape[1]
     q_blocks, do_blocks, out_blocks = (_query_blocks(x, k_in.shape[2]) for x in (q, dout, out))
     k, v, real = _padded_keys(k_in, v_in, real_in)
     delta = jnp.einsum("nbqkgd,nbqkgd->nbkgq", do_blocks.astype(jnp.float32), out_blocks.astype(jnp.float32))
     zeros = jnp.zeros(k.shape, jnp.float32)
-    body = functools.partial(_backward_q_block, k=k, v=v, real=real, offset=offset)
+    body = functools.partial(_backward_q_block, k=k, v=v, real=real, offset=offset, window=window)
     (dk, dv), dq = jax.lax.scan(body, (zeros, zeros), (q_blocks, do_blocks, lse, delta,
                                                         jnp.arange(q_blocks.shape[0])))
     dq = dq.transpose(1, 0, 2, 3, 4, 5).reshape(q.shape[0], -1, *q.shape[2:])[:, :t]
-    return dq.astype(q.dtype), dk[:, :s].astype(k_in.dtype), dv[:, :s].astype(v_in.dtype), None, None
+    return dq.astype(q.dtype), dk[:, :s].astype(k_in.dtype), dv[:, :s].astype(v_in.dtype), None, None, None
 
 
 chunked_attention.defvjp(_chunked_fwd, _chunked_bwd)

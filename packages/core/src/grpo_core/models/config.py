@@ -17,11 +17,12 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from grpo_core.model_families import ModelFamily, family_named, family_of_hf_dict, publish, unsupported
+from grpo_core.model_families import ModelFamily, family_named, family_of_hf_dict, publish, published_names, unsupported
+from grpo_core.models.gemma3_family import GEMMA3
 from grpo_core.models.llama_family import LLAMA
 from grpo_core.models.qwen_family import QWEN2, QWEN3
 
-BUILTIN_FAMILIES = (QWEN2, QWEN3, LLAMA)
+BUILTIN_FAMILIES = (QWEN2, QWEN3, LLAMA, GEMMA3)
 publish(list(BUILTIN_FAMILIES))
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
 
@@ -53,7 +54,8 @@ HF_EXTRA_KEYS = frozenset({"torch_dtype", "dtype", "rope_parameters", "use_slidi
 
 def architecture_keys() -> frozenset[str]:
     """Every key a `model.architecture` mapping may hold (a typo is an error, not a default)."""
-    return frozenset(f.name for f in dataclasses.fields(QwenConfig)) | HF_EXTRA_KEYS
+    family_keys = frozenset().union(*(family_named(name).option_keys for name in published_names()))
+    return frozenset(f.name for f in dataclasses.fields(QwenConfig)) | HF_EXTRA_KEYS | family_keys
 
 
 _unsupported = unsupported
@@ -82,6 +84,8 @@ class QwenConfig:
     eos_token_id: int | tuple[int, ...] | None = None
     # HF rope_scaling as sorted (key, value) pairs (hashable), None = plain RoPE; the family reads it.
     rope_scaling: tuple | None = None
+    # The family's own config.json keys as sorted (key, value) pairs (Gemma's sliding window, ...).
+    family_options: tuple = ()
 
     def __post_init__(self) -> None:
         family = family_named(self.model_type)
@@ -93,12 +97,13 @@ class QwenConfig:
             object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
         scaling = self.rope_scaling
         object.__setattr__(self, "rope_scaling", family.rope_scaling(dict(scaling) if scaling else None))
+        object.__setattr__(self, "family_options", family.options(dict(self.family_options), self))
         self._validate()
         family.validate(self)
 
     def _validate(self) -> None:
-        if self.hidden_act != "silu":
-            raise _unsupported("hidden_act", self.hidden_act, "'silu'")
+        if self.hidden_act not in self.family.activations:
+            raise _unsupported("hidden_act", self.hidden_act, " | ".join(map(repr, self.family.activations)))
         if self.torch_dtype not in SUPPORTED_DTYPES:
             raise _unsupported("torch_dtype", self.torch_dtype, " | ".join(SUPPORTED_DTYPES))
         for name in (
@@ -134,6 +139,18 @@ class QwenConfig:
     def has_o_bias(self) -> bool:
         return self.family.o_bias(self)
 
+    @property
+    def sliding_windows(self) -> tuple[int, ...] | None:
+        """Per layer the sliding window (0: global), None when no layer has one."""
+        return self.family.sliding_windows(self)
+
+    @property
+    def plain_decoder(self) -> bool:
+        """Every layer is the plain pre-norm block with full attention on unscaled embeddings (what
+        the rollout's own decode step runs; grpo_rollout.attention)."""
+        family = self.family
+        return self.sliding_windows is None and not family.post_norms(self) and family.embedding_scale(self) is None
+
     def rope_frequencies(self) -> jnp.ndarray:
         """Inverse RoPE frequencies [head_dim / 2] in f32, the family's scaling applied."""
         return self.family.rope_frequencies(self)
@@ -153,7 +170,9 @@ class QwenConfig:
     def from_hf_dict(cls, d: dict[str, Any]) -> QwenConfig:
         """Build from a parsed HF `config.json` (transformers 4.x or 5.x layout)."""
         d = dict(d)
-        d["model_type"] = family_of_hf_dict(d).name
+        family = family_of_hf_dict(d)
+        d["model_type"] = family.name
+        family.read_hf(d)
         _read_rope(d)
         _check_attention_options(d)
         fields = {f.name for f in dataclasses.fields(cls)}
@@ -267,6 +286,7 @@ PRESETS: dict[str, QwenConfig] = {
     "tiny-qwen2": QwenConfig.tiny("qwen2"),
     "tiny-qwen3": QwenConfig.tiny("qwen3"),
     "tiny-llama": QwenConfig.tiny("llama"),
+    "tiny-gemma3_text": QwenConfig.tiny("gemma3_text"),
     "qwen2.5-0.5b": QwenConfig(
         hidden_size=896,
         intermediate_size=4864,

@@ -26,8 +26,8 @@ import jax.numpy as jnp
 
 from grpo_core.models.precision import cast_floating
 
-# apply_layer(layer_weights, x, context) -> x: one decoder layer, weights in the compute dtype.
-ApplyLayer = Callable[[Any, jax.Array, Any], jax.Array]
+# apply_layer(layer_weights, x, context, index) -> x: decoder layer `index`, weights in the compute dtype.
+ApplyLayer = Callable[[Any, jax.Array, Any, jax.Array], jax.Array]
 
 
 def scan_accumulating(apply_layer: ApplyLayer, dtype: Any, stacked: Any, x: jax.Array, context: Any,
@@ -73,7 +73,7 @@ def _add_at(grads: Any, layer_grads: Any, index: jax.Array) -> Any:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _layer(apply_layer, dtype, stacked, index, x, grads, context):
-    return apply_layer(_weights_at(stacked, index, dtype), x, context), grads
+    return apply_layer(_weights_at(stacked, index, dtype), x, context, index), grads
 
 
 def _layer_fwd(apply_layer, dtype, stacked, index, x, grads, context):
@@ -83,7 +83,7 @@ def _layer_fwd(apply_layer, dtype, stacked, index, x, grads, context):
 def _layer_bwd(apply_layer, dtype, residuals, cotangents):
     stacked, index, x, context = residuals
     out_cotangent, grads_cotangent = cotangents
-    _, layer_vjp = jax.vjp(lambda w, h: apply_layer(w, h, context), _weights_at(stacked, index, dtype), x)
+    _, layer_vjp = jax.vjp(lambda w, h: apply_layer(w, h, context, index), _weights_at(stacked, index, dtype), x)
     weights_cotangent, x_cotangent = layer_vjp(out_cotangent)
     # None: no cotangent for the stacked weights (their gradient is in grads), index and context
     return None, None, x_cotangent, _add_at(grads_cotangent, weights_cotangent, index), None

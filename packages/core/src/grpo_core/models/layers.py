@@ -1,5 +1,5 @@
 """Building blocks of the shared decoder (every model family): parameters with logical axis names,
-projections, RMSNorm, rotary embeddings and the SwiGLU MLP.
+projections, RMSNorm, rotary embeddings and the gated (SwiGLU / GeGLU) MLP.
 
 Logical axis names used on parameters (mapped to mesh axes by `grpo_core.sharding`):
 `vocab`, `embed`, `heads`, `kv_heads`, `head_dim`, `mlp`, `norm`.
@@ -68,17 +68,21 @@ class Projection(nnx.Module):
 
 
 class RMSNorm(nnx.Module):
-    """HF Qwen RMSNorm: statistics in f32, cast back, then scale (same op order as HF)."""
+    """HF Qwen RMSNorm: statistics in f32, cast back, then scale (same op order as HF).
+    adds_one (Gemma): the scale is 1 + weight (weights start at 0), applied in f32 before the cast."""
 
-    def __init__(self, dim: int, eps: float, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, dim: int, eps: float, *, dtype, rngs: nnx.Rngs, adds_one: bool = False):
         self.eps = eps
-        self.scale = logical_param(rngs, _ones, (dim,), dtype, ("norm",))
+        self.adds_one = adds_one
+        self.scale = logical_param(rngs, _zeros if adds_one else _ones, (dim,), dtype, ("norm",))
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
         variance = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)
-        normed = (x32 * jax.lax.rsqrt(variance + self.eps)).astype(x.dtype)
-        return self.scale[...] * normed
+        normed = x32 * jax.lax.rsqrt(variance + self.eps)
+        if self.adds_one:
+            return (normed * (1.0 + self.scale[...].astype(jnp.float32))).astype(x.dtype)
+        return self.scale[...] * normed.astype(x.dtype)
 
 
 class Embedding(nnx.Module):
@@ -89,16 +93,22 @@ class Embedding(nnx.Module):
         return jnp.take(self.embedding[...], ids, axis=0)  # [B, T, H]
 
 
-class MLP(nnx.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+# HF `hidden_act` names; gelu_pytorch_tanh is the tanh approximation of GELU (Gemma's GeGLU).
+ACTIVATIONS: dict[str, Callable] = {"silu": jax.nn.silu,
+                                    "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
 
-    def __init__(self, hidden: int, intermediate: int, *, dtype, rngs: nnx.Rngs):
+
+class MLP(nnx.Module):
+    """Gated MLP: down(act(gate(x)) * up(x)); SwiGLU with silu, GeGLU with gelu_pytorch_tanh."""
+
+    def __init__(self, hidden: int, intermediate: int, *, dtype, rngs: nnx.Rngs, activation: str = "silu"):
+        self.activation = activation
         self.gate_proj = Projection((hidden,), (intermediate,), ("embed", "mlp"), bias=False, dtype=dtype, rngs=rngs)
         self.up_proj = Projection((hidden,), (intermediate,), ("embed", "mlp"), bias=False, dtype=dtype, rngs=rngs)
         self.down_proj = Projection((intermediate,), (hidden,), ("mlp", "embed"), bias=False, dtype=dtype, rngs=rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(ACTIVATIONS[self.activation](self.gate_proj(x)) * self.up_proj(x))
 
 
 # ---- rotary position embeddings -----------------------------------------------------

@@ -15,6 +15,7 @@ compile time does not grow with depth; `layers.X` below is [L, ...X's own shape]
     layers.self_attn.o_proj.bias          [H]         (embed,)                 qwen3+attention_bias only
     layers.self_attn.{q,k}_norm.scale     [D]         (norm,)                  qwen3 only
     layers.post_attention_layernorm.scale [H]         (norm,)
+    layers.{pre,post}_feedforward_layernorm.scale [H] (norm,)                  gemma3_text only
     layers.mlp.{gate,up}_proj.kernel      [H, I]      (embed, mlp)
     layers.mlp.down_proj.kernel           [I, H]      (mlp, embed)
     norm.scale                               [H]         (norm,)
@@ -50,6 +51,9 @@ REMAT_MODES = ("none", *REMAT_POLICIES)
 # parameter axis `embed` so FSDP rules (embed -> fsdp) do not shard activations' hidden dim.
 ACTIVATION_AXES = ("batch", "length", "act_embed")
 
+# The window of a global layer beside sliding ones: longer than any sequence.
+GLOBAL_WINDOW = 2**30
+
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
@@ -72,19 +76,30 @@ def positions_from_mask(token_mask: jax.Array) -> jax.Array:
     return jnp.maximum(jnp.cumsum(token_mask.astype(jnp.int32), axis=1) - 1, 0)
 
 
+def _norm(cfg: QwenConfig, dtype, rngs: nnx.Rngs) -> RMSNorm:
+    return RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, rngs=rngs, adds_one=cfg.family.norm_adds_one(cfg))
+
+
 class DecoderLayer(nnx.Module):
+    """Pre-norm block; with the family's post-norms (Gemma) post_attention_layernorm norms the
+    attention output and pre/post_feedforward_layernorm the MLP's input and output."""
+
     def __init__(self, cfg: QwenConfig, *, dtype, rngs: nnx.Rngs):
-        h, eps = cfg.hidden_size, cfg.rms_norm_eps
-        self.input_layernorm = RMSNorm(h, eps, dtype=dtype, rngs=rngs)
+        self.input_layernorm = _norm(cfg, dtype, rngs)
         self.self_attn = Attention(cfg, dtype=dtype, rngs=rngs)
-        self.post_attention_layernorm = RMSNorm(h, eps, dtype=dtype, rngs=rngs)
-        self.mlp = MLP(h, cfg.intermediate_size, dtype=dtype, rngs=rngs)
+        self.post_attention_layernorm = _norm(cfg, dtype, rngs)
+        post_norms = cfg.family.post_norms(cfg)
+        self.pre_feedforward_layernorm = _norm(cfg, dtype, rngs) if post_norms else None
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, rngs=rngs, activation=cfg.hidden_act)
+        self.post_feedforward_layernorm = _norm(cfg, dtype, rngs) if post_norms else None
 
     def __call__(self, x, cos, sin, visible, cache: KVCache | None = None, layer: int = 0):
         attn_out, cache = self.self_attn(self.input_layernorm(x), cos, sin, visible, cache, layer)
-        x = x + attn_out
-        x = x + self.mlp(self.post_attention_layernorm(x))
-        return x, cache
+        if self.pre_feedforward_layernorm is None:
+            x = x + attn_out
+            return x + self.mlp(self.post_attention_layernorm(x)), cache
+        x = x + self.post_attention_layernorm(attn_out)
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x))), cache
 
 
 def stack_layers(layers: list[DecoderLayer]) -> DecoderLayer:
@@ -149,7 +164,7 @@ class QwenModel(nnx.Module):
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
         # Built one by one (so random init draws as an unstacked model would), then stacked.
         self.layers = stack_layers([DecoderLayer(cfg, dtype=dtype, rngs=rngs) for _ in range(cfg.num_hidden_layers)])
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, rngs=rngs)
+        self.norm = _norm(cfg, dtype, rngs)
         untied = not cfg.tie_word_embeddings
         self.lm_head = (
             Projection((cfg.hidden_size,), (cfg.vocab_size,), ("embed", "vocab"), bias=False, dtype=dtype, rngs=rngs)
@@ -214,23 +229,42 @@ class QwenModel(nnx.Module):
             visible = self._mask(token_mask)
 
             def step(layer, i, x):
-                return self._constrain(layer(x, cos, sin, visible)[0])
+                return self._constrain(layer(x, *self.layer_context(i, cos, sin, visible))[0])
 
             return self.norm(self.over_layers(step, x, remat=self.remat))
         cache = cache.with_new_tokens(token_mask)
         visible = self._mask(cache.mask, cache.index)
 
         def cached_step(layer, i, carry):
-            x, cache = layer(carry[0], cos, sin, visible, carry[1], i)
+            x, cache = layer(carry[0], *self.layer_context(i, cos, sin, visible), carry[1], i)
             return self._constrain(x), cache
 
         x, cache = self.over_layers(cached_step, (x, cache))
         return self.norm(x), cache.advance(input_ids.shape[1])
 
     def _embedded(self, input_ids, positions) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """(residual stream [B, T, H], rope cos, sin [B, T, D/2]) of the tokens at `positions`."""
-        cos, sin = rope_tables(positions, self.config.rope_frequencies())
-        return self._constrain(self.embed_tokens(input_ids)), cos, sin
+        """(residual stream [B, T, H], rope cos, sin [B, T, D/2]) of the tokens at `positions`;
+        with sliding-window layers cos and sin are [2, B, T, D/2]: global, then sliding tables."""
+        cfg = self.config
+        cos, sin = rope_tables(positions, cfg.rope_frequencies())
+        if cfg.sliding_windows is not None:
+            local_cos, local_sin = rope_tables(positions, cfg.family.sliding_rope_frequencies(cfg))
+            cos, sin = jnp.stack([cos, local_cos]), jnp.stack([sin, local_sin])
+        x = self.embed_tokens(input_ids)
+        scale = cfg.family.embedding_scale(cfg)
+        if scale is not None:
+            x = x * jnp.asarray(scale, x.dtype)  # rounded to the model dtype first, as HF does
+        return self._constrain(x), cos, sin
+
+    def layer_context(self, i: jax.Array, cos, sin, visible: CausalMask):
+        """(cos, sin, visible) of layer i (traced): a sliding-window layer gets its own RoPE
+        tables and its window on the mask; without such layers, the shared ones as they are."""
+        windows = self.config.sliding_windows
+        if windows is None:
+            return cos, sin, visible
+        window = jnp.asarray(windows, jnp.int32)[i]
+        sliding = (window > 0).astype(jnp.int32)
+        return cos[sliding], sin[sliding], visible.replace(window=jnp.where(window > 0, window, GLOBAL_WINDOW))
 
     def accumulating_forward(self, input_ids, attention_mask, layer_grads, compute_dtype: Any = None):
         """Cache-free forward of a training step whose stacked decoder layers stay in their
@@ -242,7 +276,7 @@ class QwenModel(nnx.Module):
         token_mask = attention_mask.astype(jnp.bool_)
         x, cos, sin = self._embedded(input_ids, positions_from_mask(token_mask))
         graphdef, stacked = nnx.split(self.layers)
-        apply_layer = functools.partial(_apply_layer, graphdef, self._constrain)
+        apply_layer = functools.partial(_apply_layer, graphdef, self._constrain, self.layer_context)
         x, layer_grads = scan_accumulating(apply_layer, compute_dtype, stacked, x,
                                            (cos, sin, self._mask(token_mask)), layer_grads)
         return self.norm(x), layer_grads
@@ -271,9 +305,8 @@ class QwenModel(nnx.Module):
         return sum(x.size for x in jax.tree.leaves(nnx.state(self, nnx.Param)))
 
 
-def _apply_layer(graphdef: nnx.GraphDef, constrain, weights, x, context):
-    cos, sin, visible = context
-    return constrain(nnx.merge(graphdef, weights)(x, cos, sin, visible)[0])
+def _apply_layer(graphdef: nnx.GraphDef, constrain, layer_context, weights, x, context, index):
+    return constrain(nnx.merge(graphdef, weights)(x, *layer_context(index, *context))[0])
 
 
 def init_from_config(

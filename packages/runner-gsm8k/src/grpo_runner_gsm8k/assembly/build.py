@@ -29,6 +29,7 @@ from grpo_core.tokenizer import CALCULATOR_CALL_TOKENS, TOOL_CALL_TOKENS, build_
 from grpo_meshes import TRAIN_BATCH_AXES, ModelDims, batch_shard_count, validate_plan
 
 from grpo_runner_gsm8k.assembly.adapters import check_lora_fits
+from grpo_runner_gsm8k.assembly.decode_layouts import check_decode_layouts
 from grpo_runner_gsm8k.multihost import local_prompt_count
 from grpo_runner_gsm8k.samplers.multi_turn_inputs import check_multi_turn_inputs
 from grpo_runner_gsm8k.assembly.teacher import check_teacher_positions, check_teacher_tokenizer
@@ -251,6 +252,7 @@ def check_inputs(cfg: RunConfig, registry: Registry, process_index: int = 0,
     check_tokenizer_fits(qcfg, tokenizer)
     check_lora_fits(cfg.model.lora, qcfg)
     check_lengths(cfg.rollout, cfg.eval, qcfg)
+    check_decode_layouts(cfg.rollout, qcfg)
     if cfg.teacher.path:
         check_teacher_tokenizer(cfg.teacher, tokenizer)
         check_teacher_positions(cfg.teacher, cfg.rollout)
