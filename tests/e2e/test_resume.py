@@ -26,7 +26,8 @@ import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
 
-from grpo_runner_gsm8k.operations.checkpoint import Resume, checkpoint_dir, complete_steps, config_differences
+from grpo_runner_gsm8k.operations.checkpoint import Resume, checkpoint_dir, complete_steps
+from grpo_runner_gsm8k.operations.resume_config import config_differences
 from grpo_runner_gsm8k.operations.metrics import truncate_metrics
 from grpo_runner_gsm8k.commands.export import load_policy
 

@@ -189,7 +189,8 @@ def test_a_lora_student_distills_with_the_exact_kl(run_two_steps, models):
 
 def test_a_checkpoint_saved_before_the_teacher_section_resumes_without_a_teacher(tiny_config):
     from grpo_core.config_io import config_to_dict
-    from grpo_runner_gsm8k.operations.checkpoint import Resume, check_compatible
+    from grpo_runner_gsm8k.operations.checkpoint import Resume
+    from grpo_runner_gsm8k.operations.resume_config import check_compatible
 
     cfg = tiny_config()
     saved = config_to_dict(cfg)
