@@ -19,9 +19,10 @@ import jax.numpy as jnp
 
 from grpo_core.model_families import ModelFamily, family_named, family_of_hf_dict, publish, unsupported
 from grpo_core.models.llama_family import LLAMA
+from grpo_core.models.qwen3_moe_family import QWEN3_MOE
 from grpo_core.models.qwen_family import QWEN2, QWEN3
 
-BUILTIN_FAMILIES = (QWEN2, QWEN3, LLAMA)
+BUILTIN_FAMILIES = (QWEN2, QWEN3, LLAMA, QWEN3_MOE)
 publish(list(BUILTIN_FAMILIES))
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
 
@@ -42,13 +43,14 @@ _IGNORED_KEYS = frozenset(
         "return_dict",
         "layer_types",
         "pretraining_tp",  # Llama: a tensor-parallel split of the original training, no effect on outputs
+        "output_router_logits",  # MoE: whether HF returns router logits, no effect on outputs
     }
 )
 
 # Keys that change the forward pass in ways not implemented here: allowed value only.
 _ONLY_ALLOWED = {"quantization_config": None, "partial_rotary_factor": 1.0, "mlp_bias": False}
 # config.json keys `from_hf_dict` reads without a QwenConfig field of the same name.
-HF_EXTRA_KEYS = frozenset({"torch_dtype", "dtype", "rope_parameters", "use_sliding_window"})
+HF_EXTRA_KEYS = frozenset({"torch_dtype", "dtype", "rope_parameters", "use_sliding_window", "num_local_experts"})
 
 
 def architecture_keys() -> frozenset[str]:
@@ -82,6 +84,14 @@ class QwenConfig:
     eos_token_id: int | tuple[int, ...] | None = None
     # HF rope_scaling as sorted (key, value) pairs (hashable), None = plain RoPE; the family reads it.
     rope_scaling: tuple | None = None
+    # Sparse MoE MLP (qwen3_moe); 0 experts = the dense SwiGLU MLP of `intermediate_size`.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    router_aux_loss_coef: float = 0.0
 
     def __post_init__(self) -> None:
         family = family_named(self.model_type)
@@ -89,8 +99,9 @@ class QwenConfig:
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
         if self.attention_bias is None:
             object.__setattr__(self, "attention_bias", family.attention_bias)
-        if isinstance(self.eos_token_id, list):
-            object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
+        for name in ("eos_token_id", "mlp_only_layers"):
+            if isinstance(getattr(self, name), list):
+                object.__setattr__(self, name, tuple(getattr(self, name)))
         scaling = self.rope_scaling
         object.__setattr__(self, "rope_scaling", family.rope_scaling(dict(scaling) if scaling else None))
         self._validate()
@@ -120,6 +131,8 @@ class QwenConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings.")
+        if self.num_experts and not family_named(self.model_type).sparse_mlp:
+            raise _unsupported("num_experts", self.num_experts, f"0 for model_type {self.model_type} (a dense MLP)")
 
     # ---- derived (the family's answers) ----------------------------------------------
     @property
@@ -153,7 +166,9 @@ class QwenConfig:
     def from_hf_dict(cls, d: dict[str, Any]) -> QwenConfig:
         """Build from a parsed HF `config.json` (transformers 4.x or 5.x layout)."""
         d = dict(d)
-        d["model_type"] = family_of_hf_dict(d).name
+        family = family_of_hf_dict(d)
+        d["model_type"] = family.name
+        family.read_hf(d)
         _read_rope(d)
         _check_attention_options(d)
         fields = {f.name for f in dataclasses.fields(cls)}

@@ -17,6 +17,7 @@ compile time does not grow with depth; `layers.X` below is [L, ...X's own shape]
     layers.post_attention_layernorm.scale [H]         (norm,)
     layers.mlp.{gate,up}_proj.kernel      [H, I]      (embed, mlp)
     layers.mlp.down_proj.kernel           [I, H]      (mlp, embed)
+    (qwen3_moe: layers.mlp is grpo_core.models.moe.SparseMoE, its parameters listed there)
     norm.scale                               [H]         (norm,)
     lm_head.kernel                           [H, V]      (embed, vocab)           untied only
 """
@@ -78,7 +79,9 @@ class DecoderLayer(nnx.Module):
         self.input_layernorm = RMSNorm(h, eps, dtype=dtype, rngs=rngs)
         self.self_attn = Attention(cfg, dtype=dtype, rngs=rngs)
         self.post_attention_layernorm = RMSNorm(h, eps, dtype=dtype, rngs=rngs)
-        self.mlp = MLP(h, cfg.intermediate_size, dtype=dtype, rngs=rngs)
+        # A family may replace the MLP block (qwen3_moe: routed experts); else the shared SwiGLU.
+        family_mlp = cfg.family.mlp(cfg, dtype=dtype, rngs=rngs)
+        self.mlp = family_mlp if family_mlp is not None else MLP(h, cfg.intermediate_size, dtype=dtype, rngs=rngs)
 
     def __call__(self, x, cos, sin, visible, cache: KVCache | None = None, layer: int = 0):
         attn_out, cache = self.self_attn(self.input_layernorm(x), cos, sin, visible, cache, layer)
