@@ -31,6 +31,9 @@ FAMILIES = {
     "llama3": dict(model_type="llama", tie_word_embeddings=True,
                    rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                  "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+    # Untied Qwen3-MoE: 4 experts, top-2, renormalised router weights.
+    "qwen3_moe": dict(model_type="qwen3_moe", tie_word_embeddings=False, head_dim=16, num_experts=4,
+                      num_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=True),
 }
 ARCHITECTURE = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                     num_attention_heads=4, num_key_value_heads=2, rope_theta=10000.0, rms_norm_eps=1e-6,

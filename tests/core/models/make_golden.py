@@ -23,7 +23,8 @@ GOLDEN_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden")
 
 # Tiny configs covering: Qwen2 tied (Qwen2.5 <= 3B), Qwen2 untied with one KV head
 # (7B-style untied head, maximal grouping), Qwen3 (q/k norm, head_dim * heads != hidden),
-# Llama 3 tied and untied (no biases, llama3 RoPE scaling).
+# Llama 3 tied and untied (no biases, llama3 RoPE scaling), Qwen3-MoE (4 experts, top-2,
+# renormalised weights, untied head as the released models).
 _COMMON = {
     "vocab_size": 96,
     "hidden_size": 32,
@@ -74,8 +75,11 @@ FAMILIES: dict[str, dict] = {
     "llama3_untied": dict(_COMMON, model_type="llama", num_attention_heads=4, num_key_value_heads=1,
                           rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
                           rope_scaling=LLAMA3_SCALING),
+    "qwen3_moe": dict(_COMMON, model_type="qwen3_moe", num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                      attention_bias=False, rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                      num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=True),
 }
-SEEDS = {"qwen2_tied": 11, "qwen2_untied": 12, "qwen3": 13, "llama3_tied": 14, "llama3_untied": 15}
+SEEDS = {"qwen2_tied": 11, "qwen2_untied": 12, "qwen3": 13, "llama3_tied": 14, "llama3_untied": 15, "qwen3_moe": 16}
 WEIGHT_STD = 0.2  # large enough that logits are O(1) and layout mistakes show
 
 

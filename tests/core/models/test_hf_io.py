@@ -19,7 +19,7 @@ from grpo_core.sharding import DEFAULT_RULES, param_shardings
 from grpo_core.tokenizer import build_char_tokenizer, load_tokenizer
 from safetensors.numpy import load_file
 
-FAMILIES = ("qwen2_tied", "qwen2_untied", "qwen3", "llama3_tied", "llama3_untied")
+FAMILIES = ("qwen2_tied", "qwen2_untied", "qwen3", "llama3_tied", "llama3_untied", "qwen3_moe")
 PARITY_ATOL = 1e-4  # issue requirement for f32; observed max diff is ~3e-7
 
 
@@ -50,7 +50,7 @@ def test_golden_hf_checkpoint_logits(golden, name, logits_of):
     assert np.abs(logits_of(model, ids, mask, far) - _golden_far_logits(golden, name))[real].max() <= PARITY_ATOL
 
 
-@pytest.mark.parametrize("name", ["llama3_tied", "llama3_untied"])
+@pytest.mark.parametrize("name", ["llama3_tied", "llama3_untied", "qwen3_moe"])
 def test_golden_hf_logits_through_the_kv_cache(golden, name):
     """A 6-token prefill then 4 one-token decode steps give HF's logits on every real token."""
     ids, mask, hf_logits = _golden_io(golden, name)

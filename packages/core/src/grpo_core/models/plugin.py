@@ -8,6 +8,7 @@ DESCRIPTIONS = {
     "qwen2": "Qwen2 / Qwen2.5: q/k/v biases",
     "qwen3": "Qwen3: per-head q/k RMSNorm, explicit head_dim",
     "llama": "Llama 3.x: no attention biases, llama3 RoPE scaling",
+    "qwen3_moe": "Qwen3-MoE: Qwen3 attention, top-k routed SwiGLU experts (dropless grouped matmul)",
 }
 
 
