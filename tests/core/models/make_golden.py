@@ -132,6 +132,24 @@ def hf_logits(model, ids: np.ndarray, mask: np.ndarray, position_offset: int = 0
     return out.logits.float().numpy()
 
 
+def hf_router_stats(model, ids: np.ndarray, mask: np.ndarray) -> dict[str, np.ndarray]:
+    """A MoE model's balancing loss (HF's `aux_loss`, padding masked) and per-layer expert load
+    [L, E] (share of the real tokens' top-k assignments, from HF's router logits)."""
+    import torch
+
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor(ids, dtype=torch.long), attention_mask=torch.tensor(mask, dtype=torch.long),
+                    position_ids=torch.tensor(positions(mask), dtype=torch.long), output_router_logits=True)
+    real = torch.tensor(mask.reshape(-1), dtype=torch.float32)
+    loads = []
+    for logits in out.router_logits:
+        chosen = torch.topk(torch.softmax(logits.float(), -1), model.config.num_experts_per_tok, -1).indices
+        counts = torch.zeros(logits.shape[-1]).scatter_add_(0, chosen.reshape(-1),
+                                                            real.repeat_interleave(chosen.shape[-1]))
+        loads.append((counts / counts.sum()).numpy())
+    return {"aux_loss": np.float32(out.aux_loss.item()), "router_load": np.stack(loads)}
+
+
 def write_family(name: str) -> None:
     import torch
     import transformers
@@ -149,6 +167,7 @@ def write_family(name: str) -> None:
         attention_mask=mask,
         logits=hf_logits(model, ids, mask),
         logits_far=hf_logits(model, ids, mask, POSITION_OFFSET),  # positions + POSITION_OFFSET
+        **(hf_router_stats(model, ids, mask) if FAMILIES[name].get("num_experts") else {}),
     )
     meta = {"torch": torch.__version__, "transformers": transformers.__version__, "seed": SEEDS[name]}
     with open(os.path.join(out, "versions.json"), "w") as f:

@@ -1,14 +1,18 @@
-"""Qwen3-MoE: the grouped-matmul experts against a dense per-expert reference, the router, the
-family's config checks, LoRA targets and sharding (HF parity itself: test_hf_io / test_hf_parity)."""
+"""Qwen3-MoE: the grouped-matmul experts against a dense per-expert reference, the router and its
+statistics, the family's config checks, LoRA targets and sharding (HF logits parity itself:
+test_hf_io / test_hf_parity)."""
+
+import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from grpo_core.models import QwenConfig, init_from_config
+from grpo_core.models import QwenConfig, init_from_config, load_pretrained
 from grpo_core.models import lora
 from grpo_core.models.moe import SparseMoE, grouped_swiglu, route
+from grpo_core.models.router_stats import router_statistics
 from grpo_core.sharding import DEFAULT_RULES, param_shardings
 from jax.sharding import PartitionSpec
 
@@ -150,3 +154,17 @@ def test_expert_parameters_carry_the_expert_axis_and_shard_with_default_rules(me
     nnx.update(model, jax.tree.map(jax.device_put, nnx.state(model, nnx.Param), shardings))
     assert experts.gate_proj[...].sharding.spec == PartitionSpec(None, None, "fsdp", "tp")
     assert np.abs(logits_of(model, ids) - expected).max() <= F32_TOL  # the grouped matmul on sharded experts
+
+
+def test_router_statistics_equal_transformers_on_the_golden(golden):
+    """Per-layer expert load and the balancing loss (HF `aux_loss`, padding masked) of the
+    committed checkpoint, against the values transformers computed (make_golden.py)."""
+    path = os.path.join(golden.GOLDEN_DIR, "qwen3_moe")
+    io = np.load(os.path.join(path, "io.npz"))
+    stats = router_statistics(load_pretrained(path, dtype="float32"), jnp.asarray(io["input_ids"]),
+                              jnp.asarray(io["attention_mask"]))
+    np.testing.assert_allclose(stats.load, io["router_load"], atol=1e-6)  # shares of 42 assignments: exact
+    assert abs(float(stats.balance_loss) - float(io["aux_loss"])) <= F32_TOL
+    with pytest.raises(ValueError, match="model_type qwen3 has none"):
+        router_statistics(init_from_config(QwenConfig.tiny("qwen3")), jnp.asarray(io["input_ids"]),
+                          jnp.asarray(io["attention_mask"]))
