@@ -4,7 +4,6 @@ except the truncated checkpoint, which is found as the weights are read."""
 
 import json
 import os
-import sys
 from pathlib import Path
 
 import numpy as np

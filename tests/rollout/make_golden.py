@@ -35,6 +35,9 @@ FAMILIES = {
     # (tied, the scaled embeddings make the tiny random model repeat its last token).
     "gemma3": dict(model_type="gemma3_text", tie_word_embeddings=False, head_dim=16, sliding_window=4,
                    sliding_window_pattern=2, query_pre_attn_scalar=16, rope_local_base_freq=10000.0),
+    # Untied Qwen3-MoE: 4 experts, top-2, renormalised router weights.
+    "qwen3_moe": dict(model_type="qwen3_moe", tie_word_embeddings=False, head_dim=16, num_experts=4,
+                      num_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=True),
 }
 ARCHITECTURE = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                     num_attention_heads=4, num_key_value_heads=2, rope_theta=10000.0, rms_norm_eps=1e-6,

@@ -14,7 +14,7 @@ from grpo_core.models import load_pretrained
 from grpo_rollout import JaxRollout, JaxRolloutOptions, SamplingParams
 
 GOLDEN = Path(__file__).parent / "golden"
-FAMILIES = ["qwen2", "qwen3", "llama3"]
+FAMILIES = ["qwen2", "qwen3", "llama3", "qwen3_moe"]
 
 
 def golden(name):

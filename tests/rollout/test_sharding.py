@@ -191,3 +191,11 @@ def test_fastest_layout_skips_refused_and_oversized_layouts():
     assert note.endswith("(sharded 5.00 s; gathered, model_parallel refused or over the spare memory)")
     layout, _, _ = fastest_layout(programs.get, lambda p: True, seconds.get, ("gathered", "sharded"), 9)
     assert layout == "gathered"
+
+
+def test_head_parallel_decode_of_a_moe_model_samples_the_gathered_decodes_tokens(mesh):
+    """Qwen3-MoE: the experts split by their MLP columns like a dense MLP's (the router replicated),
+    each device's grouped matmuls give partial sums of every token's expert outputs."""
+    cfg = QwenConfig.tiny("qwen3_moe", tie_word_embeddings=False, num_attention_heads=8, hidden_size=64)
+    sharded = shard_model(init_from_config(cfg, seed=3), mesh, DEFAULT_RULES)
+    assert_samples_like_gathered(sharded, "head_parallel", NamedSharding(mesh, PartitionSpec(STYLES["legacy"])))

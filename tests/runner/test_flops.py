@@ -47,3 +47,10 @@ def test_analytic_formula_by_hand():
 def test_bad_command_line_is_one_line_exit_2(capsys):
     assert flops.main(["--confg", "x.yaml"]) == 2
     assert capsys.readouterr().err.startswith("grpo-bench flops: error: ")
+
+
+def test_moe_layer_counts_active_experts_only():
+    """A token multiplies the router and its top-k experts, not all E (the planner's FLOPs)."""
+    q = QwenConfig.tiny("qwen3_moe")  # hidden 32, 4 heads of 16, 2 KV heads, 4 experts, top-2 of 16 columns
+    attention = 32 * 64 + 2 * 32 * 32 + 64 * 32
+    assert counts.layer_params(q) == attention + 32 * 4 + 3 * 32 * 16 * 2

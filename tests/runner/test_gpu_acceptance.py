@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from grpo_core.config_io import read_yaml
 from grpo_core.testing import cpu_test_xla_flags
-from grpo_core.models.config import PRESETS
+from grpo_core.models.presets import PRESETS
 from grpo_runner_gsm8k.commands.gpu_acceptance import PHASES, SHAPES
 
 REPO = Path(__file__).resolve().parents[2]

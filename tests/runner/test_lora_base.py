@@ -46,3 +46,11 @@ def test_init_from_loads_the_adapters_model_lora_describes_and_refuses_others(ti
     wider = tiny_config("model.lora.rank=8", "model.lora.alpha=8", f"model.lora.init_from={where}").model.lora
     with pytest.raises(UserError, match="holds rank 4, alpha 8, .* but model.lora says rank 8, alpha 8"):
         check_lora_fits(wider, QCFG)
+
+
+def test_expert_targets_of_a_moe_model_are_refused_at_config_check(tiny_config):
+    moe = QwenConfig.tiny("qwen3_moe")
+    check_lora_fits(tiny_config("model.lora.rank=4", "model.lora.target_modules=[q_proj,v_proj]").model.lora, moe)
+    with pytest.raises(UserError, match=r"^model.lora.target_modules: LoRA target 'gate_proj' is not a dense "
+                                        r"projection of a qwen3_moe model .*; target some of q_proj, k_proj"):
+        check_lora_fits(tiny_config("model.lora.rank=4", "model.lora.target_modules=[gate_proj]").model.lora, moe)

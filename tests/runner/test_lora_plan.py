@@ -9,7 +9,7 @@ from flax import nnx
 
 from grpo_core.config_io import load_config
 from grpo_core.models import lora
-from grpo_core.models.config import hub_architecture
+from grpo_core.models.presets import hub_architecture
 from grpo_core.registry import default_registry
 from grpo_runner_gsm8k.assembly.adapters import abstract_lora_model
 from grpo_runner_gsm8k.plan import Capacity, build_plan_inputs, per_device_bytes, rollout_phases

@@ -11,4 +11,5 @@ def test_grpo_run_plugins_lists_the_tools_with_their_package():
     assert [line.split()[:2] for line in section.splitlines()] == [["calculator", "grpo-tools"], ["python", "grpo-tools"]]
     families = out.split("model_family:\n")[1]
     assert [line.split()[:2] for line in families.splitlines()] == [
-        ["gemma3_text", "grpo-core"], ["llama", "grpo-core"], ["qwen2", "grpo-core"], ["qwen3", "grpo-core"]]
+        ["gemma3_text", "grpo-core"], ["llama", "grpo-core"], ["qwen2", "grpo-core"], ["qwen3", "grpo-core"],
+        ["qwen3_moe", "grpo-core"]]

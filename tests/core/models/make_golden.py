@@ -24,7 +24,8 @@ GOLDEN_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden")
 
 # Tiny configs covering: Qwen2 tied (Qwen2.5 <= 3B), Qwen2 untied with one KV head
 # (7B-style untied head, maximal grouping), Qwen3 (q/k norm, head_dim * heads != hidden),
-# Llama 3 tied and untied (no biases, llama3 RoPE scaling), Gemma 3 text (sliding-window layers).
+# Llama 3 tied and untied (no biases, llama3 RoPE scaling), Gemma 3 text (sliding-window layers),
+# Qwen3-MoE (4 experts, top-2, renormalised weights, untied head as the released models).
 _COMMON = {
     "vocab_size": 96,
     "hidden_size": 32,
@@ -84,8 +85,12 @@ FAMILIES: dict[str, dict] = {
                    sliding_window=4, sliding_window_pattern=6, query_pre_attn_scalar=24, rope_theta=1000000.0,
                    rope_local_base_freq=10000.0, rope_scaling={"rope_type": "linear", "factor": 8.0},
                    rms_norm_eps=1e-6, tie_word_embeddings=True),
+    "qwen3_moe": dict(_COMMON, model_type="qwen3_moe", num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                      attention_bias=False, rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                      num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=True),
 }
-SEEDS = {"qwen2_tied": 11, "qwen2_untied": 12, "qwen3": 13, "llama3_tied": 14, "llama3_untied": 15, "gemma3": 16}
+SEEDS = {"qwen2_tied": 11, "qwen2_untied": 12, "qwen3": 13, "llama3_tied": 14, "llama3_untied": 15, "gemma3": 16,
+         "qwen3_moe": 16}
 GREEDY_NEW_TOKENS = 8
 WEIGHT_STD = 0.2  # large enough that logits are O(1) and layout mistakes show
 # Families whose norms scale by (1 + weight): their weights are drawn around 0, so every norm
@@ -154,6 +159,24 @@ def hf_greedy(model, ids: np.ndarray, mask: np.ndarray, new_tokens: int = GREEDY
     return out[:, ids.shape[1]:].numpy().astype(np.int32)
 
 
+def hf_router_stats(model, ids: np.ndarray, mask: np.ndarray) -> dict[str, np.ndarray]:
+    """A MoE model's balancing loss (HF's `aux_loss`, padding masked) and per-layer expert load
+    [L, E] (share of the real tokens' top-k assignments, from HF's router logits)."""
+    import torch
+
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor(ids, dtype=torch.long), attention_mask=torch.tensor(mask, dtype=torch.long),
+                    position_ids=torch.tensor(positions(mask), dtype=torch.long), output_router_logits=True)
+    real = torch.tensor(mask.reshape(-1), dtype=torch.float32)
+    loads = []
+    for logits in out.router_logits:
+        chosen = torch.topk(torch.softmax(logits.float(), -1), model.config.num_experts_per_tok, -1).indices
+        counts = torch.zeros(logits.shape[-1]).scatter_add_(0, chosen.reshape(-1),
+                                                            real.repeat_interleave(chosen.shape[-1]))
+        loads.append((counts / counts.sum()).numpy())
+    return {"aux_loss": np.float32(out.aux_loss.item()), "router_load": np.stack(loads)}
+
+
 def write_family(name: str) -> None:
     import torch
     import transformers
@@ -172,6 +195,7 @@ def write_family(name: str) -> None:
         logits=hf_logits(model, ids, mask),
         logits_far=hf_logits(model, ids, mask, POSITION_OFFSET),  # positions + POSITION_OFFSET
         greedy=hf_greedy(model, ids, mask),
+        **(hf_router_stats(model, ids, mask) if FAMILIES[name].get("num_experts") else {}),
     )
     meta = {"torch": torch.__version__, "transformers": transformers.__version__, "seed": SEEDS[name]}
     with open(os.path.join(out, "versions.json"), "w") as f:

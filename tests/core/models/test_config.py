@@ -3,6 +3,7 @@ import json
 import pytest
 from flax import nnx
 from grpo_core.models import PRESETS, QwenConfig, QwenModel
+from grpo_core.models.presets import preset
 
 
 def _qwen25_style(**overrides):
@@ -108,7 +109,7 @@ def test_missing_config_json_names_the_file(tmp_path):
 
 def test_unknown_preset_lists_available():
     with pytest.raises(ValueError, match="qwen2.5-0.5b"):
-        QwenConfig.preset("qwen9")
+        preset("qwen9")
 
 
 def _gemma3_1b_style(**overrides):

@@ -19,7 +19,7 @@ from grpo_core.sharding import DEFAULT_RULES, param_shardings
 from grpo_core.tokenizer import build_char_tokenizer, load_tokenizer
 from safetensors.numpy import load_file
 
-FAMILIES = ("qwen2_tied", "qwen2_untied", "qwen3", "llama3_tied", "llama3_untied", "gemma3")
+FAMILIES = ("qwen2_tied", "qwen2_untied", "qwen3", "llama3_tied", "llama3_untied", "gemma3", "qwen3_moe")
 PARITY_ATOL = 1e-4  # issue requirement for f32; observed max diff is ~3e-7 (gemma3, 6 layers: ~8e-6)
 
 
@@ -51,7 +51,8 @@ def test_golden_hf_checkpoint_logits(golden, name, logits_of):
 
 
 # gemma3: a 3-token prefill, then 7 decode steps whose queries reach past the 4-slot window.
-@pytest.mark.parametrize("name, prefill", [("llama3_tied", 6), ("llama3_untied", 6), ("gemma3", 3)])
+@pytest.mark.parametrize("name, prefill", [("llama3_tied", 6), ("llama3_untied", 6), ("gemma3", 3),
+                                            ("qwen3_moe", 6)])
 def test_golden_hf_logits_through_the_kv_cache(golden, name, prefill):
     """A prefill then one-token decode steps give HF's logits on every real token."""
     ids, mask, hf_logits = _golden_io(golden, name)

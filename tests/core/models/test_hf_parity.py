@@ -16,7 +16,7 @@ transformers = pytest.importorskip("transformers")
 from grpo_core.models import QwenConfig, export_pretrained, init_from_config, load_pretrained
 from grpo_core.tokenizer import build_char_tokenizer
 
-FAMILIES = ("qwen2_tied", "qwen2_untied", "qwen3", "llama3_tied", "llama3_untied", "gemma3")
+FAMILIES = ("qwen2_tied", "qwen2_untied", "qwen3", "llama3_tied", "llama3_untied", "gemma3", "qwen3_moe")
 PARITY_ATOL = 1e-4
 
 

@@ -39,6 +39,7 @@ class ModelFamily:
     writes_head_dim: config.json always carries `head_dim` (else only when it is not hidden / heads).
     hf_table:       HF tensor name <-> parameter path rows for load and export; None = the shared
                     `grpo_core.models.hf_names.HF_TABLE` (parameters a config lacks are simply absent).
+    sparse_mlp:     the MLP routes tokens to experts (`QwenConfig.num_experts` may be non-zero).
     """
 
     name: str = ""
@@ -48,6 +49,7 @@ class ModelFamily:
     hf_table: tuple | None = None
     activations: tuple[str, ...] = ("silu",)  # accepted `hidden_act` values (grpo_core.models.layers.ACTIVATIONS)
     option_keys: frozenset[str] = frozenset()  # config.json keys kept in `QwenConfig.family_options`
+    sparse_mlp: bool = False  # the MLP routes tokens to experts (qwen3_moe)
 
     def validate(self, cfg: Any) -> None:
         """Raise ValueError (one line: key, value seen, what is supported) for a config this family cannot run."""
@@ -71,6 +73,15 @@ class ModelFamily:
     def rope_frequencies(self, cfg: Any) -> jnp.ndarray:
         """Inverse frequencies [head_dim / 2] (f32) of the rotary embedding."""
         return default_frequencies(cfg.head_dim, cfg.rope_theta)
+
+    def mlp(self, cfg: Any, *, dtype: Any, rngs: Any) -> Any:
+        """The MLP block of a decoder layer ([B, T, H] -> [B, T, H]), or None for the shared SwiGLU
+        MLP of `intermediate_size`."""
+        return None
+
+    def mlp_matmul_params(self, cfg: Any) -> int:
+        """Weights of one layer's MLP that multiply each token (the planner's FLOP count)."""
+        return 3 * cfg.hidden_size * cfg.intermediate_size
 
     def hf_extras(self, cfg: Any) -> dict[str, Any]:
         """config.json keys this family writes beyond the shared ones."""

@@ -39,6 +39,7 @@ DEFAULT_RULES: tuple[tuple[str, MeshAxes], ...] = (
     ("head_dim", None),
     ("norm", None),
     ("layers", None),  # stacked decoder layers: the scan slices this axis, never split it
+    ("expert", None),  # MoE experts: replicated (no expert-parallel axis yet); their embed/mlp dims shard
 )
 
 

@@ -25,6 +25,7 @@ PARAM_RULES: Rules = (
     ("mlp", "tp"),
     ("norm", None),         # norm scales are tiny; replicating avoids a gather per layer
     ("layers", None),       # stacked decoder layers: the scan slices this axis, never split it
+    ("expert", None),       # MoE experts: replicated (no expert-parallel axis yet); embed/mlp dims shard
 )
 
 TRAIN_ACTIVATION_RULES: Rules = (

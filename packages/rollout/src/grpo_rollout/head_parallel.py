@@ -63,8 +63,9 @@ def unsupported(config: Any, rows: int, groups: int, devices: int) -> str | None
     """Why the head-parallel decode cannot run this model and batch on `devices`, or None."""
     ways = math.gcd(config.num_key_value_heads, devices)
     row_groups = devices // ways
-    if config.intermediate_size % devices:
-        return f"the MLP's {config.intermediate_size} columns do not split over {devices} devices"
+    columns = config.moe_intermediate_size if config.num_experts else config.intermediate_size  # a MoE's experts'
+    if columns % devices:
+        return f"the MLP's {columns} columns do not split over {devices} devices"
     if rows % row_groups or groups % row_groups:
         return (f"{groups} prompts ({rows} rows) do not split into {row_groups} row groups of whole prompts "
                 f"({devices} devices / {ways} KV head groups): use a multiple of {row_groups} prompts")

@@ -2,7 +2,8 @@
 
 from grpo_core.models.attention import KVCache
 from grpo_core.models.hf_io import export_pretrained, load_pretrained
-from grpo_core.models.config import PRESETS, QwenConfig
+from grpo_core.models.config import QwenConfig
+from grpo_core.models.presets import PRESETS
 from grpo_core.models.qwen import REMAT_MODES, QwenModel, init_from_config, positions_from_mask
 
 __all__ = [

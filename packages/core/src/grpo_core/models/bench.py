@@ -26,7 +26,8 @@ from flax import nnx
 
 from grpo_core.model_families import family_named
 from grpo_core.models.attention_impls import ATTENTION_CHOICES, resolve_attention
-from grpo_core.models.config import PRESETS, QwenConfig
+from grpo_core.models.config import QwenConfig
+from grpo_core.models.presets import PRESETS
 from grpo_core.models.qwen import DTYPES, REMAT_MODES, init_from_config
 
 _SHAPE_FLAGS = {

@@ -20,9 +20,10 @@ import jax.numpy as jnp
 from grpo_core.model_families import ModelFamily, family_named, family_of_hf_dict, publish, published_names, unsupported
 from grpo_core.models.gemma3_family import GEMMA3
 from grpo_core.models.llama_family import LLAMA
+from grpo_core.models.qwen3_moe_family import QWEN3_MOE
 from grpo_core.models.qwen_family import QWEN2, QWEN3
 
-BUILTIN_FAMILIES = (QWEN2, QWEN3, LLAMA, GEMMA3)
+BUILTIN_FAMILIES = (QWEN2, QWEN3, LLAMA, GEMMA3, QWEN3_MOE)
 publish(list(BUILTIN_FAMILIES))
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
 
@@ -43,13 +44,14 @@ _IGNORED_KEYS = frozenset(
         "return_dict",
         "layer_types",
         "pretraining_tp",  # Llama: a tensor-parallel split of the original training, no effect on outputs
+        "output_router_logits",  # MoE: whether HF returns router logits, no effect on outputs
     }
 )
 
 # Keys that change the forward pass in ways not implemented here: allowed value only.
 _ONLY_ALLOWED = {"quantization_config": None, "partial_rotary_factor": 1.0, "mlp_bias": False}
 # config.json keys `from_hf_dict` reads without a QwenConfig field of the same name.
-HF_EXTRA_KEYS = frozenset({"torch_dtype", "dtype", "rope_parameters", "use_sliding_window"})
+HF_EXTRA_KEYS = frozenset({"torch_dtype", "dtype", "rope_parameters", "use_sliding_window", "num_local_experts"})
 
 
 def architecture_keys() -> frozenset[str]:
@@ -86,6 +88,14 @@ class QwenConfig:
     rope_scaling: tuple | None = None
     # The family's own config.json keys as sorted (key, value) pairs (Gemma's sliding window, ...).
     family_options: tuple = ()
+    # Sparse MoE MLP (qwen3_moe); 0 experts = the dense SwiGLU MLP of `intermediate_size`.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    router_aux_loss_coef: float = 0.0
 
     def __post_init__(self) -> None:
         family = family_named(self.model_type)
@@ -93,8 +103,9 @@ class QwenConfig:
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
         if self.attention_bias is None:
             object.__setattr__(self, "attention_bias", family.attention_bias)
-        if isinstance(self.eos_token_id, list):
-            object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
+        for name in ("eos_token_id", "mlp_only_layers"):
+            if isinstance(getattr(self, name), list):
+                object.__setattr__(self, name, tuple(getattr(self, name)))
         scaling = self.rope_scaling
         object.__setattr__(self, "rope_scaling", family.rope_scaling(dict(scaling) if scaling else None))
         object.__setattr__(self, "family_options", family.options(dict(self.family_options), self))
@@ -125,6 +136,8 @@ class QwenConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings.")
+        if self.num_experts and not family_named(self.model_type).sparse_mlp:
+            raise _unsupported("num_experts", self.num_experts, f"0 for model_type {self.model_type} (a dense MLP)")
 
     # ---- derived (the family's answers) ----------------------------------------------
     @property
@@ -230,12 +243,6 @@ class QwenConfig:
 
     # ---- presets -------------------------------------------------------------------
     @classmethod
-    def preset(cls, name: str, **changes: Any) -> QwenConfig:
-        if name not in PRESETS:
-            raise ValueError(f"unknown model preset {name!r}; available: {', '.join(sorted(PRESETS))}.")
-        return PRESETS[name].replace(**changes)
-
-    @classmethod
     def tiny(cls, model_type: str = "qwen2", **changes: Any) -> QwenConfig:
         """A few-kB model for tests and CPU smoke runs."""
         base = cls(
@@ -280,120 +287,3 @@ def _check_attention_options(d: dict[str, Any]) -> None:
         d.pop(key, None)
     for key in _IGNORED_KEYS:
         d.pop(key, None)
-
-
-PRESETS: dict[str, QwenConfig] = {
-    "tiny-qwen2": QwenConfig.tiny("qwen2"),
-    "tiny-qwen3": QwenConfig.tiny("qwen3"),
-    "tiny-llama": QwenConfig.tiny("llama"),
-    "tiny-gemma3_text": QwenConfig.tiny("gemma3_text"),
-    "qwen2.5-0.5b": QwenConfig(
-        hidden_size=896,
-        intermediate_size=4864,
-        num_hidden_layers=24,
-        num_attention_heads=14,
-        num_key_value_heads=2,
-        tie_word_embeddings=True,
-    ),
-    "qwen2.5-1.5b": QwenConfig(
-        hidden_size=1536,
-        intermediate_size=8960,
-        num_hidden_layers=28,
-        num_attention_heads=12,
-        num_key_value_heads=2,
-        tie_word_embeddings=True,
-    ),
-    "qwen2.5-3b": QwenConfig(
-        hidden_size=2048,
-        intermediate_size=11008,
-        num_hidden_layers=36,
-        num_attention_heads=16,
-        num_key_value_heads=2,
-        tie_word_embeddings=True,
-    ),
-    "qwen2.5-7b": QwenConfig(
-        vocab_size=152064,
-        hidden_size=3584,
-        intermediate_size=18944,
-        num_hidden_layers=28,
-        num_attention_heads=28,
-        num_key_value_heads=4,
-        tie_word_embeddings=False,
-    ),
-    # Qwen2.5-14B/32B(-Instruct) config.json
-    "qwen2.5-14b": QwenConfig(
-        vocab_size=152064,
-        hidden_size=5120,
-        intermediate_size=13824,
-        num_hidden_layers=48,
-        num_attention_heads=40,
-        num_key_value_heads=8,
-        tie_word_embeddings=False,
-    ),
-    "qwen2.5-32b": QwenConfig(
-        vocab_size=152064,
-        hidden_size=5120,
-        intermediate_size=27648,
-        num_hidden_layers=64,
-        num_attention_heads=40,
-        num_key_value_heads=8,
-        tie_word_embeddings=False,
-    ),
-    "qwen3-0.6b": QwenConfig(
-        model_type="qwen3",
-        hidden_size=1024,
-        intermediate_size=3072,
-        num_hidden_layers=28,
-        num_attention_heads=16,
-        num_key_value_heads=8,
-        head_dim=128,
-        tie_word_embeddings=True,
-        max_position_embeddings=40960,
-    ),
-    "qwen3-1.7b": QwenConfig(
-        model_type="qwen3",
-        hidden_size=2048,
-        intermediate_size=6144,
-        num_hidden_layers=28,
-        num_attention_heads=16,
-        num_key_value_heads=8,
-        head_dim=128,
-        tie_word_embeddings=True,
-        max_position_embeddings=40960,
-    ),
-    "qwen3-8b": QwenConfig(
-        model_type="qwen3",
-        hidden_size=4096,
-        intermediate_size=12288,
-        num_hidden_layers=36,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=128,
-        tie_word_embeddings=False,
-        max_position_embeddings=40960,
-    ),
-}
-
-# Published checkpoints by Hub id: their presets plus what their config.json adds, so a
-# memory plan for a Hub id needs no download.
-_HUB_PRESETS = {
-    "Qwen/Qwen2.5-0.5B-Instruct": "qwen2.5-0.5b",
-    "Qwen/Qwen2.5-1.5B-Instruct": "qwen2.5-1.5b",
-    "Qwen/Qwen2.5-3B-Instruct": "qwen2.5-3b",
-    "Qwen/Qwen2.5-7B-Instruct": "qwen2.5-7b",
-    "Qwen/Qwen2.5-14B-Instruct": "qwen2.5-14b",
-    "Qwen/Qwen2.5-32B-Instruct": "qwen2.5-32b",
-    "Qwen/Qwen3-0.6B": "qwen3-0.6b",
-    "Qwen/Qwen3-1.7B": "qwen3-1.7b",
-    "Qwen/Qwen3-8B": "qwen3-8b",
-}
-HUB_ARCHITECTURES: dict[str, QwenConfig] = {
-    hub_id: PRESETS[preset].replace(torch_dtype="bfloat16", bos_token_id=151643, eos_token_id=151645)
-    for hub_id, preset in _HUB_PRESETS.items()
-}
-
-
-def hub_architecture(hub_id: str) -> QwenConfig | None:
-    """The architecture of a listed Hub id (case-insensitive), or None."""
-    by_lower = {name.lower(): config for name, config in HUB_ARCHITECTURES.items()}
-    return by_lower.get(hub_id.strip("/").lower())

@@ -3,13 +3,15 @@
 Loading never holds more than one tensor on the host: the model is built abstractly
 (`nnx.eval_shape`), then each checkpoint tensor is read with `safe_open`, laid out by
 `hf_names.HF_TABLE`, cast, and placed on its NamedSharding (or the default device).
-A decoder-layer tensor is placed as one slice of its stacked [L, ...] parameter: the
-stack is allocated on its sharding once and each layer is written into it in place.
+A decoder-layer tensor is placed as one slice of its stacked [L, ...] parameter (a MoE
+expert's, of its [L, E, ...] one): the stack is allocated on its sharding once and each
+slice is written into it in place.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import math
 import os
@@ -121,11 +123,11 @@ def _place(host: np.ndarray, sharding: jax.sharding.Sharding | None) -> jax.Arra
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
-def _target_path(hf_name: str, cfg: QwenConfig, targets: dict, file: str) -> tuple[str, Any, int | None] | None:
+def _target_path(hf_name: str, cfg: QwenConfig, targets: dict, file: str) -> tuple[str, Any, tuple] | None:
     found = hf_names.hf_to_ours(hf_name, cfg.family.hf_table)
     if found is None and hf_names.is_ignored(hf_name):
         return None
-    if found and found[0] in targets and (found[2] is None or found[2] < cfg.num_hidden_layers):
+    if found and found[0] in targets and all(i < n for i, n in zip(found[2], targets[found[0]].shape)):
         return found
     if found and found[0].startswith("lm_head.") and cfg.tie_word_embeddings:
         return None  # some tied checkpoints also store the (identical) head
@@ -151,29 +153,32 @@ def _load_tensor(f, hf_name: str, file: str, shape: tuple, transform, dtype, sha
 
 
 @functools.partial(jax.jit, donate_argnums=0)
-def _write_layer(stacked: jax.Array, value: jax.Array, layer: jax.Array) -> jax.Array:
-    return jax.lax.dynamic_update_index_in_dim(stacked, value, layer, 0)
+def _write_slice(stacked: jax.Array, value: jax.Array, index: jax.Array) -> jax.Array:
+    """stacked[index] = value, index [d] over the d leading axes."""
+    depth = index.shape[0]
+    starts = (*(index[i] for i in range(depth)), *(0,) * value.ndim)
+    return jax.lax.dynamic_update_slice(stacked, value.reshape((1,) * depth + value.shape), starts)
 
 
-def _layer_sharding(sharding: jax.sharding.Sharding | None) -> jax.sharding.Sharding | None:
-    """The sharding of one layer's slice: the stacked one without its (unsharded) layer axis."""
+def _slice_sharding(sharding: jax.sharding.Sharding | None, depth: int) -> jax.sharding.Sharding | None:
+    """The sharding of one slice: the stacked one without its `depth` leading axes."""
     if sharding is None:
         return None
-    return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*sharding.spec[1:]))
+    return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*sharding.spec[depth:]))
 
 
 class _StackedBuffers:
-    """Stacked [L, ...] parameters being filled one layer at a time, on their shardings."""
+    """Stacked [L, ...] parameters being filled one slice at a time, on their shardings."""
 
     def __init__(self, shardings: dict):
         self.shardings = shardings
         self.arrays: dict[str, jax.Array] = {}
 
-    def write(self, path: str, variable, layer: int, value: jax.Array) -> None:
+    def write(self, path: str, variable, index: tuple[int, ...], value: jax.Array) -> None:
         if path not in self.arrays:
             zeros = functools.partial(jnp.zeros, variable.shape, value.dtype)
             self.arrays[path] = jax.jit(zeros, out_shardings=self.shardings.get(path))()
-        self.arrays[path] = _write_layer(self.arrays[path], value, jnp.int32(layer))
+        self.arrays[path] = _write_slice(self.arrays[path], value, jnp.asarray(index, jnp.int32))
 
     def finished(self) -> dict[str, jax.Array]:
         # device_put is a no-op unless propagation picked another layout for an update.
@@ -197,28 +202,29 @@ def _fill_state(state: nnx.State, cfg: QwenConfig, model_dir: str, dtype, shardi
     """Set every Variable of the abstract `state` from the checkpoint, one tensor at a time."""
     targets = {_dotted(p): v for p, v in nnx.to_flat_state(state)}
     stacks = _StackedBuffers(shardings)
-    loaded: set[tuple[str, int | None]] = set()
+    loaded: set[tuple[str, tuple]] = set()
     for file, names in _names_by_file(model_dir):
         with open_safetensors(file) as f:
             for hf_name in names:
                 target = _target_path(hf_name, cfg, targets, file)
                 if target is None:
                     continue
-                path, transform, layer = target
-                _load_into(f, hf_name, file, (targets[path], path, layer), transform, dtype, shardings, stacks)
-                loaded.add((path, layer))
+                path, transform, index = target
+                _load_into(f, hf_name, file, (targets[path], path, index), transform, dtype, shardings, stacks)
+                loaded.add((path, index))
     _check_complete(targets, loaded, cfg, model_dir)
     for path, array in stacks.finished().items():
         targets[path].set_value(array)
 
 
 def _load_into(f, hf_name: str, file: str, where: tuple, transform, dtype, shardings: dict, stacks) -> None:
-    variable, path, layer = where
-    if layer is None:
+    variable, path, index = where
+    if not index:
         variable.set_value(_load_tensor(f, hf_name, file, variable.shape, transform, dtype, shardings.get(path)))
         return
-    sharding = _layer_sharding(shardings.get(path))
-    stacks.write(path, variable, layer, _load_tensor(f, hf_name, file, variable.shape[1:], transform, dtype, sharding))
+    sharding = _slice_sharding(shardings.get(path), len(index))
+    value = _load_tensor(f, hf_name, file, variable.shape[len(index):], transform, dtype, sharding)
+    stacks.write(path, variable, index, value)
 
 
 def load_pretrained(
@@ -247,12 +253,17 @@ def load_pretrained(
     return model
 
 
+def _slices(path: str, shape: tuple, table: tuple | None) -> list[tuple[int, ...]]:
+    """The indices of the HF tensors parameter `path` of `shape` is stacked from ([()] when one)."""
+    return list(itertools.product(*(range(n) for n in shape[:hf_names.index_depth(path, table)])))
+
+
 def _check_complete(targets: dict, loaded: set, cfg: QwenConfig, model_dir: str) -> None:
-    expected = {(p, i) for p in targets if hf_names.is_stacked(p) for i in range(cfg.num_hidden_layers)}
-    expected |= {(p, None) for p in targets if not hf_names.is_stacked(p)}
-    missing = sorted(expected - loaded, key=lambda pl: (pl[1] or 0, pl[0]))
+    table = cfg.family.hf_table
+    expected = {(p, index) for p, v in targets.items() for index in _slices(p, v.shape, table)}
+    missing = sorted(expected - loaded, key=lambda pi: (pi[1], pi[0]))
     if missing:
-        names = [hf_names.ours_to_hf(p, layer, cfg.family.hf_table)[0] for p, layer in missing]
+        names = [hf_names.ours_to_hf(p, index, table)[0] for p, index in missing]
         shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
         raise ValueError(f"checkpoint in {model_dir} is missing {len(names)} tensor(s): {shown}.")
 
@@ -274,12 +285,13 @@ def _hf_tensors(model: QwenModel) -> list[tuple[str, jax.Array, Any]]:
     """(HF name, parameter array, transform) for every parameter; decoder layers are
     unstacked, layer by layer, in between the embedding and the final norm (HF order)."""
     params = {_dotted(p): v.get_value() for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
-    stacked = [p for p in params if hf_names.is_stacked(p)]
     table, rows = model.config.family.hf_table, []
     for path in (p for p in params if not hf_names.is_stacked(p)):
         rows.append((*hf_names.ours_to_hf(path, table=table), params[path]))
+    stacked = [(p, index) for p in params if hf_names.is_stacked(p) for index in _slices(p, params[p].shape, table)]
     for layer in range(model.config.num_hidden_layers):
-        rows.extend((*hf_names.ours_to_hf(path, layer, table), params[path][layer]) for path in stacked)
+        rows.extend((*hf_names.ours_to_hf(path, index, table), params[path][index])
+                    for path, index in stacked if index[0] == layer)
     return [(name, value, transform) for name, transform, value in rows]
 
 

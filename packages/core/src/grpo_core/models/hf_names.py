@@ -3,7 +3,9 @@
 Each row pairs an HF name template with our path template; `{layer}` and `{proj}`
 placeholders are compiled into regexes for both directions. Our decoder-layer
 parameters are stacked over layers, so `model.layers.3.mlp.up_proj.weight` is layer 3
-of our `layers.mlp.up_proj.kernel`: the layer index travels next to the path. The transform says how
+of our `layers.mlp.up_proj.kernel`: the layer index travels next to the path. An HF name
+with `{layer}` and `{expert}` (a MoE expert's weight) is the slice [layer, expert] of a
+parameter stacked over layers and experts: its index is (layer, expert). The transform says how
 the tensor is laid out: HF Linear weights are [out, in] while our kernels are
 [in..., out...] with heads split out.
 """
@@ -56,7 +58,10 @@ class Linear:
 
 Transform = Same | Flat | Linear
 
-_PLACEHOLDERS = {"layer": r"\d+", "qkv": "q|k|v", "qk": "q|k", "gate_up": "gate|up"}
+_PLACEHOLDERS = {"layer": r"\d+", "expert": r"\d+", "qkv": "q|k|v", "qk": "q|k", "gate_up": "gate|up"}
+
+# Placeholders that index the leading stacked axes of our parameter, outermost first.
+INDEX_KEYS = ("layer", "expert")
 
 # (HF name, our path, transform)
 HF_TABLE: tuple[tuple[str, str, Transform], ...] = (
@@ -92,15 +97,16 @@ def _compiled(table: tuple) -> tuple[tuple, tuple]:
             tuple((_compile(ours), hf, t) for hf, ours, t in table))
 
 
-def hf_to_ours(hf_name: str, table: tuple | None = None) -> tuple[str, Transform, int | None] | None:
-    """(our dotted path, transform, layer index or None when the parameter is not
-    stacked) for an HF tensor name by `table` (a family's; None = HF_TABLE); None if it is not a parameter."""
+def hf_to_ours(hf_name: str, table: tuple | None = None) -> tuple[str, Transform, tuple[int, ...]] | None:
+    """(our dotted path, transform, index into the parameter's stacked leading axes: () when it is
+    not stacked, (layer,) or (layer, expert)) for an HF tensor name by `table` (a family's; None =
+    HF_TABLE); None if it is not a parameter."""
     for pattern, template, transform in _compiled(table or HF_TABLE)[0]:
         match = pattern.match(hf_name)
         if match:
             groups = match.groupdict()
-            layer = groups.get("layer")
-            return template.format(**groups), transform, None if layer is None else int(layer)
+            index = tuple(int(groups.pop(key)) for key in INDEX_KEYS if key in groups)
+            return template.format(**groups), transform, index
     return None
 
 
@@ -109,13 +115,25 @@ def is_stacked(path: str) -> bool:
     return path.startswith("layers.")
 
 
-def ours_to_hf(path: str, layer: int | None = None, table: tuple | None = None) -> tuple[str, Transform]:
-    """HF name and transform of our parameter `path` (its slice `layer` when stacked) by `table`."""
+def _depth(hf_template: str) -> int:
+    return sum("{" + key + "}" in hf_template for key in INDEX_KEYS)
+
+
+def index_depth(path: str, table: tuple | None = None) -> int:
+    """How many leading axes of our parameter `path` index separate HF tensors (0, 1 or 2)."""
+    for pattern, template, _ in _compiled(table or HF_TABLE)[1]:
+        if pattern.match(path):
+            return _depth(template)
+    raise KeyError(f"parameter {path!r} has no Hugging Face name in the table.")
+
+
+def ours_to_hf(path: str, index: tuple[int, ...] = (), table: tuple | None = None) -> tuple[str, Transform]:
+    """HF name and transform of our parameter `path` (its slice `index` when stacked) by `table`."""
     for pattern, template, transform in _compiled(table or HF_TABLE)[1]:
         match = pattern.match(path)
-        if match and (layer is None) != is_stacked(path):
-            return template.format(layer=layer, **match.groupdict()), transform
-    raise KeyError(f"parameter {path!r} (layer {layer}) has no Hugging Face name in HF_TABLE.")
+        if match and len(index) == _depth(template):
+            return template.format(**dict(zip(INDEX_KEYS, index)), **match.groupdict()), transform
+    raise KeyError(f"parameter {path!r} (index {index}) has no Hugging Face name in the table.")
 
 
 def is_ignored(hf_name: str) -> bool:

@@ -2,7 +2,7 @@
 projections, RMSNorm, rotary embeddings and the gated (SwiGLU / GeGLU) MLP.
 
 Logical axis names used on parameters (mapped to mesh axes by `grpo_core.sharding`):
-`vocab`, `embed`, `heads`, `kv_heads`, `head_dim`, `mlp`, `norm`.
+`vocab`, `embed`, `heads`, `kv_heads`, `head_dim`, `mlp`, `norm` (and `expert` on MoE expert weights, see moe.py).
 """
 
 from __future__ import annotations

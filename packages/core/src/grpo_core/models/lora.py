@@ -95,6 +95,7 @@ def _init_a(key: jax.Array, layers: int, in_shape: tuple[int, ...], rank: int) -
 def add_adapters(model: nnx.Module, spec: LoRASpec, key: jax.Array) -> None:
     """Attaches float32 adapters (b = 0) to the targeted projections of `model.layers`, in
     place; logical axis names follow the kernel's (the rank axis is never sharded)."""
+    check_targets(spec, model.config)
     for target, target_key in zip(spec.targets, jax.random.split(key, len(spec.targets))):
         proj = projection_at(model.layers, target)
         names = proj.kernel.get_metadata()["out_sharding"]
@@ -156,6 +157,16 @@ def with_adapter_arrays(adapters: nnx.State, arrays: dict[str, tuple[Any, Any]])
     return nnx.from_flat_state(list(flat.items()))
 
 
+def check_targets(spec: LoRASpec, cfg: Any) -> None:
+    """A target the model has no dense projection for (a MoE model's MLP is routed experts, which
+    take no adapter yet) is refused, naming the targets it has."""
+    shapes = layer_shapes(cfg)
+    missing = [t for t in spec.targets if t not in shapes]
+    if missing:
+        raise ValueError(f"LoRA target {missing[0]!r} is not a dense projection of a {cfg.model_type} model (its "
+                         f"MLP is routed experts, which LoRA does not adapt yet); target some of {', '.join(shapes)}")
+
+
 def check_rank_fits(spec: LoRASpec, shapes: dict[str, tuple[tuple[int, ...], tuple[int, ...]]]) -> None:
     """A rank above a target's fan-in or fan-out adds nothing a full update would not (and
     wastes memory): refused. `shapes`: target -> (in shape, out shape) of one layer."""
@@ -166,8 +177,11 @@ def check_rank_fits(spec: LoRASpec, shapes: dict[str, tuple[tuple[int, ...], tup
 
 
 def layer_shapes(cfg: Any) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
-    """target -> (in shape, out shape) of one layer's kernel, from a QwenConfig."""
+    """target -> (in shape, out shape) of one layer's kernel, from a QwenConfig (attention only when
+    the family's MLP is routed experts)."""
     h, n, kv, d, i = (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
                       cfg.intermediate_size)
-    return {"q_proj": ((h,), (n, d)), "k_proj": ((h,), (kv, d)), "v_proj": ((h,), (kv, d)),
-            "o_proj": ((n, d), (h,)), "gate_proj": ((h,), (i,)), "up_proj": ((h,), (i,)), "down_proj": ((i,), (h,))}
+    attention = {"q_proj": ((h,), (n, d)), "k_proj": ((h,), (kv, d)), "v_proj": ((h,), (kv, d)), "o_proj": ((n, d), (h,))}
+    if cfg.family.sparse_mlp:
+        return attention
+    return {**attention, "gate_proj": ((h,), (i,)), "up_proj": ((h,), (i,)), "down_proj": ((i,), (h,))}

@@ -9,6 +9,7 @@ DESCRIPTIONS = {
     "qwen3": "Qwen3: per-head q/k RMSNorm, explicit head_dim",
     "llama": "Llama 3.x: no attention biases, llama3 RoPE scaling",
     "gemma3_text": "Gemma 3 (text): 5:1 sliding-window/global layers, four (1 + w) norms, GeGLU, scaled embeddings",
+    "qwen3_moe": "Qwen3-MoE: Qwen3 attention, top-k routed SwiGLU experts (dropless grouped matmul)",
 }
 
 

@@ -18,6 +18,7 @@ compile time does not grow with depth; `layers.X` below is [L, ...X's own shape]
     layers.{pre,post}_feedforward_layernorm.scale [H] (norm,)                  gemma3_text only
     layers.mlp.{gate,up}_proj.kernel      [H, I]      (embed, mlp)
     layers.mlp.down_proj.kernel           [I, H]      (mlp, embed)
+    (qwen3_moe: layers.mlp is grpo_core.models.moe.SparseMoE, its parameters listed there)
     norm.scale                               [H]         (norm,)
     lm_head.kernel                           [H, V]      (embed, vocab)           untied only
 """
@@ -90,7 +91,10 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = _norm(cfg, dtype, rngs)
         post_norms = cfg.family.post_norms(cfg)
         self.pre_feedforward_layernorm = _norm(cfg, dtype, rngs) if post_norms else None
-        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, rngs=rngs, activation=cfg.hidden_act)
+        # A family may replace the MLP block (qwen3_moe: routed experts); else the shared gated MLP.
+        family_mlp = cfg.family.mlp(cfg, dtype=dtype, rngs=rngs)
+        self.mlp = family_mlp if family_mlp is not None else MLP(cfg.hidden_size, cfg.intermediate_size, dtype=dtype,
+                                                                 rngs=rngs, activation=cfg.hidden_act)
         self.post_feedforward_layernorm = _norm(cfg, dtype, rngs) if post_norms else None
 
     def __call__(self, x, cos, sin, visible, cache: KVCache | None = None, layer: int = 0):

@@ -45,6 +45,10 @@ def check_lora_fits(lora_cfg: LoRAConfig, qcfg: Any) -> None:
     if spec is None:
         return
     try:
+        lora.check_targets(spec, qcfg)
+    except ValueError as exc:
+        raise UserError(f"model.lora.target_modules: {exc}") from None
+    try:
         lora.check_rank_fits(spec, lora.layer_shapes(qcfg))
     except ValueError as exc:
         raise UserError(f"model.lora.rank: {exc}; lower model.lora.rank or drop that target") from None

@@ -26,7 +26,7 @@ from grpo_core.config import ModelConfig, RolloutConfig, TeacherConfig
 from grpo_core.errors import UserError
 from grpo_core.models import QwenConfig, load_pretrained
 from grpo_core.models.attention_impls import resolve_attention
-from grpo_core.models.config import hub_architecture
+from grpo_core.models.presets import hub_architecture
 from grpo_core.models.hf_io import abstract_model, resolve_model_dir
 from grpo_core.models.qwen import resolve_dtype
 from grpo_core.sharding import param_shardings

@@ -18,7 +18,7 @@ from grpo_core.contracts import PlannableRollout, RolloutWidths
 from grpo_core.errors import UserError
 from grpo_core.models import QwenConfig, lora
 from grpo_core.models.hf_io import abstract_model
-from grpo_core.models.config import HUB_ARCHITECTURES, hub_architecture
+from grpo_core.models.presets import HUB_ARCHITECTURES, hub_architecture
 from grpo_core.registry import Registry
 from grpo_core.sharding import param_shardings, per_device_bytes
 from grpo_meshes import ProcessLayout, build_mesh_from_config, setup_processes, train_batch_sharding

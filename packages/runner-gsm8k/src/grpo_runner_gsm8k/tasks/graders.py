@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from grpo_core import RewardSpec
-from grpo_core.config import setting
 from grpo_core.contracts import RewardFn
 
 from grpo_runner_gsm8k.tasks.answers import extract_answer, last_boxed, last_boxed_or_line, parse_number
