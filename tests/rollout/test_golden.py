@@ -21,12 +21,12 @@ def golden(name):
     return json.loads((GOLDEN / name / "golden.json").read_text())
 
 
-def greedy_tokens(name, eos=None, decode_attention="rollout"):
+def greedy_tokens(name, eos=None, decode_attention="rollout", n=1, **options):
     record = golden(name)
     model = load_pretrained(GOLDEN / name, dtype="float32")
-    params = SamplingParams(max_new_tokens=record["max_new_tokens"], greedy=True,
+    params = SamplingParams(max_new_tokens=record["max_new_tokens"], greedy=True, n=n,
                             stop_token_ids=() if eos is None else (eos,))
-    rollout = JaxRollout(JaxRolloutOptions(decode_attention=decode_attention))
+    rollout = JaxRollout(JaxRolloutOptions(decode_attention=decode_attention, **options))
     rollout.load_weights(Policy.of(model))
     result = rollout.generate(record["prompts"], jax.random.key(0), params, pad_token_id=record["pad_id"])
     return np.asarray(result.completion_ids), result
@@ -64,14 +64,21 @@ def test_live_transformers_generate_matches(name):
     np.testing.assert_array_equal(tokens, hf_tokens)
 
 
-def test_gemma3_greedy_through_the_model_decode_equals_transformers_generate():
-    """Sliding-window layers (4 slots, rows of up to 20 tokens) decoded by the model's cached forward."""
+@pytest.mark.parametrize("decode_attention", ["rollout", "model"])
+def test_gemma3_greedy_equals_transformers_generate(decode_attention):
+    """Sliding-window layers (4 slots, rows of up to 20 tokens) decoded by the rollout's own decode
+    step (the default) and by the model's cached forward."""
     record = golden("gemma3")
     for eos, expected in ((None, record["tokens"]), (record["eos"], record["tokens_with_eos"])):
-        tokens, _ = greedy_tokens("gemma3", eos=eos, decode_attention="model")
+        tokens, _ = greedy_tokens("gemma3", eos=eos, decode_attention=decode_attention)
         np.testing.assert_array_equal(tokens, expected)
 
 
-def test_gemma3_refuses_the_rollouts_own_decode_step():
-    with pytest.raises(ValueError, match="model_type 'gemma3_text'.*use decode_attention='model'"):
-        greedy_tokens("gemma3", decode_attention="rollout")
+@pytest.mark.parametrize("segments", [1, 3])
+def test_gemma3_greedy_on_the_shared_prompt_equals_transformers_generate(segments):
+    """n = 2 samples per prompt: the prompt's cache kept once per group and read through the window
+    by the cascade decode step; 3 segments each read a shorter completion view."""
+    record = golden("gemma3")
+    tokens, _ = greedy_tokens("gemma3", eos=record["eos"], n=2, decode_segments=segments)
+    np.testing.assert_array_equal(tokens[0::2], record["tokens_with_eos"])
+    np.testing.assert_array_equal(tokens[1::2], record["tokens_with_eos"])
