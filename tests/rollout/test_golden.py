@@ -8,10 +8,13 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding, PartitionSpec
 
 from grpo_core.contracts import Policy
 from grpo_core.models import load_pretrained
+from grpo_core.sharding import DEFAULT_RULES, shard_model
 from grpo_rollout import JaxRollout, JaxRolloutOptions, SamplingParams
+from grpo_rollout.head_parallel import LayoutUnsupported
 
 GOLDEN = Path(__file__).parent / "golden"
 FAMILIES = ["qwen2", "qwen3", "llama3"]
@@ -82,3 +85,27 @@ def test_gemma3_greedy_on_the_shared_prompt_equals_transformers_generate(segment
     tokens, _ = greedy_tokens("gemma3", eos=record["eos"], n=2, decode_segments=segments)
     np.testing.assert_array_equal(tokens[0::2], record["tokens_with_eos"])
     np.testing.assert_array_equal(tokens[1::2], record["tokens_with_eos"])
+
+
+@pytest.mark.parametrize("shared_prompt", [True, False])
+def test_gemma3_greedy_model_parallel_equals_transformers_generate(mesh, shared_prompt):
+    """8 rows (n = 2) over 8 devices, the weights split by heads, MLP columns and vocabulary."""
+    record = golden("gemma3")
+    model = shard_model(load_pretrained(GOLDEN / "gemma3", dtype="float32"), mesh, DEFAULT_RULES)
+    params = SamplingParams(max_new_tokens=record["max_new_tokens"], greedy=True, n=2, stop_token_ids=(record["eos"],))
+    rollout = JaxRollout(JaxRolloutOptions(gather_weights="model_parallel", shared_prompt=shared_prompt))
+    rollout.load_weights(Policy.of(model))
+    result = rollout.generate(record["prompts"], jax.random.key(0), params, pad_token_id=record["pad_id"],
+                              batch_sharding=NamedSharding(mesh, PartitionSpec(("dp", "fsdp", "tp"))))
+    tokens = np.asarray(result.completion_ids)
+    np.testing.assert_array_equal(tokens[0::2], record["tokens_with_eos"])
+    np.testing.assert_array_equal(tokens[1::2], record["tokens_with_eos"])
+
+
+def test_gemma3_refuses_the_head_parallel_decode_step(mesh):
+    model = shard_model(load_pretrained(GOLDEN / "gemma3", dtype="float32"), mesh, DEFAULT_RULES)
+    rollout = JaxRollout(JaxRolloutOptions(gather_weights="head_parallel", shared_prompt=False))
+    rollout.load_weights(Policy.of(model))
+    with pytest.raises(LayoutUnsupported, match="model_type 'gemma3_text'"):
+        rollout.generate(golden("gemma3")["prompts"], jax.random.key(0), SamplingParams(max_new_tokens=4, n=2),
+                         batch_sharding=NamedSharding(mesh, PartitionSpec(("dp", "fsdp", "tp"))))
