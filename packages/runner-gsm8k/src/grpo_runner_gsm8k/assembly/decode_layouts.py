@@ -1,12 +1,12 @@
 """Decode layouts a model's layers can run in, checked at config load.
 
-The rollout's own decode step (`grpo_rollout.attention`, and the shared-prompt cascade,
-model-parallel and head-parallel layouts built on it) runs the plain pre-norm layer with
-full attention. A model whose family differs there (Gemma 3: sliding-window layers,
-post-norms, scaled embeddings) decodes through its own cached forward
-(`rollout.options.decode_attention: model`), which honours the window; partial rollouts and
-kept multi-turn caches continue rows on compacted kept caches, not yet checked with a window.
-Each other choice is refused in one line rather than run without the window.
+The rollout's own decode step (`grpo_rollout.attention`: the default `decode_attention: rollout`,
+its shared-prompt cascade and its model-parallel layout) and the model's cached forward
+(`decode_attention: model`) run a family's sliding-window layers, post-norms and scaled
+embeddings (Gemma 3). The head-parallel layout runs the plain layer only; partial rollouts and
+kept multi-turn caches continue rows on compacted kept caches, whose slots are not aligned on
+positions, not yet checked with a window. Each of those is refused in one line rather than run
+without the window.
 """
 
 from __future__ import annotations
@@ -21,11 +21,10 @@ def check_decode_layouts(rollout: RolloutConfig, qcfg: QwenConfig) -> None:
     if qcfg.plain_decoder or rollout.backend != "jax":
         return
     why = f"model_type {qcfg.model_type!r} has sliding-window layers, post-norms or scaled embeddings"
-    attention = rollout.options.get("decode_attention", "rollout")
-    if attention != "model":
-        raise UserError(f"rollout.options.decode_attention={attention!r}: {why}, which the rollout's own decode "
-                        "step and its shared-prompt, model-parallel and head-parallel layouts do not run; set "
-                        "rollout.options.decode_attention: model")
+    gather = rollout.options.get("gather_weights", "auto")
+    if gather == "head_parallel":
+        raise UserError(f"rollout.options.gather_weights='head_parallel': {why}, which the head-parallel decode "
+                        "step does not run; set rollout.options.gather_weights: auto (or model_parallel, true, false)")
     if rollout.partial.enabled:
         raise UserError(f"rollout.partial.enabled=true: {why}, and partial rollouts continue rows on compacted "
                         "kept caches not yet checked with a sliding window; set rollout.partial.enabled: false")
