@@ -89,14 +89,17 @@ def decode_layers(model, x: jax.Array, cache, cos: jax.Array, sin: jax.Array, la
 def plain_attention(cache, view: int | None = None):
     """The attend function of decode_layers over a plain KVCache (prompt and completion slots).
     view: attend over cache slots [:view] only (they hold every visible slot: the rest are empty);
-    None, all. Rows are aligned on slots, so a window on slots is one on the rows' positions."""
+    None, all. A sliding window counts real slots, not slots: the rows of a kept cache
+    (grpo_rollout.kept_cache) may hold empty slots between their tokens."""
     visible = cache.visibility(1)[:, 0, :view]  # [B, view]
+    # Per slot: the query's position minus its token's (positions count real slots, as the model's do).
+    behind = cache.lengths()[:, None] - jnp.cumsum(cache.mask, axis=1, dtype=jnp.int32)[:, :view]
 
     def attend(i, cache, q, k, v, window=None):
         cache = cache.write_layer(i, k, v)
         keys, values = cache.k[i, :, :view], cache.v[i, :, :view]  # a static slice: only it is read
-        return decode_attention(q, keys.astype(q.dtype), values.astype(q.dtype),
-                                windowed(visible, cache.index, window)), cache
+        seen = visible if window is None else visible & (behind < window)
+        return decode_attention(q, keys.astype(q.dtype), values.astype(q.dtype), seen), cache
 
     return attend
 
