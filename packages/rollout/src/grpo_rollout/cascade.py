@@ -203,7 +203,7 @@ def shared_decode_forward(model, tokens: jax.Array, live: jax.Array, cache,
     layers is refused there (ValueError)."""
     if isinstance(cache, TableCache) and model.config.sliding_windows is not None:
         raise ValueError(f"partial rollouts on a prompt table do not apply model_type {model.config.model_type!r}'s "
-                         "sliding window; use decode_attention='model' without partial rollouts")
+                         "sliding window; set shared_prompt=False (each row then keeps its own cache)")
     return decode_forward(model, tokens, live, cache, layout, cascade_over, view)
 
 
@@ -231,7 +231,7 @@ def table_prefill_forward(model, ids: jax.Array, mask: jax.Array, cache: TableCa
     row's own slots up to itself, merged as in `table_attention` (one query position at a time)."""
     if not model.config.plain_decoder:
         raise ValueError(f"the prompt-table prefill runs the plain pre-norm layer with full attention, not "
-                         f"model_type {model.config.model_type!r}'s layers; turn partial rollouts off")
+                         f"model_type {model.config.model_type!r}'s layers; set shared_prompt=False")
     width = ids.shape[1]
     positions = jnp.maximum(cache.lengths()[:, None] + jnp.cumsum(mask, axis=1) - 1, 0)  # as the model counts them
     cos, sin = rope_tables(positions, model.config.rope_frequencies())
