@@ -78,11 +78,13 @@ def test_gemma3_greedy_equals_transformers_generate(decode_attention):
 
 
 @pytest.mark.parametrize("segments", [1, 3])
-def test_gemma3_greedy_on_the_shared_prompt_equals_transformers_generate(segments):
-    """n = 2 samples per prompt: the prompt's cache kept once per group and read through the window
-    by the cascade decode step; 3 segments each read a shorter completion view."""
+@pytest.mark.parametrize("shared_prompt", [True, False])
+def test_gemma3_greedy_two_samples_equal_transformers_generate(shared_prompt, segments):
+    """n = 2 samples per prompt: shared, the prompt's cache kept once per group and read through the
+    window by the cascade decode step; else one cache row per sample. 3 segments each read a shorter
+    view of the cache."""
     record = golden("gemma3")
-    tokens, _ = greedy_tokens("gemma3", eos=record["eos"], n=2, decode_segments=segments)
+    tokens, _ = greedy_tokens("gemma3", eos=record["eos"], n=2, decode_segments=segments, shared_prompt=shared_prompt)
     np.testing.assert_array_equal(tokens[0::2], record["tokens_with_eos"])
     np.testing.assert_array_equal(tokens[1::2], record["tokens_with_eos"])
 
