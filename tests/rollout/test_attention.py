@@ -9,9 +9,17 @@ from grpo_core.models import QwenConfig, init_from_config
 from grpo_rollout.attention import decode_forward
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+# Gemma 3: a 4-slot window on 6-slot prompts (rows 0 and 3 have real keys beyond it), sliding
+# layers with their own RoPE base, a q scale other than head_dim ** -0.5, post-norms, scaled embeddings.
+GEMMA = QwenConfig.tiny("gemma3_text", family_options=(("layer_types", ("sliding_attention", "full_attention")),
+                                                       ("sliding_window", 4), ("rope_local_base_freq", 100.0),
+                                                       ("query_pre_attn_scalar", 24)))
+CONFIGS = {"qwen2": QwenConfig.tiny("qwen2"), "qwen3": QwenConfig.tiny("qwen3"), "gemma3_text": GEMMA}
+
+
+@pytest.mark.parametrize("family", sorted(CONFIGS))
 def test_decode_forward_equals_the_model_step(family):
-    model = init_from_config(QwenConfig.tiny(family), seed=2)
+    model = init_from_config(CONFIGS[family], seed=2)
     ids = jax.random.randint(jax.random.key(0), (4, 6), 1, 128)
     mask = jnp.array([[1] * 6, [0, 0, 1, 1, 1, 1], [0] * 5 + [1], [0, 1, 1, 1, 1, 1]])
     _, cache = model(ids, attention_mask=mask, cache=model.init_cache(4, 9))

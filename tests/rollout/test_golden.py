@@ -8,10 +8,13 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding, PartitionSpec
 
 from grpo_core.contracts import Policy
 from grpo_core.models import load_pretrained
+from grpo_core.sharding import DEFAULT_RULES, shard_model
 from grpo_rollout import JaxRollout, JaxRolloutOptions, SamplingParams
+from grpo_rollout.head_parallel import LayoutUnsupported
 
 GOLDEN = Path(__file__).parent / "golden"
 FAMILIES = ["qwen2", "qwen3", "llama3", "qwen3_moe"]
@@ -21,12 +24,12 @@ def golden(name):
     return json.loads((GOLDEN / name / "golden.json").read_text())
 
 
-def greedy_tokens(name, eos=None, decode_attention="rollout"):
+def greedy_tokens(name, eos=None, decode_attention="rollout", n=1, **options):
     record = golden(name)
     model = load_pretrained(GOLDEN / name, dtype="float32")
-    params = SamplingParams(max_new_tokens=record["max_new_tokens"], greedy=True,
+    params = SamplingParams(max_new_tokens=record["max_new_tokens"], greedy=True, n=n,
                             stop_token_ids=() if eos is None else (eos,))
-    rollout = JaxRollout(JaxRolloutOptions(decode_attention=decode_attention))
+    rollout = JaxRollout(JaxRolloutOptions(decode_attention=decode_attention, **options))
     rollout.load_weights(Policy.of(model))
     result = rollout.generate(record["prompts"], jax.random.key(0), params, pad_token_id=record["pad_id"])
     return np.asarray(result.completion_ids), result
@@ -64,14 +67,47 @@ def test_live_transformers_generate_matches(name):
     np.testing.assert_array_equal(tokens, hf_tokens)
 
 
-def test_gemma3_greedy_through_the_model_decode_equals_transformers_generate():
-    """Sliding-window layers (4 slots, rows of up to 20 tokens) decoded by the model's cached forward."""
+@pytest.mark.parametrize("decode_attention", ["rollout", "model"])
+def test_gemma3_greedy_equals_transformers_generate(decode_attention):
+    """Sliding-window layers (4 slots, rows of up to 20 tokens) decoded by the rollout's own decode
+    step (the default) and by the model's cached forward."""
     record = golden("gemma3")
     for eos, expected in ((None, record["tokens"]), (record["eos"], record["tokens_with_eos"])):
-        tokens, _ = greedy_tokens("gemma3", eos=eos, decode_attention="model")
+        tokens, _ = greedy_tokens("gemma3", eos=eos, decode_attention=decode_attention)
         np.testing.assert_array_equal(tokens, expected)
 
 
-def test_gemma3_refuses_the_rollouts_own_decode_step():
-    with pytest.raises(ValueError, match="model_type 'gemma3_text'.*use decode_attention='model'"):
-        greedy_tokens("gemma3", decode_attention="rollout")
+@pytest.mark.parametrize("segments", [1, 3])
+@pytest.mark.parametrize("shared_prompt", [True, False])
+def test_gemma3_greedy_two_samples_equal_transformers_generate(shared_prompt, segments):
+    """n = 2 samples per prompt: shared, the prompt's cache kept once per group and read through the
+    window by the cascade decode step; else one cache row per sample. 3 segments each read a shorter
+    view of the cache."""
+    record = golden("gemma3")
+    tokens, _ = greedy_tokens("gemma3", eos=record["eos"], n=2, decode_segments=segments, shared_prompt=shared_prompt)
+    np.testing.assert_array_equal(tokens[0::2], record["tokens_with_eos"])
+    np.testing.assert_array_equal(tokens[1::2], record["tokens_with_eos"])
+
+
+@pytest.mark.parametrize("shared_prompt", [True, False])
+def test_gemma3_greedy_model_parallel_equals_transformers_generate(mesh, shared_prompt):
+    """8 rows (n = 2) over 8 devices, the weights split by heads, MLP columns and vocabulary."""
+    record = golden("gemma3")
+    model = shard_model(load_pretrained(GOLDEN / "gemma3", dtype="float32"), mesh, DEFAULT_RULES)
+    params = SamplingParams(max_new_tokens=record["max_new_tokens"], greedy=True, n=2, stop_token_ids=(record["eos"],))
+    rollout = JaxRollout(JaxRolloutOptions(gather_weights="model_parallel", shared_prompt=shared_prompt))
+    rollout.load_weights(Policy.of(model))
+    result = rollout.generate(record["prompts"], jax.random.key(0), params, pad_token_id=record["pad_id"],
+                              batch_sharding=NamedSharding(mesh, PartitionSpec(("dp", "fsdp", "tp"))))
+    tokens = np.asarray(result.completion_ids)
+    np.testing.assert_array_equal(tokens[0::2], record["tokens_with_eos"])
+    np.testing.assert_array_equal(tokens[1::2], record["tokens_with_eos"])
+
+
+def test_gemma3_refuses_the_head_parallel_decode_step(mesh):
+    model = shard_model(load_pretrained(GOLDEN / "gemma3", dtype="float32"), mesh, DEFAULT_RULES)
+    rollout = JaxRollout(JaxRolloutOptions(gather_weights="head_parallel", shared_prompt=False))
+    rollout.load_weights(Policy.of(model))
+    with pytest.raises(LayoutUnsupported, match="model_type 'gemma3_text'"):
+        rollout.generate(golden("gemma3")["prompts"], jax.random.key(0), SamplingParams(max_new_tokens=4, n=2),
+                         batch_sharding=NamedSharding(mesh, PartitionSpec(("dp", "fsdp", "tp"))))

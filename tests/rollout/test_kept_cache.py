@@ -27,10 +27,17 @@ def model(request):
     return init_from_config(QwenConfig.tiny(request.param, tie_word_embeddings=request.param == "qwen3"), seed=3)
 
 
-def run_pool(model, steps: int, restore_at: int, kv_cache: str = "across_steps"):
+@pytest.fixture(scope="module")
+def gemma():
+    """A 4-slot sliding window on rows of up to 20 tokens; kept rows hold empty slots between their
+    tokens after a round that admits others (slot distance is then not position distance)."""
+    return init_from_config(QwenConfig.tiny("gemma3_text"), seed=3)
+
+
+def run_pool(model, steps: int, restore_at: int, kv_cache: str = "across_steps", decode_attention: str = "rollout"):
     """(groups trained over `steps` steps of a kept-cache pool, the `cached` flags of every round,
     the index of the first round of every step, that of the first round after the restore)."""
-    rollout = JaxRollout(JaxRolloutOptions(prompt_buckets=(4, 8, 16, 32)))
+    rollout = JaxRollout(JaxRolloutOptions(prompt_buckets=(4, 8, 16, 32), decode_attention=decode_attention))
     rollout.load_weights(Policy.of(model))
     rounds = []
 
@@ -62,15 +69,27 @@ def full_forward_logps(model, prompts, completions):
 
 
 @pytest.mark.parametrize("kv_cache", ["within_step", "across_steps"])
-def test_kept_admitted_and_readmitted_rows_sample_from_the_full_forward(model, kv_cache):
-    groups, rounds, _, _ = run_pool(model, steps=6, restore_at=3, kv_cache=kv_cache)
-    assert any(any(r) and not all(r) for r in rounds)  # slots kept and slots admitted in the same round
+def test_kept_admitted_and_readmitted_rows_sample_from_the_full_forward(model, kv_cache, decode_attention="rollout"):
+    groups, rounds, _, _ = run_pool(model, steps=6, restore_at=3, kv_cache=kv_cache, decode_attention=decode_attention)
+    if kv_cache != "reprefill":
+        assert any(any(r) and not all(r) for r in rounds)  # slots kept and slots admitted in the same round
     rows = [row for group in groups for row in group.rows]
     prompts = [group.prompt for group in groups for _ in group.rows]
     assert any(len(row.tokens) > 3 for row in rows)  # some rows span several rounds
     expected = full_forward_logps(model, prompts, [row.tokens for row in rows])
     for row, logps in zip(rows, expected):
         np.testing.assert_allclose(row.logps, logps, atol=1e-5)  # f32 forward vs cached decode
+
+
+@pytest.mark.parametrize("kv_cache", ["within_step", "across_steps"])
+def test_kept_rows_of_a_sliding_window_model_sample_from_the_full_forward(gemma, kv_cache):
+    test_kept_admitted_and_readmitted_rows_sample_from_the_full_forward(gemma, kv_cache)
+
+
+def test_reprefilled_rows_of_a_sliding_window_model_on_the_models_decode_sample_from_the_full_forward(gemma):
+    """The model's cached forward counts the window in slots: right on rows prefilled again each round
+    (on kept rows it is not, and the runner refuses that: grpo_runner_gsm8k.assembly.decode_layouts)."""
+    test_kept_admitted_and_readmitted_rows_sample_from_the_full_forward(gemma, "reprefill", decode_attention="model")
 
 
 def test_a_restored_pool_admits_every_slot_again(model):

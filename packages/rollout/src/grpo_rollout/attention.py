@@ -14,7 +14,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from grpo_core.models.layers import rope_tables
+from grpo_core.models.attention_impls import within_window
 from grpo_rollout.head_parallel import HeadParallel
 from grpo_rollout.model_parallel import ActivationLayout
 
@@ -35,20 +35,30 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Arra
 
 
 def decode_inputs(model, tokens: jax.Array, positions: jax.Array, layout: ActivationLayout):
-    """(x [B, 1, H], cos, sin) of one decode step: the embedded tokens and the rope tables at
-    `positions` [B, 1]. q and k are made from the replicated residual, so the tables are made
-    replicated once per token (split by rows, XLA gathered them again in every layer)."""
-    cos, sin = rope_tables(layout.replicated(positions), model.config.rope_frequencies())
-    return layout.embed(model.embed_tokens.embedding[...], tokens[:, None]), cos, sin
+    """(x [B, 1, H], cos, sin) of one decode step: the embedded tokens (times the family's scale)
+    and the rope tables at `positions` [B, 1] (`QwenModel.rope`: stacked global and sliding ones
+    with sliding-window layers). q and k are made from the replicated residual, so the tables are
+    made replicated once per token (split by rows, XLA gathered them again in every layer)."""
+    cos, sin = model.rope(layout.replicated(positions))
+    return model.scale_embeddings(layout.embed(model.embed_tokens.embedding[...], tokens[:, None])), cos, sin
+
+
+def windowed(visible: jax.Array, query_slot: jax.Array, window: jax.Array | None) -> jax.Array:
+    """visible [B, S] (key slots 0..S-1) narrowed to the slots a query at `query_slot` sees through
+    a sliding window (query slot - key slot < window; HF's sliding mask); window None: as it is."""
+    if window is None:
+        return visible
+    return visible & within_window(jnp.arange(visible.shape[1]), query_slot, window)[None]
 
 
 def decode_layers(model, x: jax.Array, cache, cos: jax.Array, sin: jax.Array, layout, attention):
     """Run one token per row through every layer; only the attention differs between caches.
 
     attention(cache) -> attend, built from the cache the layers see (a device's share of it in
-    the head-parallel decode), where attend(i, cache, q [B, N, D], k [B, 1, KV, D], v [B, 1, KV, D])
-    -> (attended [B, N, D], cache) writes layer i's new keys and values and attends over the rows'
-    cache.
+    the head-parallel decode), where attend(i, cache, q [B, N, D], k [B, 1, KV, D], v [B, 1, KV, D],
+    window) -> (attended [B, N, D], cache) writes layer i's new keys and values and attends over the
+    rows' cache (within layer i's sliding window: `QwenModel.layer_tables`). A family's post-norms
+    and embedding scale are applied as the model's own layer does (`DecoderLayer.add_attention`).
 
     Model-parallel (`layout` with a mesh), each layer runs 4 collectives per token: q to the
     rows' devices and the attention back (2 all-to-all), and one all-reduce each of o_proj's
@@ -64,13 +74,13 @@ def decode_layers(model, x: jax.Array, cache, cos: jax.Array, sin: jax.Array, la
     attend = attention(cache)
 
     def step(layer, i, carry):
-        x, cache = carry
-        q, k, v = layer.self_attn.project_qkv(layer.input_layernorm(x), layout.replicated(cos), layout.replicated(sin))
+        (x, cache), (cos_i, sin_i, window) = carry, model.layer_tables(i, cos, sin)
+        q, k, v = layer.self_attn.project_qkv(layer.input_layernorm(x), layout.replicated(cos_i), layout.replicated(sin_i))
         q, k, v = layout.rows(layout.split(q, 2)), layout.replicated(k), layout.replicated(v)
-        attended, cache = attend(i, cache, q[:, 0], k, v)  # computed where the rows' cache is
+        attended, cache = attend(i, cache, q[:, 0], k, v, window)  # computed where the rows' cache is
         attended = layout.split(layout.rows(attended)[:, None], 2)
-        x = x + layout.replicated(layer.self_attn.o_proj(attended))
-        return x + layout.replicated(layer.mlp(layer.post_attention_layernorm(x))), cache
+        x = layer.add_attention(x, layout.replicated(layer.self_attn.o_proj(attended)))
+        return layer.add_mlp(x, layout.replicated), cache
 
     x, cache = model.over_layers(step, (x, cache))
     return layout.replicated(x), cache
@@ -79,13 +89,17 @@ def decode_layers(model, x: jax.Array, cache, cos: jax.Array, sin: jax.Array, la
 def plain_attention(cache, view: int | None = None):
     """The attend function of decode_layers over a plain KVCache (prompt and completion slots).
     view: attend over cache slots [:view] only (they hold every visible slot: the rest are empty);
-    None, all."""
+    None, all. A sliding window counts real slots, not slots: the rows of a kept cache
+    (grpo_rollout.kept_cache) may hold empty slots between their tokens."""
     visible = cache.visibility(1)[:, 0, :view]  # [B, view]
+    # Per slot: the query's position minus its token's (positions count real slots, as the model's do).
+    behind = cache.lengths()[:, None] - jnp.cumsum(cache.mask, axis=1, dtype=jnp.int32)[:, :view]
 
-    def attend(i, cache, q, k, v):
+    def attend(i, cache, q, k, v, window=None):
         cache = cache.write_layer(i, k, v)
         keys, values = cache.k[i, :, :view], cache.v[i, :, :view]  # a static slice: only it is read
-        return decode_attention(q, keys.astype(q.dtype), values.astype(q.dtype), visible), cache
+        seen = visible if window is None else visible & (behind < window)
+        return decode_attention(q, keys.astype(q.dtype), values.astype(q.dtype), seen), cache
 
     return attend
 
@@ -99,11 +113,14 @@ def decode_forward(model, tokens: jax.Array, live: jax.Array, cache, layout: Act
     (`plain_attention` for a KVCache, `cascade.cascade_over` for a SharedCache). `layout` pins the
     activations of a model-parallel decode (grpo_rollout.model_parallel), or runs the step
     head-parallel (grpo_rollout.head_parallel). view: the attention reads the cache's (or a shared
-    cache's completion part's) slots [:view] only (grpo_rollout.segments). Returns (hidden [B, 1, H], cache).
+    cache's completion part's) slots [:view] only (grpo_rollout.segments). A family's sliding
+    windows, post-norms and embedding scale are honoured except head-parallel, which refuses such a
+    model (ValueError). Returns (hidden [B, 1, H], cache).
     """
-    if not model.config.plain_decoder:
-        raise ValueError(f"the rollout's decode step runs the plain pre-norm layer with full attention, not "
-                         f"model_type {model.config.model_type!r}'s layers; use decode_attention='model'")
+    if isinstance(layout, HeadParallel) and not model.config.plain_decoder:
+        raise ValueError(f"the head-parallel decode step runs the plain pre-norm layer with full attention, not "
+                         f"model_type {model.config.model_type!r}'s layers; use another layout or "
+                         "decode_attention='model'")
     attention = functools.partial(attention, view=view)
     if isinstance(layout, HeadParallel):
         x, cache = layout.forward(model, tokens, live, cache, attention)

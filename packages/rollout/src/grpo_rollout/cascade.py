@@ -32,7 +32,7 @@ from flax import struct
 
 from grpo_core.models.attention import KVCache
 from grpo_core.models.layers import rope_tables
-from grpo_rollout.attention import decode_forward
+from grpo_rollout.attention import decode_forward, windowed
 from grpo_rollout.model_parallel import ActivationLayout
 
 # Finite "minus infinity", as in the model: a part with no visible slot adds nothing.
@@ -60,8 +60,17 @@ class SharedCache:
         """[P*n] real tokens cached per row = the position of each row's next token."""
         return jnp.repeat(self.prompt.lengths(), self.group) + self.completion.lengths()
 
-    def attention(self, q, prompt_k, prompt_v, own_k, own_v, own_visible) -> jax.Array:
-        return cascade_attention(q, prompt_k, prompt_v, self.prompt.mask, own_k, own_v, own_visible)
+    def attention(self, q, prompt_k, prompt_v, own_k, own_v, own_visible, prompt_visible=None) -> jax.Array:
+        """prompt_visible [P, Tp]: the prompt slots the rows see (None: every real one)."""
+        prompt_visible = self.prompt.mask if prompt_visible is None else prompt_visible
+        return cascade_attention(q, prompt_k, prompt_v, prompt_visible, own_k, own_v, own_visible)
+
+    def windowed(self, own_visible: jax.Array, window: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+        """(prompt [P, Tp], own [B, view]) slots the query of this step sees through a sliding window.
+        A row's slots are its prompt's [0, Tp) then its own, Tp + j (prompts are left-padded to Tp and
+        completions fill their slots in order, so slot distance is position distance)."""
+        query = self.prompt.max_len + self.completion.index
+        return windowed(self.prompt.mask, query, window), windowed(own_visible, self.completion.index, window)
 
     def with_new_tokens(self, token_mask: jax.Array) -> "SharedCache":
         return with_new_own_tokens(self, token_mask)
@@ -179,8 +188,9 @@ class TableCache:
     def advance(self, num_tokens: int) -> "TableCache":
         return self.replace(completion=self.completion.advance(num_tokens))
 
-    def attention(self, q, prompt_k, prompt_v, own_k, own_v, own_visible) -> jax.Array:
-        return table_attention(q, self.group, self.member, self.members, prompt_k, prompt_v, self.prompt.mask,
+    def attention(self, q, prompt_k, prompt_v, own_k, own_v, own_visible, prompt_visible=None) -> jax.Array:
+        prompt_visible = self.prompt.mask if prompt_visible is None else prompt_visible
+        return table_attention(q, self.group, self.member, self.members, prompt_k, prompt_v, prompt_visible,
                                own_k, own_v, own_visible)
 
 
@@ -188,7 +198,12 @@ def shared_decode_forward(model, tokens: jax.Array, live: jax.Array, cache,
                           layout: ActivationLayout = ActivationLayout(), view: int | None = None):
     """`grpo_rollout.attention.decode_forward` on a SharedCache or TableCache: the new token's keys and
     values go to the row's completion cache; the attention merges the prompt part and the row's own.
-    view: attend over completion slots [:view] only (None: all). Returns (hidden [B, 1, H], cache)."""
+    view: attend over completion slots [:view] only (None: all). Returns (hidden [B, 1, H], cache).
+    A TableCache's rows are at different depths, not aligned on slots: a model with sliding-window
+    layers is refused there (ValueError)."""
+    if isinstance(cache, TableCache) and model.config.sliding_windows is not None:
+        raise ValueError(f"partial rollouts on a prompt table do not apply model_type {model.config.model_type!r}'s "
+                         "sliding window; set shared_prompt=False (each row then keeps its own cache)")
     return decode_forward(model, tokens, live, cache, layout, cascade_over, view)
 
 
@@ -199,11 +214,12 @@ def cascade_over(cache, view: int | None = None):
     own_visible = cache.completion.visibility(1)[:, 0, :view]  # [B, view]
     prompt = cache.prompt
 
-    def attend(i, cache, q, k, v):
+    def attend(i, cache, q, k, v, window=None):
         own = cache.completion.write_layer(i, k, v)
         own_k, own_v = own.k[i, :, :view], own.v[i, :, :view]  # a static slice: only it is read
+        prompt_visible, visible = (None, own_visible) if window is None else cache.windowed(own_visible, window)
         attended = cache.attention(q, prompt.k[i].astype(q.dtype), prompt.v[i].astype(q.dtype),
-                                   own_k.astype(q.dtype), own_v.astype(q.dtype), own_visible)
+                                   own_k.astype(q.dtype), own_v.astype(q.dtype), visible, prompt_visible)
         return attended, cache.replace(completion=own)
 
     return attend
@@ -213,6 +229,9 @@ def table_prefill_forward(model, ids: jax.Array, mask: jax.Array, cache: TableCa
     """Several tokens per row into its own cache at [index, index + A): ids, mask [B, A] (left-padded;
     a masked slot stays invisible). Each query attends over its row's prompt in the table and the
     row's own slots up to itself, merged as in `table_attention` (one query position at a time)."""
+    if not model.config.plain_decoder:
+        raise ValueError(f"the prompt-table prefill runs the plain pre-norm layer with full attention, not "
+                         f"model_type {model.config.model_type!r}'s layers; set shared_prompt=False")
     width = ids.shape[1]
     positions = jnp.maximum(cache.lengths()[:, None] + jnp.cumsum(mask, axis=1) - 1, 0)  # as the model counts them
     cos, sin = rope_tables(positions, model.config.rope_frequencies())

@@ -61,6 +61,8 @@ def grid_mesh(mesh: Mesh, kv_heads: int) -> Mesh:
 
 def unsupported(config: Any, rows: int, groups: int, devices: int) -> str | None:
     """Why the head-parallel decode cannot run this model and batch on `devices`, or None."""
+    if not config.plain_decoder:  # its layer loop (local_layers) has no windows, post-norms or embedding scale
+        return f"model_type {config.model_type!r} has sliding-window layers, post-norms or scaled embeddings"
     ways = math.gcd(config.num_key_value_heads, devices)
     row_groups = devices // ways
     columns = config.moe_intermediate_size if config.num_experts else config.intermediate_size  # a MoE's experts'

@@ -99,11 +99,20 @@ class DecoderLayer(nnx.Module):
 
     def __call__(self, x, cos, sin, visible, cache: KVCache | None = None, layer: int = 0):
         attn_out, cache = self.self_attn(self.input_layernorm(x), cos, sin, visible, cache, layer)
+        return self.add_mlp(self.add_attention(x, attn_out)), cache
+
+    def add_attention(self, x, attn_out):
+        """The residual x plus the attention output (normed first with post-norms)."""
         if self.pre_feedforward_layernorm is None:
-            x = x + attn_out
-            return x + self.mlp(self.post_attention_layernorm(x)), cache
-        x = x + self.post_attention_layernorm(attn_out)
-        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x))), cache
+            return x + attn_out
+        return x + self.post_attention_layernorm(attn_out)
+
+    def add_mlp(self, x, reduce=lambda y: y):
+        """The residual x plus the MLP of the normed x; `reduce` completes the MLP's output before it
+        is normed or added (a model-parallel decode's all-reduce of partial sums)."""
+        if self.pre_feedforward_layernorm is None:
+            return x + reduce(self.mlp(self.post_attention_layernorm(x)))
+        return x + self.post_feedforward_layernorm(reduce(self.mlp(self.pre_feedforward_layernorm(x))))
 
 
 def stack_layers(layers: list[DecoderLayer]) -> DecoderLayer:
@@ -249,26 +258,42 @@ class QwenModel(nnx.Module):
     def _embedded(self, input_ids, positions) -> tuple[jax.Array, jax.Array, jax.Array]:
         """(residual stream [B, T, H], rope cos, sin [B, T, D/2]) of the tokens at `positions`;
         with sliding-window layers cos and sin are [2, B, T, D/2]: global, then sliding tables."""
+        cos, sin = self.rope(positions)
+        return self._constrain(self.scale_embeddings(self.embed_tokens(input_ids))), cos, sin
+
+    def rope(self, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """RoPE (cos, sin) [B, T, D/2] at positions [B, T]; with sliding-window layers
+        [2, B, T, D/2]: the global tables, then the sliding layers' (`layer_tables` picks)."""
         cfg = self.config
         cos, sin = rope_tables(positions, cfg.rope_frequencies())
         if cfg.sliding_windows is not None:
             local_cos, local_sin = rope_tables(positions, cfg.family.sliding_rope_frequencies(cfg))
             cos, sin = jnp.stack([cos, local_cos]), jnp.stack([sin, local_sin])
-        x = self.embed_tokens(input_ids)
-        scale = cfg.family.embedding_scale(cfg)
-        if scale is not None:
-            x = x * jnp.asarray(scale, x.dtype)  # rounded to the model dtype first, as HF does
-        return self._constrain(x), cos, sin
+        return cos, sin
+
+    def scale_embeddings(self, x: jax.Array) -> jax.Array:
+        """Token embeddings times the family's factor (none for most)."""
+        scale = self.config.family.embedding_scale(self.config)
+        if scale is None:
+            return x
+        return x * jnp.asarray(scale, x.dtype)  # rounded to the model dtype first, as HF does
+
+    def layer_tables(self, i: jax.Array, cos, sin) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+        """(cos, sin, window) of layer i (traced) from `rope`'s tables: a sliding-window layer's own
+        RoPE tables and its window, a global layer's with GLOBAL_WINDOW; without sliding layers the
+        tables as they are and window None."""
+        windows = self.config.sliding_windows
+        if windows is None:
+            return cos, sin, None
+        window = jnp.asarray(windows, jnp.int32)[i]
+        sliding = (window > 0).astype(jnp.int32)
+        return cos[sliding], sin[sliding], jnp.where(window > 0, window, GLOBAL_WINDOW)
 
     def layer_context(self, i: jax.Array, cos, sin, visible: CausalMask):
         """(cos, sin, visible) of layer i (traced): a sliding-window layer gets its own RoPE
         tables and its window on the mask; without such layers, the shared ones as they are."""
-        windows = self.config.sliding_windows
-        if windows is None:
-            return cos, sin, visible
-        window = jnp.asarray(windows, jnp.int32)[i]
-        sliding = (window > 0).astype(jnp.int32)
-        return cos[sliding], sin[sliding], visible.replace(window=jnp.where(window > 0, window, GLOBAL_WINDOW))
+        cos, sin, window = self.layer_tables(i, cos, sin)
+        return cos, sin, visible if window is None else visible.replace(window=window)
 
     def accumulating_forward(self, input_ids, attention_mask, layer_grads, compute_dtype: Any = None):
         """Cache-free forward of a training step whose stacked decoder layers stay in their

@@ -1,12 +1,14 @@
 """Decode layouts a model's layers can run in, checked at config load.
 
-The rollout's own decode step (`grpo_rollout.attention`, and the shared-prompt cascade,
-model-parallel and head-parallel layouts built on it) runs the plain pre-norm layer with
-full attention. A model whose family differs there (Gemma 3: sliding-window layers,
-post-norms, scaled embeddings) decodes through its own cached forward
-(`rollout.options.decode_attention: model`), which honours the window; partial rollouts and
-kept multi-turn caches continue rows on compacted kept caches, not yet checked with a window.
-Each other choice is refused in one line rather than run without the window.
+The rollout's own decode step (`grpo_rollout.attention`: the default `decode_attention: rollout`,
+its shared-prompt cascade and its model-parallel layout) and the model's cached forward
+(`decode_attention: model`) run a family's sliding-window layers, post-norms and scaled
+embeddings (Gemma 3). The rollout's decode step counts the window in positions, so it also
+serves partial rollouts' kept caches, whose rows may hold empty slots between their tokens; the
+model's cached forward counts it in slots (right on freshly prefilled rows only). Refused in one
+line rather than run without the window: the head-parallel layout (the plain layer only),
+partial rollouts on the prompt table (shared_prompt) or on kept caches decoded by the model's
+forward, and kept multi-turn caches (a tool turn appended to a kept row runs the model's forward).
 """
 
 from __future__ import annotations
@@ -21,15 +23,28 @@ def check_decode_layouts(rollout: RolloutConfig, qcfg: QwenConfig) -> None:
     if qcfg.plain_decoder or rollout.backend != "jax":
         return
     why = f"model_type {qcfg.model_type!r} has sliding-window layers, post-norms or scaled embeddings"
-    attention = rollout.options.get("decode_attention", "rollout")
-    if attention != "model":
-        raise UserError(f"rollout.options.decode_attention={attention!r}: {why}, which the rollout's own decode "
-                        "step and its shared-prompt, model-parallel and head-parallel layouts do not run; set "
-                        "rollout.options.decode_attention: model")
-    if rollout.partial.enabled:
-        raise UserError(f"rollout.partial.enabled=true: {why}, and partial rollouts continue rows on compacted "
-                        "kept caches not yet checked with a sliding window; set rollout.partial.enabled: false")
+    gather = rollout.options.get("gather_weights", "auto")
+    if gather == "head_parallel":
+        raise UserError(f"rollout.options.gather_weights='head_parallel': {why}, which the head-parallel decode "
+                        "step does not run; set rollout.options.gather_weights: auto (or model_parallel, true, false)")
+    check_partial(rollout, why)
     if rollout.multi_turn.enabled and rollout.multi_turn.kv_cache != "reprefill":
         raise UserError(f"rollout.multi_turn.kv_cache={rollout.multi_turn.kv_cache!r}: {why}, and kept caches "
                         "are compacted and not yet checked with a sliding window; set rollout.multi_turn.kv_cache: "
                         "reprefill")
+
+
+def check_partial(rollout: RolloutConfig, why: str) -> None:
+    """Partial rollouts run with the window on the rollout's decode step without the prompt table, or
+    on the model's forward when every round prefills its rows again (no kept cache)."""
+    if not rollout.partial.enabled:
+        return
+    attention = rollout.options.get("decode_attention", "rollout")
+    if attention == "rollout" and rollout.options.get("shared_prompt", True):
+        raise UserError(f"rollout.partial.enabled=true with rollout.options.shared_prompt=true: {why}, which "
+                        "partial rollouts on the shared prompt table do not run; set rollout.options.shared_prompt: "
+                        "false")
+    if attention == "model" and rollout.partial.kv_cache != "reprefill":
+        raise UserError(f"rollout.partial.kv_cache={rollout.partial.kv_cache!r} with decode_attention=model: {why}, "
+                        "and the model's forward counts the window in slots, which kept rows do not fill in order; "
+                        "set rollout.options.decode_attention: rollout or rollout.partial.kv_cache: reprefill")
