@@ -15,6 +15,7 @@ from grpo_core.errors import ConfigError
 from grpo_core.models import QwenConfig, init_from_config
 from grpo_core.models.router_stats import router_statistics
 from grpo_losses import FusedLogps, FusedOptions, finalize_loss, grpo_loss
+from grpo_runner_gsm8k.cli import main
 from grpo_runner_gsm8k.training.router_term import router_coef
 from grpo_runner_gsm8k.training.step import UpdateBatch, accumulates_in_backward, completion_hidden, make_update
 
@@ -100,3 +101,9 @@ def test_balance_coefficient_refused_for_a_dense_model():
     assert router_coef(LossConfig(router_balance_coef=0.01), moe) == 0.01
     with pytest.raises(ConfigError, match=r"loss.router_balance_coef = 0.01 .* model_type qwen3 has no router"):
         router_coef(LossConfig(router_balance_coef=0.01), dense)
+
+
+def test_grpo_run_refuses_the_coefficient_for_a_dense_model_at_config_load(tiny_config_path, capsys):
+    assert main(["--config", tiny_config_path, "--print-config", "loss.router_balance_coef=0.01"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "model_type qwen2 has no router" in err[0], err
