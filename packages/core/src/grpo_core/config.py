@@ -245,6 +245,9 @@ class LossConfig:
     entropy_coef: float = setting(
         0.0, "Entropy bonus coefficient (0 = entropy is only a metric); aggregated like the loss.", ge=0.0)
     compute_entropy: bool = setting(True, "Report the policy entropy metric.")
+    router_balance_coef: float = setting(
+        0.0, "Mixture-of-experts models: coefficient of the Switch load-balancing loss added to the objective "
+        "(0 = router/* metrics only; Qwen3-30B-A3B's config.json has 0.001); refused for a dense model.", ge=0.0)
     scale_rewards: Literal["group", "batch", "none"] = setting(
         "group", "Advantage = (r - group mean) / std, with std of the group, the batch, or 1.")
     std_ddof: int = setting(1, "Delta degrees of freedom of the advantage std.", ge=0)

@@ -35,6 +35,7 @@ from grpo_runner_gsm8k.samplers.multi_turn_inputs import check_multi_turn_inputs
 from grpo_runner_gsm8k.assembly.teacher import check_teacher_positions, check_teacher_tokenizer
 from grpo_runner_gsm8k.tasks.base import prompts_to_check
 from grpo_runner_gsm8k.tokens import prompt_token_ids
+from grpo_runner_gsm8k.training.router_term import router_coef
 
 
 def _input_error(key: str, exc: Exception, fix: str) -> UserError:
@@ -253,6 +254,7 @@ def check_inputs(cfg: RunConfig, registry: Registry, process_index: int = 0,
     check_lora_fits(cfg.model.lora, qcfg)
     check_lengths(cfg.rollout, cfg.eval, qcfg)
     check_decode_layouts(cfg.rollout, qcfg)
+    router_coef(cfg.loss, qcfg)  # refuses a balance coefficient for a dense model before any load
     if cfg.teacher.path:
         check_teacher_tokenizer(cfg.teacher, tokenizer)
         check_teacher_positions(cfg.teacher, cfg.rollout)

@@ -35,6 +35,7 @@ from grpo_runner_gsm8k.assembly.optim import build_optimizer, learning_rate_sche
 from grpo_runner_gsm8k.multihost import check_same_run
 from grpo_runner_gsm8k.assembly.policy import PolicyModel, policy_model
 from grpo_runner_gsm8k.samplers.factory import restore_carried, step_sampler
+from grpo_runner_gsm8k.training.router_term import router_coef
 from grpo_runner_gsm8k.training.step import make_score, make_update
 from grpo_runner_gsm8k.assembly.teacher import Teacher, full_kl_term, load_teacher
 
@@ -108,7 +109,7 @@ class BuiltRun:
         """The same run with `train.micro_batch_size_per_device = size` (a new update)."""
         cfg = with_micro_batch_size(self.cfg, size)
         update = make_run_update(cfg.loss, cfg.rollout, cfg.train, self.mesh, self.policy, self.plugins.loss_impl,
-                                 self.optimizer, full_kl_term(cfg.teacher))
+                                 self.optimizer, full_kl_term(cfg.teacher), router_coef(cfg.loss, self.qcfg))
         return dataclasses.replace(self, cfg=cfg, update=update)
 
 
@@ -119,11 +120,12 @@ def compute_dtype(model_cfg: ModelConfig) -> Any:
 
 def make_run_update(loss: LossConfig, rollout: RolloutConfig, train: TrainConfig, mesh: Mesh, policy: PolicyModel,
                     loss_impl: Any, optimizer: optax.GradientTransformation,
-                    full_kl: Optional[FullKLTerm] = None) -> Callable[..., Any]:
+                    full_kl: Optional[FullKLTerm] = None, router: Optional[float] = None) -> Callable[..., Any]:
     """The jitted update of the policy's trained params, in the policy's compute dtype (model.dtype);
-    `full_kl`: the exact KL to a teacher (teacher.estimator: full; None = none)."""
+    `full_kl`: the exact KL to a teacher (teacher.estimator: full; None = none); `router`: a
+    mixture-of-experts model's balance-loss coefficient (training.router_term.router_coef; None = dense)."""
     return make_update(policy.train_graphdef, loss_impl, loss, optimizer, rollout.temperature,
-                       micro_batches(rollout, train, mesh), policy.compute_dtype, full_kl)
+                       micro_batches(rollout, train, mesh), policy.compute_dtype, full_kl, router)
 
 
 def make_run_score(policy: PolicyModel, loss_impl: Any, temperature: float) -> Callable[..., jax.Array]:
@@ -172,7 +174,7 @@ def assemble(cfg: RunConfig, place: RunPlace, state: TrainState, plugins: Plugin
         cfg=cfg, registry=place.registry, layout=place.layout, mesh=place.mesh, qcfg=place.qcfg, policy=policy,
         state=state, plugins=plugins, lr_schedule=lr_schedule, optimizer=transform,
         update=make_run_update(cfg.loss, cfg.rollout, cfg.train, place.mesh, policy, plugins.loss_impl, transform,
-                               full_kl_term(cfg.teacher)),
+                               full_kl_term(cfg.teacher), router_coef(cfg.loss, place.qcfg)),
         score=make_run_score(policy, plugins.loss_impl, cfg.rollout.temperature),
         logps=LogpSources.from_config(cfg.train, cfg.rollout, cfg.loss),
         sampling=samplings[0], eval_sampling=samplings[1], inputs=inputs, teacher=teacher)

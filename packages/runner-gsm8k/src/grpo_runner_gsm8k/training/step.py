@@ -31,6 +31,8 @@ from grpo_losses import LossMetrics, finalize_loss, grpo_loss, per_token_logps
 from grpo_losses.full_kl import FullKLTerm, full_kl_numerator
 from grpo_losses.objective import token_weights
 
+from grpo_runner_gsm8k.training.router_term import router_update_terms
+
 
 @struct.dataclass
 class UpdateBatch:
@@ -252,11 +254,14 @@ def apply_finite_update(optimizer: optax.GradientTransformation, grads, opt_stat
 
 
 def make_update(graphdef: nnx.GraphDef, impl: Any, loss_cfg: LossConfig, optimizer: optax.GradientTransformation,
-                temperature: float, micro_batches: int, compute_dtype: Any = None, full_kl: Optional[FullKLTerm] = None):
+                temperature: float, micro_batches: int, compute_dtype: Any = None, full_kl: Optional[FullKLTerm] = None,
+                router_coef: Optional[float] = None):
     """A jitted `update(params, opt_state, batch, frozen=None) -> (params, opt_state, metrics)`;
     the forward and backward run in `compute_dtype` (None: the params' own dtype). `frozen`:
     a LoRA run's base state (params are then its adapters; see grpo_runner_gsm8k.assembly.adapters).
-    A batch with teacher states adds `full_kl.coef` * the exact KL of `full_kl.divergence` (grpo_losses.full_kl)."""
+    A batch with teacher states adds `full_kl.coef` * the exact KL of `full_kl.divergence` (grpo_losses.full_kl).
+    `router_coef` (a mixture-of-experts model; None for a dense one): router/* metrics, and that
+    coefficient * the load-balancing loss's gradient added (training.router_term)."""
 
     def loss_terms(hidden, lm_head, mb: UpdateBatch):
         out = grpo_loss(impl, hidden, lm_head, mb.targets, mb.loss_mask, mb.advantages, mb.old_logp,
@@ -270,17 +275,19 @@ def make_update(graphdef: nnx.GraphDef, impl: Any, loss_cfg: LossConfig, optimiz
         return out.numerator + full_kl.coef * kl_numerator, (out.denominator, metrics)
 
     accumulate = functools.partial(_accumulate, graphdef, loss_terms, compute_dtype, micro_batches)
+    with_router_terms = router_update_terms(graphdef, compute_dtype, router_coef)
 
     @functools.partial(jax.jit, donate_argnums=(0, 1))
     def update(params, opt_state, batch: UpdateBatch, frozen=None):
         grads, numerator, denominator, metrics = accumulate(params, batch, frozen)
         grads = jax.tree.map(lambda g: g / jnp.maximum(denominator, 1.0), grads)
+        grads, router = with_router_terms(grads, params, batch, frozen)
         loss = finalize_loss(numerator, denominator)
         grad_norm = optax.tree.norm(grads)
         new_params, new_opt_state, ratio, applied = apply_finite_update(
             optimizer, grads, opt_state, params, jnp.isfinite(loss) & jnp.isfinite(grad_norm), micro_batches > 1)
         out = {"loss": loss, "grad_norm": grad_norm, "skipped": (~applied).astype(jnp.float32),
-               "update_ratio": ratio, **metrics.summary()}
+               "update_ratio": ratio, **metrics.summary(), **router}
         return new_params, new_opt_state, out
 
     return update

@@ -17,8 +17,10 @@ OPTIONAL_TRAIN_METRICS = ("mismatch_kl", "mismatch_ratio_mean", "mismatch_ratio_
 
 def objective_metrics(train: dict, result: RolloutResult, loss_cfg) -> dict:
     """train-other/* metrics of the objective options in use (mismatch correction, entropy
-    selection, cispo / sapo policy loss, truncated completions)."""
+    selection, cispo / sapo policy loss, truncated completions), and a mixture-of-experts
+    model's router/* statistics."""
     out = {f"train-other/{name}": float(train[name]) for name in OPTIONAL_TRAIN_METRICS if name in train}
+    out.update({name: float(value) for name, value in train.items() if name.startswith("router/")})
     if loss_cfg.mask_truncated_completions:
         out["train-other/truncated_frac"] = float(1.0 - np.mean(host_array(result.finished)))
     return out

@@ -1,0 +1,72 @@
+"""A mixture-of-experts policy's router statistics in the update, and its load-balancing loss.
+
+The statistics come from one router pass over the update's whole batch on the params before
+the update (grpo_core.models.router_stats: real tokens only), beside the policy loss's
+micro-batched forward: the balance loss multiplies two averages over all tokens, so it is
+not a sum over micro-batches. With `loss.router_balance_coef` c > 0 the update's gradient is
+
+    grad(policy loss) + c * grad(balance loss)
+
+(the gradient of the summed objective); c = 0 computes no gradient and leaves the policy
+gradient as it is. Memory: that pass holds the whole batch's activations, not a micro-batch's.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from grpo_core.errors import ConfigError
+from grpo_core.models.precision import compute_params
+from grpo_core.models.router_stats import RouterStats, router_statistics
+
+
+def router_metrics(stats: RouterStats) -> dict:
+    """router/* metrics: the balance loss, the largest and smallest expert share over all
+    layers (1 / E each when balanced), and the dropped assignments (0: dropless dispatch)."""
+    return {"router/balance_loss": stats.balance_loss, "router/max_load": jnp.max(stats.load),
+            "router/min_load": jnp.min(stats.load), "router/dropped": jnp.zeros((), jnp.float32)}
+
+
+def router_terms(graphdef: nnx.GraphDef, compute_dtype: Any, coef: float, params: nnx.State, input_ids: jax.Array,
+                 attention_mask: jax.Array, frozen: Any = None) -> tuple[Optional[Any], dict]:
+    """(coef * the balance loss's float32 gradient w.r.t. `params`, or None when coef is 0;
+    router/* metrics). `frozen`: a LoRA run's base state, as in the update."""
+    def balance(weights):
+        state = weights if frozen is None else nnx.merge_state(frozen, weights)
+        stats = router_statistics(nnx.merge(graphdef, state), input_ids, attention_mask)
+        return stats.balance_loss, stats.load  # aux must be a pytree: RouterStats is not one
+
+    weights = compute_params(params, compute_dtype)
+    if coef == 0.0:
+        return None, router_metrics(RouterStats(*reversed(balance(weights))))
+    (loss, load), grads = jax.value_and_grad(balance, has_aux=True)(weights)
+    return jax.tree.map(lambda g: coef * g.astype(jnp.float32), grads), router_metrics(RouterStats(load, loss))
+
+
+def router_update_terms(graphdef: nnx.GraphDef, compute_dtype: Any, coef: Optional[float]):
+    """The update's `(grads, params, batch, frozen) -> (grads, router/* metrics)`: `grads` (the policy
+    loss's) plus `router_terms`' balance gradient; for a dense model (coef None) unchanged, no metrics."""
+    def with_router_terms(grads, params, batch, frozen):
+        if coef is None:
+            return grads, {}
+        router_grads, metrics = router_terms(graphdef, compute_dtype, coef, params, batch.input_ids,
+                                             batch.attention_mask, frozen)
+        return grads if router_grads is None else jax.tree.map(jnp.add, grads, router_grads), metrics
+
+    return with_router_terms
+
+
+def router_coef(loss: Any, qcfg: Any) -> Optional[float]:
+    """The update's `router_coef`: None for a dense model (no router/* metrics), else
+    `loss.router_balance_coef`. A coefficient set for a dense model is refused, not ignored."""
+    if qcfg.family.sparse_mlp:
+        return float(loss.router_balance_coef)
+    if loss.router_balance_coef > 0.0:
+        raise ConfigError(f"loss.router_balance_coef = {loss.router_balance_coef} weighs a mixture-of-experts "
+                          f"router's load-balancing loss, but model_type {qcfg.model_type} has no router; "
+                          "set loss.router_balance_coef=0")
+    return None
