@@ -65,7 +65,7 @@ class ModelFamily:
     def rope_scaling(self, block: dict | None) -> tuple | None:
         """The HF `rope_scaling` mapping (rope_theta removed) as sorted (key, value) pairs, or None for
         plain RoPE; a scaling this family does not implement is refused."""
-        kind = (block or {}).get("rope_type", (block or {}).get("type", "default"))
+        kind = rope_type(block)
         if kind != "default":
             raise unsupported("rope_scaling.rope_type", kind, "'default' RoPE (no scaling)")
         return None
@@ -129,6 +129,12 @@ class ModelFamily:
     def tiny_changes(self) -> dict[str, Any]:
         """`QwenConfig.tiny` changes that give this family its distinguishing shape."""
         return {}
+
+
+def rope_type(block: dict | None) -> str:
+    """The scaling kind of an HF `rope_scaling` block (`rope_type`, older configs `type`); "default" for none."""
+    block = block or {}
+    return block.get("rope_type", block.get("type", "default"))
 
 
 def default_frequencies(head_dim: int, theta: float) -> jnp.ndarray:

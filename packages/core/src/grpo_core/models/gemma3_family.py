@@ -21,7 +21,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from grpo_core.model_families import ModelFamily, default_frequencies, unsupported
+from grpo_core.model_families import ModelFamily, default_frequencies, rope_type, unsupported
 from grpo_core.models.hf_names import HF_TABLE, Same
 
 SLIDING, GLOBAL = "sliding_attention", "full_attention"
@@ -104,7 +104,7 @@ class Gemma3Family(ModelFamily):
         return tuple(window if kind == SLIDING else 0 for kind in kinds)
 
     def rope_scaling(self, block: dict | None) -> tuple | None:
-        kind = (block or {}).get("rope_type", (block or {}).get("type", "default"))
+        kind = rope_type(block)
         if kind == "default":
             return None
         if kind != "linear":

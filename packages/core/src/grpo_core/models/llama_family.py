@@ -15,7 +15,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from grpo_core.model_families import ModelFamily, default_frequencies, unsupported
+from grpo_core.model_families import ModelFamily, default_frequencies, rope_type, unsupported
 
 LLAMA3_KEYS = ("factor", "high_freq_factor", "low_freq_factor", "original_max_position_embeddings")
 
@@ -29,7 +29,7 @@ class LlamaFamily(ModelFamily):
             raise unsupported("attention_bias", cfg.attention_bias, "false for llama (Llama 3 has no attention bias)")
 
     def rope_scaling(self, block: dict | None) -> tuple | None:
-        kind = (block or {}).get("rope_type", (block or {}).get("type", "default"))
+        kind = rope_type(block)
         if kind == "default":
             return None
         if kind != "llama3":
