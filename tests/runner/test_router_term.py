@@ -56,6 +56,8 @@ def assert_router_metrics(graphdef, params, metrics):
     assert float(metrics["router/max_load"]) == pytest.approx(float(jnp.max(stats.load)), rel=1e-6)
     assert float(metrics["router/min_load"]) == pytest.approx(float(jnp.min(stats.load)), rel=1e-6)
     assert float(metrics["router/dropped"]) == 0.0
+    per_expert = [float(metrics[f"router/load/expert_{e}"]) for e in range(MOE.num_experts)]
+    assert per_expert == pytest.approx(np.mean(np.asarray(stats.load), axis=0).tolist(), rel=1e-6)
     assert float(metrics["router/max_load"]) > 1.0 / MOE.num_experts > float(metrics["router/min_load"])
 
 

@@ -26,9 +26,12 @@ from grpo_core.models.router_stats import RouterStats, router_statistics
 
 def router_metrics(stats: RouterStats) -> dict:
     """router/* metrics: the balance loss, the largest and smallest expert share over all
-    layers (1 / E each when balanced), and the dropped assignments (0: dropless dispatch)."""
+    layers (1 / E each when balanced), each expert's share averaged over the layers, and the
+    dropped assignments (0: dropless dispatch)."""
+    per_expert = jnp.mean(stats.load, axis=0)
     return {"router/balance_loss": stats.balance_loss, "router/max_load": jnp.max(stats.load),
-            "router/min_load": jnp.min(stats.load), "router/dropped": jnp.zeros((), jnp.float32)}
+            "router/min_load": jnp.min(stats.load), "router/dropped": jnp.zeros((), jnp.float32),
+            **{f"router/load/expert_{e}": share for e, share in enumerate(per_expert)}}
 
 
 def router_terms(graphdef: nnx.GraphDef, compute_dtype: Any, coef: float, params: nnx.State, input_ids: jax.Array,
@@ -42,7 +45,8 @@ def router_terms(graphdef: nnx.GraphDef, compute_dtype: Any, coef: float, params
 
     weights = compute_params(params, compute_dtype)
     if coef == 0.0:
-        return None, router_metrics(RouterStats(*reversed(balance(weights))))
+        loss, load = balance(weights)
+        return None, router_metrics(RouterStats(load, loss))
     (loss, load), grads = jax.value_and_grad(balance, has_aux=True)(weights)
     return jax.tree.map(lambda g: coef * g.astype(jnp.float32), grads), router_metrics(RouterStats(load, loss))
 
