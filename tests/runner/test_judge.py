@@ -145,3 +145,63 @@ def test_options_defaults_ask_for_a_yes_no_verdict():
     defaults = JudgeOptions()
     assert "{question}" in defaults.template and "{reference}" in defaults.template
     assert parse_verdict("Verdict: yes", re.compile(defaults.pattern), defaults.scores) == 1.0
+
+
+JUDGE_ARCH = {"model_type": "qwen2", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+              "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 96,
+              "tie_word_embeddings": True}
+
+
+def _greedy(model, prompt, steps, width=64):
+    """The model's greedy continuation by full forwards (no cache, no rollout code), `steps` tokens. The row
+    is right-padded to `width`, so one compiled forward serves every step: causal attention keeps the
+    padding after a position out of its output."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    graphdef, state = nnx.split(model)
+    forward = jax.jit(lambda ids: (lambda m: m(ids) @ m.lm_head_weight())(nnx.merge(graphdef, state)))
+    ids = list(prompt)
+    for _ in range(steps):
+        logits = forward(jnp.asarray([ids + [0] * (width - len(ids))]))
+        ids.append(int(jnp.argmax(logits[0, len(ids) - 1])))
+    return ids[len(prompt):]
+
+
+def test_a_local_judge_decodes_greedily_with_the_runs_rollout_backend(tmp_path):
+    """A random tiny judge on the run's mesh (as build_run attaches it): its prompts go through the rollout
+    backend once per batch, greedy and bounded by max_tokens, with the judge's weights; its replies are the
+    model's own greedy continuation, and a prompt with no room for them in its context gets no reply."""
+    from grpo_core.config import MeshConfig, ModelConfig, RolloutConfig
+    from grpo_core.models import QwenConfig, init_from_config, load_pretrained
+    from grpo_core.models.hf_io import export_pretrained
+    from grpo_core.tokenizer import build_char_tokenizer
+    from grpo_meshes import build_mesh_from_config
+    from grpo_rollout.backend import JaxRollout
+    from grpo_runner_gsm8k.assembly.judge_model import attach_local_judges
+
+    tokenizer = build_char_tokenizer()
+    qcfg = QwenConfig.from_hf_dict({**JUDGE_ARCH, "vocab_size": len(tokenizer), "torch_dtype": "float32"})
+    export_pretrained(init_from_config(qcfg, seed=3, dtype="float32"), tmp_path / "judge", tokenizer)
+    judge = from_plugin(default_registry(), "reward", "judge", {
+        "path": str(tmp_path / "judge"), "dtype": "float32", "template": "{completion}={reference}",
+        "pattern": "(\\d)", "scores": {}, "max_tokens": 5}, "task.reward_options.judge")
+    backend, calls = JaxRollout(), []
+    generate, load_weights = backend.generate, backend.load_weights
+    backend.load_weights = lambda policy: calls.append(policy.config.hidden_size) or load_weights(policy)
+    backend.generate = lambda prompts, key, sampling, **kw: calls.append((len(prompts), sampling, kw)) or generate(
+        prompts, key, sampling, **kw)
+    resolved = build_mesh_from_config(MeshConfig(), default_registry().mesh)
+    attach_local_judges({"judge": (judge, 0.0)}, ModelConfig(), RolloutConfig(), resolved.mesh, resolved.strategy,
+                        backend)
+    replies = judge.client.decode(["1+2", "4", "9" * 80])
+    (hidden, (rows, sampling, kw)) = calls
+    assert hidden == 32 and rows == 8 and kw["batch_sharding"].mesh is resolved.mesh  # padded to the 8 devices
+    assert sampling.greedy and sampling.max_new_tokens == 5 and judge.client.decode.policy.config.hidden_size == 32
+    model = load_pretrained(tmp_path / "judge", dtype="float32")
+    for user, reply in zip(["1+2", "4"], replies):
+        expected = _greedy(model, judge.client.decode.prompt_ids(user), 5)
+        stop = next((i + 1 for i, t in enumerate(expected) if t in sampling.stop_token_ids), 5)
+        assert reply == tokenizer.decode(expected[:stop], skip_special_tokens=True)
+    assert replies[2] is None  # 80+ prompt tokens and 5 new ones exceed the judge's 96 positions

@@ -1,12 +1,14 @@
-"""The `judge` reward: a generative judge served behind an OpenAI-compatible endpoint grades
-each completion. Its prompt is `template` over the example's question, the completion (a
+"""The `judge` reward: a generative judge grades each completion, either served behind an
+OpenAI-compatible endpoint (`url`) or a local HF model (`path`) that the run loads onto its mesh
+and decodes greedily with its own rollout backend (`assembly.judge_model`). Its prompt is `template` over the example's question, the completion (a
 multi-turn row's final answer), the whole conversation and the reference; its reply's verdict
 is the first group of the last match of `pattern`, mapped to a score by `scores` (or read as
 a number when `scores` is empty).
 
 A verdict that cannot be read scores 0 and counts as `unparsed`; a request that still fails
 after its retries returns None (scores 0, counted in the reward's errors: `training.scoring`).
-Requests of a batch run concurrently on `workers` threads. docs/rewards.md has the options.
+Requests of a batch run concurrently on `workers` threads; a local judge decodes the batch at
+once. docs/rewards.md has the options.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import urllib.request
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Optional
+from typing import Literal, Optional, Sequence
 
 from grpo_core import RewardSpec
 from grpo_core.config import setting
@@ -41,8 +43,11 @@ class JudgeOptions:
     """Options of the `judge` reward (`task.reward_options.judge`)."""
 
     url: str = setting("", "Base URL of an OpenAI-compatible server, e.g. http://judge:8000/v1 "
-                       "(requests go to <url>/chat/completions).")
-    model: str = setting("", "The model name sent with each request.")
+                       "(requests go to <url>/chat/completions); or set `path`.")
+    path: str = setting("", "A local judge: an HF model directory or Hub id of a supported family, loaded onto the "
+                        "run's mesh like the teacher and decoded greedily by the run's rollout backend.")
+    dtype: Literal["float32", "bfloat16"] = setting("bfloat16", "The local judge's weights and compute dtype.")
+    model: str = setting("", "The model name sent with each request (url).")
     template: str = setting(DEFAULT_TEMPLATE, "The judge's user message: a template over {question}, {completion}, "
                             "{conversation} and {reference} ({{ and }} for literal braces).")
     system_prompt: str = setting("", "The judge's system message; empty for none.")
@@ -145,35 +150,63 @@ class ChatClient:
             self.failures += 1
         return None
 
+    def complete_many(self, users: Sequence[str]) -> list[Optional[str]]:
+        with ThreadPoolExecutor(self.options.workers) as pool:
+            return list(pool.map(self.complete, users))
+
+
+class LocalClient:
+    """A local judge model's replies: `decode(users) -> replies` is set by the run once it has
+    loaded the model (`assembly.judge_model.attach_local_judges`)."""
+
+    def __init__(self, options: JudgeOptions):
+        self.options, self.decode, self.failures = options, None, 0
+
+    def complete_many(self, users: Sequence[str]) -> list[Optional[str]]:
+        if self.decode is None:
+            raise RuntimeError("the local judge has no model: the run loads it (assembly.judge_model); "
+                               "outside a run, give the reward a url")
+        return self.decode(list(users))
+
+
+def judge_client(options: JudgeOptions) -> ChatClient | LocalClient:
+    if bool(options.url) == bool(options.path):
+        raise ValueError(f"url {options.url!r} and path {options.path!r}: set exactly one (url: a served judge, "
+                         "path: a local model)")
+    if options.url and not options.model:
+        raise ValueError("model is empty; set task.reward_options.judge.model to the model name the server serves")
+    return ChatClient(options) if options.url else LocalClient(options)
+
+
+class JudgeReward:
+    """`judge(completions, answers)` -> each completion's verdict score (see the module doc);
+    `take_metrics()` gives the judged and unparsed verdicts, failed requests and judging
+    seconds since it was last called."""
+
+    def __init__(self, options: JudgeOptions):
+        check_template(options.template)
+        self.options, self.pattern, self.client = options, compiled_pattern(options.pattern), judge_client(options)
+        self.scores = {str(key).strip().lower(): float(value) for key, value in options.scores.items()}
+        self.totals: Counter = Counter()
+
+    def __call__(self, completions: list[str], answers: list[str]) -> list[Optional[float]]:
+        check_pairs(completions, answers)
+        start, failed_before = time.monotonic(), self.client.failures
+        replies = self.client.complete_many([judge_prompt(self.options.template, c, a)
+                                             for c, a in zip(completions, answers)])
+        values = [None if text is None else parse_verdict(text, self.pattern, self.scores) for text in replies]
+        unparsed = [text is not None and value is None for text, value in zip(replies, values)]
+        self.totals.update({"judged": len(values), "unparsed": sum(unparsed), "judging_seconds":
+                            time.monotonic() - start, "failed_requests": self.client.failures - failed_before})
+        # an unreadable verdict scores 0 (counted as unparsed); a failed request is None (a reward error)
+        return [0.0 if bad else value for bad, value in zip(unparsed, values)]
+
+    def take_metrics(self) -> dict[str, float]:
+        return _taken(self.totals)
+
 
 def judge_reward(options: JudgeOptions) -> RewardFn:
-    """`fn(completions, answers)` -> each completion's verdict score (see the module doc);
-    `fn.take_metrics()` gives unparsed verdicts, failed requests and judging seconds since it
-    was last called."""
-    if not options.model:
-        raise ValueError("model is empty; set task.reward_options.judge.model to the model name the server serves")
-    check_template(options.template)
-    pattern, client = compiled_pattern(options.pattern), ChatClient(options)
-    scores = {str(key).strip().lower(): float(value) for key, value in options.scores.items()}
-    totals: Counter = Counter()
-
-    def reply(completion: str, reference: str) -> Optional[str]:
-        return client.complete(judge_prompt(options.template, completion, reference))
-
-    def judge(completions: list[str], answers: list[str]) -> list[Optional[float]]:
-        check_pairs(completions, answers)
-        start, failed_before = time.monotonic(), client.failures
-        with ThreadPoolExecutor(options.workers) as pool:
-            replies = list(pool.map(reply, completions, answers))
-        values = [None if text is None else parse_verdict(text, pattern, scores) for text in replies]
-        unparsed = sum(text is not None and value is None for text, value in zip(replies, values))
-        totals.update({"judged": len(values), "unparsed": unparsed, "failed_requests": client.failures - failed_before,
-                       "judging_seconds": time.monotonic() - start})
-        # an unreadable verdict scores 0 (counted as unparsed); a failed request is None (a reward error)
-        return [0.0 if text is not None and value is None else value for text, value in zip(replies, values)]
-
-    judge.take_metrics = lambda: _taken(totals)
-    return judge
+    return JudgeReward(options)
 
 
 def _taken(totals: Counter) -> dict[str, float]:
