@@ -123,6 +123,8 @@ def test_a_request_that_fails_after_its_retries_scores_zero_as_an_error(server):
 @pytest.mark.parametrize("options, refusal", [
     ({"url": "judge:8000"}, "url 'judge:8000' is not an http(s) URL"),
     ({"model": ""}, "model is empty"),
+    ({"path": "/models/judge"}, "and path '/models/judge': set exactly one"),
+    ({"url": ""}, "url '' and path '': set exactly one"),
     ({"pattern": "verdict: (yes"}, "pattern 'verdict: (yes' is not a regular expression"),
     ({"template": "{response}"}, "template field {response} is unknown"),
 ])
