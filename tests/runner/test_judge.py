@@ -136,7 +136,8 @@ def test_bad_options_are_refused_in_one_line(server, options, refusal):
 
 
 def test_grpo_run_refuses_a_bad_judge_pattern_before_the_model_loads(tmp_path, tiny_config_path, capsys):
-    assert main(["--config", tiny_config_path, f"logging.dir={tmp_path / 'run'}", "task.rewards={correctness: 1.0, judge: 1.0}",
+    assert main(["--config", tiny_config_path, f"logging.dir={tmp_path / 'run'}",
+                 "task.rewards={correctness: 1.0, judge: 1.0}",
                  "task.reward_options={judge: {url: 'http://127.0.0.1:9/v1', model: m, pattern: '(yes'}}"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "pattern '(yes' is not a regular expression" in err[0], err
@@ -207,3 +208,5 @@ def test_a_local_judge_decodes_greedily_with_the_runs_rollout_backend(tmp_path):
         stop = next((i + 1 for i, t in enumerate(expected) if t in sampling.stop_token_ids), 5)
         assert reply == tokenizer.decode(expected[:stop], skip_special_tokens=True)
     assert replies[2] is None  # 80+ prompt tokens and 5 new ones exceed the judge's 96 positions
+    assert judge.client.failures == 0  # counted by the client's complete_many, not by the decoder
+    assert judge.client.complete_many(["9" * 80]) == [None] and judge.client.failures == 1

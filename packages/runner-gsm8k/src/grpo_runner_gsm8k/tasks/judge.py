@@ -1,9 +1,9 @@
 """The `judge` reward: a generative judge grades each completion, either served behind an
 OpenAI-compatible endpoint (`url`) or a local HF model (`path`) that the run loads onto its mesh
-and decodes greedily with its own rollout backend (`assembly.judge_model`). Its prompt is `template` over the example's question, the completion (a
-multi-turn row's final answer), the whole conversation and the reference; its reply's verdict
-is the first group of the last match of `pattern`, mapped to a score by `scores` (or read as
-a number when `scores` is empty).
+and decodes greedily with its own rollout backend (`assembly.judge_model`). Its prompt is
+`template` over the example's question, the completion (a multi-turn row's final answer), the
+whole conversation and the reference; its reply's verdict is the first group of the last match
+of `pattern`, mapped to a score by `scores` (or read as a number when `scores` is empty).
 
 A verdict that cannot be read scores 0 and counts as `unparsed`; a request that still fails
 after its retries returns None (scores 0, counted in the reward's errors: `training.scoring`).
@@ -166,7 +166,9 @@ class LocalClient:
         if self.decode is None:
             raise RuntimeError("the local judge has no model: the run loads it (assembly.judge_model); "
                                "outside a run, give the reward a url")
-        return self.decode(list(users))
+        replies = self.decode(list(users))
+        self.failures += sum(reply is None for reply in replies)  # prompts too long for the judge's context
+        return replies
 
 
 def judge_client(options: JudgeOptions) -> ChatClient | LocalClient:
