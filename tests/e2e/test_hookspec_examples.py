@@ -2,6 +2,7 @@
 tiny config with the example selected."""
 
 import ast
+import json
 import math
 import re
 import types
@@ -15,7 +16,7 @@ from grpo_core.testing import registry_with
 EXAMPLES = {"grpo_losses": "loss", "grpo_meshes": "mesh", "grpo_rollouts": "rollout", "grpo_rewards": "reward",
             "grpo_tasks": "task", "grpo_advantages": "advantage", "grpo_commands": "command",
             "grpo_step_end": "step_end", "grpo_tools": "tool", "grpo_environments": "environment",
-            "grpo_model_families": "model_family"}
+            "grpo_model_families": "model_family", "grpo_graders": "grader"}
 SELECT = {
     "grpo_losses": ["loss.impl=naive"],
     "grpo_meshes": ["mesh.strategy=data_only"],
@@ -39,6 +40,9 @@ SELECT = {
                           "rollout.max_new_tokens=8", "rollout.multi_turn.max_total_tokens=48",
                           "model.architecture.max_position_embeddings=160"],
     "grpo_model_families": ["model.architecture.model_type=biased_decoder"],
+    # the dataset task over sums written to {grader_data}, graded in eval by the example grader
+    "grpo_graders": ["task.name=dataset", "task.options={path: {grader_data}, prompt: '{q}', answer_field: a, "
+                     "grader: near, grader_options: {tolerance: 1}, use_chat_template: false}"],
 }
 
 
@@ -81,12 +85,21 @@ def test_every_hook_has_an_example_selected_here():
     assert hooks == set(SELECT) == set(EXAMPLES)
 
 
+@pytest.fixture(scope="session")
+def grader_data(tmp_path_factory) -> str:
+    """A JSONL file of one-digit sums (q, a) for the `dataset` task of the grader example."""
+    path = tmp_path_factory.mktemp("grader") / "sums.jsonl"
+    path.write_text("".join(json.dumps({"q": f"{i}+{j}=", "a": str(i + j)}) + "\n" for i in range(5) for j in range(5)))
+    return str(path)
+
+
 @pytest.mark.parametrize("hook", sorted(SELECT))
-def test_example_trains_one_step(hook, tiny_config, example_module, one_step_config):
+def test_example_trains_one_step(hook, tiny_config, example_module, one_step_config, grader_data):
     from grpo_runner_gsm8k.loop import Trainer, build_run
 
     registry = registry_with(example_module(hook))
-    cfg = tiny_config(*one_step_config, *SELECT[hook], registry=registry)
+    selected = [override.replace("{grader_data}", grader_data) for override in SELECT[hook]]
+    cfg = tiny_config(*one_step_config, *selected, registry=registry)
     trainer = Trainer(build_run(cfg, registry))
     metrics = trainer.run()
     assert trainer.state.step == 1
@@ -132,7 +145,15 @@ def family_trained(trainer, registry, metrics) -> None:
     assert any("q_proj" in p and "bias" in p for p in paths), sorted(paths)[:5]
 
 
+def graded_by_the_example(trainer, registry, metrics) -> None:
+    """The dataset task grades with the example grader and its options (tolerance 1)."""
+    task = trainer.built.inputs.task
+    assert [task.grade(c, "8").correct for c in ("7", "9", "6", "no number")] == [True, True, False, False]
+    assert task.grade("x=6.0", "8").answer == "6.0"
+
+
 CHECK_AFTER_STEP = {"grpo_step_end": step_end_logged, "grpo_commands": command_runs,
+                    "grpo_graders": graded_by_the_example,
                     "grpo_environments": environment_rewarded, "grpo_model_families": family_trained}
 
 

@@ -75,7 +75,7 @@ def test_text_graders():
     assert grade_exact("so \\boxed{x  y}", "x y").correct
     assert choice_of("(A) is wrong, I pick C") == "C" and choice_of("Answer: none") is None
     assert grade_number("#### 1,000", "1000").correct and not grade_number("999", "1000").correct
-    with pytest.raises(ValueError, match="unknown grader 'regex'"):
+    with pytest.raises(UserError, match="unknown grader 'regex'; available: choice, code, exact, math, number"):
         make_grader("regex")
 
 

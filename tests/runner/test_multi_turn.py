@@ -396,3 +396,22 @@ def test_the_eval_and_partial_rollouts_run_the_same_turn_loop():
     for rows in (MultiTurnEval, MultiTurnSampler, MultiTurnPartialSampler):
         assert rows.render is ToolRows.render and rows.start_rows is ToolRows.start_rows
     assert MultiTurnEval.rolled_out is ToolRows.rolled_out
+
+
+@pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="the sandbox needs Linux")
+def test_the_code_reward_grades_the_final_turn_of_a_tool_using_row(tokenizer, runner, monkeypatch):
+    """A row's program is its final answer (after the last tool turn), not a fenced block of an earlier turn:
+    `code_final` writes a wrong fenced program before its call and the right one, unfenced, last; `code_early`
+    the reverse. Graded on the whole conversation, the fenced blocks would win and flip both verdicts."""
+    from grpo_runner_gsm8k.tasks.code_grading import CodeOptions, code_reference
+    from grpo_runner_gsm8k.tasks.graders import code_reward
+
+    right, wrong = "def add3(x): return x + 3", "def add3(x): return x"  # short: a turn is 96 tokens
+    monkeypatch.setitem(SCRIPTS, "code_final", [f"```py\n{wrong}\n```{CALL}", right])
+    monkeypatch.setitem(SCRIPTS, "code_early", [f"```py\n{right}\n```{CALL}", wrong])
+    _, rows = _rollout(tokenizer, runner)
+    texts = conversation_texts(tokenizer, rows, 400)[-2:]
+    assert [t.tool_calls for t in texts] == [1, 1] and all(right in t.conversation and wrong in t.conversation
+                                                           for t in texts)
+    reference = code_reference(["assert add3(1) == 4", "assert add3(-3) == 0"], "add3")
+    assert code_reward(CodeOptions(workers=2))(texts, [reference] * 2) == [1.0, 0.0]

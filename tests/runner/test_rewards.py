@@ -167,3 +167,39 @@ def test_score_checks_its_inputs_and_handles_empty_batches():
         score({}, ["a"], [])
     empty = score({"c": (correctness_reward(CorrectnessOptions()), 1.0)}, [], [])
     assert empty.total.shape == (0,) and empty.errors == {"c": 0}
+
+
+def test_a_none_scores_zero_counts_as_an_error_and_is_not_asked_again():
+    """The rule of docs/rewards.md: a reward that cannot score a completion returns None for it; the row
+    scores 0 from that function, counts in its errors, and the other rows keep the batch call's values
+    (no retry one by one: a judge or a sandbox would pay for every row again)."""
+    calls = []
+
+    def abstains(completions, answers):
+        calls.append(len(completions))
+        return [None if c == "skip" else 0.5 for c in completions]
+
+    scores = score({"abstains": (abstains, 2.0), "one": (lambda c, a: [1.0] * len(c), 1.0)},
+                   ["a", "skip", "b"], ["1", "1", "1"])
+    np.testing.assert_array_equal(scores.per_fn["abstains"], [0.5, 0.0, 0.5])
+    np.testing.assert_array_equal(scores.total, [2.0, 1.0, 2.0])
+    assert scores.errors == {"abstains": 1, "one": 0} and calls == [3]
+
+
+def test_score_gives_each_completion_its_question():
+    from grpo_core.contracts import CompletionText
+    from types import SimpleNamespace
+    from grpo_core.contracts import Example
+    from grpo_runner_gsm8k.samplers.plain import score_groups
+
+    seen = []
+
+    def reads_questions(completions, answers):
+        seen.extend(c.question for c in completions)
+        return [1.0] * len(completions)
+
+    run = SimpleNamespace(cfg=SimpleNamespace(rollout=SimpleNamespace(n=2)),
+                          inputs=SimpleNamespace(rewards={"q": (reads_questions, 1.0)}))
+    completions = [CompletionText(t, 1, 4, True) for t in "abcd"]
+    score_groups(run, [Example("2+2?", "4"), Example("3+3?", "6")], completions)
+    assert seen == ["2+2?", "2+2?", "3+3?", "3+3?"] and CompletionText("x", 1, 1, True).question == ""

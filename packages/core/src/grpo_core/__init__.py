@@ -3,7 +3,7 @@
 from grpo_core.hookspecs import hookimpl
 from grpo_core.specs import (AdvantageSpec, CommandSpec, LossSpec, MeshSpec, NoOptions, PluginSpec, RewardSpec,
                              RolloutSpec, TaskSpec)
-from grpo_core.specs import EnvironmentSpec, ModelFamilySpec, ToolSpec
+from grpo_core.specs import EnvironmentSpec, GraderSpec, ModelFamilySpec, ToolSpec
 
 __all__ = [
     "hookimpl",
@@ -19,4 +19,5 @@ __all__ = [
     "ToolSpec",
     "EnvironmentSpec",
     "ModelFamilySpec",
+    "GraderSpec",
 ]

@@ -94,6 +94,14 @@ class RewardFn(Protocol):
     def __call__(self, completions: list[str], answers: list[str]) -> Sequence[float]: ...
 
 
+# ---- grader (`GraderSpec.factory(options) -> Grader`) ---------------------------------------
+class Grader(Protocol):
+    """Grades decoded completions against references: one (answer, correct) pair per completion,
+    `answer` the text it read from the completion (None: none found) and `correct` the verdict."""
+
+    def __call__(self, completions: Sequence[str], references: Sequence[str]) -> Sequence[tuple[str | None, bool]]: ...
+
+
 # ---- advantage estimator (`AdvantageSpec.factory(options, setup: AdvantageSetup)`) ----------
 @runtime_checkable
 class AdvantageEstimator(Protocol):

@@ -6,7 +6,8 @@ factories build the objects described in `grpo_core.contracts`. Hook names and a
 are stable: arguments are only ever added, never renamed.
 
 A complete plugin module per hook is in `examples/hooks/` (loss.py, mesh.py, rollout.py,
-reward.py, task.py, advantage.py, command.py, step_end.py, tool.py, environment.py, model_family.py);
+reward.py, task.py, advantage.py, command.py, step_end.py, tool.py, environment.py, model_family.py,
+grader.py);
 `tests/e2e/test_hookspec_examples.py` trains one step with each (tools and environments: loads
 and exercises them, until the multi-turn sampler that drives them exists).
 """
@@ -18,7 +19,7 @@ from typing import Any
 import pluggy
 
 from grpo_core.specs import AdvantageSpec, CommandSpec, LossSpec, MeshSpec, RewardSpec, RolloutSpec, TaskSpec
-from grpo_core.specs import EnvironmentSpec, ModelFamilySpec, ToolSpec
+from grpo_core.specs import EnvironmentSpec, GraderSpec, ModelFamilySpec, ToolSpec
 
 PROJECT = "grpo"
 hookspec = pluggy.HookspecMarker(PROJECT)
@@ -78,3 +79,8 @@ def grpo_environments() -> list[EnvironmentSpec]:
 @hookspec
 def grpo_model_families() -> list[ModelFamilySpec]:
     """Decoder families (`model_families.ModelFamily`) selected by a config.json's `model_type`."""
+
+
+@hookspec
+def grpo_graders() -> list[GraderSpec]:
+    """Graders (`contracts.Grader`) selectable by name where a task takes one (`task.options.grader` of `dataset`)."""

@@ -33,6 +33,7 @@ HOOK_BY_KIND = {
     "tool": "grpo_tools",
     "environment": "grpo_environments",
     "model_family": "grpo_model_families",
+    "grader": "grpo_graders",
 }
 
 
@@ -91,7 +92,7 @@ def load_entry_points(pm: pluggy.PluginManager, strict: bool | None = None) -> d
 
 class Registry:
     """Every named plugin (loss, mesh, rollout, reward, task, advantage estimator, command, tool,
-    environment, model family), by kind and name; the step-end hooks."""
+    environment, model family, grader), by kind and name; the step-end hooks."""
 
     def __init__(self, pm: pluggy.PluginManager, distributions: dict[str, str] | None = None):
         self._pm = pm
@@ -172,6 +173,9 @@ class Registry:
 
     def model_family(self, name: str) -> PluginSpec:
         return self.get("model_family", name)
+
+    def grader(self, name: str) -> PluginSpec:
+        return self.get("grader", name)
 
 
 def build_registry(extra_plugins: Iterable[Any] = (), *, entry_points: bool = True,

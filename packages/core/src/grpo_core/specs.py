@@ -136,4 +136,12 @@ class ModelFamilySpec(PluginSpec):
     kind: ClassVar[str] = "model_family"
 
 
-SPEC_TYPES.update({spec.kind: spec for spec in (ToolSpec, EnvironmentSpec, ModelFamilySpec)})
+@dataclass(frozen=True)
+class GraderSpec(PluginSpec):
+    """A grader named by a task's `grader` option (the `dataset` task's `task.options.grader`):
+    `factory(options) -> grpo_core.contracts.Grader`, built once per task."""
+
+    kind: ClassVar[str] = "grader"
+
+
+SPEC_TYPES.update({spec.kind: spec for spec in (ToolSpec, EnvironmentSpec, ModelFamilySpec, GraderSpec)})

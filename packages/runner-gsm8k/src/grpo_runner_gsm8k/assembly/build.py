@@ -34,6 +34,7 @@ from grpo_runner_gsm8k.multihost import local_prompt_count
 from grpo_runner_gsm8k.samplers.multi_turn_inputs import check_multi_turn_inputs
 from grpo_runner_gsm8k.assembly.teacher import check_teacher_positions, check_teacher_tokenizer
 from grpo_runner_gsm8k.tasks.base import prompts_to_check
+from grpo_runner_gsm8k.tasks.graders import use_graders_of
 from grpo_runner_gsm8k.tokens import prompt_token_ids
 from grpo_runner_gsm8k.training.router_term import router_coef
 
@@ -258,6 +259,7 @@ def check_inputs(cfg: RunConfig, registry: Registry, process_index: int = 0,
     if cfg.teacher.path:
         check_teacher_tokenizer(cfg.teacher, tokenizer)
         check_teacher_positions(cfg.teacher, cfg.rollout)
+    use_graders_of(registry)  # a task that grades by name (dataset) finds the run's graders
     task = from_plugin(registry, "task", cfg.task.name, cfg.task.options, "task.options", seed=cfg.task.seed,
                        process_index=process_index, process_count=process_count)
     check_multi_turn_inputs(cfg, tokenizer, task, qcfg.max_position_embeddings)

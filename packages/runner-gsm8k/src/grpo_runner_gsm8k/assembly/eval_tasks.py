@@ -8,6 +8,7 @@ from grpo_core.errors import UserError
 from grpo_core.registry import Registry
 
 from grpo_runner_gsm8k.assembly.build import from_plugin
+from grpo_runner_gsm8k.tasks.graders import use_graders_of
 from grpo_runner_gsm8k.tokens import run_prompt_ids
 
 
@@ -15,6 +16,7 @@ def eval_tasks(tasks: dict, registry: Registry, seed: int) -> dict[str, Any]:
     """The tasks of `eval.tasks` (name -> options), seeded with task.seed, built whole on every
     process (all processes pass the same questions to the rollout)."""
     tasks = tasks or {}
+    use_graders_of(registry)
     if not isinstance(tasks, dict):
         raise UserError(f"eval.tasks must map task names to options, got {tasks!r}; e.g. eval.tasks={{math500: {{}}}}")
     return {name: from_plugin(registry, "task", name, options or {}, f"eval.tasks.{name}", seed=seed)

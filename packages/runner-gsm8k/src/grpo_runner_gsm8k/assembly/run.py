@@ -38,6 +38,7 @@ from grpo_runner_gsm8k.samplers.factory import restore_carried, step_sampler
 from grpo_runner_gsm8k.training.router_term import router_coef
 from grpo_runner_gsm8k.training.step import make_score, make_update
 from grpo_runner_gsm8k.assembly.teacher import Teacher, full_kl_term, load_teacher
+from grpo_runner_gsm8k.assembly.judge_model import attach_local_judges
 
 
 @dataclass(frozen=True)
@@ -203,6 +204,7 @@ def build_run(cfg: RunConfig, registry: Registry, resume: bool = False, *, train
     state = TrainState(params, init_opt_state(optimizer[1], params, mesh), jax.random.key(cfg.train.seed))
     teacher = (load_teacher(cfg.teacher, cfg.model, mesh, strategy, plugins.loss_impl, cfg.rollout.temperature)
                if cfg.teacher.path else None)
+    attach_local_judges(inputs.rewards, cfg.model, cfg.rollout, mesh, strategy, plugins.rollout)
     place = RunPlace(registry, layout, mesh, qcfg, policy)
     stop = stop_token_ids(cfg.rollout, inputs.tokenizer)
     samplings = (sampling_params(cfg.rollout, stop), sampling_params(cfg.rollout, stop, cfg.eval))

@@ -71,7 +71,9 @@ class MultiTurnPartialSampler(MultiTurnSampler):
         result = trajectory_result(rows, cfg.n, self.turns.budget, run.inputs.tokenizer.pad_token_id)
         examples = [Example(**group.example) for group in groups]
         answers = [ex.answer for ex in examples for _ in range(cfg.n)]
-        scores = score(run.inputs.rewards, conversation_texts(run.inputs.tokenizer, rows, self.turns.budget), answers)
+        questions = [ex.question for ex in examples for _ in range(cfg.n)]
+        scores = score(run.inputs.rewards, conversation_texts(run.inputs.tokenizer, rows, self.turns.budget), answers,
+                       questions)
         scores = scores._replace(episodes=episode_arrays(rows, self.turns.budget))
         seconds = {"rollout_s": reward_start - start, "reward_s": time.monotonic() - reward_start}
         metrics = {**trajectory_metrics(rows), **self.metrics(step, groups, rounds),

@@ -185,7 +185,9 @@ class MultiTurnSampler(ToolRows):
         reward_start = time.monotonic()
         result = trajectory_result(rows, n, self.turns.budget, run.inputs.tokenizer.pad_token_id)
         answers = [ex.answer for ex in examples for _ in range(n)]
-        scores = score(run.inputs.rewards, conversation_texts(run.inputs.tokenizer, rows, self.turns.budget), answers)
+        questions = [ex.question for ex in examples for _ in range(n)]
+        scores = score(run.inputs.rewards, conversation_texts(run.inputs.tokenizer, rows, self.turns.budget), answers,
+                       questions)
         scores = scores._replace(episodes=episode_arrays(rows, self.turns.budget))
         self.step_rows += rows
         seconds = {"rollout_s": reward_start - start, "reward_s": time.monotonic() - reward_start}

@@ -24,7 +24,8 @@ from grpo_runner_gsm8k.tokens import decode_completions, tokenize_prompts
 def score_groups(run: Any, examples: list, completions: list) -> Scores:
     """The run's rewards of the rows of `examples`' groups (row i belongs to example i // n)."""
     answers = [ex.answer for ex in examples for _ in range(run.cfg.rollout.n)]
-    return score(run.inputs.rewards, completions, answers)
+    questions = [ex.question for ex in examples for _ in range(run.cfg.rollout.n)]
+    return score(run.inputs.rewards, completions, answers, questions)
 
 
 def scored_rollout(run: Any, policy: Policy, key: jax.Array) -> tuple[Sampled, DecodeTally, dict[str, float]]:

@@ -1,8 +1,8 @@
 """The `dataset` task: any JSON/JSONL/parquet file or HF Hub dataset, a prompt template over
-its fields (or a field of chat messages), a reference field and a grader by name (see
-`graders`), all from the config. Both splits are read, and every field the options name is
-checked, when the task is built: before the model loads, a missing field is one line that
-lists the dataset's columns.
+its fields (or a field of chat messages), a reference field and a grader by name (any
+registered grader plugin, see `graders`), all from the config. Both splits are read, and
+every field the options name is checked, when the task is built: before the model loads, a
+missing field is one line that lists the dataset's columns.
 """
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from __future__ import annotations
 import json
 import os
 import string
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from grpo_core.config import setting
 from grpo_core.contracts import Example
@@ -23,7 +23,7 @@ from grpo_runner_gsm8k.tasks.boxed_math import _rows_of_file
 from grpo_runner_gsm8k.tasks.answers import parse_number
 from grpo_runner_gsm8k.tasks.code_grading import CodeOptions, read_reference
 from grpo_runner_gsm8k.tasks.grading import Graded
-from grpo_runner_gsm8k.tasks.graders import GRADERS, make_grader
+from grpo_runner_gsm8k.tasks.graders import make_grader
 
 
 @dataclass(frozen=True)
@@ -60,9 +60,12 @@ class DatasetOptions(CodeOptions):
                                 "(for the code grader: a code_reference JSON string or object).")
     id_field: str = setting("", "A field holding a unique id; empty numbers the rows.")
     system_prompt: str = setting("", "System message when task.system_prompt is null; empty for none.")
-    grader: Literal["math", "number", "exact", "choice", "code"] = setting(
+    grader: str = setting(
         "exact", "How completions are graded in eval: math (\\boxed{}, math-verify), number, exact (text), "
-        "choice (a letter A-J) or code (tests run in the sandbox); see docs/rewards.md.")
+        "choice (a letter A-J), code (tests run in the sandbox) or any registered grader plugin "
+        "(`grpo-run plugins`); see docs/rewards.md.")
+    grader_options: dict = setting({}, "Options of the grader, checked by its options dataclass; for code, "
+                                   "empty takes the code options of this section.")
     use_chat_template: bool = setting(True, "Render prompts with the tokenizer's chat template.")
 
 
@@ -160,6 +163,13 @@ def check_reference(grader: str, reference: str, where: str) -> None:
         raise UserError(f"{where}: reference {reference[:80]!r} {problem}; fix task.options.answer_field or the data")
 
 
+def grader_options(options: DatasetOptions) -> Any:
+    """The grader's options: `grader_options`, or for the code grader the code options of the task's own."""
+    if options.grader == "code" and not options.grader_options:
+        return CodeOptions(**{field.name: getattr(options, field.name) for field in fields(CodeOptions)})
+    return options.grader_options
+
+
 class DatasetTask:
     """Rows of any data set graded by a named grader: real epochs over the train split, a fixed test split."""
 
@@ -167,13 +177,11 @@ class DatasetTask:
 
     def __init__(self, options: DatasetOptions, *, seed: int = 0, process_index: int = 0, process_count: int = 1):
         check_process(process_index, process_count)
-        if options.grader not in GRADERS:
-            raise UserError(f"task.options.grader {options.grader!r} is unknown; use one of {', '.join(GRADERS)}")
+        self.grade_many = make_grader(options.grader, grader_options(options))
         self.options, self.use_chat_template = options, options.use_chat_template
         self.process_index, self.process_count = process_index, process_count
         self.splits = {split: self._read(split) for split in dict.fromkeys((options.train_split, options.test_split))}
         self.order = EpochOrder(len(self.splits[options.train_split]), seed, process_index, process_count)
-        self.grade_many = make_grader(options.grader, code=options)
 
     def _read(self, split: str) -> list[DatasetExample]:
         where, rows = read_split(self.options, split)

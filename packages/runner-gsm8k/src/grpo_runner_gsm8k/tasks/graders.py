@@ -8,7 +8,8 @@ name: each turns (completions, references) into `Graded` verdicts.
 | choice | the last standalone option letter (A-J) is the reference's letter              |
 | code   | the program passes the reference's tests in the sandbox (`code_grading`)        |
 
-Graders are not a plugin kind: this table is the list (see docs/rewards.md).
+Graders are a plugin kind (`grpo_graders`, `GraderSpec`): these five register through the
+runner's entry point like any plugin's, and `make_grader` picks any registered one by name.
 """
 
 from __future__ import annotations
@@ -16,10 +17,13 @@ from __future__ import annotations
 import re
 from collections import Counter
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
-from grpo_core import RewardSpec
+from grpo_core import GraderSpec, RewardSpec
+from grpo_core.config import setting
+from grpo_core.config_io import plugin_options
 from grpo_core.contracts import RewardFn
+from grpo_core.registry import Registry, default_registry
 
 from grpo_runner_gsm8k.tasks.answers import extract_answer, last_boxed, last_boxed_or_line, parse_number
 from grpo_runner_gsm8k.tasks.code_grading import CodeGrader, CodeOptions
@@ -68,8 +72,20 @@ def _one_by_one(grade: Callable[[str, str], Graded]) -> GradeMany:
     return lambda completions, references: [grade(c, r) for c, r in zip(completions, references)]
 
 
-def _math(timeout_s: float) -> GradeMany:
-    verifier = TimedVerifier(timeout_s)
+@dataclass(frozen=True)
+class MathGraderOptions:
+    """Options of the `math` grader."""
+
+    timeout_s: float = setting(5.0, "Wall-clock limit of one math-verify comparison (over it: wrong).", gt=0)
+
+
+@dataclass(frozen=True)
+class NoGraderOptions:
+    """The `number`, `exact` and `choice` graders have no options."""
+
+
+def _math(options: MathGraderOptions) -> GradeMany:
+    verifier = TimedVerifier(options.timeout_s)
     return _one_by_one(lambda completion, reference: grade_boxed(verifier, completion, reference))
 
 
@@ -83,19 +99,43 @@ def _code(options: CodeOptions) -> GradeMany:
     return grade_many
 
 
-GRADERS = ("math", "number", "exact", "choice", "code")
+GRADER_SPECS = [
+    GraderSpec("math", _math, MathGraderOptions, "the last \\boxed{} equals the reference by math-verify"),
+    GraderSpec("number", lambda options: _one_by_one(grade_number), NoGraderOptions,
+               "the final number equals the reference's number"),
+    GraderSpec("exact", lambda options: _one_by_one(grade_exact), NoGraderOptions,
+               "the final answer (last \\boxed{}, else last line) is the reference text"),
+    GraderSpec("choice", lambda options: _one_by_one(grade_choice), NoGraderOptions,
+               "the last standalone option letter (A-J) is the reference letter"),
+    GraderSpec("code", _code, CodeOptions, "the program passes the reference's tests in the sandbox"),
+]
+_registry: Optional[Registry] = None
 
 
-def make_grader(name: str, code: CodeOptions = CodeOptions(), math_timeout_s: float = 5.0) -> GradeMany:
-    """The grader `name` (one of GRADERS)."""
-    if name == "math":
-        return _math(math_timeout_s)
-    if name == "code":
-        return _code(code)
-    simple = {"number": grade_number, "exact": grade_exact, "choice": grade_choice}
-    if name not in simple:
-        raise ValueError(f"unknown grader {name!r}; use one of {', '.join(GRADERS)}")
-    return _one_by_one(simple[name])
+def use_graders_of(registry: Registry) -> None:
+    """Graders are looked up in `registry` (the run's, which may hold inline plugins) from now on."""
+    global _registry
+    _registry = registry
+
+
+def _checked(name: str, grade_many: Callable) -> GradeMany:
+    """A plugin's grader whose pairs become `Graded`, one per completion."""
+    def checked(completions: Sequence[str], references: Sequence[str]) -> list[Graded]:
+        pairs = list(grade_many(list(completions), list(references)))
+        if len(pairs) != len(completions):
+            raise ValueError(f"grader {name!r} returned {len(pairs)} verdicts for {len(completions)} completions")
+        return [Graded(answer, bool(correct)) for answer, correct in pairs]
+
+    return checked
+
+
+def make_grader(name: str, options: Any = None, where: str = "task.options.grader_options") -> GradeMany:
+    """The registered grader `name`, built from `options` (its options dataclass, or a mapping
+    checked against it; None: its defaults). An unknown name is a PluginError listing the graders."""
+    spec = (_registry or default_registry()).get("grader", name)
+    if not isinstance(options, spec.options):
+        options = plugin_options(spec.options, options or {}, where)
+    return _checked(name, spec.factory(options))
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,10 @@
 """`score`: runs the reward functions of a step safely (a function that raises or returns
-the wrong count scores its rows 0 and is counted, instead of stopping the run) and weights them."""
+the wrong count scores its rows 0 and is counted, instead of stopping the run) and weights them.
+
+A reward function that cannot score a completion returns None for it: that completion scores
+0 from the function and counts in its errors, and the function is not called again for it
+(docs/rewards.md, "A reward that cannot score": why 0 and not left out of the group).
+"""
 
 from __future__ import annotations
 
@@ -23,13 +28,22 @@ def _as_rewards(values: Any, expected: int) -> np.ndarray:
     return rewards
 
 
+def _unscored(values: Any) -> tuple[Any, int]:
+    """`values` with each None (a completion the function cannot score) as 0.0, and how many there were."""
+    if isinstance(values, np.ndarray) and values.dtype != object:
+        return values, 0
+    values = list(values)
+    return [0.0 if value is None else value for value in values], sum(value is None for value in values)
+
+
 def _one_by_one(fn: RewardFn, name: str, completions: Sequence[str],
                 answers: Sequence[str]) -> tuple[np.ndarray, int]:
     """Per-sample calls after a failed batch call: a failing or non-finite sample scores 0."""
     rewards, errors = np.zeros(len(completions)), 0
     for i, (completion, answer) in enumerate(zip(completions, answers)):
         try:
-            value = _as_rewards(fn([completion], [answer]), 1)[0]
+            values, unscored = _unscored(fn([completion], [answer]))
+            value = math.nan if unscored else _as_rewards(values, 1)[0]
         except Exception as exc:  # any plugin bug must not stop training
             logger.debug("reward %s failed on sample %d: %r", name, i, exc)
             value = math.nan
@@ -43,9 +57,10 @@ def _one_by_one(fn: RewardFn, name: str, completions: Sequence[str],
 def _run_reward(fn: RewardFn, name: str, completions: Sequence[str],
                 answers: Sequence[str]) -> tuple[np.ndarray, int]:
     try:
-        rewards = _as_rewards(fn(list(completions), list(answers)), len(completions))
+        values, unscored = _unscored(fn(list(completions), list(answers)))
+        rewards = _as_rewards(values, len(completions))
         if np.isfinite(rewards).all():
-            return rewards, 0
+            return rewards, unscored
     except Exception as exc:  # isolate below, sample by sample
         logger.warning("reward %s failed on a batch of %d (%r); scoring samples one by one",
                        name, len(completions), exc)
@@ -53,15 +68,18 @@ def _run_reward(fn: RewardFn, name: str, completions: Sequence[str],
 
 
 def score(reward_fns: Mapping[str, tuple[RewardFn, float]], completions: Sequence[str],
-          answers: Sequence[str]) -> Scores:
+          answers: Sequence[str], questions: Sequence[str] | None = None) -> Scores:
     """Runs every reward function and sums `weight * reward` per completion.
 
-    A function that raises, returns the wrong number of values, or returns a
-    non-finite value is retried sample by sample; each sample that still
-    fails scores 0 and is counted in `errors[name]`. Nothing here raises for
-    a faulty reward function.
+    A None among a function's values scores that completion 0 and is counted in
+    `errors[name]`. A function that raises, returns the wrong number of values, or
+    returns a non-finite value is retried sample by sample; each sample that still
+    fails scores 0 and is counted in `errors[name]`. Nothing here raises for a faulty
+    reward function. `questions` (one per completion) become the completions' `question`.
     """
     check_pairs(completions, answers)
+    for completion, question in zip(completions, questions or ()):
+        completion.question = question
     total = np.zeros(len(completions))
     per_fn, errors = {}, {}
     for name, (fn, weight) in reward_fns.items():
