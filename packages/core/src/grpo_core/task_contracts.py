@@ -63,12 +63,14 @@ class ListableTask(Protocol):
 class CompletionText(str):
     """A decoded completion as reward functions receive it: a `str`, plus what only the
     rollout knows. num_tokens: sampled tokens (the stop token included); max_tokens: the
-    rollout's token budget (`rollout.max_new_tokens`); finished: ended on a stop token.
-    Reward functions that need none of it use it as a plain string."""
+    rollout's token budget (`rollout.max_new_tokens`); finished: ended on a stop token;
+    prompt: the chat messages the policy answered (system, user), as the runner sets them before
+    scoring (empty when unknown). Reward functions that need none of it use it as a plain string."""
 
     num_tokens: int
     max_tokens: int
     finished: bool
+    prompt: tuple = ()
 
     def __new__(cls, text: str, num_tokens: int, max_tokens: int, finished: bool) -> "CompletionText":
         value = super().__new__(cls, text)

@@ -68,3 +68,11 @@ def decode_completions(tokenizer: Any, result: RolloutResult) -> list[Completion
     texts = tokenizer.batch_decode([row[m].tolist() for row, m in zip(ids, mask)], skip_special_tokens=True)
     lengths, finished = host_array(result.lengths), host_array(result.finished)
     return [CompletionText(text, int(n), ids.shape[1], bool(done)) for text, n, done in zip(texts, lengths, finished)]
+
+
+def with_prompts(completions: list, examples: list, n: int, system_prompt: str | None) -> list:
+    """`completions`, row i of example i // n, each given its example's chat messages as `prompt`
+    (grpo_core.contracts.CompletionText), for rewards that score the prompt too (a reward model)."""
+    for i, completion in enumerate(completions):
+        completion.prompt = tuple(examples[i // n].messages(system_prompt))
+    return completions
