@@ -151,6 +151,7 @@ def test_plan_counts_the_reward_model_and_compiles_its_forward(plan_config):
     assert whole / 8 <= inputs.reward_model_bytes < whole / 2  # sharded over the 8 devices but for what stays whole
     phase = reward_model_phase(inputs)
     assert phase.name == REWARD_MODEL_PHASE and phase.arguments >= inputs.reward_model_bytes
-    assert inputs.held_beside_rollout >= inputs.reward_model_bytes > 0
+    without = plan.build_plan_inputs(plan_config(), default_registry())
+    assert inputs.held_beside_rollout - without.held_beside_rollout == inputs.reward_model_bytes > 0
 
 
