@@ -155,3 +155,9 @@ def test_plan_counts_the_reward_model_and_compiles_its_forward(plan_config):
     assert inputs.held_beside_rollout - without.held_beside_rollout == inputs.reward_model_bytes > 0
 
 
+
+
+def test_grpo_run_plugins_lists_the_reward_model(capsys):
+    assert main(["plugins"]) == 0
+    section = capsys.readouterr().out.split("reward:\n")[1].split("task:\n")[0]
+    assert ["reward_model", "grpo-runner-gsm8k"] in [line.split()[:2] for line in section.splitlines()]
