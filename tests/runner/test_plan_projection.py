@@ -108,8 +108,11 @@ def test_model_parallel_decode_step_reads_a_quarter_of_the_split_weights(tmp_pat
                                          + kv_projections * (1 - 1 / DEVICES), rel=0.05)
 
 
-def test_auto_decode_is_the_fastest_projected_layout(tmp_path_factory):
-    _, phases, projection = planned(tmp_path_factory, "rollout.options.gather_weights=auto")
+def auto_layout(tmp_path_factory, latency_us: float) -> tuple[str, dict[str, float]]:
+    """(layout `gather_weights: auto` chose, projected decode seconds of each) at `latency_us`;
+    the chosen one is the fastest, and its decode phase is what the projection prices."""
+    _, phases, projection = planned(tmp_path_factory, "rollout.options.gather_weights=auto",
+                                    chip=f"collective_latency_us={latency_us}")
     note = next(p.note for p in phases if p.name == "rollout decode")
     times = {name: float(seconds) for name, seconds in re.findall(r"(gathered|sharded|model_parallel|head_parallel) ([\d.]+) s", note)}
     assert set(times) == {"gathered", "sharded", "model_parallel", "head_parallel"}, note
@@ -117,18 +120,10 @@ def test_auto_decode_is_the_fastest_projected_layout(tmp_path_factory):
     assert times[chosen] == min(times.values())
     decode = projection.phases["rollout decode"]
     assert decode.setup_seconds + 16 * decode.seconds == pytest.approx(times[chosen], abs=0.006)
+    return chosen, times
 
 
-def auto_layout(tmp_path_factory, latency_us: float) -> tuple[str, dict[str, float]]:
-    """(layout `gather_weights: auto` chose, projected decode seconds of each) at `latency_us`."""
-    _, phases, _ = planned(tmp_path_factory, "rollout.options.gather_weights=auto",
-                           chip=f"collective_latency_us={latency_us}")
-    note = next(p.note for p in phases if p.name == "rollout decode")
-    times = {name: float(seconds) for name, seconds in re.findall(r"(gathered|sharded|model_parallel|head_parallel) ([\d.]+) s", note)}
-    return re.match(r"gather_weights=auto: (\w+) weights", note).group(1), times
-
-
-def test_auto_decode_layout_flips_when_collective_latency_is_large_enough(tmp_path_factory):
+def test_auto_decode_is_the_fastest_layout_and_flips_when_collective_latency_is_large_enough(tmp_path_factory):
     """Model-parallel reads a quarter of the weights per token but runs collectives every token;
     gathered runs none after its one gather. Without latency the first is the faster at SMALL; at
     1 ms per collective the second (the same programs, only the latency changed)."""

@@ -198,7 +198,7 @@ def test_score_gives_each_completion_its_question():
         seen.extend(c.question for c in completions)
         return [1.0] * len(completions)
 
-    run = SimpleNamespace(cfg=SimpleNamespace(rollout=SimpleNamespace(n=2)),
+    run = SimpleNamespace(cfg=SimpleNamespace(rollout=SimpleNamespace(n=2), task=SimpleNamespace(system_prompt=None)),
                           inputs=SimpleNamespace(rewards={"q": (reads_questions, 1.0)}))
     completions = [CompletionText(t, 1, 4, True) for t in "abcd"]
     score_groups(run, [Example("2+2?", "4"), Example("3+3?", "6")], completions)

@@ -64,13 +64,15 @@ class CompletionText(str):
     """A decoded completion as reward functions receive it: a `str`, plus what only the
     rollout knows. num_tokens: sampled tokens (the stop token included); max_tokens: the
     rollout's token budget (`rollout.max_new_tokens`); finished: ended on a stop token;
-    question: the example's question ('' where the caller has none). Reward functions that
-    need none of it use it as a plain string."""
+    question: the example's question; prompt: the chat messages the policy answered (system,
+    user); both set by the runner before scoring ('' and () where unknown). Reward functions
+    that need none of it use it as a plain string."""
 
     num_tokens: int
     max_tokens: int
     finished: bool
-    question: str = ""  # set by the training samplers, for rewards that read the question (a judge)
+    question: str = ""  # for rewards that read the question (a judge)
+    prompt: tuple = ()  # for rewards that score the prompt too (a reward model)
 
     def __new__(cls, text: str, num_tokens: int, max_tokens: int, finished: bool) -> "CompletionText":
         value = super().__new__(cls, text)

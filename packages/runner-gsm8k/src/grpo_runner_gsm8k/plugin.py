@@ -7,6 +7,7 @@ from grpo_runner_gsm8k.commands.builtin import COMMAND_SPECS
 from grpo_runner_gsm8k.tasks.graders import GRADER_REWARD_SPECS, GRADER_SPECS
 from grpo_runner_gsm8k.tasks.judge import JUDGE_REWARD_SPECS
 from grpo_runner_gsm8k.tasks.math_rewards import MATH_REWARD_SPECS
+from grpo_runner_gsm8k.tasks.reward_model import REWARD_MODEL_SPECS
 from grpo_runner_gsm8k.tasks.rewards import REWARD_SPECS
 from grpo_runner_gsm8k.tasks.tool_rewards import TOOL_REWARD_SPECS
 from grpo_runner_gsm8k.tasks import TASK_SPECS
@@ -20,7 +21,7 @@ def grpo_tasks() -> list[TaskSpec]:
 @hookimpl
 def grpo_rewards() -> list[RewardSpec]:
     return (list(REWARD_SPECS) + list(MATH_REWARD_SPECS) + list(TOOL_REWARD_SPECS) + list(GRADER_REWARD_SPECS)
-            + list(JUDGE_REWARD_SPECS))
+            + list(JUDGE_REWARD_SPECS) + list(REWARD_MODEL_SPECS))
 
 
 @hookimpl

@@ -68,3 +68,13 @@ def decode_completions(tokenizer: Any, result: RolloutResult) -> list[Completion
     texts = tokenizer.batch_decode([row[m].tolist() for row, m in zip(ids, mask)], skip_special_tokens=True)
     lengths, finished = host_array(result.lengths), host_array(result.finished)
     return [CompletionText(text, int(n), ids.shape[1], bool(done)) for text, n, done in zip(texts, lengths, finished)]
+
+
+def with_prompts(completions: list, examples: list, n: int, system_prompt: str | None) -> list:
+    """`completions`, row i of example i // n, each given its example's `question` and chat
+    messages as `prompt` (grpo_core.task_contracts.CompletionText), for rewards that read the
+    question (a judge) or score the prompt too (a reward model)."""
+    for i, completion in enumerate(completions):
+        example = examples[i // n]
+        completion.question, completion.prompt = example.question, tuple(example.messages(system_prompt))
+    return completions

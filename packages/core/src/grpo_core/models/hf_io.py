@@ -123,9 +123,10 @@ def _place(host: np.ndarray, sharding: jax.sharding.Sharding | None) -> jax.Arra
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
-def _target_path(hf_name: str, cfg: QwenConfig, targets: dict, file: str) -> tuple[str, Any, tuple] | None:
+def _target_path(hf_name: str, cfg: QwenConfig, targets: dict, file: str,
+                 skip: frozenset = frozenset()) -> tuple[str, Any, tuple] | None:
     found = hf_names.hf_to_ours(hf_name, cfg.family.hf_table)
-    if found is None and hf_names.is_ignored(hf_name):
+    if found is None and (hf_names.is_ignored(hf_name) or hf_name in skip):
         return None
     if found and found[0] in targets and all(i < n for i, n in zip(found[2], targets[found[0]].shape)):
         return found
@@ -198,15 +199,17 @@ def _shardings_by_path(state: nnx.State, mesh, rules: Rules) -> dict[str, jax.sh
     return {_dotted(p): v.get_value() for p, v in nnx.to_flat_state(param_shardings(state, mesh, rules))}
 
 
-def _fill_state(state: nnx.State, cfg: QwenConfig, model_dir: str, dtype, shardings: dict) -> None:
-    """Set every Variable of the abstract `state` from the checkpoint, one tensor at a time."""
+def _fill_state(state: nnx.State, cfg: QwenConfig, model_dir: str, dtype, shardings: dict,
+                skip: frozenset = frozenset()) -> None:
+    """Set every Variable of the abstract `state` from the checkpoint, one tensor at a time;
+    tensors named in `skip` are left to the caller."""
     targets = {_dotted(p): v for p, v in nnx.to_flat_state(state)}
     stacks = _StackedBuffers(shardings)
     loaded: set[tuple[str, tuple]] = set()
     for file, names in _names_by_file(model_dir):
         with open_safetensors(file) as f:
             for hf_name in names:
-                target = _target_path(hf_name, cfg, targets, file)
+                target = _target_path(hf_name, cfg, targets, file, skip)
                 if target is None:
                     continue
                 path, transform, index = target
@@ -234,19 +237,24 @@ def load_pretrained(
     rules: Rules | None = None,
     remat: str = "none",
     scan_layers: bool = True,
+    *,
+    config: QwenConfig | None = None,
+    skip: frozenset[str] = frozenset(),
 ) -> QwenModel:
     """Load an HF Qwen2/Qwen3 checkpoint (single file or index + shards) from a local
     directory or a Hub id, with parameters in `dtype` ("bfloat16" | "float32").
 
     With `mesh`, every tensor goes directly onto its NamedSharding from `rules`
     (default `grpo_core.sharding.DEFAULT_RULES`), one tensor at a time, and the model's
-    activation sharding is set from the same rules.
+    activation sharding is set from the same rules. `config` replaces the directory's
+    config.json (a reward model's decoder without an LM head); HF tensors named in `skip`
+    are not loaded (its score head, read apart).
     """
     model_dir = resolve_model_dir(path_or_hub_id)
-    cfg = QwenConfig.from_pretrained_dir(model_dir)
+    cfg = QwenConfig.from_pretrained_dir(model_dir) if config is None else config
     rules = rules or DEFAULT_RULES
     graphdef, state = nnx.split(abstract_model(cfg, resolve_dtype(dtype), remat, scan_layers))
-    _fill_state(state, cfg, model_dir, resolve_dtype(dtype), _shardings_by_path(state, mesh, rules))
+    _fill_state(state, cfg, model_dir, resolve_dtype(dtype), _shardings_by_path(state, mesh, rules), frozenset(skip))
     model = nnx.merge(graphdef, state)
     if mesh is not None:
         model.set_activation_sharding(mesh, rules)

@@ -37,6 +37,7 @@ from grpo_runner_gsm8k.assembly.policy import PolicyModel, policy_model
 from grpo_runner_gsm8k.samplers.factory import restore_carried, step_sampler
 from grpo_runner_gsm8k.training.router_term import router_coef
 from grpo_runner_gsm8k.training.step import make_score, make_update
+from grpo_runner_gsm8k.assembly.reward_model import RewardModel, place_reward_model
 from grpo_runner_gsm8k.assembly.teacher import Teacher, full_kl_term, load_teacher
 from grpo_runner_gsm8k.assembly.judge_model import attach_local_judges
 
@@ -64,6 +65,7 @@ class BuiltRun:
     logps:  which log-probs the loss receives (grpo_runner_gsm8k.training.loss_inputs).
     inputs: tokenizer, task, rewards and checked prompt ids; None in the plan's abstract run.
     teacher: the distillation teacher (`teacher.path`; see grpo_runner_gsm8k.assembly.teacher), else None.
+    reward_model: the `reward_model` reward's model on the mesh (grpo_runner_gsm8k.assembly.reward_model), else None.
     ops:    a training run's operations (grpo_runner_gsm8k.assembly.operations); None for eval and the plan.
     sampler: a training run's step sampler (grpo_runner_gsm8k.samplers), its carried rows restored
             from the checkpoint; None for eval and the plan.
@@ -87,6 +89,7 @@ class BuiltRun:
     inputs: Optional[Inputs] = None
     teacher: Optional[Teacher] = None
     ops: Optional[Operations] = None
+    reward_model: Optional[RewardModel] = None
     sampler: Optional[StepSampler] = None
 
     @property
@@ -168,7 +171,7 @@ class RunPlace:
 def assemble(cfg: RunConfig, place: RunPlace, state: TrainState, plugins: Plugins,
              optimizer: tuple[optax.Schedule, optax.GradientTransformation],
              samplings: tuple[SamplingParams, SamplingParams], inputs: Optional[Inputs] = None,
-             teacher: Optional[Teacher] = None) -> BuiltRun:
+             teacher: Optional[Teacher] = None, reward_model: Optional[RewardModel] = None) -> BuiltRun:
     """The run at `place` with its jitted functions, made for the policy as decided."""
     policy, (lr_schedule, transform) = place.policy, optimizer
     return BuiltRun(
@@ -178,7 +181,7 @@ def assemble(cfg: RunConfig, place: RunPlace, state: TrainState, plugins: Plugin
                                full_kl_term(cfg.teacher), router_coef(cfg.loss, place.qcfg)),
         score=make_run_score(policy, plugins.loss_impl, cfg.rollout.temperature),
         logps=LogpSources.from_config(cfg.train, cfg.rollout, cfg.loss),
-        sampling=samplings[0], eval_sampling=samplings[1], inputs=inputs, teacher=teacher)
+        sampling=samplings[0], eval_sampling=samplings[1], inputs=inputs, teacher=teacher, reward_model=reward_model)
 
 
 def run_optimizer(train: TrainConfig) -> tuple[optax.Schedule, optax.GradientTransformation]:
@@ -205,13 +208,14 @@ def build_run(cfg: RunConfig, registry: Registry, resume: bool = False, *, train
     teacher = (load_teacher(cfg.teacher, cfg.model, mesh, strategy, plugins.loss_impl, cfg.rollout.temperature)
                if cfg.teacher.path else None)
     attach_local_judges(inputs.rewards, cfg.model, cfg.rollout, mesh, strategy, plugins.rollout)
+    reward_model = place_reward_model(cfg, inputs.rewards, mesh, strategy)
     place = RunPlace(registry, layout, mesh, qcfg, policy)
     stop = stop_token_ids(cfg.rollout, inputs.tokenizer)
     samplings = (sampling_params(cfg.rollout, stop), sampling_params(cfg.rollout, stop, cfg.eval))
-    # the train state and the teacher are resident now: the policy settles how the rollout sees it
+    # the train state, teacher and reward model are resident now: the policy settles how the rollout sees it
     shapes_for = rollout_shapes_for(cfg.rollout, place, samplings[0])
     policy.choose_rollout(plugins.rollout, shapes_for, list(mesh.local_devices))
-    built = assemble(cfg, place, state, plugins, optimizer, samplings, inputs, teacher)
+    built = assemble(cfg, place, state, plugins, optimizer, samplings, inputs, teacher, reward_model)
     return with_training_parts(built, resume_from) if training else built
 
 

@@ -24,7 +24,7 @@ from grpo_runner_gsm8k.tasks.grading import Graded, normalize_answer
 from grpo_runner_gsm8k.multihost import gather_objects
 from grpo_runner_gsm8k.samplers.trajectory import tool_metrics
 from grpo_runner_gsm8k.training.scoring import score
-from grpo_runner_gsm8k.tokens import decode_completions, run_prompt_ids
+from grpo_runner_gsm8k.tokens import decode_completions, run_prompt_ids, with_prompts
 
 
 @runtime_checkable
@@ -119,7 +119,7 @@ def sample_questions(run, weights, task, examples: list[Example], key, sampling,
     prompts = run_prompt_ids(run, task.use_chat_template, padded)
     completions = decode_completions(run.inputs.tokenizer, rollout_prompts(run, weights, prompts, key, sampling))
     n = sampling.n
-    completions = completions[:len(examples) * n]
+    completions = with_prompts(completions[:len(examples) * n], examples, n, run.cfg.task.system_prompt)
     references = [ex.answer for ex in examples for _ in range(n)]
     grades = grade_all(run, task, completions, references)
     samples = [Sample(c, g.answer, g.correct) for c, g in zip(completions, grades)]

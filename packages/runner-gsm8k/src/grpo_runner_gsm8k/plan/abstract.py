@@ -32,6 +32,7 @@ from grpo_runner_gsm8k.assembly.policy import FullPolicy, PolicyModel
 from grpo_runner_gsm8k.assembly.run import BuiltRun, RunPlace, assemble, build_plugins, compute_dtype, run_optimizer
 from grpo_runner_gsm8k.training.step import UpdateBatch
 from grpo_runner_gsm8k.samplers.multi_turn_inputs import row_budget
+from grpo_runner_gsm8k.assembly.reward_model import abstract_reward_model, reward_model_options
 from grpo_runner_gsm8k.assembly.teacher import abstract_teacher
 from grpo_runner_gsm8k.costs.tpu_target import Target, describe, target_devices
 
@@ -74,7 +75,8 @@ class PlanInputs:
     @property
     def held_beside_rollout(self) -> int:
         """Device state alive during rollout and scoring that is not their argument."""
-        return per_device_bytes(self.opt_state) + self.masters_beside_rollout + self.reference_bytes + self.teacher_bytes
+        return (per_device_bytes(self.opt_state) + self.masters_beside_rollout + self.reference_bytes
+                + self.teacher_bytes + self.reward_model_bytes)
 
     @property
     def reference_bytes(self) -> int:
@@ -86,6 +88,12 @@ class PlanInputs:
     def teacher_bytes(self) -> int:
         """The distillation teacher's params (teacher.dtype, as placed), resident for the whole run."""
         return 0 if self.run.teacher is None else per_device_bytes(self.run.teacher.params)
+
+    @property
+    def reward_model_bytes(self) -> int:
+        """The `reward_model` reward's params and head (its dtype, sharded), resident for the whole run."""
+        model = self.run.reward_model
+        return 0 if model is None else per_device_bytes((model.params, model.head))
 
 
 def abstract_array(shape: tuple[int, ...], dtype: Any, sharding: NamedSharding) -> jax.ShapeDtypeStruct:
@@ -187,10 +195,13 @@ def abstract_run(cfg: RunConfig, registry: Registry, devices: Optional[list] = N
     state = TrainState(params, abstract_opt_state(optimizer[1], params, mesh), abstract_key(mesh))
     teacher = (abstract_teacher(cfg.teacher, cfg.model, mesh, resolved.strategy, plugins.loss_impl,
                                 cfg.rollout.temperature) if cfg.teacher.path else None)
+    options = reward_model_options(cfg)
+    reward_model = None if options is None else abstract_reward_model(options, cfg.model, mesh, resolved.strategy)
     # stop ids change no buffer: the plan needs no tokenizer for them; the rollout is decided
     # later, against the planned capacity (phases.decide_lora_rollout)
     return assemble(cfg, RunPlace(registry, layout, mesh, qcfg, policy), state, plugins, optimizer,
-                    (sampling_params(cfg.rollout, ()), sampling_params(cfg.rollout, (), cfg.eval)), teacher=teacher)
+                    (sampling_params(cfg.rollout, ()), sampling_params(cfg.rollout, (), cfg.eval)), teacher=teacher,
+                    reward_model=reward_model)
 
 
 def build_plan_inputs(cfg: RunConfig, registry: Registry, target: Optional[Target] = None) -> PlanInputs:

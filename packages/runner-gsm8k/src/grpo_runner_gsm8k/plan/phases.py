@@ -8,21 +8,24 @@ import re
 from typing import Any, Callable, Optional
 
 import jax
+import jax.numpy as jnp
 
 from grpo_core.errors import UserError
 from grpo_core.contracts import Policy, RolloutShapes
+from grpo_meshes import train_batch_sharding
 from grpo_rollout.gather import spare_bytes
 
 from grpo_runner_gsm8k.assembly.adapters import decode_needs
 from grpo_runner_gsm8k.costs.capacity import Capacity
 from grpo_runner_gsm8k.costs.memory import PhaseMemory
 from grpo_runner_gsm8k.costs.roofline import decode_seconds
-from grpo_runner_gsm8k.plan.abstract import (PlanInputs, abstract_key, abstract_update_batch, per_device_bytes,
-                                             plannable)
+from grpo_runner_gsm8k.plan.abstract import (PlanInputs, abstract_array, abstract_key, abstract_update_batch,
+                                             per_device_bytes, plannable)
 from grpo_runner_gsm8k.samplers.multi_turn_inputs import row_budget
 from grpo_runner_gsm8k.samplers.multi_turn_step import keeps_caches
 from grpo_runner_gsm8k.samplers.partial import kv_cache_mode, shared_prompt_table
 from grpo_runner_gsm8k.assembly.run import with_rollout_decided
+from grpo_runner_gsm8k.assembly.reward_model import REWARD_MODEL_PHASE
 from grpo_runner_gsm8k.assembly.teacher import TEACHER_PHASE
 
 
@@ -204,6 +207,19 @@ def teacher_phase(inputs: PlanInputs) -> Optional[PhaseMemory]:
     return compile_phase(TEACHER_PHASE, lower, args, other)[0]
 
 
+def reward_model_phase(inputs: PlanInputs) -> Optional[PhaseMemory]:
+    """The reward model's forward over its widest batch after each rollout; None without one."""
+    model = inputs.run.reward_model
+    if model is None:
+        return None
+    tokens = train_batch_sharding(model.mesh)
+    args = (model.params, model.head, abstract_array((model.rows, model.width), jnp.int32, tokens),
+            abstract_array((model.rows, model.width), jnp.int32, tokens),
+            abstract_array((model.rows,), jnp.int32, train_batch_sharding(model.mesh, ndim=1)))
+    other = inputs.held_beside_rollout - inputs.reward_model_bytes + kept_cache_bytes(inputs)  # its params are an argument
+    return compile_phase(REWARD_MODEL_PHASE, model.score.lower, args, other)[0]
+
+
 def update_lowering(inputs: PlanInputs, size: int) -> tuple[Callable[..., Any], tuple]:
     """(lower, abstract args) of one optimizer update over the widest batch, in micro-batches of
     `size` rows per device (train.micro_batch_size_per_device)."""
@@ -218,10 +234,11 @@ def compile_update(inputs: PlanInputs) -> Any:
 
 def train_phase(inputs: PlanInputs, size: int) -> PhaseMemory:
     lower, args = update_lowering(inputs, size)
-    return compile_phase("train step", lower, args,
-                         inputs.reference_bytes + inputs.teacher_bytes + kept_cache_bytes(inputs))[0]
+    return compile_phase("train step", lower, args, inputs.reference_bytes + inputs.teacher_bytes
+                         + inputs.reward_model_bytes + kept_cache_bytes(inputs))[0]
 
 
 def fixed_phases(inputs: PlanInputs, capacity: Capacity) -> list[PhaseMemory]:
     """The phases that do not depend on the micro-batch size."""
-    return rollout_phases(inputs, capacity) + [p for p in [logps_phase(inputs), teacher_phase(inputs)] if p is not None]
+    later = [logps_phase(inputs), teacher_phase(inputs), reward_model_phase(inputs)]
+    return rollout_phases(inputs, capacity) + [p for p in later if p is not None]

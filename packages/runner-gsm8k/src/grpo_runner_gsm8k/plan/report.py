@@ -45,7 +45,7 @@ def header_lines(inputs: PlanInputs) -> list[str]:
         f"rollout.sharding={cfg.rollout.sharding}",
         f"train step: {rows} rows x {prompt_w + completion_w} tokens ({prompt_w} prompt + {completion_w} completion), "
         f"{micro} micro-batch(es) of {rows // micro // data_devices} row(s) per device",
-    ] + teacher_lines(inputs)
+    ] + teacher_lines(inputs) + reward_model_lines(inputs)
 
 
 TEACHER_WORK = {"sampled": "scores every sampled token after the rollout",
@@ -61,6 +61,17 @@ def teacher_lines(inputs: PlanInputs) -> list[str]:
     params = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(teacher.params))
     return [f"teacher: {teacher.qcfg.model_type}, {params:,} params in {cfg.dtype}, {cfg.placement} "
             f"({inputs.teacher_bytes / GIB:.3f} GiB per device), " + TEACHER_WORK[cfg.estimator]]
+
+
+def reward_model_lines(inputs: PlanInputs) -> list[str]:
+    """The `reward_model` reward's weights and batch, when there is one."""
+    model = inputs.run.reward_model
+    if model is None:
+        return []
+    params = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves((model.params, model.head)))
+    return [f"reward model: {model.qcfg.model_type}, {params:,} params in {model.head.dtype}, sharded "
+            f"({inputs.reward_model_bytes / GIB:.3f} GiB per device), scores {model.rows} conversation(s) of up to "
+            f"{model.width} tokens per forward after the rollout"]
 
 
 def trained_line(inputs: PlanInputs, params: int) -> str:
@@ -89,7 +100,7 @@ def figures_line(inputs: PlanInputs) -> str:
 def footer_lines(inputs: PlanInputs) -> list[str]:
     lines = ["aliased: outputs written into donated argument buffers (counted once); other: device state that is "
              "not an argument of the phase (optimizer state and float32 masters during rollout, which runs on "
-             "their compute-dtype copy; reference params when loss.beta > 0; the teacher's params)"]
+             "their compute-dtype copy; reference params when loss.beta > 0; the teacher's and reward model's params)"]
     if not inputs.target and jax.default_backend() == "cpu" and inputs.run.cfg.model.dtype == "bfloat16":
         lines.append("note: XLA:CPU upcasts bfloat16 matmul operands to float32, so the temp of a bfloat16 model "
                      "is overstated on CPU; compile on the accelerator for its exact figure")

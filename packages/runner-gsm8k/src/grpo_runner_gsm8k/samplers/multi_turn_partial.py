@@ -28,6 +28,7 @@ from grpo_runner_gsm8k.samplers.shared_environments import SharedEnvironment, sh
 from grpo_runner_gsm8k.samplers.shared_tools import runs_tools
 from grpo_runner_gsm8k.samplers.trajectory import episode_arrays, trajectory_metrics, trajectory_result
 from grpo_runner_gsm8k.training.scoring import score
+from grpo_runner_gsm8k.tokens import with_prompts
 
 
 class MultiTurnPartialSampler(MultiTurnSampler):
@@ -71,9 +72,9 @@ class MultiTurnPartialSampler(MultiTurnSampler):
         result = trajectory_result(rows, cfg.n, self.turns.budget, run.inputs.tokenizer.pad_token_id)
         examples = [Example(**group.example) for group in groups]
         answers = [ex.answer for ex in examples for _ in range(cfg.n)]
-        questions = [ex.question for ex in examples for _ in range(cfg.n)]
-        scores = score(run.inputs.rewards, conversation_texts(run.inputs.tokenizer, rows, self.turns.budget), answers,
-                       questions)
+        texts = with_prompts(conversation_texts(run.inputs.tokenizer, rows, self.turns.budget), examples, cfg.n,
+                             run.cfg.task.system_prompt)
+        scores = score(run.inputs.rewards, texts, answers)
         scores = scores._replace(episodes=episode_arrays(rows, self.turns.budget))
         seconds = {"rollout_s": reward_start - start, "reward_s": time.monotonic() - reward_start}
         metrics = {**trajectory_metrics(rows), **self.metrics(step, groups, rounds),

@@ -27,6 +27,7 @@ from grpo_runner_gsm8k.samplers.multi_turn_rollout import CALL_END, MultiTurnRol
 from grpo_runner_gsm8k.multihost import gather_objects, host_array
 from grpo_runner_gsm8k.tasks.base import prompts_to_check
 from grpo_runner_gsm8k.training.scoring import score
+from grpo_runner_gsm8k.tokens import with_prompts
 from grpo_runner_gsm8k.samplers.trajectory import Trajectory, episode_arrays, trajectory_metrics, trajectory_result
 
 
@@ -185,9 +186,9 @@ class MultiTurnSampler(ToolRows):
         reward_start = time.monotonic()
         result = trajectory_result(rows, n, self.turns.budget, run.inputs.tokenizer.pad_token_id)
         answers = [ex.answer for ex in examples for _ in range(n)]
-        questions = [ex.question for ex in examples for _ in range(n)]
-        scores = score(run.inputs.rewards, conversation_texts(run.inputs.tokenizer, rows, self.turns.budget), answers,
-                       questions)
+        texts = with_prompts(conversation_texts(run.inputs.tokenizer, rows, self.turns.budget), examples, n,
+                             run.cfg.task.system_prompt)
+        scores = score(run.inputs.rewards, texts, answers)
         scores = scores._replace(episodes=episode_arrays(rows, self.turns.budget))
         self.step_rows += rows
         seconds = {"rollout_s": reward_start - start, "reward_s": time.monotonic() - reward_start}

@@ -18,14 +18,14 @@ from grpo_core.step_samplers import loaded
 
 from grpo_runner_gsm8k.multihost import gather_objects, host_array
 from grpo_runner_gsm8k.training.scoring import score
-from grpo_runner_gsm8k.tokens import decode_completions, tokenize_prompts
+from grpo_runner_gsm8k.tokens import decode_completions, tokenize_prompts, with_prompts
 
 
 def score_groups(run: Any, examples: list, completions: list) -> Scores:
     """The run's rewards of the rows of `examples`' groups (row i belongs to example i // n)."""
-    answers = [ex.answer for ex in examples for _ in range(run.cfg.rollout.n)]
-    questions = [ex.question for ex in examples for _ in range(run.cfg.rollout.n)]
-    return score(run.inputs.rewards, completions, answers, questions)
+    n = run.cfg.rollout.n
+    answers = [ex.answer for ex in examples for _ in range(n)]
+    return score(run.inputs.rewards, with_prompts(completions, examples, n, run.cfg.task.system_prompt), answers)
 
 
 def scored_rollout(run: Any, policy: Policy, key: jax.Array) -> tuple[Sampled, DecodeTally, dict[str, float]]:

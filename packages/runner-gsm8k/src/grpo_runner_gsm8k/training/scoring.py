@@ -68,18 +68,16 @@ def _run_reward(fn: RewardFn, name: str, completions: Sequence[str],
 
 
 def score(reward_fns: Mapping[str, tuple[RewardFn, float]], completions: Sequence[str],
-          answers: Sequence[str], questions: Sequence[str] | None = None) -> Scores:
+          answers: Sequence[str]) -> Scores:
     """Runs every reward function and sums `weight * reward` per completion.
 
     A None among a function's values scores that completion 0 and is counted in
     `errors[name]`. A function that raises, returns the wrong number of values, or
     returns a non-finite value is retried sample by sample; each sample that still
     fails scores 0 and is counted in `errors[name]`. Nothing here raises for a faulty
-    reward function. `questions` (one per completion) become the completions' `question`.
+    reward function.
     """
     check_pairs(completions, answers)
-    for completion, question in zip(completions, questions or ()):
-        completion.question = question
     total = np.zeros(len(completions))
     per_fn, errors = {}, {}
     for name, (fn, weight) in reward_fns.items():
