@@ -11,6 +11,10 @@ rows are one contiguous group, and `jax.lax.ragged_dot` multiplies every group b
 expert's weights in one grouped matmul: no capacity factor, no token dropped, no padding of
 groups. The outputs are put back in (token, slot) order and summed with the router weights.
 
+Routing replay (`replayed`): a token may come with recorded experts (the rollout's routing); it
+then goes to them, weighted by the current router's probabilities there, renormalised like the
+top-k ones, so the router keeps its gradient.
+
 Parameters of one layer (stacked over `layers` like every layer parameter):
     gate.kernel              [H, E]     (embed, expert)        the router
     experts.{gate,up}_proj   [E, H, I]  (expert, embed, mlp)
@@ -91,7 +95,8 @@ class SparseMoE(nnx.Module):
         flat = x.reshape(-1, x.shape[-1])
         probs, weights, experts = self.route(flat)
         if replay is not None:
-            weights, experts = replayed(probs, weights, experts, replay.reshape(-1, self.top_k), self.normalize)
+            weights, experts = replayed(probs, weights, experts, replay.reshape(-1, self.top_k).astype(jnp.int32),
+                                        self.normalize)
         outputs = self.experts(flat, experts)  # [N, k, H]
         # HF multiplies in the compute dtype; the k-term sum accumulates in f32.
         weighted = outputs * weights.astype(x.dtype)[..., None]
