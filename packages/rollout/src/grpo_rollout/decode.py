@@ -283,12 +283,7 @@ def decode(weights, cache, state: LoopState, key, *, graphdef, params: SamplingP
     def one_token(carry):
         cache, s = carry
         model = nnx.merge(graphdef, weights)
-        if attention == "model" and not isinstance(cache, (SharedCache, TableCache)):  # records no routing
-            (hidden, cache), routing = model(s.last[:, None], attention_mask=~s.done[:, None], cache=cache), None
-        else:
-            shared = isinstance(cache, (SharedCache, TableCache))
-            forward = routed_shared_decode_forward if shared else routed_decode_forward
-            hidden, cache, routing = forward(model, s.last, ~s.done, cache, layout, view=view)  # [N, 1, H]
+        hidden, cache, routing = step_forward(model, s, cache, attention, layout, view)  # [N, 1, H]
         logits = layout.logits(model.logits(hidden)[:, 0])  # [N, V]
         sampled, logps = sample_next(logits, step_uniforms(key, s.step, rows), params, block=block,
                                      top_p_candidates=top_p_candidates)
@@ -300,6 +295,15 @@ def decode(weights, cache, state: LoopState, key, *, graphdef, params: SamplingP
     cache, state = pin_loop(*jax.lax.while_loop(unfinished, one_token, pin_loop(cache, state, batch_sharding, layout)),
                             batch_sharding, layout)
     return (cache if until is not None else constrain_cache(cache, batch_sharding)), state
+
+
+def step_forward(model, s: LoopState, cache, attention: str, layout, view: int | None):
+    """(hidden [N, 1, H], cache, routing or None) of feeding each row's last token: the model's own
+    cached forward (attention "model", which records no routing) or the rollout's decode step."""
+    if attention == "model" and not isinstance(cache, (SharedCache, TableCache)):
+        return *model(s.last[:, None], attention_mask=~s.done[:, None], cache=cache), None
+    forward = routed_shared_decode_forward if isinstance(cache, (SharedCache, TableCache)) else routed_decode_forward
+    return forward(model, s.last, ~s.done, cache, layout, view=view)
 
 
 def loop_shardings(weights, cache, *, graphdef, batch_sharding=None, gather_weights=False, model_parallel=False,
