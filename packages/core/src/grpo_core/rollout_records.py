@@ -116,6 +116,11 @@ def trim_batch(result: RolloutResult, bucket: int = DEFAULT_TRIM_BUCKET) -> Trai
     )
 
 
+def routing_record_dtype(num_experts: int) -> jnp.dtype:
+    """The narrowest int holding a routing record's -1 .. num_experts - 1 (RolloutResult.experts)."""
+    return jnp.dtype(jnp.int8 if num_experts <= 128 else jnp.int16)
+
+
 def unrecorded_prompt(result: RolloutResult) -> jax.Array:
     """-1 (no record) for every prompt column of the result's routing record: [N, Tp, L, k]."""
     return jnp.full((*result.prompt_ids.shape, *result.experts.shape[2:]), -1, result.experts.dtype)
