@@ -2,6 +2,8 @@
 the current router at those experts so its gradient still flows; `routing_of` reads a forward's
 own routing."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,15 +23,22 @@ def batch():
     return ids, mask
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def logits_of(graphdef, params, ids, mask, routing):
+    model = nnx.merge(graphdef, params)
+    return model.logits(model(ids, attention_mask=mask, routing=routing))
+
+
 def test_replaying_the_models_own_experts_gives_identical_logits():
     model = init_from_config(MOE, seed=0)
     ids, mask = batch()
     own = routing_of(model, ids, mask)
     assert own.shape == (ROWS, WIDTH, MOE.num_hidden_layers, MOE.num_experts_per_tok)
-    plain = model.logits(model(ids, attention_mask=mask))
+    graphdef, params = nnx.split(model)
+    plain = logits_of(graphdef, params, ids, mask, None)
     partly = own.at[:, : WIDTH // 2].set(-1)  # tokens without a record route as usual
     for routing in (own, partly, jnp.full_like(own, -1)):
-        np.testing.assert_array_equal(model.logits(model(ids, attention_mask=mask, routing=routing)), plain)
+        np.testing.assert_array_equal(logits_of(graphdef, params, ids, mask, routing), plain)
 
 
 def forced(own: jax.Array) -> jax.Array:
@@ -48,9 +57,10 @@ def test_forced_experts_change_the_logits_and_the_router_gets_their_gradient():
         m = nnx.merge(graphdef, p)
         return jnp.sum(m.logits(m(ids, attention_mask=mask, routing=routing)) * probe * mask[..., None])
 
-    plain, replayed = objective(params, None), objective(params, routing)
+    plain = jax.jit(objective)(params, None)
+    replayed, grads = jax.jit(jax.value_and_grad(objective))(params, routing)
     assert abs(float(replayed - plain)) > 1e-3 * abs(float(plain))
-    router = jax.grad(objective)(params, routing)["layers"]["mlp"]["gate"]["kernel"][...]
+    router = grads["layers"]["mlp"]["gate"]["kernel"][...]
     assert float(jnp.max(jnp.abs(router))) > 1e-4  # kernels are normal(0.02): gradients O(1e-2)
 
 
@@ -71,15 +81,21 @@ def test_sparse_block_weights_forced_experts_by_the_renormalised_router_probabil
     np.testing.assert_allclose(np.asarray(out), expected, atol=1e-5)
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def agreement_of(graphdef, params, ids, mask, routing):
+    return router_statistics(nnx.merge(graphdef, params), ids, mask, routing).agreement
+
+
 def test_router_statistics_agreement_counts_recorded_experts_the_router_also_chose():
     model = init_from_config(MOE, seed=0)
     ids, mask = batch()
     own = routing_of(model, ids, mask)
-    assert float(router_statistics(model, ids, mask, own).agreement) == 1.0
-    swapped = own[..., ::-1]  # the same experts in other slots: the same set, full agreement
-    assert float(router_statistics(model, ids, mask, swapped).agreement) == 1.0
+    graphdef, params = nnx.split(model)
+    agreement = functools.partial(agreement_of, graphdef, params, ids, mask)
+    assert float(agreement(own)) == 1.0
+    assert float(agreement(own[..., ::-1])) == 1.0  # the same experts in other slots: the same set
     half = own.at[..., 1].set(forced(own)[..., 1])  # slot 1 now an expert the router may not have chosen
     recorded_half = jnp.where(jnp.arange(WIDTH)[None, :, None, None] < 6, half, -1)
-    stats = router_statistics(model, ids, mask, recorded_half)
-    assert 0.5 <= float(stats.agreement) < 1.0
-    assert router_statistics(model, ids, mask).agreement is None
+    assert 0.5 <= float(agreement(recorded_half)) < 1.0
+    assert float(agreement(jnp.full_like(own, -1))) == 1.0  # nothing recorded: replay changed nothing
+    assert agreement(None) is None

@@ -29,6 +29,7 @@ from grpo_rollout.cascade import SharedCache, TableCache, routed_shared_decode_f
 from grpo_rollout.head_parallel import HeadParallel, LayoutUnsupported, grid_mesh, unsupported
 from grpo_rollout.model_parallel import ActivationLayout, model_parallel_weights, weight_shardings
 from grpo_core.contracts import SamplingParams
+from grpo_core.rollout_records import routing_record_dtype
 from grpo_core.sharding import as_tuple
 from grpo_rollout.sampling import DEFAULT_TOP_P_CANDIDATES, sample_next
 
@@ -74,7 +75,7 @@ def with_routing_record(state: LoopState, config, params: SamplingParams, batch_
     mixture of experts: [N, Tn, L, k] in the narrowest int that holds -1 .. E - 1."""
     if not (params.record_routing and config.family.sparse_mlp):
         return state
-    dtype = jnp.int8 if config.num_experts <= 128 else jnp.int16
+    dtype = routing_record_dtype(config.num_experts)
     shape = (state.last.shape[0], params.max_new_tokens, config.num_hidden_layers, config.num_experts_per_tok)
     return state.replace(experts=constrain(jnp.full(shape, -1, dtype), batch_sharding))
 

@@ -12,7 +12,7 @@ Switch Transformer load-balancing loss, from one cache-free forward over the rea
     agreement     with a routing record (routing replay): the share of the recorded (token, layer,
                   slot) assignments whose expert is among the router's own top-k there (order
                   within the k does not matter: the output depends on the set). The forward then
-                  replays the record, as the training forward does.
+                  replays the record, as the training forward does. 1 when nothing is recorded.
 
 Padding tokens (attention_mask 0) are left out of all three.
 """
@@ -59,8 +59,16 @@ def router_statistics(model: QwenModel, input_ids: jax.Array, attention_mask: ja
     _, counts, probs, agreed = model.over_layers(step, (x, jnp.zeros(shape), jnp.zeros(shape), jnp.zeros(())))
     rows = cfg.num_hidden_layers * jnp.sum(real)
     loss = cfg.num_experts * jnp.sum(jnp.sum(counts, 0) / rows * jnp.sum(probs, 0) / rows)
-    agreement = None if routing is None else agreed / jnp.maximum(recorded(routing, real), 1.0)
-    return RouterStats(counts / jnp.sum(counts, axis=-1, keepdims=True), loss, agreement)
+    return RouterStats(counts / jnp.sum(counts, axis=-1, keepdims=True), loss, replay_agreement(agreed, routing, real))
+
+
+def replay_agreement(agreed: jax.Array, routing: jax.Array | None, real: jax.Array) -> jax.Array | None:
+    """`agreed` over the recorded assignments; 1 when nothing is recorded (e.g. one-token
+    completions: replay changed nothing); None without a record."""
+    if routing is None:
+        return None
+    count = recorded(routing, real)
+    return jnp.where(count > 0, agreed / jnp.maximum(count, 1.0), 1.0)
 
 
 def agreeing(own: jax.Array, replay: jax.Array, real: jax.Array) -> jax.Array:
