@@ -248,6 +248,10 @@ class LossConfig:
     router_balance_coef: float = setting(
         0.0, "Mixture-of-experts models: coefficient of the Switch load-balancing loss added to the objective "
         "(0 = router/* metrics only; Qwen3-30B-A3B's config.json has 0.001); refused for a dense model.", ge=0.0)
+    routing_replay: bool = setting(
+        False, "Mixture-of-experts models: the training forward sends each completion token to the experts the "
+        "rollout routed it to, gate weights from the current router (rollout routing replay); refused for a "
+        "dense model.")
     scale_rewards: Literal["group", "batch", "none"] = setting(
         "group", "Advantage = (r - group mean) / std, with std of the group, the batch, or 1.")
     std_ddof: int = setting(1, "Delta degrees of freedom of the advantage std.", ge=0)

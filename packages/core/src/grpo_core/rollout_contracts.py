@@ -30,6 +30,8 @@ class SamplingParams:
                      counted in the completion mask).
     filtered_logps:  return log-probs of the filtered distribution instead of the
                      unfiltered log_softmax(logits / T).
+    record_routing:  a mixture-of-experts model's rollout records the experts each completion
+                     token was routed to (RolloutResult.experts; routing replay).
     """
 
     max_new_tokens: int
@@ -40,6 +42,7 @@ class SamplingParams:
     greedy: bool = False
     stop_token_ids: tuple[int, ...] = ()
     filtered_logps: bool = False
+    record_routing: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))

@@ -33,6 +33,9 @@ class RolloutResult:
     loss_mask        [N, Tn] int32  or None (= completion_mask): 1 on the tokens the loss trains on;
                                     a multi-turn row's tool-turn tokens are real (completion_mask 1,
                                     attended to) but not the model's (loss_mask 0, sampler_logps 0)
+    experts          [N, Tn, L, k] int8/int16 or None: a mixture-of-experts model's routing of each
+                                    completion token in each layer in the rollout, -1 where none was
+                                    recorded (SamplingParams.record_routing; routing replay)
     """
 
     prompt_ids: jax.Array
@@ -45,6 +48,7 @@ class RolloutResult:
     num_prompts: int = struct.field(pytree_node=False, default=0)
     n: int = struct.field(pytree_node=False, default=1)
     loss_mask: jax.Array | None = None  # last: positional construction keeps its meaning
+    experts: jax.Array | None = None
 
     @property
     def group_ids(self) -> np.ndarray:
@@ -64,6 +68,7 @@ class TrainBatch:
     attention_mask   [N, T] int32  1 on real prompt and completion tokens
     completion_mask  [N, T] int32  1 on completion tokens the loss trains on (the result's loss_mask)
     sampler_logps    [N, T] f32    0 outside the completion
+    experts          [N, T, L, k]  the result's routing record (-1 on prompt columns), or None
     prompt_width: columns [0, prompt_width) are prompt, the rest completion.
     """
 
@@ -72,6 +77,7 @@ class TrainBatch:
     completion_mask: jax.Array
     sampler_logps: jax.Array
     prompt_width: int = struct.field(pytree_node=False, default=0)
+    experts: jax.Array | None = None
 
 
 def trimmed_widths(prompt_len: int, completion_len: int, prompt_cap: int, completion_cap: int,
@@ -106,7 +112,18 @@ def trim_batch(result: RolloutResult, bucket: int = DEFAULT_TRIM_BUCKET) -> Trai
         completion_mask=join(zeros_i, result.completion_mask if result.loss_mask is None else result.loss_mask),
         sampler_logps=join(jnp.zeros(result.prompt_ids.shape, jnp.float32), result.sampler_logps),
         prompt_width=prompt_w,
+        experts=None if result.experts is None else join(unrecorded_prompt(result), result.experts),
     )
+
+
+def routing_record_dtype(num_experts: int) -> jnp.dtype:
+    """The narrowest int holding a routing record's -1 .. num_experts - 1 (RolloutResult.experts)."""
+    return jnp.dtype(jnp.int8 if num_experts <= 128 else jnp.int16)
+
+
+def unrecorded_prompt(result: RolloutResult) -> jax.Array:
+    """-1 (no record) for every prompt column of the result's routing record: [N, Tp, L, k]."""
+    return jnp.full((*result.prompt_ids.shape, *result.experts.shape[2:]), -1, result.experts.dtype)
 
 
 class Scores(NamedTuple):

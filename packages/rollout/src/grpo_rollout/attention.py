@@ -53,6 +53,7 @@ def windowed(visible: jax.Array, query_slot: jax.Array, window: jax.Array | None
 
 def decode_layers(model, x: jax.Array, cache, cos: jax.Array, sin: jax.Array, layout, attention):
     """Run one token per row through every layer; only the attention differs between caches.
+    Returns (x, cache, the experts [B, L, k] each layer sent each row's token to: None for a dense model).
 
     attention(cache) -> attend, built from the cache the layers see (a device's share of it in
     the head-parallel decode), where attend(i, cache, q [B, N, D], k [B, 1, KV, D], v [B, 1, KV, D],
@@ -74,16 +75,24 @@ def decode_layers(model, x: jax.Array, cache, cos: jax.Array, sin: jax.Array, la
     attend = attention(cache)
 
     def step(layer, i, carry):
-        (x, cache), (cos_i, sin_i, window) = carry, model.layer_tables(i, cos, sin)
+        (x, cache, routing), (cos_i, sin_i, window) = carry, model.layer_tables(i, cos, sin)
         q, k, v = layer.self_attn.project_qkv(layer.input_layernorm(x), layout.replicated(cos_i), layout.replicated(sin_i))
         q, k, v = layout.rows(layout.split(q, 2)), layout.replicated(k), layout.replicated(v)
         attended, cache = attend(i, cache, q[:, 0], k, v, window)  # computed where the rows' cache is
         attended = layout.split(layout.rows(attended)[:, None], 2)
         x = layer.add_attention(x, layout.replicated(layer.self_attn.o_proj(attended)))
-        return layer.add_mlp(x, layout.replicated), cache
+        x, experts = layer.add_routed_mlp(x, layout.replicated)
+        return x, cache, None if routing is None else routing.at[:, i].set(experts)
 
-    x, cache = model.over_layers(step, (x, cache))
-    return layout.replicated(x), cache
+    x, cache, routing = model.over_layers(step, (x, cache, empty_routing(model.config, x.shape[0])))
+    return layout.replicated(x), cache, routing
+
+
+def empty_routing(config, rows: int) -> jax.Array | None:
+    """[rows, L, k] int32 of -1 for a mixture-of-experts model's routing record, None for a dense one."""
+    if not config.family.sparse_mlp:
+        return None
+    return jnp.full((rows, config.num_hidden_layers, config.num_experts_per_tok), -1, jnp.int32)
 
 
 def plain_attention(cache, view: int | None = None):
@@ -106,6 +115,13 @@ def plain_attention(cache, view: int | None = None):
 
 def decode_forward(model, tokens: jax.Array, live: jax.Array, cache, layout: ActivationLayout | HeadParallel = ActivationLayout(),
                    attention=plain_attention, view: int | None = None):
+    """`routed_decode_forward` without the routing: (hidden [B, 1, H], cache)."""
+    return routed_decode_forward(model, tokens, live, cache, layout, attention, view)[:2]
+
+
+def routed_decode_forward(model, tokens: jax.Array, live: jax.Array, cache,
+                          layout: ActivationLayout | HeadParallel = ActivationLayout(), attention=plain_attention,
+                          view: int | None = None):
     """Feed one token per row: tokens [B], live [B] bool (False: the slot stays invisible).
 
     Same math and op order as `model(tokens[:, None], attention_mask=live[:, None],
@@ -115,7 +131,8 @@ def decode_forward(model, tokens: jax.Array, live: jax.Array, cache, layout: Act
     head-parallel (grpo_rollout.head_parallel). view: the attention reads the cache's (or a shared
     cache's completion part's) slots [:view] only (grpo_rollout.segments). A family's sliding
     windows, post-norms and embedding scale are honoured except head-parallel, which refuses such a
-    model (ValueError). Returns (hidden [B, 1, H], cache).
+    model (ValueError). Returns (hidden [B, 1, H], cache, routing): a mixture-of-experts model's
+    experts [B, L, k] for each row's token (`decode_layers`; None for a dense model, and head-parallel).
     """
     if isinstance(layout, HeadParallel) and not model.config.plain_decoder:
         raise ValueError(f"the head-parallel decode step runs the plain pre-norm layer with full attention, not "
@@ -123,9 +140,9 @@ def decode_forward(model, tokens: jax.Array, live: jax.Array, cache, layout: Act
                          "decode_attention='model'")
     attention = functools.partial(attention, view=view)
     if isinstance(layout, HeadParallel):
-        x, cache = layout.forward(model, tokens, live, cache, attention)
+        (x, cache), routing = layout.forward(model, tokens, live, cache, attention), None
     else:
         x, cos, sin = decode_inputs(model, tokens, cache.lengths()[:, None], layout)  # lengths: this token's position
         cache = cache.with_new_tokens(live[:, None])
-        x, cache = decode_layers(model, x, cache, cos, sin, layout, attention)
-    return model.norm(x), cache.advance(1)
+        x, cache, routing = decode_layers(model, x, cache, cos, sin, layout, attention)
+    return model.norm(x), cache.advance(1), routing

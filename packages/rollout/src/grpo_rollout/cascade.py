@@ -32,7 +32,7 @@ from flax import struct
 
 from grpo_core.models.attention import KVCache
 from grpo_core.models.layers import rope_tables
-from grpo_rollout.attention import decode_forward, windowed
+from grpo_rollout.attention import routed_decode_forward, windowed
 from grpo_rollout.model_parallel import ActivationLayout
 
 # Finite "minus infinity", as in the model: a part with no visible slot adds nothing.
@@ -201,10 +201,16 @@ def shared_decode_forward(model, tokens: jax.Array, live: jax.Array, cache,
     view: attend over completion slots [:view] only (None: all). Returns (hidden [B, 1, H], cache).
     A TableCache's rows are at different depths, not aligned on slots: a model with sliding-window
     layers is refused there (ValueError)."""
+    return routed_shared_decode_forward(model, tokens, live, cache, layout, view)[:2]
+
+
+def routed_shared_decode_forward(model, tokens: jax.Array, live: jax.Array, cache,
+                                 layout: ActivationLayout = ActivationLayout(), view: int | None = None):
+    """`shared_decode_forward` plus the routing of `grpo_rollout.attention.routed_decode_forward`."""
     if isinstance(cache, TableCache) and model.config.sliding_windows is not None:
         raise ValueError(f"partial rollouts on a prompt table do not apply model_type {model.config.model_type!r}'s "
                          "sliding window; set shared_prompt=False (each row then keeps its own cache)")
-    return decode_forward(model, tokens, live, cache, layout, cascade_over, view)
+    return routed_decode_forward(model, tokens, live, cache, layout, cascade_over, view)
 
 
 def cascade_over(cache, view: int | None = None):

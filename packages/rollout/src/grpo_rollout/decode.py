@@ -24,11 +24,12 @@ import numpy as np
 from flax import nnx, struct
 from jax.sharding import NamedSharding, PartitionSpec
 
-from grpo_rollout.attention import decode_forward
-from grpo_rollout.cascade import SharedCache, TableCache, shared_decode_forward
+from grpo_rollout.attention import routed_decode_forward
+from grpo_rollout.cascade import SharedCache, TableCache, routed_shared_decode_forward
 from grpo_rollout.head_parallel import HeadParallel, LayoutUnsupported, grid_mesh, unsupported
 from grpo_rollout.model_parallel import ActivationLayout, model_parallel_weights, weight_shardings
 from grpo_core.contracts import SamplingParams
+from grpo_core.rollout_records import routing_record_dtype
 from grpo_core.sharding import as_tuple
 from grpo_rollout.sampling import DEFAULT_TOP_P_CANDIDATES, sample_next
 
@@ -43,8 +44,9 @@ class LoopState:
     lengths: jax.Array  # [N] int32 tokens sampled while the row was live
     tokens: jax.Array  # [N, Tn] int32
     logps: jax.Array  # [N, Tn] f32
+    experts: jax.Array | None = None  # [N, Tn, L, k] int8/16: a MoE model's routing of each column (-1: none)
 
-    def record(self, sampled, logps, params: SamplingParams, pad_id: int) -> "LoopState":
+    def record(self, sampled, logps, params: SamplingParams, pad_id: int, routing=None) -> "LoopState":
         live = ~self.done
         sampled = jnp.where(live, sampled, pad_id)
         logps = jnp.where(live, logps, 0.0)
@@ -56,7 +58,26 @@ class LoopState:
             lengths=self.lengths + live.astype(jnp.int32),
             tokens=jax.lax.dynamic_update_slice(self.tokens, sampled[:, None], column),
             logps=jax.lax.dynamic_update_slice(self.logps, logps[:, None], column),
+            experts=self.record_routing(routing),
         )
+
+    def record_routing(self, routing: jax.Array | None) -> jax.Array | None:
+        """`experts` with `routing` [N, L, k], the experts of the token this step fed (column step - 1),
+        written for the live rows (a finished row's fed token is not its own)."""
+        if self.experts is None or routing is None:
+            return self.experts
+        fed = jnp.where(~self.done[:, None, None], routing, -1).astype(self.experts.dtype)
+        return jax.lax.dynamic_update_slice(self.experts, fed[:, None], (0, self.step - 1, 0, 0))
+
+
+def with_routing_record(state: LoopState, config, params: SamplingParams, batch_sharding=None) -> LoopState:
+    """`state` with an empty routing record (-1) when `params.record_routing` and the model is a
+    mixture of experts: [N, Tn, L, k] in the narrowest int that holds -1 .. E - 1."""
+    if not (params.record_routing and config.family.sparse_mlp):
+        return state
+    dtype = routing_record_dtype(config.num_experts)
+    shape = (state.last.shape[0], params.max_new_tokens, config.num_hidden_layers, config.num_experts_per_tok)
+    return state.replace(experts=constrain(jnp.full(shape, -1, dtype), batch_sharding))
 
 
 def is_stop(tokens: jax.Array, stop_ids: tuple[int, ...]) -> jax.Array:
@@ -188,7 +209,7 @@ def prefill(weights, prompt_ids, prompt_mask, key, *, graphdef, params: Sampling
     hidden, cache = model(prompt_ids, attention_mask=prompt_mask, cache=cache)  # [N, Tp, H]
     logits = model.logits(hidden[:, -1:])[:, 0]  # [N, V]; left padding: last column is real
     state = first_token(logits, key, params, pad_id, batch_sharding, block, top_p_candidates)
-    return constrain_cache(cache, batch_sharding), state
+    return constrain_cache(cache, batch_sharding), with_routing_record(state, model.config, params, batch_sharding)
 
 
 @functools.partial(jax.jit, static_argnames=PHASE_STATIC_ARGS)
@@ -208,8 +229,8 @@ def prefill_shared(weights, prompt_ids, prompt_mask, key, *, graphdef, params: S
     logits = jnp.repeat(model.logits(hidden[:, -1:])[:, 0], params.n, axis=0)  # [P * n, V]
     own = model.init_cache(rows, max(params.max_new_tokens - 1, 1), cache_dtype)  # one slot keeps shapes non-empty
     shared = constrain_cache(SharedCache(prompt=cache, completion=own), batch_sharding)
-    return shared, first_token(constrain(logits, batch_sharding), key, params, pad_id, batch_sharding, block,
-                               top_p_candidates)
+    state = first_token(constrain(logits, batch_sharding), key, params, pad_id, batch_sharding, block, top_p_candidates)
+    return shared, with_routing_record(state, model.config, params, batch_sharding)
 
 
 def first_token(logits, key, params: SamplingParams, pad_id: int, batch_sharding, block, top_p_candidates) -> LoopState:
@@ -263,15 +284,11 @@ def decode(weights, cache, state: LoopState, key, *, graphdef, params: SamplingP
     def one_token(carry):
         cache, s = carry
         model = nnx.merge(graphdef, weights)
-        if attention == "model" and not isinstance(cache, (SharedCache, TableCache)):
-            hidden, cache = model(s.last[:, None], attention_mask=~s.done[:, None], cache=cache)
-        else:
-            forward = shared_decode_forward if isinstance(cache, (SharedCache, TableCache)) else decode_forward
-            hidden, cache = forward(model, s.last, ~s.done, cache, layout, view=view)  # [N, 1, H]
+        hidden, cache, routing = step_forward(model, s, cache, attention, layout, view)  # [N, 1, H]
         logits = layout.logits(model.logits(hidden)[:, 0])  # [N, V]
         sampled, logps = sample_next(logits, step_uniforms(key, s.step, rows), params, block=block,
                                      top_p_candidates=top_p_candidates)
-        return pin_loop(cache, s.record(sampled, logps, params, pad_id), batch_sharding, layout)
+        return pin_loop(cache, s.record(sampled, logps, params, pad_id, routing), batch_sharding, layout)
 
     # Head-parallel, the cache is split by rows and KV heads in the loop; the result is pinned so first (else the
     # batch's layout reaches into the carry), then handed back split like the batch, but by a segment before the
@@ -279,6 +296,15 @@ def decode(weights, cache, state: LoopState, key, *, graphdef, params: SamplingP
     cache, state = pin_loop(*jax.lax.while_loop(unfinished, one_token, pin_loop(cache, state, batch_sharding, layout)),
                             batch_sharding, layout)
     return (cache if until is not None else constrain_cache(cache, batch_sharding)), state
+
+
+def step_forward(model, s: LoopState, cache, attention: str, layout, view: int | None):
+    """(hidden [N, 1, H], cache, routing or None) of feeding each row's last token: the model's own
+    cached forward (attention "model", which records no routing) or the rollout's decode step."""
+    if attention == "model" and not isinstance(cache, (SharedCache, TableCache)):
+        return *model(s.last[:, None], attention_mask=~s.done[:, None], cache=cache), None
+    forward = routed_shared_decode_forward if isinstance(cache, (SharedCache, TableCache)) else routed_decode_forward
+    return forward(model, s.last, ~s.done, cache, layout, view=view)
 
 
 def loop_shardings(weights, cache, *, graphdef, batch_sharding=None, gather_weights=False, model_parallel=False,

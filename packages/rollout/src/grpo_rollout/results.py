@@ -25,5 +25,5 @@ def finish(ids: jax.Array, mask: jax.Array, state, sampling: SamplingParams) -> 
     return RolloutResult(
         prompt_ids=ids, prompt_mask=mask, completion_ids=state.tokens, completion_mask=completion_mask,
         lengths=state.lengths, sampler_logps=state.logps, finished=state.done,
-        num_prompts=ids.shape[0] // sampling.n, n=sampling.n,
+        num_prompts=ids.shape[0] // sampling.n, n=sampling.n, experts=state.experts,
     )

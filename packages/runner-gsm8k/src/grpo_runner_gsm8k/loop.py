@@ -26,6 +26,7 @@ from grpo_runner_gsm8k.operations.checkpoint import TrainState
 from grpo_runner_gsm8k.evaluation.evaluate import training_eval
 from grpo_runner_gsm8k.training.loss_inputs import loss_inputs
 from grpo_runner_gsm8k.training.scoring import reward_details
+from grpo_runner_gsm8k.training.router_term import replayed_routing
 from grpo_runner_gsm8k.operations.metrics import MetricsLogger
 from grpo_runner_gsm8k.assembly.operations import Operations
 from grpo_runner_gsm8k.training.train_metrics import memory_metrics, objective_metrics
@@ -116,9 +117,10 @@ class Trainer:
         put = lambda x: jax.device_put(x, self.train_sharding)  # noqa: E731
         input_ids, attention_mask = put(trimmed.input_ids), put(trimmed.attention_mask)
         targets = put(trimmed.input_ids[:, width:])
+        routing = replayed_routing(self.cfg.loss.routing_replay, trimmed.experts, put)
         inputs = loss_inputs(self.built.logps, advantages.keep, host_array(result.finished),
                              lambda: put(trimmed.sampler_logps[:, width:]),
-                             lambda w: self.score(w, input_ids, attention_mask, targets, width),
+                             lambda w: self.score(w, input_ids, attention_mask, targets, width, routing),
                              weights, self.ops.reference)
         loss_mask = put(trimmed.completion_mask[:, width:]) * put(inputs.keep[:, None])  # host keep: same everywhere
         values = update_advantages(advantages.advantages, targets.shape[1])  # [N], or [N, C] placed like loss_mask
@@ -128,13 +130,13 @@ class Trainer:
             batch_advantages, teacher_fields, self.teacher_metrics = self.ops.teacher.update_inputs(
                 batch_advantages, put(trimmed.sampler_logps[:, width:]), loss_mask, input_ids, attention_mask,
                 targets, width)
-        return UpdateBatch(input_ids, attention_mask, targets, loss_mask, batch_advantages,
-                           inputs.old_logp, inputs.ref_logp, inputs.sampler_logp, **teacher_fields, prompt_width=width)
+        return UpdateBatch(input_ids, attention_mask, targets, loss_mask, batch_advantages, inputs.old_logp,
+                           inputs.ref_logp, inputs.sampler_logp, **teacher_fields, routing=routing, prompt_width=width)
 
-    def score(self, weights, input_ids, attention_mask, targets, width: int) -> jax.Array:
+    def score(self, weights, input_ids, attention_mask, targets, width: int, routing=None) -> jax.Array:
         args = (weights, input_ids, attention_mask, targets)
-        self.ops.memory.check("log-probs", self.built.score, *args, prompt_width=width)
-        return self.built.score(*args, prompt_width=width)
+        self.ops.memory.check("log-probs", self.built.score, *args, prompt_width=width, routing=routing)
+        return self.built.score(*args, prompt_width=width, routing=routing)
 
     def run_updates(self, batch: UpdateBatch) -> dict:
         totals: dict[str, float] = {}

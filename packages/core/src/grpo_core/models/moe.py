@@ -11,6 +11,10 @@ rows are one contiguous group, and `jax.lax.ragged_dot` multiplies every group b
 expert's weights in one grouped matmul: no capacity factor, no token dropped, no padding of
 groups. The outputs are put back in (token, slot) order and summed with the router weights.
 
+Routing replay (`replayed`): a token may come with recorded experts (the rollout's routing); it
+then goes to them, weighted by the current router's probabilities there, renormalised like the
+top-k ones, so the router keeps its gradient.
+
 Parameters of one layer (stacked over `layers` like every layer parameter):
     gate.kernel              [H, E]     (embed, expert)        the router
     experts.{gate,up}_proj   [E, H, I]  (expert, embed, mlp)
@@ -82,10 +86,32 @@ class SparseMoE(nnx.Module):
         """x [N, H] -> `route`'s (probabilities, weights, experts) for each token."""
         return route(self.gate(x), self.top_k, self.normalize)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, replay: jax.Array | None = None) -> jax.Array:
+        return self.routed(x, replay)[0]
+
+    def routed(self, x: jax.Array, replay: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+        """x [..., H] -> (output [..., H], the experts each token went to [N, k]). `replay` [..., k]
+        (int, -1: no record): the recorded experts of routing replay (`replayed`)."""
         flat = x.reshape(-1, x.shape[-1])
-        _, weights, experts = self.route(flat)
+        probs, weights, experts = self.route(flat)
+        if replay is not None:
+            weights, experts = replayed(probs, weights, experts, replay.reshape(-1, self.top_k).astype(jnp.int32),
+                                        self.normalize)
         outputs = self.experts(flat, experts)  # [N, k, H]
         # HF multiplies in the compute dtype; the k-term sum accumulates in f32.
         weighted = outputs * weights.astype(x.dtype)[..., None]
-        return jnp.sum(weighted.astype(jnp.float32), axis=1).astype(x.dtype).reshape(x.shape)
+        return jnp.sum(weighted.astype(jnp.float32), axis=1).astype(x.dtype).reshape(x.shape), experts
+
+
+def replayed(probs: jax.Array, weights: jax.Array, experts: jax.Array, replay: jax.Array,
+             normalize: bool) -> tuple[jax.Array, jax.Array]:
+    """Routing replay (rollout routing replay, 2025): a token with a record (replay [N, k] >= 0) goes
+    to the recorded experts, weighted by the current router's probabilities there (renormalised
+    when `normalize`), so the router still gets a gradient; a token without one (-1) keeps its own
+    top-k `weights`, `experts`."""
+    has_record = replay[:, :1] >= 0  # a token's record is all k slots or none
+    chosen = jnp.where(has_record, replay, experts)
+    at_chosen = jnp.take_along_axis(probs, chosen, axis=-1)
+    if normalize:
+        at_chosen = at_chosen / jnp.sum(at_chosen, axis=-1, keepdims=True)
+    return jnp.where(has_record, at_chosen, weights), chosen

@@ -97,9 +97,9 @@ class DecoderLayer(nnx.Module):
                                                                  rngs=rngs, activation=cfg.hidden_act)
         self.post_feedforward_layernorm = _norm(cfg, dtype, rngs) if post_norms else None
 
-    def __call__(self, x, cos, sin, visible, cache: KVCache | None = None, layer: int = 0):
+    def __call__(self, x, cos, sin, visible, cache: KVCache | None = None, layer: int = 0, replay=None):
         attn_out, cache = self.self_attn(self.input_layernorm(x), cos, sin, visible, cache, layer)
-        return self.add_mlp(self.add_attention(x, attn_out)), cache
+        return self.add_mlp(self.add_attention(x, attn_out), replay=replay), cache
 
     def add_attention(self, x, attn_out):
         """The residual x plus the attention output (normed first with post-norms)."""
@@ -107,12 +107,21 @@ class DecoderLayer(nnx.Module):
             return x + attn_out
         return x + self.post_attention_layernorm(attn_out)
 
-    def add_mlp(self, x, reduce=lambda y: y):
+    def add_mlp(self, x, reduce=lambda y: y, replay=None):
         """The residual x plus the MLP of the normed x; `reduce` completes the MLP's output before it
-        is normed or added (a model-parallel decode's all-reduce of partial sums)."""
+        is normed or added (a model-parallel decode's all-reduce of partial sums). `replay`: a sparse
+        MLP's recorded experts [..., k] (routing replay; grpo_core.models.moe.replayed)."""
+        return self.add_routed_mlp(x, reduce, replay)[0]
+
+    def add_routed_mlp(self, x, reduce=lambda y: y, replay=None):
+        """(`add_mlp`, the experts a sparse MLP sent each token to [N, k], or None for a dense MLP)."""
+        routed = getattr(self.mlp, "routed", None)
+        normed = self.post_attention_layernorm(x) if self.pre_feedforward_layernorm is None else \
+            self.pre_feedforward_layernorm(x)
+        out, experts = routed(normed, replay) if routed is not None else (self.mlp(normed), None)
         if self.pre_feedforward_layernorm is None:
-            return x + reduce(self.mlp(self.post_attention_layernorm(x)))
-        return x + self.post_feedforward_layernorm(reduce(self.mlp(self.pre_feedforward_layernorm(x))))
+            return x + reduce(out), experts
+        return x + self.post_feedforward_layernorm(reduce(out)), experts
 
 
 def stack_layers(layers: list[DecoderLayer]) -> DecoderLayer:
@@ -137,6 +146,9 @@ class QwenModel(nnx.Module):
 
         hidden = model(input_ids, attention_mask=mask)          # [B, T, H]
         logits = model.logits(hidden)                           # [B, T, V] f32
+
+    A mixture-of-experts model takes `routing=` [B, T, L, k] int (-1: none), the experts each token
+    was sent to in each layer in the rollout, and replays them (grpo_core.models.moe.replayed).
 
     Left padding is handled by the mask: positions are cumsum(mask) - 1, so a padded
     row gives the same hidden states on its real tokens as the unpadded row.
@@ -229,7 +241,8 @@ class QwenModel(nnx.Module):
     def init_cache(self, batch: int, max_len: int, dtype: Any = None) -> KVCache:
         return KVCache.zeros(self.config, batch, max_len, resolve_dtype(dtype) if dtype else self.dtype)
 
-    def __call__(self, input_ids, attention_mask=None, *, positions=None, cache: KVCache | None = None):
+    def __call__(self, input_ids, attention_mask=None, *, positions=None, cache: KVCache | None = None,
+                 routing=None):
         token_mask = (
             jnp.ones(input_ids.shape, jnp.bool_) if attention_mask is None else attention_mask.astype(jnp.bool_)
         )
@@ -242,7 +255,8 @@ class QwenModel(nnx.Module):
             visible = self._mask(token_mask)
 
             def step(layer, i, x):
-                return self._constrain(layer(x, *self.layer_context(i, cos, sin, visible))[0])
+                replay = layer_routing(routing, i)
+                return self._constrain(layer(x, *self.layer_context(i, cos, sin, visible), replay=replay)[0])
 
             return self.norm(self.over_layers(step, x, remat=self.remat))
         cache = cache.with_new_tokens(token_mask)
@@ -295,19 +309,19 @@ class QwenModel(nnx.Module):
         cos, sin, window = self.layer_tables(i, cos, sin)
         return cos, sin, visible if window is None else visible.replace(window=window)
 
-    def accumulating_forward(self, input_ids, attention_mask, layer_grads, compute_dtype: Any = None):
+    def accumulating_forward(self, input_ids, attention_mask, layer_grads, compute_dtype: Any = None, routing=None):
         """Cache-free forward of a training step whose stacked decoder layers stay in their
         stored dtype and are cast one layer at a time to `compute_dtype` (the rest of the
         model is passed in that dtype already). Returns (hidden, layer_grads):
         `layer_grads` (float32, shaped like the layers' state) comes back unchanged and its
         cotangent gains the layers' gradients inside the backward loop (see
-        grpo_core.models.layer_grads); full remat whatever `self.remat`."""
+        grpo_core.models.layer_grads); full remat whatever `self.remat`. `routing`: as in `__call__`."""
         token_mask = attention_mask.astype(jnp.bool_)
         x, cos, sin = self._embedded(input_ids, positions_from_mask(token_mask))
         graphdef, stacked = nnx.split(self.layers)
         apply_layer = functools.partial(_apply_layer, graphdef, self._constrain, self.layer_context)
         x, layer_grads = scan_accumulating(apply_layer, compute_dtype, stacked, x,
-                                           (cos, sin, self._mask(token_mask)), layer_grads)
+                                           (cos, sin, self._mask(token_mask), routing), layer_grads)
         return self.norm(x), layer_grads
 
     def over_layers(self, step, carry, remat: str = "none"):
@@ -335,7 +349,14 @@ class QwenModel(nnx.Module):
 
 
 def _apply_layer(graphdef: nnx.GraphDef, constrain, layer_context, weights, x, context, index):
-    return constrain(nnx.merge(graphdef, weights)(x, *layer_context(index, *context))[0])
+    *tables, routing = context
+    layer = nnx.merge(graphdef, weights)
+    return constrain(layer(x, *layer_context(index, *tables), replay=layer_routing(routing, index))[0])
+
+
+def layer_routing(routing: jax.Array | None, i: jax.Array) -> jax.Array | None:
+    """Layer i's recorded experts [B, T, k] of a routing record [B, T, L, k] (None: none)."""
+    return None if routing is None else jax.lax.dynamic_index_in_dim(routing, i, axis=2, keepdims=False)
 
 
 def init_from_config(

@@ -36,7 +36,7 @@ from grpo_runner_gsm8k.assembly.teacher import check_teacher_positions, check_te
 from grpo_runner_gsm8k.tasks.base import prompts_to_check
 from grpo_runner_gsm8k.tasks.graders import use_graders_of
 from grpo_runner_gsm8k.tokens import prompt_token_ids
-from grpo_runner_gsm8k.training.router_term import router_coef
+from grpo_runner_gsm8k.training.router_term import router_coef, routing_replay
 
 
 def _input_error(key: str, exc: Exception, fix: str) -> UserError:
@@ -168,13 +168,14 @@ def stop_token_ids(rollout: RolloutConfig, tokenizer: Any) -> tuple[int, ...]:
     return () if rollout.ignore_eos else tuple(sorted({tokenizer.eos_token_id} - {None}))
 
 
-def sampling_params(rollout: RolloutConfig, stop: tuple[int, ...],
-                    eval_cfg: Optional[EvalConfig] = None) -> SamplingParams:
-    """How the run samples for training (or, given `eval_cfg`, for eval), stopping at the `stop` token ids."""
+def sampling_params(rollout: RolloutConfig, stop: tuple[int, ...], eval_cfg: Optional[EvalConfig] = None,
+                    record_routing: bool = False) -> SamplingParams:
+    """How the run samples for training (or, given `eval_cfg`, for eval), stopping at the `stop` token ids;
+    `record_routing`: training rollouts record a mixture-of-experts model's routing (loss.routing_replay)."""
     if eval_cfg is not None:
         return SamplingParams.from_config(rollout, stop, max_new_tokens=eval_cfg.max_new_tokens,
                                           n=eval_cfg.n, greedy=eval_cfg.greedy)
-    return SamplingParams.from_config(rollout, stop)
+    return SamplingParams.from_config(rollout, stop, record_routing=record_routing)
 
 
 def check_lengths(rollout: RolloutConfig, eval_cfg: EvalConfig, qcfg: QwenConfig) -> None:
@@ -256,6 +257,7 @@ def check_inputs(cfg: RunConfig, registry: Registry, process_index: int = 0,
     check_lengths(cfg.rollout, cfg.eval, qcfg)
     check_decode_layouts(cfg.rollout, qcfg)
     router_coef(cfg.loss, qcfg)  # refuses a balance coefficient for a dense model before any load
+    routing_replay(cfg.loss, cfg.rollout, qcfg)  # and routing replay where nothing is recorded
     if cfg.teacher.path:
         check_teacher_tokenizer(cfg.teacher, tokenizer)
         check_teacher_positions(cfg.teacher, cfg.rollout)

@@ -211,7 +211,8 @@ def build_run(cfg: RunConfig, registry: Registry, resume: bool = False, *, train
     reward_model = place_reward_model(cfg, inputs.rewards, mesh, strategy)
     place = RunPlace(registry, layout, mesh, qcfg, policy)
     stop = stop_token_ids(cfg.rollout, inputs.tokenizer)
-    samplings = (sampling_params(cfg.rollout, stop), sampling_params(cfg.rollout, stop, cfg.eval))
+    samplings = (sampling_params(cfg.rollout, stop, record_routing=cfg.loss.routing_replay),
+                 sampling_params(cfg.rollout, stop, cfg.eval))
     # the train state, teacher and reward model are resident now: the policy settles how the rollout sees it
     shapes_for = rollout_shapes_for(cfg.rollout, place, samplings[0])
     policy.choose_rollout(plugins.rollout, shapes_for, list(mesh.local_devices))

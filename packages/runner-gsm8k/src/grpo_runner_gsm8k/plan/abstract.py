@@ -20,6 +20,7 @@ from grpo_core.models import QwenConfig, lora
 from grpo_core.models.hf_io import abstract_model
 from grpo_core.models.presets import HUB_ARCHITECTURES, hub_architecture
 from grpo_core.registry import Registry
+from grpo_core.rollout_records import routing_record_dtype
 from grpo_core.sharding import param_shardings, per_device_bytes
 from grpo_meshes import ProcessLayout, build_mesh_from_config, setup_processes, train_batch_sharding
 
@@ -249,7 +250,14 @@ def abstract_update_batch(inputs: PlanInputs) -> UpdateBatch:
         ref_logp=tokens(jnp.float32, completion_w) if inputs.run.logps.reference else None,
         sampler_logp=tokens(jnp.float32, completion_w) if inputs.run.logps.sampler else None,
         **(teacher_fields(teacher, rows, completion_w, mesh) if teacher is not None and full else {}),
-        prompt_width=prompt_w)
+        routing=abstract_routing(inputs.run.qcfg, rows, prompt_w + completion_w, mesh) if cfg.loss.routing_replay
+        else None, prompt_width=prompt_w)
+
+
+def abstract_routing(qcfg: Any, rows: int, width: int, mesh: Any) -> Any:
+    """The UpdateBatch's `routing` with `loss.routing_replay`: [rows, width, L, k] in the record's int type."""
+    shape = (rows, width, qcfg.num_hidden_layers, qcfg.num_experts_per_tok)
+    return abstract_array(shape, routing_record_dtype(qcfg.num_experts), train_batch_sharding(mesh, ndim=4))
 
 
 def teacher_fields(teacher: Any, rows: int, completion_w: int, mesh: Any) -> dict:

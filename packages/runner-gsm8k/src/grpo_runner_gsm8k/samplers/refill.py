@@ -109,7 +109,7 @@ def merge_results(results: list[RolloutResult], picks: list[tuple[int, int]], n:
     """The rows of the picked groups as one host-side result; prompts are left-padded to
     the widest prompt bucket among the rollouts. Multi-turn rows keep their loss masks."""
     width = max(r.prompt_ids.shape[1] for r in results)
-    names = _ROW_FIELDS + (("loss_mask",) if results[0].loss_mask is not None else ())
+    names = _ROW_FIELDS + tuple(name for name in ("loss_mask", "experts") if getattr(results[0], name) is not None)
     fields = {name: [_host_rows(r, name, width) for r in results] for name in names}
     sources = [(i, row) for i, g in picks for row in range(g * n, (g + 1) * n)]
     merged = {name: np.stack([parts[i][row] for i, row in sources]) for name, parts in fields.items()}

@@ -45,7 +45,9 @@ class UpdateBatch:
     only when the loss corrects rollout/training mismatch (`loss.mismatch_correction`);
     teacher_hidden [N, C, H_teacher] the teacher's states that predict the completion tokens and
     teacher_head [H_teacher, V] its LM head, with `teacher.estimator: full` (grpo_losses.full_kl);
-    the head is one per update, never split into micro-batches.
+    the head is one per update, never split into micro-batches; routing [N, T, L, k] int, a
+    mixture-of-experts rollout's experts per token and layer (-1: none) with `loss.routing_replay`:
+    every forward of the update replays them (grpo_core.models.moe.replayed).
     """
 
     input_ids: jax.Array
@@ -58,6 +60,7 @@ class UpdateBatch:
     sampler_logp: Optional[jax.Array] = None
     teacher_hidden: Optional[jax.Array] = None
     teacher_head: Optional[jax.Array] = None
+    routing: Optional[jax.Array] = None
     prompt_width: int = struct.field(pytree_node=False, default=1)
 
 
@@ -75,13 +78,15 @@ def update_advantages(advantages: Any, completion_width: int) -> np.ndarray:
 
 
 def completion_hidden(graphdef: nnx.GraphDef, params: nnx.State, input_ids, attention_mask,
-                      prompt_width: int) -> tuple[jax.Array, jax.Array]:
+                      prompt_width: int, routing=None) -> tuple[jax.Array, jax.Array]:
     """Hidden states that predict the completion tokens [N, C, H], and the LM head [H, V].
 
-    Only completion positions go through the LM head: the prompt never needs logits.
+    Only completion positions go through the LM head: the prompt never needs logits. `routing`:
+    the experts to replay (`UpdateBatch.routing`), or None.
     """
     model = nnx.merge(graphdef, params)
-    return predicting_completion(model(input_ids, attention_mask=attention_mask), prompt_width), model.lm_head_weight()
+    hidden = model(input_ids, attention_mask=attention_mask, routing=routing)
+    return predicting_completion(hidden, prompt_width), model.lm_head_weight()
 
 
 def predicting_completion(hidden: jax.Array, prompt_width: int) -> jax.Array:
@@ -90,12 +95,13 @@ def predicting_completion(hidden: jax.Array, prompt_width: int) -> jax.Array:
 
 
 def make_score(graphdef: nnx.GraphDef, impl: Any, temperature: float):
-    """A jitted `score(params, input_ids, attention_mask, targets, prompt_width=...)`: per-token
-    log-probs [N, C] of the completion tokens (no gradient needed)."""
+    """A jitted `score(params, input_ids, attention_mask, targets, prompt_width=..., routing=None)`:
+    per-token log-probs [N, C] of the completion tokens (no gradient needed), the experts of
+    `routing` replayed (`UpdateBatch.routing`)."""
 
     @functools.partial(jax.jit, static_argnames="prompt_width")
-    def score(params, input_ids, attention_mask, targets, prompt_width: int) -> jax.Array:
-        hidden, lm_head = completion_hidden(graphdef, params, input_ids, attention_mask, prompt_width)
+    def score(params, input_ids, attention_mask, targets, prompt_width: int, routing=None) -> jax.Array:
+        hidden, lm_head = completion_hidden(graphdef, params, input_ids, attention_mask, prompt_width, routing)
         return per_token_logps(impl, hidden, lm_head, targets, temperature)
 
     return score
@@ -168,7 +174,8 @@ def _micro_step(graphdef: nnx.GraphDef, loss_terms: LossTerms, weights: nnx.Stat
     or None) completes the model's state and gets no gradient."""
     def numerator(w, mb: UpdateBatch):
         state = w if frozen is None else nnx.merge_state(frozen, w)
-        return loss_terms(*completion_hidden(graphdef, state, mb.input_ids, mb.attention_mask, mb.prompt_width), mb)
+        hidden = completion_hidden(graphdef, state, mb.input_ids, mb.attention_mask, mb.prompt_width, mb.routing)
+        return loss_terms(*hidden, mb)
 
     grad_fn = jax.value_and_grad(numerator, has_aux=True)
 
@@ -187,7 +194,8 @@ def _micro_step_in_backward(graphdef: nnx.GraphDef, loss_terms: LossTerms, compu
     `others` (compute dtype) are differentiated as usual."""
     def numerator(other_weights, layer_grads, mb: UpdateBatch):
         model = nnx.merge(graphdef, nnx.merge_state(layers, other_weights))
-        hidden, layer_grads = model.accumulating_forward(mb.input_ids, mb.attention_mask, layer_grads, compute_dtype)
+        hidden, layer_grads = model.accumulating_forward(mb.input_ids, mb.attention_mask, layer_grads, compute_dtype,
+                                                         mb.routing)
         num, aux = loss_terms(predicting_completion(hidden, mb.prompt_width), model.lm_head_weight(), mb)
         return (num, layer_grads), aux
 
