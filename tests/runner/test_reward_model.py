@@ -50,7 +50,7 @@ def placed_reward(tiny_config, name: str, batch_size: int) -> RewardModelReward:
     cfg = tiny_config(*reward_model_args(GOLDEN / name, dtype="float32", batch_size=batch_size))
     _, inputs = check_inputs(cfg, default_registry())
     resolved = build_mesh_from_config(cfg.mesh, default_registry().mesh)
-    assert place_reward_model(cfg, inputs.rewards, resolved.mesh, resolved.strategy).rows == 8
+    assert place_reward_model(cfg.model, inputs.rewards, resolved.mesh, resolved.strategy).rows == 8
     return inputs.rewards["reward_model"][0]
 
 

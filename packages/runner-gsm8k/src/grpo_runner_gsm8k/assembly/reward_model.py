@@ -18,7 +18,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from grpo_core.config import ModelConfig, RunConfig
+from grpo_core.config import ModelConfig, TaskConfig
 from grpo_core.config_io import plugin_options
 from grpo_core.errors import UserError
 from grpo_core.models import QwenConfig, load_pretrained
@@ -71,11 +71,11 @@ def make_reward_score(graphdef: nnx.GraphDef) -> Callable[..., jax.Array]:
     return score
 
 
-def reward_model_options(cfg: RunConfig) -> Optional[RewardModelOptions]:
+def reward_model_options(task: TaskConfig) -> Optional[RewardModelOptions]:
     """The options of the run's `reward_model` reward, None when task.rewards has none."""
-    if REWARD_MODEL not in cfg.task.rewards:
+    if REWARD_MODEL not in task.rewards:
         return None
-    return plugin_options(RewardModelOptions, cfg.task.reward_options.get(REWARD_MODEL, {}),
+    return plugin_options(RewardModelOptions, task.reward_options.get(REWARD_MODEL, {}),
                           f"task.reward_options.{REWARD_MODEL}")
 
 
@@ -126,11 +126,11 @@ def abstract_reward_model(options: RewardModelOptions, model_cfg: ModelConfig, m
                        scored_length(options, head), mesh)
 
 
-def place_reward_model(cfg: RunConfig, rewards: dict, mesh: Mesh, strategy: Any) -> Optional[RewardModel]:
+def place_reward_model(model_cfg: ModelConfig, rewards: dict, mesh: Mesh, strategy: Any) -> Optional[RewardModel]:
     """Loads the run's reward model (None without one) and gives the `reward_model` reward its scorer."""
     reward = rewards.get(REWARD_MODEL, (None,))[0]
     if not isinstance(reward, RewardModelReward):
         return None
-    reward_model = load_reward_model(reward.options, cfg.model, mesh, strategy)
+    reward_model = load_reward_model(reward.options, model_cfg, mesh, strategy)
     reward.place(reward_model.scorer, reward_model.rows)
     return reward_model

@@ -208,7 +208,7 @@ def build_run(cfg: RunConfig, registry: Registry, resume: bool = False, *, train
     teacher = (load_teacher(cfg.teacher, cfg.model, mesh, strategy, plugins.loss_impl, cfg.rollout.temperature)
                if cfg.teacher.path else None)
     attach_local_judges(inputs.rewards, cfg.model, cfg.rollout, mesh, strategy, plugins.rollout)
-    reward_model = place_reward_model(cfg, inputs.rewards, mesh, strategy)
+    reward_model = place_reward_model(cfg.model, inputs.rewards, mesh, strategy)
     place = RunPlace(registry, layout, mesh, qcfg, policy)
     stop = stop_token_ids(cfg.rollout, inputs.tokenizer)
     samplings = (sampling_params(cfg.rollout, stop, record_routing=cfg.loss.routing_replay),

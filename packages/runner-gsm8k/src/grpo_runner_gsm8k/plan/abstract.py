@@ -196,7 +196,7 @@ def abstract_run(cfg: RunConfig, registry: Registry, devices: Optional[list] = N
     state = TrainState(params, abstract_opt_state(optimizer[1], params, mesh), abstract_key(mesh))
     teacher = (abstract_teacher(cfg.teacher, cfg.model, mesh, resolved.strategy, plugins.loss_impl,
                                 cfg.rollout.temperature) if cfg.teacher.path else None)
-    options = reward_model_options(cfg)
+    options = reward_model_options(cfg.task)
     reward_model = None if options is None else abstract_reward_model(options, cfg.model, mesh, resolved.strategy)
     # stop ids change no buffer: the plan needs no tokenizer for them; the rollout is decided
     # later, against the planned capacity (phases.decide_lora_rollout)
