@@ -9,7 +9,9 @@ import dataclasses
 
 import pytest
 from grpo_rollout.gather import fastest_layout
-from grpo_runner_gsm8k.costs.roofline import call_seconds, decode_seconds, phase_cost, roofline, setup_seconds
+from grpo_core.hlo import HloModule
+from grpo_runner_gsm8k.costs.roofline import (call_seconds, decode_seconds, phase_cost, roofline, setup_seconds,
+                                                split_collectives)
 from grpo_runner_gsm8k.costs.tpu_target import GENERATIONS, parse_target, with_chip
 
 V6E = GENERATIONS["v6e"]
@@ -112,3 +114,48 @@ def test_chip_table_latency_is_labelled_and_overridable():
     target = with_chip(parse_target("v6e-8"), "collective_latency_us=10")
     assert (target.generation.collective_latency_us, target.generation.latency_source) == (10.0, "--chip")
     assert with_chip(parse_target("v6e-8"), "collective_latency_us=0").generation.collective_latency_us == 0
+
+
+# Across slices (mesh.slices): what the TPU compiler sends between slices (a megascale host transfer)
+# and a collective whose replica groups pair devices of two slices cost the DCN latency plus their
+# bytes over the chip's share of its host's DCN bandwidth.
+DCN_SEND = ('  %tok = token[] after-all()\n'
+            '  %sent = (f32[256,1024]{1,0}, u32[], token[]) send(%x, %tok), channel_id=7, is_host_transfer=true, '
+            'frontend_attributes={_xla_megascale_transfer_type="ALL_REDUCE"}\n'
+            '  %sent-done = token[] send-done(%sent), channel_id=7, is_host_transfer=true, '
+            'frontend_attributes={_xla_megascale_transfer_type="ALL_REDUCE"}\n')
+
+
+def dcn_decode_hlo() -> str:
+    """A decode loop whose every token sends 1 MiB (f32[256,1024]) to the other slice."""
+    text = decode_hlo("f32[256,1024]", 0, "all-reduce")
+    body = "  %h = bf16[512,1024]{1,0} parameter(1)\n"
+    return text.replace(body, body + "  %x = f32[256,1024]{1,0} parameter(2)\n" + DCN_SEND)
+
+
+def test_a_transfer_between_slices_is_priced_from_the_dcn_figures_count_by_hand():
+    cost = phase_cost(HandMade(dcn_decode_hlo()))
+    assert (cost.dcn.exposed_bytes, cost.dcn.exposed, cost.collectives) == (1048576, 1, 0)
+    chip = dataclasses.replace(parse_target("2xv6e-8").generation, dcn_latency_us=20.0)
+    assert (chip.dcn_host_gbps, chip.host_chips) == (25.0, 8)  # 2 x 100 Gbit/s per host, shared by 8 chips
+    # per token: the carried state once from HBM (pred + f32[256,1024]), then 1 MiB at 25/8 GB/s + 20 us
+    hand = (1 + 1048576) / 1638e9 + 1048576 / 3.125e9 + 20e-6
+    assert call_seconds(chip, cost) == pytest.approx(hand, rel=1e-12)
+    faster = with_chip(parse_target("2xv6e-8"), "dcn_host_gbps=50,dcn_latency_us=0").generation
+    assert call_seconds(faster, cost) == pytest.approx((1 + 1048576) / 1638e9 + 1048576 / 6.25e9, rel=1e-12)
+    assert (faster.dcn_source, faster.dcn_latency_source) == ("--chip", "--chip")
+
+
+def test_a_collective_whose_groups_span_slices_is_counted_across_them():
+    text = ("HloModule groups\n\n%sum (a: f32[], b: f32[]) -> f32[] {\n  %a = f32[] parameter(0)\n"
+            "  %b = f32[] parameter(1)\n  ROOT %s = f32[] add(%a, %b)\n}\n\n"
+            "ENTRY %main (w: f32[1024]) -> f32[1024] {\n  %w = f32[1024]{0} parameter(0)\n"
+            "  %within = f32[1024]{0} all-reduce(%w), channel_id=1, replica_groups={{0,1,2,3},{4,5,6,7}}, "
+            "use_global_device_ids=true, to_apply=%sum\n"
+            "  ROOT %across = f32[1024]{0} all-reduce(%within), channel_id=2, replica_groups=[4,2]<=[2,4]T(1,0), "
+            "use_global_device_ids=true, to_apply=%sum\n}\n")
+    within, across = split_collectives(HloModule(text), None, [0, 0, 0, 0, 1, 1, 1, 1])
+    assert (within.exposed_bytes, within.exposed) == (4096, 1)
+    assert (across.exposed_bytes, across.exposed) == (4096, 1)
+    # the same program on one slice: both within
+    assert split_collectives(HloModule(text), None, None)[0].exposed == 2

@@ -191,3 +191,50 @@ def test_bad_projection_flags_are_one_line(tiny_config_path, plan_overrides, tmp
 def test_projection_flags_without_target_are_refused(tiny_config_path, capsys):
     assert main(["--config", tiny_config_path, "--plan", "--expect-completion-tokens", "4"]) == 2
     assert "--expect-completion-tokens only applies to --plan --target SLICE" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name, devices, hosts", [("2xv6e-8", 16, 2), ("v6e-8x2", 16, 2), ("v5p-128x2", 128, 32)])
+def test_multislice_targets_have_every_slices_devices_and_hosts(name, devices, hosts):
+    target = tpu_target.parse_target(name)
+    found = tpu_target.target_devices(target)
+    assert (target.slices, len(found), len({d.process_index for d in found})) == (2, devices, hosts)
+    assert sorted({d.slice_index for d in found}) == [0, 1]
+
+
+def test_a_multislice_mesh_is_jaxs_hybrid_mesh_with_one_slice_per_half_of_dp():
+    from grpo_core.config import MeshConfig
+    from grpo_meshes import resolve_strategy
+    from jax.experimental import mesh_utils
+
+    devices = tpu_target.target_devices(tpu_target.parse_target("2xv6e-8"))
+    grid = resolve_strategy(MeshConfig(slices=2)).device_grid(devices)
+    assert grid.shape == (2, 8, 1)
+    assert [{d.slice_index for d in grid[i].flat} for i in range(2)] == [{0}, {1}]
+    hybrid = mesh_utils.create_hybrid_device_mesh((1, 8, 1), (2, 1, 1), devices, allow_split_physical_axes=True)
+    assert grid.tolist() == hybrid.tolist()
+
+
+def test_a_multislice_target_needs_as_many_mesh_slices(plan_config):
+    with pytest.raises(UserError, match=r"mesh.slices=1 but the 16 devices are on 2 slice\(s\).*set mesh.slices=2"):
+        plan.plan_command(plan_config(), default_registry(), target="2xv6e-8")
+
+
+def test_tiny_model_planned_across_two_slices_sends_only_gradient_all_reduces(plan_config):
+    """The TPU compiler's multislice program: each slice's own SPMD program, and what crosses the DCN as
+    transfers to its megascale runtime: none per decoded token, all-reduces (the gradients) in the update."""
+    from grpo_runner_gsm8k.costs.memory import PhaseMemory
+    from grpo_runner_gsm8k.plan.projection import project, projection_json, projection_lines
+
+    cfg = plan_config("mesh.slices=2", "rollout.options.gather_weights=true")
+    target = tpu_target.parse_target("2xv6e-8")
+    inputs = plan.build_plan_inputs(cfg, default_registry(), target)
+    assert "(TPU v6 lite, 2 slices of topology v6e:2x4): 16 devices on 2 host(s)" in inputs.target
+    programs = {**plan.compile_rollout(inputs), "train step": plan.compile_update(inputs)}
+    assert set(re.findall(r'_xla_megascale_transfer_type="(\w+)"', programs["train step"].as_text())) == {"ALL_REDUCE"}
+    phases = [PhaseMemory.from_compiled(name, compiled) for name, compiled in programs.items()]
+    projection = project(inputs, target.generation, phases)
+    out = "\n".join(projection_lines(projection, [8]))
+    assert re.search(r"^across the 2 slices \(DCN: 3\.125 GB/s per chip = 25 GB/s per host \(not published: .*"
+                     r"rollout decode: none per token.*; train step: [\d.]+ MB in \d+ collective\(s\)", out, re.M)
+    report = json.loads(projection_json(projection, [8]))["projection"]["phases"]
+    assert report["rollout decode"]["dcn_collectives"] == 0 and report["train step"]["dcn_collectives"] > 0

@@ -322,6 +322,13 @@ class MeshConfig:
     strategy: str = setting(
         "auto", "Mesh strategy plugin (auto, host_local, full_fsdp, fsdp_tp) or an explicit 'dp,fsdp,tp'.")
     options: dict = setting({}, "Options of the mesh strategy.")
+    slices: int = setting(
+        1, "Slices joined by the data-center network (DCN): the strategy's shape is one slice's, and the "
+        "slices multiply mesh.slice_axis (on TPU, JAX's hybrid mesh; elsewhere equal groups of the devices).", ge=1)
+    # dp: parameters are replicated per slice, so a step's only DCN traffic is the gradient reduction.
+    slice_axis: Literal["dp", "fsdp"] = setting(
+        "dp", "The axis the slices extend: dp (data parallel across slices) or fsdp (parameters and optimizer "
+        "state sharded across slices too; their gathers then cross the DCN).")
     require_process_count: Optional[int] = setting(
         None, "Fail fast unless exactly this many processes joined; null skips the check.", ge=1)
     distributed: Literal["auto", "on", "off"] = setting(

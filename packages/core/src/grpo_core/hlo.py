@@ -15,13 +15,16 @@ trip counts. `HloModule` walks the computations instead:
 - `collective_bytes(computation)`: bytes produced by collectives (all-gather,
   all-reduce, reduce-scatter, all-to-all, collective-permute) in one execution of
   a computation, e.g. one iteration of a decode loop body; `collective_count`: how
-  many of them it issues (each pays a latency, whatever its size).
+  many of them it issues (each pays a latency, whatever its size). `where=` selects
+  some of them, e.g. those whose replica groups span slices (grpo_core.replica_groups).
+- `dcn_transfers(computation)`: what a TPU multislice program sends between slices.
 """
 
 from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -189,20 +192,36 @@ class HloModule:
         return total
 
     def collective_bytes(self, computation: str | None = None, ops: tuple[str, ...] = COLLECTIVES,
-                         seen: set[str] | None = None, overlapped: bool | None = None) -> dict[str, int]:
+                         seen: set[str] | None = None, overlapped: bool | None = None,
+                         where: Callable[[Instruction], bool] | None = None) -> dict[str, int]:
         """Bytes produced per collective kind in one execution of `computation`
         (nested loops multiplied by their trip counts; async pairs counted once, and so is
         a collective the TPU compiler copies into several fusions: one channel id, one transfer).
         `overlapped`: True counts only collectives issued asynchronously (they overlap compute),
-        False only the others, None all."""
+        False only the others, None all; `where`: only the collectives it accepts (e.g. those
+        whose groups cross slices, `crosses_groups`)."""
         return self._collectives(computation, ops, set() if seen is None else seen, overlapped, False,
-                                 lambda inst: shape_bytes(inst.shape))
+                                 lambda inst: shape_bytes(inst.shape) if where is None or where(inst) else 0)
 
     def collective_count(self, computation: str | None = None, ops: tuple[str, ...] = COLLECTIVES,
-                         overlapped: bool | None = None) -> dict[str, int]:
+                         overlapped: bool | None = None,
+                         where: Callable[[Instruction], bool] | None = None) -> dict[str, int]:
         """Collectives issued per kind in one execution of `computation`, counted as
         `collective_bytes` counts their bytes: each one pays the interconnect's latency."""
-        return self._collectives(computation, ops, set(), overlapped, False, lambda inst: 1)
+        return self._collectives(computation, ops, set(), overlapped, False,
+                                 lambda inst: int(where is None or where(inst)))
+
+    def dcn_transfers(self, computation: str | None = None) -> tuple[int, int]:
+        """(bytes, count) of the transfers between slices the TPU compiler writes for a multislice
+        program (host-transfer `send`s to its megascale runtime, one per collective across slices,
+        the slice's own SPMD program holding only the collectives within it), in one execution of
+        `computation`, loops times their trip counts; bytes are what a device sends."""
+        def sent(inst: Instruction) -> int:
+            return _first_array_bytes(inst.shape) if _is_dcn_transfer(inst) else 0
+
+        sizes = self._collectives(computation, ("send",), set(), None, False, sent)
+        counts = self._collectives(computation, ("send",), set(), None, False, lambda i: int(_is_dcn_transfer(i)))
+        return sum(sizes.values()), sum(counts.values())
 
     def _collectives(self, computation: str | None, ops: tuple[str, ...], seen: set[str], overlapped: bool | None,
                      in_async: bool, measure) -> dict[str, int]:
@@ -229,6 +248,16 @@ class HloModule:
             self._async_channels = {_channel(i) for c in self.computations.values() if _async_context(c)
                                     for i in c.instructions} - {None}
         return inst.op.endswith("-done") or _channel(inst) in self._async_channels
+
+
+def _is_dcn_transfer(inst: Instruction) -> bool:
+    return inst.op == "send" and "_xla_megascale_transfer_type" in inst.attrs
+
+
+def _first_array_bytes(shape: str) -> int:
+    """Bytes of the first array of a shape (a send's data, not its context and token)."""
+    found = _ARRAY.search(shape)
+    return shape_bytes(found.group(0)) if found else 0
 
 
 def _through_copies(comp: Computation, name: str) -> Instruction | None:
@@ -306,3 +335,4 @@ def _convolution_flops(inst: Instruction, comp: Computation) -> float:
     taps = math.prod(_valid_taps(out_of[d], rhs_of[d], lhs_of[d], stride[i], lows[i], lhs_dilate[i], rhs_dilate[i])
                      for i, d in enumerate(spatial))
     return 2.0 * out_of["b"] * out_of["f"] * rhs_of["i"] * taps
+

@@ -13,6 +13,7 @@ from jax.sharding import Mesh
 
 from grpo_meshes.errors import MeshError
 from grpo_meshes.shapes import looks_like_shape
+from grpo_meshes.slices import check_slice_axis
 from grpo_meshes.strategies import MeshStrategy
 
 SpecSource = Union[None, Callable[[str], MeshSpec], Mapping[str, MeshSpec], Iterable[MeshSpec]]
@@ -32,7 +33,24 @@ def resolve_strategy(mesh_config: MeshConfig, specs: SpecSource = None) -> MeshS
     """
     name, options = _strategy_name_and_options(mesh_config)
     spec = _lookup(specs, name)
-    return spec.factory(make_options(spec, options))
+    return with_slices(spec.factory(make_options(spec, options)), mesh_config)
+
+
+def with_slices(strategy: MeshStrategy, mesh_config: MeshConfig) -> MeshStrategy:
+    """`strategy` across `mesh.slices` slices on `mesh.slice_axis` (grpo_meshes.slices)."""
+    slices, axis = getattr(mesh_config, "slices", 1), getattr(mesh_config, "slice_axis", "dp")
+    check_slice_axis(axis)
+    if slices == 1:
+        return strategy
+    name = getattr(strategy, "name", mesh_config.strategy)
+    if not isinstance(strategy, MeshStrategy) or not strategy.takes_slices:
+        raise MeshError(f"mesh.strategy {name!r} cannot take mesh.slices={slices} (it lays devices out by "
+                        f"process, not by slice); use mesh.strategy auto or an explicit 'dp,fsdp,tp' shape "
+                        f"of one slice, or mesh.slices=1")
+    if strategy.process_major and axis == "fsdp":
+        raise MeshError(f"mesh.slice_axis=fsdp puts fsdp groups across slices, but mesh.strategy {name!r} was "
+                        f"asked for fsdp within a host (options.fsdp_within_host); use mesh.slice_axis=dp")
+    return dataclasses.replace(strategy, slices=slices, slice_axis=axis)
 
 
 def build_mesh_from_config(mesh_config: MeshConfig, specs: SpecSource = None,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import warnings
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, ClassVar, Sequence
 
 import jax
 import numpy as np
@@ -21,6 +21,7 @@ from jax.sharding import AxisType, Mesh
 from grpo_meshes.errors import MeshError, MeshWarning
 from grpo_meshes.rules import PARAM_RULES, TRAIN_ACTIVATION_RULES, Rules
 from grpo_meshes.shapes import AXES, MeshShape, format_shape, resolve_shape
+from grpo_meshes.slices import check_slice_axis, devices_per_slice, multislice_grid, with_slices
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,8 @@ class MeshStrategy:
     process_major: lay devices out process by process (dp across hosts,
     fsdp/tp inside a host) instead of in the interconnect topology order, and
     warn when the shape still puts an fsdp group on several processes.
+    slices, slice_axis: `shape` is one slice's; the slices multiply
+    `slice_axis` (grpo_meshes.slices).
     """
 
     name: str
@@ -37,14 +40,35 @@ class MeshStrategy:
     process_major: bool = False
     param_rules: Rules = field(default=PARAM_RULES, repr=False)
     activation_rules: Rules = field(default=TRAIN_ACTIVATION_RULES, repr=False)
+    slices: int = 1
+    slice_axis: str = "dp"
+    takes_slices: ClassVar[bool] = True  # whether mesh.slices > 1 may be applied to it
+
+    def __post_init__(self) -> None:
+        check_slice_axis(self.slice_axis)
 
     def mesh_shape(self, devices: Sequence[Any] | None = None) -> MeshShape:
-        return resolve_shape(self.shape, len(_devices(devices)))
+        devices = _devices(devices)
+        if self.slices == 1:
+            return self.slice_shape(devices)
+        return with_slices(self.slice_shape(devices[:devices_per_slice(devices, self.slices)]), self.slices,
+                           self.slice_axis)
+
+    def slice_shape(self, devices: Sequence[Any]) -> MeshShape:
+        """(dp, fsdp, tp) of one slice of `devices`."""
+        return resolve_shape(self.shape, len(devices))
 
     def device_grid(self, devices: Sequence[Any] | None = None) -> np.ndarray:
         """Devices arranged as a [dp, fsdp, tp] array."""
         devices = _devices(devices)
-        shape = self.mesh_shape(devices)
+        per_slice = devices_per_slice(devices, self.slices) if self.takes_slices else len(devices)
+        if self.slices > 1:
+            ici = self.slice_shape(devices[:per_slice])
+            return multislice_grid(ici, self.slices, self.slice_axis, devices, self._slice_grid,
+                                   hybrid=not self.process_major)
+        return self._slice_grid(self.mesh_shape(devices), devices)
+
+    def _slice_grid(self, shape: MeshShape, devices: list[Any]) -> np.ndarray:
         if self.process_major:
             return np.asarray(sorted(devices, key=lambda d: (d.process_index, d.id))).reshape(shape)
         return _topology_grid(shape, devices)
@@ -61,11 +85,12 @@ class MeshStrategy:
 class HostLocalStrategy(MeshStrategy):
     """dp = number of processes, fsdp = devices per process, tp = 1."""
 
-    shape: tuple[int, int, int] = (-1, -1, 1)  # sizes come from the devices, see mesh_shape
+    shape: tuple[int, int, int] = (-1, -1, 1)  # sizes come from the devices, see slice_shape
     process_major: bool = True
+    takes_slices: ClassVar[bool] = False  # dp is the processes already, across every slice
 
-    def mesh_shape(self, devices: Sequence[Any] | None = None) -> MeshShape:
-        per_process = devices_per_process(_devices(devices))
+    def slice_shape(self, devices: Sequence[Any]) -> MeshShape:
+        per_process = devices_per_process(devices)
         counts = {len(group) for group in per_process.values()}
         if len(counts) != 1:
             sizes = {p: len(group) for p, group in sorted(per_process.items())}

@@ -50,13 +50,15 @@ def train_parser() -> argparse.ArgumentParser:
                         help="with --plan: find the largest micro_batch_size_per_device that fits, or (with --target) "
                              "the model.remat policy with the fastest projected update that fits")
     parser.add_argument("--target", metavar="SLICE",
-                        help="with --plan: compile for this TPU slice (v6e-8, v4-16, v5e-4, or v6e:4x4) with the "
-                             "TPU compiler, on any host (needs the tpu extra)")
+                        help="with --plan: compile for this TPU slice (v6e-8, v4-16, v5e-4, or v6e:4x4), or N "
+                             "slices over the DCN (2xv6e-8, v5p-128x2; with mesh.slices=N), with the TPU compiler, "
+                             "on any host (needs the tpu extra)")
     parser.add_argument("--capacity-gib", type=float, metavar="GIB",
                         help="with --plan: device memory budget to plan against (default: what the device reports)")
     parser.add_argument("--chip", metavar="NAME=VALUE,...",
                         help="with --target: replace the chip's figures (peak_tflops, hbm_gbps, ici_gbps, "
-                             "usable_hbm_gib, collective_latency_us) the projection and the verdict use")
+                             "usable_hbm_gib, collective_latency_us, dcn_host_gbps, dcn_latency_us) the projection "
+                             "and the verdict use")
     parser.add_argument("--expect-completion-tokens", type=int, metavar="N",
                         help="with --target: also project a step whose rows sample N tokens (default: only the max)")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value",

@@ -9,6 +9,10 @@ and TensorCores on v4/v5p, whose two cores per chip form one megacore device. Sl
 of up to 8 (v5e/v6e) or 4 (v4/v5p) chips sit on one host; larger ones have 4 chips
 (2x2) per host, so v6e-8 = 8 devices on 1 host, v6e-16 = 16 devices on 4 hosts and
 v4-16 = 8 devices on 2 hosts. A raw topology `v6e:4x4` is accepted as well.
+
+Several slices joined by the data-center network (DCN): `2xv6e-8` or `v6e-8x2` (also
+`2xv6e:2x4`); libtpu then describes every slice's devices, each with its `slice_index`, and the
+run's mesh must have as many `mesh.slices`.
 """
 
 from __future__ import annotations
@@ -46,7 +50,17 @@ HBM_SOURCE = "cloud.google.com/tpu/docs/v4, /v5e, /v5p-training, /v6e (per chip)
 # microseconds"; `--chip collective_latency_us=X` replaces it, and the plan prints the step at half
 # and double the figure.
 LATENCY_SOURCE = "derived: (hops of a ring over the single-host slice / 2) x 1 us + 1 us issue; no published figure"
-CHIP_FIELDS = ("peak_tflops", "hbm_gbps", "ici_gbps", "usable_hbm_gib", "collective_latency_us")
+# Between slices, per host: the v5e page's "per-host NIC configuration: 2 x 100 Gbps NIC"
+# (cloud.google.com/tpu/docs/v5e) = 25 GB/s, shared by the host's chips. The v4, v5p and v6e pages
+# publish no per-host figure; they get the same 25 GB/s, labelled so. The latency of a collective over
+# the DCN is not published either: 20 us is assumed (hosts a data-center hop apart, against a few us
+# over ICI). `--chip dcn_host_gbps=X,dcn_latency_us=Y` replaces them.
+DCN_GBPS, DCN_LATENCY_US = 25.0, 20.0
+DCN_SOURCE = {"v5e": "2 x 100 Gbps NICs per host, cloud.google.com/tpu/docs/v5e"}
+DCN_ASSUMED = "not published: v5e's 2 x 100 Gbps NICs per host assumed"
+DCN_LATENCY_SOURCE = "assumed, no published figure"
+CHIP_FIELDS = ("peak_tflops", "hbm_gbps", "ici_gbps", "usable_hbm_gib", "collective_latency_us", "dcn_host_gbps",
+               "dcn_latency_us")
 
 
 @dataclass(frozen=True)
@@ -64,13 +78,19 @@ class Generation:
     usable_source: str
     collective_latency_us: float  # per collective, besides its bytes over ici_gbps (derived, see above)
     latency_source: str = LATENCY_SOURCE
+    dcn_host_gbps: float = DCN_GBPS  # data-center network per host, GB/s (see above)
+    dcn_latency_us: float = DCN_LATENCY_US  # per collective across slices, besides its bytes
+    dcn_source: str = DCN_ASSUMED
+    dcn_latency_source: str = DCN_LATENCY_SOURCE
+    host_chips: int = 1  # chips sharing a host's DCN bandwidth: set from the target (parse_target)
 
 
 GENERATIONS = {
     "v4": Generation("v4", 32.0, 3, True, 4, (8, 16, 32, 64, 128, 256, 512), 275.0, 1200.0, 600.0, 32.0,
                      "nominal HBM, no reported bytes_limit known", 3.0),
     "v5e": Generation("v5e", 16.0, 2, False, 8, (1, 4, 8, 16, 32, 64, 128, 256), 197.0, 819.0, 400.0,
-                      16909332480 / (1 << 30), "the bytes_limit a v5e chip reports", 5.0),
+                      16909332480 / (1 << 30), "the bytes_limit a v5e chip reports", 5.0,
+                      dcn_source=DCN_SOURCE["v5e"]),
     "v5p": Generation("v5p", 95.0, 3, True, 4, (8, 16, 32, 64, 128, 256, 512), 459.0, 2765.0, 1200.0, 95.0,
                       "nominal HBM, no reported bytes_limit known", 3.0),
     "v6e": Generation("v6e", 32.0, 2, False, 8, (1, 4, 8, 16, 32, 64, 128, 256), 918.0, 1638.0, 800.0, 31.25,
@@ -92,7 +112,8 @@ def generation_of(device: Any) -> Optional[Generation]:
 class Target:
     name: str  # as the user gave it
     generation: Generation
-    topology: tuple[int, ...]  # chips per dimension
+    topology: tuple[int, ...]  # chips per dimension, of one slice
+    slices: int = 1  # slices joined by the data-center network
 
     @property
     def chips(self) -> int:
@@ -135,7 +156,26 @@ def slice_topology(generation: Generation, chips: int) -> tuple[int, ...]:
 
 
 def parse_target(name: str) -> Target:
-    match = re.fullmatch(r"(v\d+[a-z]?)([-:])(.+)", name.strip().lower())
+    """A slice name, a raw topology, or N of either across the DCN (`2xv6e-8`, `v6e-8x2`)."""
+    slices, one = split_slices(name.strip().lower())
+    target = dataclasses.replace(parse_slice(one), name=name, slices=slices)
+    return dataclasses.replace(target, generation=dataclasses.replace(
+        target.generation, host_chips=math.prod(target.chips_per_host)))
+
+
+def split_slices(name: str) -> tuple[int, str]:
+    """(slices, one slice's name) of `2xv6e-8` / `v6e-8x2`; (1, name) otherwise."""
+    found = re.fullmatch(r"(\d+)x(v.+)", name) or re.fullmatch(r"(v\d+[a-z]?-\d+)x(\d+)", name)
+    if found is None:
+        return 1, name
+    count, one = found.groups() if found.group(1).isdigit() else found.groups()[::-1]
+    if int(count) < 1:
+        raise _bad_target(name, "the number of slices must be at least 1")
+    return int(count), one
+
+
+def parse_slice(name: str) -> Target:
+    match = re.fullmatch(r"(v\d+[a-z]?)([-:])(.+)", name)
     if not match or match.group(1) not in GENERATIONS:
         raise _bad_target(name, "unknown TPU generation")
     generation, kind, rest = GENERATIONS[match.group(1)], match.group(2), match.group(3)
@@ -154,14 +194,18 @@ def with_chip(target: Target, overrides: str) -> Target:
     changes = {}
     for item in filter(None, (part.strip() for part in overrides.split(","))):
         name, _, value = item.partition("=")
-        if name not in CHIP_FIELDS or not _positive(value, allow_zero=name == "collective_latency_us"):
+        if name not in CHIP_FIELDS or not _positive(value, allow_zero=name.endswith("latency_us")):
             raise UserError(f"--chip {item!r}: give name=value with a value > 0, names: {', '.join(CHIP_FIELDS)} "
-                            "(collective_latency_us may be 0)")
+                            "(collective_latency_us and dcn_latency_us may be 0)")
         changes[name] = float(value)
     if "usable_hbm_gib" in changes:
         changes["usable_source"] = "--chip"
     if "collective_latency_us" in changes:
         changes["latency_source"] = "--chip"
+    if "dcn_host_gbps" in changes:
+        changes["dcn_source"] = "--chip"
+    if "dcn_latency_us" in changes:
+        changes["dcn_latency_source"] = "--chip"
     return dataclasses.replace(target, generation=dataclasses.replace(target.generation, **changes))
 
 
@@ -195,7 +239,9 @@ def target_devices(target: Target) -> list[Any]:
                                TPU_ACCELERATOR_TYPE=target.accelerator_type, TPU_WORKER_HOSTNAMES="localhost")
     from jax.experimental import topologies
 
-    options = {"chips_per_host_bounds": target.chips_per_host}
+    options: dict[str, Any] = {"chips_per_host_bounds": target.chips_per_host}
+    if target.slices > 1:
+        options["num_slices"] = target.slices
     if target.generation.megacore:
         options["chip_config_name"] = "megacore"
     try:
@@ -208,5 +254,6 @@ def target_devices(target: Target) -> list[Any]:
 
 def describe(target: Target, devices: list[Any]) -> str:
     hosts = len({d.process_index for d in devices})
-    return (f"{target.name} ({devices[0].device_kind}, topology {target.topology_name}): {len(devices)} devices "
-            f"on {hosts} host(s)" + (", megacore" if target.generation.megacore else ""))
+    slices = f"{target.slices} slices of " if target.slices > 1 else ""
+    return (f"{target.name} ({devices[0].device_kind}, {slices}topology {target.topology_name}): {len(devices)} "
+            f"devices on {hosts} host(s)" + (", megacore" if target.generation.megacore else ""))

@@ -18,6 +18,11 @@ reshard each call runs once), for each segment that starts before the last token
 
 The prefill samples each row's first token; the update is compiled at the widest training batch
 (the longest completion), at both lengths.
+
+Across slices (`mesh.slices`, a target such as 2xv6e-8), a collective whose device groups span
+slices crosses the data-center network: it costs the DCN latency plus its bytes over the chip's
+share of its host's DCN bandwidth instead (costs.roofline), and the plan lists per phase what
+crosses it (with dp across slices: the train step's gradient reduction, nothing per decoded token).
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ from grpo_runner_gsm8k.assembly.build import attention_impl, micro_batches, rows
 from grpo_runner_gsm8k.costs.flops import forward_flops
 from grpo_runner_gsm8k.plan.abstract import PlanInputs, train_widths
 from grpo_runner_gsm8k.costs.memory import PhaseMemory
-from grpo_runner_gsm8k.costs.roofline import PhaseCost, call_seconds, setup_seconds
+from grpo_runner_gsm8k.costs.roofline import NO_COLLECTIVES, PhaseCost, call_seconds, dcn_chip_gbps, setup_seconds
 from grpo_runner_gsm8k.assembly.teacher import TEACHER_PHASE
 from grpo_runner_gsm8k.costs.tpu_target import Generation
 
@@ -102,6 +107,7 @@ class Projection:
     epochs: int  # train.ppo_epochs: updates per step
     phases: dict[str, PhaseTime]
     model_update_flops: float  # model_update_passes x forward of the widest training batch, all devices
+    slices: int = 1  # mesh.slices: collectives across them are priced over the DCN
 
     def decode_segments(self) -> list[tuple[int, Optional[int], PhaseTime]]:
         """(first step, end step, phase) of each decode segment in step order; the last, `rollout
@@ -156,7 +162,7 @@ def project(inputs: PlanInputs, chip: Generation, phases: list[PhaseMemory]) -> 
     rows = rows_per_step(cfg.rollout)
     model = model_update_passes(cfg.model) * forward_flops(inputs.run.qcfg, rows, prompt_w + completion_w, completion_w)
     return Projection(chip, mesh.size, rows, micro_batches(cfg.rollout, cfg.train, mesh), cfg.train.ppo_epochs,
-                      {p.name: phase_time(inputs, chip, p) for p in phases}, model)
+                      {p.name: phase_time(inputs, chip, p) for p in phases}, model, cfg.mesh.slices)
 
 
 def projection_lines(projection: Projection, lengths: list[int]) -> list[str]:
@@ -175,7 +181,28 @@ def projection_lines(projection: Projection, lengths: list[int]) -> list[str]:
     update = projection.phases["train step"].seconds
     lines.append(f"train micro-batch: {seconds_text(update / projection.micro_batches)} "
                  f"({projection.micro_batches} per update); train MFU {projection.mfu:.1%}")
-    return lines + [step_line(projection, tokens) for tokens in lengths] + [latency_line(projection, lengths)]
+    return (lines + dcn_lines(projection) + [step_line(projection, tokens) for tokens in lengths]
+            + [latency_line(projection, lengths)])
+
+
+def dcn_text(phase: PhaseTime) -> str:
+    """What of one phase crosses the DCN, per call (per token for a decode) and once around a decode loop."""
+    dcn = phase.cost.dcn if phase.cost else NO_COLLECTIVES
+    setup = phase.cost.setup_dcn if phase.cost else NO_COLLECTIVES
+    per = " per token" if phase.cost and phase.cost.per_iteration else ""
+    text = f"{dcn.total_bytes / 1e6:.1f} MB in {dcn.total} collective(s){per}" if dcn.total else f"none{per}"
+    return text + (f", {setup.total_bytes / 1e6:.1f} MB in {setup.total} once per rollout" if setup.total else "")
+
+
+def dcn_lines(projection: Projection) -> list[str]:
+    """Per phase, the collectives across slices (a multi-slice mesh only)."""
+    if projection.slices == 1:
+        return []
+    chip = projection.chip
+    phases = "; ".join(f"{name}: {dcn_text(p)}" for name, p in projection.phases.items())
+    return [f"across the {projection.slices} slices (DCN: {dcn_chip_gbps(chip):g} GB/s per chip = "
+            f"{chip.dcn_host_gbps:g} GB/s per host ({chip.dcn_source}) over {chip.host_chips} chips, "
+            f"{chip.dcn_latency_us:g} us per collective ({chip.dcn_latency_source})), per device: {phases}"]
 
 
 def table_order(projection: Projection) -> list[PhaseTime]:
@@ -242,11 +269,12 @@ def projection_json(projection: Projection, lengths: list[int]) -> str:
         "kind": "lower bound from the TPU compiler's programs, not a measurement",
         "chip": {k: v for k, v in asdict(projection.chip).items() if k in (
             "name", "peak_tflops", "hbm_gbps", "ici_gbps", "usable_hbm_gib", "collective_latency_us",
-            "latency_source")},
+            "latency_source", "dcn_host_gbps", "dcn_latency_us", "dcn_source", "host_chips")},
+        "slices": projection.slices,
         "phases": {p.name: {"tflop_per_device": p.flops / 1e12, "hbm_gb_per_device": p.hbm_bytes / 1e9,
                             "sync_collective_mb_per_device": p.collective_bytes / 1e6,
                             "async_collective_mb_per_device": p.overlapped_collective_bytes / 1e6,
-                            "collectives": p.collectives, "seconds": p.seconds,
+                            "collectives": p.collectives, "seconds": p.seconds, **dcn_json(p),
                             "setup_seconds": p.setup_seconds} for p in projection.phases.values()},
         "train_micro_batch_seconds": projection.phases["train step"].seconds / projection.micro_batches,
         "train_mfu": projection.mfu,
@@ -254,3 +282,11 @@ def projection_json(projection: Projection, lengths: list[int]) -> str:
         "decode_segments": segments_json(projection),
         "latency_sensitivity": [{"scale": scale, "steps": steps_json(projection.with_latency_scale(scale), lengths)}
                                 for scale in (*LATENCY_SCALES, 0.0)]}})
+
+
+def dcn_json(phase: PhaseTime) -> dict:
+    """What of a phase crosses the DCN: per call (per token for a decode), and once around a decode loop."""
+    dcn = phase.cost.dcn if phase.cost else NO_COLLECTIVES
+    setup = phase.cost.setup_dcn if phase.cost else NO_COLLECTIVES
+    return {"dcn_collective_mb_per_device": dcn.total_bytes / 1e6, "dcn_collectives": dcn.total,
+            "setup_dcn_collective_mb_per_device": setup.total_bytes / 1e6, "setup_dcn_collectives": setup.total}
