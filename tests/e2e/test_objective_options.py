@@ -63,26 +63,38 @@ def train(tiny_config, fast) -> Callable[..., list[dict]]:
     return run
 
 
-@pytest.mark.parametrize("name", list(OPTION_RUNS))
-def test_option_trains_and_logs_its_metrics(train, name, capsys):
-    overrides, keys = OPTION_RUNS[name]
-    records = train(*overrides)
-    quantized = "rollout: quantize=int8: sampling from int8 projection weights" in capsys.readouterr().out
-    assert quantized == ("rollout.quantize=int8" in overrides)
+# The options that combine train together in test_options_together_train_and_reach_wandb.
+TOGETHER = [("mis_sequence", "overlong", "entropy_fused", "refill"), ("cispo",)]
+ALONE = [name for name in OPTION_RUNS if not any(name in group for group in TOGETHER)]
+
+
+def assert_trained_with_metrics(records: list[dict], keys: list[str]) -> None:
     for record in records:
         assert math.isfinite(record["train-other/loss"]) and record["train-other/skipped_steps"] == 0, record
         for key in keys:
             assert math.isfinite(record[key]), (key, record.get(key))
 
 
-@pytest.mark.parametrize("names", [("mis_sequence", "overlong", "entropy_fused", "refill"), ("cispo",)])
-def test_option_metrics_reach_wandb(train, tmp_path, names):
-    """The options' metrics in one run (policy losses exclude each other: cispo runs on its own)."""
-    train(*sum((OPTION_RUNS[name][0] for name in names), []), "logging.wandb=offline", "train.steps=1")
+@pytest.mark.parametrize("name", ALONE)
+def test_option_trains_and_logs_its_metrics(train, name, capsys):
+    overrides, keys = OPTION_RUNS[name]
+    records = train(*overrides)
+    quantized = "rollout: quantize=int8: sampling from int8 projection weights" in capsys.readouterr().out
+    assert quantized == ("rollout.quantize=int8" in overrides)
+    assert_trained_with_metrics(records, keys)
+
+
+@pytest.mark.parametrize("names", TOGETHER, ids=["+".join(names) for names in TOGETHER])
+def test_options_together_train_and_reach_wandb(train, tmp_path, names):
+    """Options that combine, in one run: each trains and logs its metrics to metrics.jsonl and W&B
+    (policy losses exclude each other: cispo runs on its own)."""
+    records = train(*sum((OPTION_RUNS[name][0] for name in names), []), "logging.wandb=offline")
+    keys = sum((OPTION_RUNS[name][1] for name in names), [])
+    assert_trained_with_metrics(records, keys)
     logs = list(tmp_path.glob("run/wandb/offline-run-*/run-*.wandb"))  # under tiny_config's logging.dir
     assert len(logs) == 1
     data = logs[0].read_bytes()
-    for key in sum((OPTION_RUNS[name][1] for name in names), []):
+    for key in keys:
         assert key.encode() in data, key
 
 
