@@ -1,10 +1,9 @@
 """Run configuration: frozen dataclasses loaded strictly from YAML.
 
-Every field carries its documentation and its allowed values in the field's
-metadata (see `setting`), so validation, error messages and `--print-config`
-all read from one place. Plugin options (`<section>.options`) are validated by
-the selected plugin's own options dataclass (see `grpo_core.validate`).
-"""
+Every field carries its documentation and its allowed values in the field's metadata (see
+`setting`), so validation, error messages and `--print-config` all read from one place. Plugin
+options (`<section>.options`) are validated by the selected plugin's own options dataclass
+(`grpo_core.validate`)."""
 
 from __future__ import annotations
 
@@ -248,10 +247,9 @@ class LossConfig:
     router_balance_coef: float = setting(
         0.0, "Mixture-of-experts models: coefficient of the Switch load-balancing loss added to the objective "
         "(0 = router/* metrics only; Qwen3-30B-A3B's config.json has 0.001); refused for a dense model.", ge=0.0)
-    routing_replay: bool = setting(
-        False, "Mixture-of-experts models: the training forward sends each completion token to the experts the "
-        "rollout routed it to, gate weights from the current router (rollout routing replay); refused for a "
-        "dense model.")
+    routing_replay: bool = setting(False, "Mixture-of-experts models: the training forward sends each completion "
+                                   "token to the experts the rollout routed it to, gate weights from the current "
+                                   "router (rollout routing replay); refused for a dense model.")
     scale_rewards: Literal["group", "batch", "none"] = setting(
         "group", "Advantage = (r - group mean) / std, with std of the group, the batch, or 1.")
     std_ddof: int = setting(1, "Delta degrees of freedom of the advantage std.", ge=0)
@@ -325,10 +323,10 @@ class MeshConfig:
     slices: int = setting(
         1, "Slices joined by the data-center network (DCN): the strategy's shape is one slice's, and the "
         "slices multiply mesh.slice_axis (on TPU, JAX's hybrid mesh; elsewhere equal groups of the devices).", ge=1)
-    # dp: parameters are replicated per slice, so a step's only DCN traffic is the gradient reduction.
     slice_axis: Literal["dp", "fsdp"] = setting(
-        "dp", "The axis the slices extend: dp (data parallel across slices) or fsdp (parameters and optimizer "
-        "state sharded across slices too; their gathers then cross the DCN).")
+        "dp", "The axis the slices extend: dp (data parallel across slices: a step's only DCN traffic is the "
+        "gradient reduction) or fsdp (parameters and optimizer state sharded across slices too; their gathers "
+        "then cross the DCN).")
     require_process_count: Optional[int] = setting(
         None, "Fail fast unless exactly this many processes joined; null skips the check.", ge=1)
     distributed: Literal["auto", "on", "off"] = setting(
