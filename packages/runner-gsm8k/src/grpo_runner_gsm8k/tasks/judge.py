@@ -219,5 +219,6 @@ def _taken(totals: Counter) -> dict[str, float]:
 
 JUDGE_REWARD_SPECS = [
     RewardSpec("judge", judge_reward, JudgeOptions,
-               "a generative judge's verdict (an OpenAI-compatible endpoint or a local model), parsed by a pattern and mapped to a score"),
+               "a generative judge's verdict (an OpenAI-compatible endpoint or a local model), parsed by a "
+               "pattern and mapped to a score"),
 ]
