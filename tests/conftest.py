@@ -22,12 +22,6 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(REPO / ".cache" / "xla-tests"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
-# The test programs are tiny: LLVM's optimisation of their CPU code costs more than it saves (a
-# 3-step tiny run takes about half the time without it). This drops only the CPU code generation's
-# optimisations (JAX's jax_disable_most_optimizations); the HLO passes (fusion, buffer assignment:
-# what the memory and HLO tests read) are unchanged. The TPU-compiler step of CI sets it to 0 so
-# that step's programs are the ones `--plan --target` builds.
-os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 
 
 def pytest_configure(config):
@@ -37,7 +31,6 @@ def pytest_configure(config):
     import jax
 
     jax.config.update("jax_enable_compilation_cache", False)
-    jax.config.update("jax_disable_most_optimizations", os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] == "1")
 
 
 # Half the kernel's cap on a process's memory mappings: one test adds at most a few thousand.

@@ -276,7 +276,7 @@ def test_plugin_registers_tasks_and_rewards_with_valid_options():
     assert set(tasks) == {"gsm8k", "gsm8k_tools", "arithmetic", "boxed_math", "math500", "aime", "amc", "countdown",
                           "code_functions", "humaneval", "dataset"}
     assert set(rewards) == {"correctness", "format", "overlong", "boxed_answer", "countdown", "calculator_call",
-                            "environment", "code", "exact", "choice"}
+                            "environment", "code", "exact", "choice", "judge", "reward_model"}
     options = plugin_options(tasks["arithmetic"].options, {"digits": 2, "max_result": 50}, "task.options")
     task = tasks["arithmetic"].factory(options, seed=1, process_index=0, process_count=1)
     assert len(task.train_batch(2)) == 2
