@@ -173,8 +173,9 @@ def test_plan_target_verdict_uses_usable_hbm_and_the_flags_override_it():
 @pytest.mark.parametrize("text", ["peak=900", "hbm_gbps=-1", "ici_gbps=fast", "collective_latency_us=-1"])
 def test_bad_chip_override_is_one_line_naming_the_fields(text):
     with pytest.raises(UserError, match=rf"^--chip '{re.escape(text)}': give name=value with a value > 0, names: "
-                                        r"peak_tflops, hbm_gbps, ici_gbps, usable_hbm_gib, collective_latency_us "
-                                        r"\(collective_latency_us may be 0\)$"):
+                                        r"peak_tflops, hbm_gbps, ici_gbps, usable_hbm_gib, collective_latency_us, "
+                                        r"dcn_host_gbps, dcn_latency_us \(collective_latency_us and dcn_latency_us "
+                                        r"may be 0\)$"):
         tpu_target.with_chip(tpu_target.parse_target("v6e-8"), text)
 
 
