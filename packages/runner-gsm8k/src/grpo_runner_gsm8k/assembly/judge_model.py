@@ -10,14 +10,13 @@ a multiple of the rollout's data-parallel shards, as the backend's batch shardin
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 import jax
 from jax.sharding import Mesh, NamedSharding
 
-from grpo_core.config import ModelConfig, RolloutConfig, TeacherConfig
+from grpo_core.config import ModelConfig, RolloutConfig
 from grpo_core.contracts import Policy, RolloutBackend, SamplingParams, loaded
 from grpo_core.errors import UserError
 from grpo_core.models import load_pretrained
@@ -25,7 +24,8 @@ from grpo_core.models.hf_io import resolve_model_dir
 from grpo_core.tokenizer import load_tokenizer
 from grpo_meshes import rollout_batch_sharding
 
-from grpo_runner_gsm8k.assembly.teacher import prepare_teacher_model
+from grpo_runner_gsm8k.assembly.teacher import prepare_frozen_model
+from grpo_runner_gsm8k.samplers.multi_turn_rollout import data_shards
 from grpo_runner_gsm8k.tasks.judge import JudgeOptions, JudgeReward, LocalClient
 from grpo_runner_gsm8k.tokens import decode_completions
 
@@ -66,13 +66,6 @@ class JudgeDecoder:
         return [str(text) for text in decode_completions(self.tokenizer, result)[:len(prompts)]]
 
 
-def data_shards(sharding: NamedSharding) -> int:
-    """How many shards dimension 0 of `sharding` splits a batch into."""
-    axes = sharding.spec[0] if len(sharding.spec) else None
-    axes = () if axes is None else (axes,) if isinstance(axes, str) else axes
-    return math.prod(sharding.mesh.shape[axis] for axis in axes)
-
-
 def judge_stop_ids(tokenizer: Any) -> tuple[int, ...]:
     """The judge's end-of-turn tokens: its eos, and ChatML's <|im_end|> where the vocabulary has it."""
     ids = {tokenizer.eos_token_id, tokenizer.get_vocab().get("<|im_end|>")}
@@ -89,8 +82,8 @@ def load_judge(options: JudgeOptions, model_cfg: ModelConfig, rollout_cfg: Rollo
     except (OSError, ValueError) as exc:
         raise UserError(f"task.reward_options.judge.path {options.path!r}: {str(exc).rstrip('.')}; point it at an HF "
                         "model directory (config.json, *.safetensors, tokenizer files) or a Hub id") from None
-    as_teacher = TeacherConfig(path=options.path, dtype=options.dtype, placement="sharded")
-    model = prepare_teacher_model(as_teacher, model_cfg.attention, model, mesh, strategy)
+    model = prepare_frozen_model(model, model_cfg.attention, options.dtype, mesh, strategy, "judge",
+                                 "task.reward_options.judge.dtype")
     sampling = SamplingParams(max_new_tokens=options.max_tokens, greedy=True, stop_token_ids=judge_stop_ids(tokenizer))
     return JudgeDecoder(Policy.of(model), tokenizer, backend, sampling,
                         rollout_batch_sharding(mesh, rollout_cfg.sharding), options.system_prompt)

@@ -20,15 +20,14 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from grpo_core.config import ModelConfig, TaskConfig
 from grpo_core.config_io import plugin_options
-from grpo_core.errors import UserError
 from grpo_core.models import QwenConfig, load_pretrained
-from grpo_core.models.attention_impls import resolve_attention
 from grpo_core.models.hf_io import abstract_model
 from grpo_core.models.qwen import resolve_dtype
-from grpo_core.models.sequence_scores import SCORE_HEAD, ScoreHead, sequence_scores
+from grpo_core.models.sequence_scores import SCORE_HEAD, sequence_scores
 from grpo_core.sharding import param_shardings
 from grpo_meshes import TRAIN_BATCH_AXES, batch_shard_count, train_batch_sharding
 
+from grpo_runner_gsm8k.assembly.teacher import prepare_frozen_model
 from grpo_runner_gsm8k.multihost import host_array
 from grpo_runner_gsm8k.tasks.reward_model import (REWARD_MODEL, RewardModelOptions, RewardModelReward,
                                                   read_reward_model, reward_model_error, scored_length)
@@ -87,13 +86,8 @@ def data_rows(batch_size: int, mesh: Mesh) -> int:
 
 def prepared(model: Any, options: RewardModelOptions, model_cfg: ModelConfig, mesh: Mesh, strategy: Any) -> Any:
     """`model` with the policy's activation sharding and model.attention for the reward model's dtype."""
-    model.set_activation_sharding(mesh, strategy.activation_rules)
-    try:
-        model.set_attention(resolve_attention(model_cfg.attention, options.dtype, mesh.devices.flat[0].platform))
-    except ValueError as exc:
-        raise UserError(f"model.attention for the reward model: {exc}; or set "
-                        f"task.reward_options.{REWARD_MODEL}.dtype=bfloat16") from None
-    return model
+    return prepare_frozen_model(model, model_cfg.attention, options.dtype, mesh, strategy, "reward model",
+                                f"task.reward_options.{REWARD_MODEL}.dtype")
 
 
 def load_reward_model(options: RewardModelOptions, model_cfg: ModelConfig, mesh: Mesh, strategy: Any) -> RewardModel:

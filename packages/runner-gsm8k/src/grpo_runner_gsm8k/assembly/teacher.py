@@ -136,13 +136,15 @@ def teacher_rules(teacher: TeacherConfig, strategy: Any) -> list:
     return [(name, None) for name, _ in strategy.param_rules]
 
 
-def prepare_teacher_model(teacher: TeacherConfig, attention: str, model: Any, mesh: Mesh, strategy: Any) -> Any:
-    """`model` with the policy's activation sharding and `attention` (model.attention) for the teacher's dtype."""
+def prepare_frozen_model(model: Any, attention: str, dtype: str, mesh: Mesh, strategy: Any, owner: str,
+                         dtype_key: str) -> Any:
+    """`model` (a frozen teacher, judge or reward model) with the policy's activation sharding and
+    `attention` (model.attention) for its own `dtype`; `owner` and `dtype_key` name it in the error."""
     model.set_activation_sharding(mesh, strategy.activation_rules)
     try:
-        model.set_attention(resolve_attention(attention, teacher.dtype, mesh.devices.flat[0].platform))
+        model.set_attention(resolve_attention(attention, dtype, mesh.devices.flat[0].platform))
     except ValueError as exc:
-        raise UserError(f"model.attention for the teacher: {exc}; or set teacher.dtype=bfloat16") from None
+        raise UserError(f"model.attention for the {owner}: {exc}; or set {dtype_key}=bfloat16") from None
     return model
 
 
@@ -156,7 +158,7 @@ def load_teacher(teacher: TeacherConfig, model_cfg: ModelConfig, mesh: Mesh, str
                                 rules=teacher_rules(teacher, strategy), scan_layers=model_cfg.scan_layers)
     except (OSError, ValueError) as exc:
         raise teacher_error(exc, "re-download or re-export the teacher") from None
-    model = prepare_teacher_model(teacher, model_cfg.attention, model, mesh, strategy)
+    model = prepare_frozen_model(model, model_cfg.attention, teacher.dtype, mesh, strategy, "teacher", "teacher.dtype")
     graphdef, params = nnx.split(model)
     return Teacher(model.config, graphdef, params, make_score(graphdef, loss_impl, temperature),
                    make_completion_hidden(graphdef), teacher_head(graphdef, params))
@@ -166,8 +168,8 @@ def abstract_teacher(teacher: TeacherConfig, model_cfg: ModelConfig, mesh: Mesh,
                      temperature: float) -> Teacher:
     """The plan's teacher: its params as sharded shapes only, placed as load_teacher places them."""
     qcfg = teacher_architecture(teacher, planning=True)
-    model = prepare_teacher_model(teacher, model_cfg.attention, abstract_model(
-        qcfg, resolve_dtype(teacher.dtype), "none", model_cfg.scan_layers), mesh, strategy)
+    model = prepare_frozen_model(abstract_model(qcfg, resolve_dtype(teacher.dtype), "none", model_cfg.scan_layers),
+                                 model_cfg.attention, teacher.dtype, mesh, strategy, "teacher", "teacher.dtype")
     graphdef, state = nnx.split(model)
     shardings = param_shardings(state, mesh, teacher_rules(teacher, strategy))
     params = jax.tree.map(lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
