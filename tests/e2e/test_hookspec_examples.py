@@ -64,10 +64,11 @@ def example_module(example_source) -> Callable[[str], types.ModuleType]:
 
 
 @pytest.fixture(scope="session")
-def one_step_config(small_run) -> list[str]:
-    """One small step, evaluated; the entropy bonus gives it a gradient whatever the rewards (one step
-    of the tiny model usually scores every sample alike, which leaves zero advantages)."""
-    return [*small_run(1, eval_every=1), "eval.num_questions=8", "loss.entropy_coef=0.01"]
+def evaluated_run(small_run) -> Callable[..., list[str]]:
+    """`evaluated_run(steps=1)`: a small run evaluated at its end; the entropy bonus gives it a gradient
+    whatever the rewards (a step of the tiny model usually scores every sample alike, which leaves zero
+    advantages)."""
+    return lambda steps=1: [*small_run(steps, eval_every=steps), "eval.num_questions=8", "loss.entropy_coef=0.01"]
 
 
 def imported_packages(source: str) -> set[str]:
@@ -80,9 +81,10 @@ def imported_packages(source: str) -> set[str]:
     return names
 
 
-def test_every_hook_has_an_example_selected_here():
+def test_every_hook_has_an_example_selected_and_trained_here():
     hooks = {name for name, fn in vars(hookspecs).items() if name.startswith("grpo_") and callable(fn)}
-    assert hooks == set(SELECT) == set(EXAMPLES)
+    trained = [hook for run in RUNS.values() for hook in run]
+    assert hooks == set(SELECT) == set(EXAMPLES) == set(trained) and len(trained) == len(hooks)
 
 
 @pytest.fixture(scope="session")
@@ -93,20 +95,40 @@ def grader_data(tmp_path_factory) -> str:
     return str(path)
 
 
-@pytest.mark.parametrize("hook", sorted(SELECT))
-def test_example_trains_one_step(hook, tiny_config, example_module, one_step_config, grader_data):
+# The examples train in five runs: those of one run select different kinds and none changes what
+# another checks; a task, a grader, a tool and an environment each need a task or rollout of their own.
+RUNS = {
+    "step_kinds": ("grpo_losses", "grpo_meshes", "grpo_rollouts", "grpo_rewards", "grpo_advantages", "grpo_commands",
+                   "grpo_step_end", "grpo_model_families"),
+    "task": ("grpo_tasks",), "grader": ("grpo_graders",), "tool": ("grpo_tools",),
+    "environment": ("grpo_environments",),
+}
+# The environment's rows are carried across steps (partial rollouts in rounds of 3 tokens; a row budget
+# that the longer hints do not fit, so rows end at different rounds): three steps.
+CARRIED = ("rollout.partial.enabled=true", "rollout.partial.budget=3", "loss.mismatch_correction=truncate",
+           "rollout.multi_turn.max_total_tokens=41")
+RUN_SETTINGS = {"environment": (3, CARRIED)}
+
+
+@pytest.mark.parametrize("run", sorted(RUNS))
+def test_examples_train(run, tiny_config, example_module, evaluated_run, grader_data):
+    """A short run with the examples of `run` selected (each selected as its docstring says): the step
+    trains, eval scores, and each example's own check holds."""
     from grpo_runner_gsm8k.loop import Trainer, build_run
 
-    registry = registry_with(example_module(hook))
-    selected = [override.replace("{grader_data}", grader_data) for override in SELECT[hook]]
-    cfg = tiny_config(*one_step_config, *selected, registry=registry)
+    hooks = RUNS[run]
+    steps, extra = RUN_SETTINGS.get(run, (1, ()))
+    registry = registry_with(*(example_module(hook) for hook in hooks))
+    selected = [override.replace("{grader_data}", grader_data) for hook in hooks for override in SELECT[hook]]
+    cfg = tiny_config(*evaluated_run(steps), *selected, *extra, registry=registry)
     trainer = Trainer(build_run(cfg, registry))
     metrics = trainer.run()
-    assert trainer.state.step == 1
+    assert trainer.state.step == steps
     assert math.isfinite(metrics["train-other/loss"]) and math.isfinite(metrics["train-other/grad_norm"])
     assert metrics["train-other/update_ratio"] > 0, "the step did not change the params"
     assert 0.0 <= metrics["eval/accuracy"] <= 1.0
-    CHECK_AFTER_STEP.get(hook, lambda *_: None)(trainer, registry, metrics)
+    for hook in hooks:
+        CHECK_AFTER_STEP.get(hook, lambda *_: None)(trainer, registry, metrics)
 
 
 def step_end_logged(trainer, registry, metrics) -> None:
@@ -130,10 +152,18 @@ def command_runs(trainer, registry, metrics, capsys=None) -> None:
         registry.command("last-step").factory([str(trainer.run_dir / "missing")])
 
 
-def environment_rewarded(trainer, registry, metrics) -> None:
-    """Every row's reward read its environment's information (a row without one would raise)."""
-    assert metrics["train-reward/func/environment/errors"] == 0
+def environment_rewarded_and_carried(trainer, registry, metrics) -> None:
+    """Every row's reward read its environment's information (a row without one would raise), and rows
+    are carried across steps with their environments: the carried pool is JSON and, restored (each
+    episode rebuilt through `SavedEnvironment.restore`), saves the same JSON again. (Rows carried
+    mid-episode, scripted: tests/runner/test_multi_turn_partial.py.)"""
+    assert metrics["train-reward/func/environment/errors"] == 0 and metrics["train-rollout/groups"] == 4
     assert metrics["train-tools/turns_mean"] >= 1
+    saved = json.loads(json.dumps(trainer.sampler.state()))
+    carried = [row for group in saved["groups"].values() for row in group["rows"] if row["open_ids"]]
+    assert carried and all("secret" in row["environment"]["episode"] for row in carried), saved
+    trainer.sampler.restore(saved)
+    assert trainer.sampler.state() == saved
 
 
 def family_trained(trainer, registry, metrics) -> None:
@@ -154,7 +184,7 @@ def graded_by_the_example(trainer, registry, metrics) -> None:
 
 CHECK_AFTER_STEP = {"grpo_step_end": step_end_logged, "grpo_commands": command_runs,
                     "grpo_graders": graded_by_the_example,
-                    "grpo_environments": environment_rewarded, "grpo_model_families": family_trained}
+                    "grpo_environments": environment_rewarded_and_carried, "grpo_model_families": family_trained}
 
 
 @pytest.mark.parametrize("hook", sorted(EXAMPLES))
@@ -180,12 +210,12 @@ def test_a_backend_missing_a_protocol_method_is_refused_at_build(uniform_backend
 
 
 @pytest.fixture
-def uniform_backend_run(tiny_config, one_step_config):
+def uniform_backend_run(tiny_config, evaluated_run):
     """`uniform_backend_run(module)`: (config, registry) of one step of the tiny run with the
     rollout example of `module`."""
     def build(module):
         registry = registry_with(module)
-        return tiny_config(*one_step_config, *SELECT["grpo_rollouts"], registry=registry), registry
+        return tiny_config(*evaluated_run(), *SELECT["grpo_rollouts"], registry=registry), registry
 
     return build
 
@@ -251,28 +281,3 @@ def test_the_advantage_example_ranks_each_group(example_module):
     out = estimator(StepRewards(total, {"correctness": total}, np.ones(8, np.float32)))
     np.testing.assert_array_equal(out.advantages, [1, -1, 0, 0, 0, 0, 0, 0])
     assert out.metrics == {"train-other/adv_rank_abs_mean": 0.25}
-
-
-def test_the_environment_examples_rows_are_carried_across_steps_with_their_episodes(tiny_config, small_run,
-                                                                                    example_module):
-    """With partial rollouts (rounds of 3 tokens; a row budget that the longer hints do not fit, so
-    rows end at different rounds), rows playing `guess_number` are carried across steps with their
-    environments: the carried pool is JSON and, restored (each episode rebuilt through
-    `SavedEnvironment.restore`), saves the same JSON again. (Rows carried mid-episode, scripted:
-    tests/runner/test_multi_turn_partial.py.)"""
-    import json
-
-    from grpo_runner_gsm8k.loop import Trainer, build_run
-
-    registry = registry_with(example_module("grpo_environments"))
-    partial = ["rollout.partial.enabled=true", "rollout.partial.budget=3", "loss.mismatch_correction=truncate",
-               "rollout.multi_turn.max_total_tokens=41"]
-    cfg = tiny_config(*small_run(3), *SELECT["grpo_environments"], *partial, registry=registry)
-    trainer = Trainer(build_run(cfg, registry))
-    metrics = trainer.run()
-    assert metrics["train-reward/func/environment/errors"] == 0 and metrics["train-rollout/groups"] == 4
-    saved = json.loads(json.dumps(trainer.sampler.state()))
-    carried = [row for group in saved["groups"].values() for row in group["rows"] if row["open_ids"]]
-    assert carried and all("secret" in row["environment"]["episode"] for row in carried), saved
-    trainer.sampler.restore(saved)
-    assert trainer.sampler.state() == saved

@@ -1,13 +1,15 @@
-"""Checkpoint and resume end to end through the CLI: a run killed with SIGKILL after a
-checkpoint and resumed ends bitwise equal to an uninterrupted run; refused resumes exit 2
-with one line and change nothing; an unfinished save is ignored.
+"""Checkpoint and resume end to end through the CLI: a run stopped by a signal (it saves its
+step) or killed with SIGKILL after a checkpoint, and resumed, ends bitwise equal to an
+uninterrupted run; refused resumes exit 2 with one line and change nothing; an unfinished
+save is ignored.
 
 Every run is a subprocess with the environment of this one (tests/conftest.py: 8 fake CPU
-devices), so the killed, the resumed and the reference run share XLA flags. Two
-uninterrupted runs are the references, each trained once per worker: the plain one, and one
-with partial rollouts in bfloat16 compute on float32 masters, which the SIGKILL and the
-SIGTERM variants with carried rows resume to bitwise (so one pair of runs checks both what
-mixed precision saves and what partial rollouts carry).
+devices), so the stopped, the killed, the resumed and the reference run share XLA flags. One
+chain covers both interruptions: stopped by SIGINT or SIGTERM, resumed, SIGKILLed after its
+next checkpoint, resumed to the end. Three uninterrupted runs are the references: the plain
+one; one with partial rollouts in bfloat16 compute on float32 masters (so one chain checks
+both what mixed precision saves and what partial rollouts carry); one with multi-turn rows
+carried across steps.
 """
 
 import json
@@ -18,7 +20,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import numpy as np
@@ -171,32 +173,16 @@ def resume_equals_uninterrupted(runs: Runs, uninterrupted: Path, run_dir: Path, 
     assert diff == 0.0
 
 
-def test_sigkill_then_resume_ends_bitwise_equal(uninterrupted, tmp_path, capsys, runs):
-    check_sigkill_resume(runs, uninterrupted, tmp_path, capsys)
-
-
-def test_sigkill_then_resume_with_partial_rollouts_and_mixed_precision_ends_bitwise_equal(
+def test_sigterm_then_sigkill_then_resume_with_partial_rollouts_and_mixed_precision_ends_bitwise_equal(
         uninterrupted_partial_mixed, tmp_path, capsys, runs):
-    """The carried rows are in the checkpoint: the resumed run continues them exactly. bfloat16
-    compute on float32 masters: masters and float32 moments are what is saved."""
+    """The carried rows are in both checkpoints (at SIGTERM, rows kept in their KV cache within a
+    step, the default, are token lists again at the step's end): each resumed run continues them
+    exactly. bfloat16 compute on float32 masters: masters and float32 moments are what is saved."""
     reference = uninterrupted_partial_mixed
-    check_sigkill_resume(runs, reference, tmp_path, capsys, *PARTIAL_MIXED)
-    assert saved_meta(tmp_path / "killed", KILL_AFTER)["carried"]["groups"], "nothing was carried at the kill"
-    assert saved_meta(tmp_path / "killed", STEPS)["carried"] == saved_meta(reference, STEPS)["carried"]
-
-
-def test_sigterm_then_resume_with_partial_rollouts_and_mixed_precision_ends_bitwise_equal(
-        uninterrupted_partial_mixed, tmp_path, capsys, runs):
-    """Rows kept in their KV cache within a step (the default) are token lists again at the step's end."""
-    reference = uninterrupted_partial_mixed
-    run_dir = tmp_path / "stopped"
-    stopped = stop_with_signal(runs, run_dir, signal.SIGTERM, tmp_path / "stopped.log", *PARTIAL_MIXED)
-    assert stopped.returncode == 128 + signal.SIGTERM, stopped.stderr[-3000:]
-    saved = complete_steps(run_dir)
-    assert len(saved) == 1 and saved_meta(run_dir, saved[0])["carried"]["groups"], "nothing was carried at the stop"
-    resume_equals_uninterrupted(runs, reference, run_dir, saved[0], f"SIGTERM after step {saved[0]} with partial "
-                                "rollouts in bfloat16", capsys, *PARTIAL_MIXED)
-    assert saved_meta(run_dir, STEPS)["carried"] == saved_meta(reference, STEPS)["carried"]
+    stopped_at, killed_at = check_stop_kill_resume(runs, reference, tmp_path, capsys, signal.SIGTERM, *PARTIAL_MIXED)
+    for step, what in ((stopped_at, "stop"), (killed_at, "kill")):
+        assert saved_meta(tmp_path / "run", step)["carried"]["groups"], f"nothing was carried at the {what}"
+    assert saved_meta(tmp_path / "run", STEPS)["carried"] == saved_meta(reference, STEPS)["carried"]
 
 
 def test_sigkill_then_resume_with_multi_turn_rollouts_ends_bitwise_equal(tmp_path, capsys, runs):
@@ -226,44 +212,37 @@ def uninterrupted_conversations(tmp_path_factory, scripted) -> Path:
     return reference
 
 
-def test_sigkill_then_resume_with_conversations_carried_across_steps_ends_bitwise_equal(
+def test_sigterm_then_sigkill_then_resume_with_conversations_carried_across_steps_ends_bitwise_equal(
         uninterrupted_conversations, scripted, tmp_path, capsys):
-    """Multi-turn rows carried across steps (partial rollouts) are in the checkpoint the resume
-    starts from, one at least after a tool turn: the resumed run continues them exactly."""
+    """Multi-turn rows carried across steps (partial rollouts) are in both checkpoints: SIGTERM finishes
+    the step and saves it with the conversations still running; the resumed run is SIGKILLed after a
+    checkpoint that holds a row after a tool turn. Each resumed run continues them exactly."""
     reference = uninterrupted_conversations
-    # the runs are deterministic: the kill comes after the first checkpoint that holds such a row
-    kill_after = next((step for step in range(KILL_AFTER, STEPS) if after_a_tool_turn(reference, step)), None)
-    assert kill_after is not None, "no checkpoint holds a row carried after a tool turn"
-    killed_at = check_sigkill_resume(scripted, reference, tmp_path, capsys, *PARTIAL_MULTI_TURN, kill_after=kill_after)
-    carried = saved_meta(tmp_path / "killed", killed_at)["carried"]["groups"].values()
+
+    def running(run_dir: Path, step: int) -> list[dict]:
+        groups = saved_meta(run_dir, step)["carried"]["groups"].values()
+        return [row for group in groups for row in group["rows"] if row["state"] == "running"]
+
+    # the runs are deterministic: the kill comes after the first checkpoint past the stop that holds such a row
+    def after_tool_turn(stopped_at: int) -> int:
+        kill_after = next((step for step in range(stopped_at + 1, STEPS) if after_a_tool_turn(reference, step)), None)
+        assert kill_after is not None, f"no checkpoint after {stopped_at} holds a row carried after a tool turn"
+        return kill_after
+
+    stopped_at, killed_at = check_stop_kill_resume(scripted, reference, tmp_path, capsys, signal.SIGTERM,
+                                                   *PARTIAL_MULTI_TURN, kill_after=after_tool_turn)
+    run_dir = tmp_path / "run"
+    carried = saved_meta(run_dir, killed_at)["carried"]["groups"].values()
     mid_turn = sum(bool(row["open_ids"]) for group in carried for row in group["rows"])
     with capsys.disabled():
-        print(f"checkpoint {killed_at} carried {len(after_a_tool_turn(tmp_path / 'killed', killed_at))} rows "
-              f"after a tool turn, {mid_turn} in the middle of a turn")
-    assert after_a_tool_turn(tmp_path / "killed", killed_at)
-    last = [timeless(saved_meta(run_dir, STEPS)["carried"]) for run_dir in (tmp_path / "killed", reference)]
-    assert last[0] == last[1]
-    assert [r["train-tools/calls"] for r in logged_steps(tmp_path / "killed")] == \
+        print(f"checkpoint {stopped_at} carried {len(running(run_dir, stopped_at))} running conversations; "
+              f"checkpoint {killed_at} carried {len(after_a_tool_turn(run_dir, killed_at))} rows after a tool "
+              f"turn, {mid_turn} in the middle of a turn")
+    assert running(run_dir, stopped_at), "no conversation was running at the stop"
+    assert after_a_tool_turn(run_dir, killed_at)
+    assert timeless(saved_meta(run_dir, STEPS)["carried"]) == timeless(saved_meta(reference, STEPS)["carried"])
+    assert [r["train-tools/calls"] for r in logged_steps(run_dir)] == \
         [r["train-tools/calls"] for r in logged_steps(reference)]
-
-
-def test_sigterm_then_resume_with_conversations_carried_across_steps_ends_bitwise_equal(
-        uninterrupted_conversations, scripted, tmp_path, capsys):
-    """SIGTERM finishes the step and saves it with the conversations still running; the resumed
-    run continues them exactly."""
-    run_dir = tmp_path / "stopped"
-    stopped = stop_with_signal(scripted, run_dir, signal.SIGTERM, tmp_path / "stopped.log", *PARTIAL_MULTI_TURN)
-    assert stopped.returncode == 128 + signal.SIGTERM, stopped.stderr[-3000:]
-    saved = complete_steps(run_dir)
-    groups = saved_meta(run_dir, saved[0])["carried"]["groups"].values()
-    running = [row for group in groups for row in group["rows"] if row["state"] == "running"]
-    assert len(saved) == 1 and running, "no conversation was running at the stop"
-    with capsys.disabled():
-        print(f"checkpoint {saved[0]} carried {len(running)} running conversations, "
-              f"{len(after_a_tool_turn(run_dir, saved[0]))} of them after a tool turn")
-    resume_equals_uninterrupted(scripted, uninterrupted_conversations, run_dir, saved[0],
-                                f"SIGTERM after step {saved[0]} with carried conversations", capsys, *PARTIAL_MULTI_TURN)
-    assert timeless(saved_meta(run_dir, STEPS)["carried"]) == timeless(saved_meta(uninterrupted_conversations, STEPS)["carried"])
 
 
 def timeless(carried: dict) -> dict:
@@ -281,13 +260,32 @@ def after_a_tool_turn(run_dir: Path, step: int) -> list[dict]:
             if row["trajectory"]["tool_calls"] and row["state"] == "running"]
 
 
-def check_sigkill_resume(runs: Runs, uninterrupted: Path, tmp_path: Path, capsys, *overrides: str,
-                         kill_after: int = KILL_AFTER) -> int:
-    """SIGKILL after checkpoint `kill_after`, resume, compare; returns the step resumed from."""
+def check_sigkill_resume(runs: Runs, uninterrupted: Path, tmp_path: Path, capsys, *overrides: str) -> None:
+    """SIGKILL after checkpoint KILL_AFTER, resume, compare."""
     run_dir = tmp_path / "killed"
-    killed_at = kill_after_checkpoint(runs, run_dir, kill_after, tmp_path / "killed.log", *overrides)
-    assert killed_at < STEPS, "the run ended before the kill; nothing was resumed"
+    killed_at = kill_after_checkpoint(runs, run_dir, KILL_AFTER, tmp_path / "killed.log", *overrides)
+    resume_after_kill_equals(runs, uninterrupted, run_dir, killed_at, capsys, *overrides)
 
+
+def check_stop_kill_resume(runs: Runs, uninterrupted: Path, tmp_path: Path, capsys, signum: int, *overrides: str,
+                           kill_after: Callable[[int], int] = lambda stopped_at: stopped_at + 1) -> tuple[int, int]:
+    """A run stopped by `signum` (it saves the step it finished and says so), resumed and SIGKILLed
+    after checkpoint `kill_after(stopped step)`, and resumed to the end: compared as a SIGKILL resume.
+    Returns the steps the stop and the kill left."""
+    run_dir = tmp_path / "run"
+    stopped_at = stop_and_save(runs, run_dir, signum, tmp_path / "stopped.log", *overrides)
+    killed_log = tmp_path / "killed.log"
+    killed_at = kill_after_checkpoint(runs, run_dir, kill_after(stopped_at), killed_log, *overrides)
+    assert f"resumed from step {stopped_at} of " in killed_log.read_text()
+    resume_after_kill_equals(runs, uninterrupted, run_dir, killed_at, capsys, *overrides)
+    return stopped_at, killed_at
+
+
+def resume_after_kill_equals(runs: Runs, uninterrupted: Path, run_dir: Path, killed_at: int, capsys,
+                             *overrides: str) -> None:
+    """Resumes `run_dir` SIGKILLed after checkpoint `killed_at`: the end equals `uninterrupted` in params,
+    every logged step's losses and rewards, and the saved key, data position and step."""
+    assert killed_at < STEPS, "the run ended before the kill; nothing was resumed"
     what = f"SIGKILL after checkpoint {killed_at} {' '.join(overrides)}".rstrip()
     resume_equals_uninterrupted(runs, uninterrupted, run_dir, killed_at, what, capsys, *overrides, flags=("--resume",))
     reference, records = logged_steps(uninterrupted), logged_steps(run_dir)
@@ -296,7 +294,6 @@ def check_sigkill_resume(runs: Runs, uninterrupted: Path, tmp_path: Path, capsys
         assert [r[key] for r in records] == [r[key] for r in reference], key
     for key in ("key", "data", "skipped_steps", "step"):
         assert saved_meta(run_dir)[key] == saved_meta(uninterrupted)[key], key
-    return killed_at
 
 
 def test_resume_with_incompatible_config_exits_2_naming_the_keys(uninterrupted, runs):
@@ -374,24 +371,25 @@ def stop_with_signal(runs: Runs, run_dir: Path, signum: int, log: Path, *overrid
     return subprocess.CompletedProcess(proc.args, proc.returncode, "", log.read_text())
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
-def test_signal_saves_the_step_then_resume_ends_bitwise_equal(signum, uninterrupted, tmp_path, capsys, runs):
-    run_dir = tmp_path / "stopped"
-    stopped = stop_with_signal(runs, run_dir, signum, tmp_path / "stopped.log")
+def stop_and_save(runs: Runs, run_dir: Path, signum: int, log: Path, *overrides: str) -> int:
+    """Stops a run with `signum`: it exits 128 + signal with one line naming the checkpoint of the step
+    it finished (the only one: no periodic saves). Returns that step."""
+    stopped = stop_with_signal(runs, run_dir, signum, log, *overrides)
     assert stopped.returncode == 128 + signum, stopped.stderr[-3000:]
     assert "Traceback" not in stopped.stderr
     last = stopped.stderr.strip().splitlines()[-1]
     saved = complete_steps(run_dir)
-    assert len(saved) == 1 and KILL_AFTER <= saved[0] < STEPS, (saved, last)  # every_steps=0: only the stop saved
+    assert len(saved) == 1 and KILL_AFTER <= saved[0] < STEPS - 1, (saved, last)
     assert last == (f"grpo-run: stopped by {signal.Signals(signum).name} after step {saved[0]} of {STEPS}; "
                     f"saved checkpoint {checkpoint_dir(run_dir) / str(saved[0])}; run the same command again "
                     "to continue")
+    return saved[0]
 
-    # the same command again: checkpoint.resume=auto continues
-    resume_equals_uninterrupted(runs, uninterrupted, run_dir, saved[0], f"{signal.Signals(signum).name} after step "
-                                f"{saved[0]}", capsys)
-    assert [r["train-other/loss"] for r in logged_steps(run_dir)] == \
-        [r["train-other/loss"] for r in logged_steps(uninterrupted)]
+
+def test_sigint_then_sigkill_then_resume_ends_bitwise_equal(uninterrupted, tmp_path, capsys, runs):
+    """Ctrl-C saves the step as SIGTERM does; the resumed run (checkpoint.resume=auto: the same command
+    again continues), SIGKILLed after its next checkpoint and resumed, ends as the uninterrupted run."""
+    check_stop_kill_resume(runs, uninterrupted, tmp_path, capsys, signal.SIGINT)
 
 
 # ---- checkpoint faults

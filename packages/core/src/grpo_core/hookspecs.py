@@ -8,8 +8,8 @@ are stable: arguments are only ever added, never renamed.
 A complete plugin module per hook is in `examples/hooks/` (loss.py, mesh.py, rollout.py,
 reward.py, task.py, advantage.py, command.py, step_end.py, tool.py, environment.py, model_family.py,
 grader.py);
-`tests/e2e/test_hookspec_examples.py` trains one step with each (tools and environments: loads
-and exercises them, until the multi-turn sampler that drives them exists).
+`tests/e2e/test_hookspec_examples.py` trains a short run with each (those of kinds that do not
+overlap together).
 """
 
 from __future__ import annotations
