@@ -25,12 +25,14 @@ from grpo_core.registry import Registry, build_registry
 
 
 def cpu_test_xla_flags(devices: int) -> str:
-    """XLA_FLAGS for a test process or a run it starts: `devices` fake CPU devices, and the
-    backend at optimization level 0. Tests compile hundreds of small programs and run each for
-    moments; level 0 compiles XLA:CPU's about twice as fast, and what the tests check holds to a
-    tolerance or between programs compiled alike. Where libtpu is installed (the TPU-compiler
-    tests) the level stays the default: those tests check the TPU compiler's own figures."""
-    flags = f"--xla_force_host_platform_device_count={devices}"
+    """XLA_FLAGS for a test process or a run it starts: `devices` fake CPU devices, XLA:CPU's
+    classic loop emitters, and the backend at optimization level 0. Tests compile thousands of
+    small programs and run each for moments: XLA:CPU's newer fusion emitters compile a test of
+    many decode programs about twice as slowly (tests/rollout/test_kept_shared.py: 155 s against
+    75 s), and level 0 halves the compile again; what the tests check holds to a tolerance or
+    between programs compiled alike. Where libtpu is installed (the TPU-compiler tests) the level
+    stays the default: those tests check the TPU compiler's own figures."""
+    flags = f"--xla_force_host_platform_device_count={devices} --xla_cpu_use_fusion_emitters=false"
     if importlib.util.find_spec("libtpu") is None:
         flags += " --xla_backend_optimization_level=0"
     return flags
