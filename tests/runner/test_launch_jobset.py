@@ -161,3 +161,43 @@ def test_jobset_refuses_a_run_dir_given_as_an_override(capsys, tiny_config_path)
     assert main(["launch", "--jobset", "run", *GKE, "--storage", "pvc:x", "--", "--config", tiny_config_path,
                  "logging.dir=/tmp/x"]) == 2
     assert "grpo-run launch sets" in capsys.readouterr().err
+
+
+def test_a_run_of_two_slices_is_two_replicated_jobs_whose_pods_number_every_host(capsys, tiny_config_path):
+    """mesh.slices=2: two jobs of 4 pods; the shell line of pod 3 of slice 1, run by sh with the indices
+    the controllers set, starts process 7 of 8; libtpu's DCN variables name slice 0's pod 0 and the pod's slice."""
+    import subprocess
+    import sys
+
+    echo = f"{sys.executable} -c 'import json, sys; print(json.dumps(sys.argv[1:]))'"
+    assert main(["launch", "--jobset", "grpo-gsm8k", *GKE, "--storage", "pvc:runs", "--program", echo, "--",
+                 "--config", tiny_config_path, "mesh.slices=2"]) == 0
+    jobset = yaml.safe_load(capsys.readouterr().out)
+    assert unknown_fields(jobset, "JobSet") == []
+    replicated = jobset["spec"]["replicatedJobs"]
+    assert [(r["name"], r["replicas"]) for r in replicated] == [("slice", 2)]
+    container = replicated[0]["template"]["spec"]["template"]["spec"]["containers"][0]
+    as_k8s_model(replicated[0]["template"], "V1JobTemplateSpec")
+    env = {e["name"]: e.get("value", e.get("valueFrom")) for e in container["env"]}
+    assert env["JOB_INDEX"] == {"fieldRef": {"fieldPath": "metadata.annotations['jobset.sigs.k8s.io/job-index']"}}
+    assert {k: env[k] for k in ("MEGASCALE_COORDINATOR_ADDRESS", "MEGASCALE_NUM_SLICES", "MEGASCALE_SLICE_ID")} == {
+        "MEGASCALE_COORDINATOR_ADDRESS": "grpo-gsm8k-slice-0-0.grpo-gsm8k", "MEGASCALE_NUM_SLICES": "2",
+        "MEGASCALE_SLICE_ID": "$(JOB_INDEX)"}
+    assert container["command"] == ["/bin/sh", "-c"]
+    started = subprocess.run([*container["command"], *container["args"]], capture_output=True, text=True, check=True,
+                             env={**os.environ, "JOB_INDEX": "1", "JOB_COMPLETION_INDEX": "3"})
+    args = json.loads(started.stdout)
+    cfg = load_config(args[1], args[2:], registry=default_registry())
+    assert (cfg.mesh.slices, cfg.mesh.num_processes, cfg.mesh.process_id, cfg.mesh.require_process_count) == (2, 8, 7, 8)
+    assert cfg.mesh.coordinator_address == "grpo-gsm8k-slice-0-0.grpo-gsm8k:8476"
+
+
+def test_xpk_creates_as_many_slices_as_the_mesh_has(capsys, tiny_config_path):
+    assert main(["launch", "--xpk", "grpo-gsm8k", "--cluster", "c1", "--tpu-type", "v6e-16", "--num-workers", "4",
+                 "--image", "img:1", "--run-dir", "/gcs/b/run", "--", "--config", tiny_config_path,
+                 "mesh.slices=2"]) == 0
+    printed = shlex.split(capsys.readouterr().out)
+    options = dict(zip(printed[3::2], printed[4::2]))
+    assert options["--num-slices"] == "2"
+    program, *args = shlex.split(options["--command"])
+    assert load_config(args[1], args[2:], registry=default_registry()).mesh.require_process_count == 8

@@ -1,9 +1,10 @@
 """`grpo-run launch --jobset` / `--xpk`: the run as a JobSet on GKE TPU node pools.
 
-One replicated job per TPU slice (one slice: multi-slice meshes over DCN are not supported
-yet), an Indexed Job of one pod per TPU host. Pod i is process i; pod 0 of slice 0 is the
+One replicated job per TPU slice (as many as the run's `mesh.slices`), each an Indexed Job of
+one pod per TPU host. Pod i of slice j is process j x hosts + i; pod 0 of slice 0 is the
 coordinator, reached through the JobSet's headless service at
-`<jobset>-slice-0-0.<jobset>:8476`. The run directory lies on a bucket (Cloud Storage FUSE)
+`<jobset>-slice-0-0.<jobset>:8476`. Across slices, libtpu joins the slices over DCN from the
+MEGASCALE_* variables (the coordinator pod, the slice count and this pod's slice). The run directory lies on a bucket (Cloud Storage FUSE)
 or a volume claim shared by the pods; a JobSet restart (`failurePolicy.maxRestarts`)
 starts every pod again in the same directory, where grpo-run continues from the newest
 checkpoint (checkpoint.resume: auto).
@@ -20,11 +21,12 @@ from grpo_core.errors import UserError
 
 API_VERSION = "jobset.x-k8s.io/v1alpha2"
 REPLICATED_JOB = "slice"
-SLICES = 1  # one replicated job per slice; more need a mesh with a DCN axis
 COORDINATOR_PORT = 8476
+MEGASCALE_PORT = 8080  # libtpu's DCN coordinator port
 DATA_MOUNT = "/data"
-# Set by the Job controller on every pod of an Indexed Job.
+# Set by the Job controller on every pod of an Indexed Job, and by JobSet on every pod of its jobs.
 COMPLETION_INDEX = "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+JOB_INDEX = "metadata.annotations['jobset.sigs.k8s.io/job-index']"
 DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 TOPOLOGY = re.compile(r"^\d+(x\d+){1,2}$")
 
@@ -99,17 +101,25 @@ def coordinator(name: str) -> str:
 
 
 def jobset_overrides(args, process_id: str) -> list[str]:
-    """The launcher's overrides for one pod; `process_id` is `$(JOB_COMPLETION_INDEX)` in the
-    manifest (Kubernetes expands it per pod) and a number when the config is checked here."""
-    count = args.num_workers * SLICES
+    """The launcher's overrides for one pod; `process_id` is an expression the pod expands
+    (process_id_expression) in the manifest and a number when the config is checked here."""
+    count = args.num_workers * args.slices
     return ["mesh.distributed=on", f"mesh.coordinator_address={coordinator(args.jobset)}",
             f"mesh.num_processes={count}", f"mesh.process_id={process_id}",
             f"mesh.require_process_count={count}", f"logging.dir={run_dir(args)}"]
 
 
+def process_id_expression(args) -> str:
+    """One slice: the pod's completion index, which Kubernetes expands in the container's arguments.
+    Several: slice index x hosts + completion index, which needs the arithmetic of a shell."""
+    if args.slices == 1:
+        return "$(JOB_COMPLETION_INDEX)"
+    return f"$((JOB_INDEX * {args.num_workers} + JOB_COMPLETION_INDEX))"
+
+
 def xpk_overrides(args) -> list[str]:
     # xpk's pods carry GKE's TPU variables, from which JAX finds the coordinator and process ids
-    return [f"mesh.require_process_count={args.num_workers}", f"logging.dir={args.run_dir}"]
+    return [f"mesh.require_process_count={args.num_workers * args.slices}", f"logging.dir={args.run_dir}"]
 
 
 # ---- the manifest ------------------------------------------------------------------------------
@@ -125,15 +135,14 @@ def jobset_manifest(args, program: list[str], train_argv: list[str]) -> dict:
                          "annotations": {"alpha.jobset.sigs.k8s.io/exclusive-topology": "cloud.google.com/gke-nodepool"}},
             "spec": {"failurePolicy": {"maxRestarts": args.max_restarts},
                      "network": {"enableDNSHostnames": True, "publishNotReadyAddresses": True},
-                     "replicatedJobs": [{"name": REPLICATED_JOB, "replicas": SLICES, "template": {"spec": job}}]}}
+                     "replicatedJobs": [{"name": REPLICATED_JOB, "replicas": args.slices,
+                                         "template": {"spec": job}}]}}
 
 
 def pod_spec(args, program: list[str], train_argv: list[str]) -> dict:
     chips = {"google.com/tpu": str(args.chips_per_host)}  # a resource quantity
-    container = {"name": "grpo", "image": args.image, "command": program,
-                 "args": [*train_argv, *jobset_overrides(args, "$(JOB_COMPLETION_INDEX)")],
-                 "env": [{"name": "JOB_COMPLETION_INDEX",
-                          "valueFrom": {"fieldRef": {"fieldPath": COMPLETION_INDEX}}}],
+    container = {"name": "grpo", "image": args.image, **pod_command(args, program, train_argv),
+                 "env": pod_env(args),
                  "ports": [{"name": "coordinator", "containerPort": COORDINATOR_PORT}],
                  "resources": {"requests": dict(chips), "limits": dict(chips)},
                  "volumeMounts": [{"name": "run-data", "mountPath": DATA_MOUNT}]}
@@ -142,6 +151,28 @@ def pod_spec(args, program: list[str], train_argv: list[str]) -> dict:
     return {"restartPolicy": "Never", "containers": [container], "volumes": [storage_volume(args.storage)],
             "nodeSelector": {"cloud.google.com/gke-tpu-accelerator": args.accelerator,
                              "cloud.google.com/gke-tpu-topology": args.topology}}
+
+
+def pod_command(args, program: list[str], train_argv: list[str]) -> dict:
+    """The container's command and arguments; across slices, one shell line that computes the process id."""
+    process_id = f"mesh.process_id={process_id_expression(args)}"
+    argv = [*train_argv, *jobset_overrides(args, process_id_expression(args))]
+    if args.slices == 1:
+        return {"command": program, "args": argv}
+    line = " ".join(arg if arg == process_id else shlex.quote(arg) for arg in [*program, *argv])
+    return {"command": ["/bin/sh", "-c"], "args": [f"exec {line}"]}
+
+
+def pod_env(args) -> list[dict]:
+    """The pod's indices from its annotations; across slices, libtpu's DCN variables too."""
+    env = [{"name": "JOB_COMPLETION_INDEX", "valueFrom": {"fieldRef": {"fieldPath": COMPLETION_INDEX}}}]
+    if args.slices == 1:
+        return env
+    megascale = {"MEGASCALE_COORDINATOR_ADDRESS": coordinator(args.jobset).rsplit(":", 1)[0],
+                 "MEGASCALE_NUM_SLICES": str(args.slices), "MEGASCALE_PORT": str(MEGASCALE_PORT)}
+    return [*env, {"name": "JOB_INDEX", "valueFrom": {"fieldRef": {"fieldPath": JOB_INDEX}}},
+            {"name": "MEGASCALE_SLICE_ID", "value": "$(JOB_INDEX)"},
+            *({"name": name, "value": value} for name, value in megascale.items())]
 
 
 def manifest_yaml(manifest: dict) -> str:
@@ -153,5 +184,5 @@ def xpk_command(args, train_argv: list[str]) -> list[str]:
     command = f"cd {shlex.quote(args.workdir)} && {run}" if args.workdir else run
     zone = ["--zone", args.zone] if args.zone else []
     return ["xpk", "workload", "create", "--cluster", args.cluster, *zone, "--workload", args.xpk,
-            "--tpu-type", args.tpu_type, "--num-slices", str(SLICES), "--docker-image", args.image,
+            "--tpu-type", args.tpu_type, "--num-slices", str(args.slices), "--docker-image", args.image,
             "--max-restarts", str(args.max_restarts), "--command", command]

@@ -116,6 +116,15 @@ def check_training_args(train_argv: list[str], launch_overrides: list[str]) -> N
     load_config(train_args.config, [*train_args.overrides, *launch_overrides], registry=default_registry())
 
 
+def training_slices(train_argv: list[str]) -> int:
+    """The run's `mesh.slices`, from its config file and overrides."""
+    from grpo_core.config_io import load_config
+    from grpo_core.registry import default_registry
+
+    train_args = train_parser().parse_args(train_argv)
+    return load_config(train_args.config, train_args.overrides, registry=default_registry()).mesh.slices
+
+
 # ---- commands ----------------------------------------------------------------------------------
 def host_overrides(process_id: int, num_processes: int, coordinator: str) -> list[str]:
     """What makes process `process_id` join the others through `coordinator` (host:port)."""
@@ -250,6 +259,7 @@ def launch_on_tpu(args, train_argv: list[str]) -> int:
 
 
 def launch_on_gke(args, train_argv: list[str]) -> int:
+    args.slices = training_slices(train_argv)  # one replicated job (xpk: one slice) per slice of the mesh
     if args.jobset is not None:
         check_training_args(train_argv, jobset.jobset_overrides(args, "0"))
         print(jobset.manifest_yaml(jobset.jobset_manifest(args, shlex.split(args.program), train_argv)), end="")
