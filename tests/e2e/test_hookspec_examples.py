@@ -1,5 +1,5 @@
-"""Every plugin example in examples/hooks/, run as written: one training step of the
-tiny config with the example selected."""
+"""Every plugin example in examples/hooks/, run as written: short training runs of the tiny
+config with the examples selected (those of kinds that do not overlap in one run)."""
 
 import ast
 import json

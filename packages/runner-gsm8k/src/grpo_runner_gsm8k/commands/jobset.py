@@ -4,10 +4,10 @@ One replicated job per TPU slice (as many as the run's `mesh.slices`), each an I
 one pod per TPU host. Pod i of slice j is process j x hosts + i; pod 0 of slice 0 is the
 coordinator, reached through the JobSet's headless service at
 `<jobset>-slice-0-0.<jobset>:8476`. Across slices, libtpu joins the slices over DCN from the
-MEGASCALE_* variables (the coordinator pod, the slice count and this pod's slice). The run directory lies on a bucket (Cloud Storage FUSE)
-or a volume claim shared by the pods; a JobSet restart (`failurePolicy.maxRestarts`)
-starts every pod again in the same directory, where grpo-run continues from the newest
-checkpoint (checkpoint.resume: auto).
+MEGASCALE_* variables (the coordinator pod, the slice count and this pod's slice). The run
+directory lies on a bucket (Cloud Storage FUSE) or a volume claim shared by the pods; a JobSet
+restart (`failurePolicy.maxRestarts`) starts every pod again in the same directory, where
+grpo-run continues from the newest checkpoint (checkpoint.resume: auto).
 """
 
 from __future__ import annotations
@@ -155,11 +155,12 @@ def pod_spec(args, program: list[str], train_argv: list[str]) -> dict:
 
 def pod_command(args, program: list[str], train_argv: list[str]) -> dict:
     """The container's command and arguments; across slices, one shell line that computes the process id."""
-    process_id = f"mesh.process_id={process_id_expression(args)}"
-    argv = [*train_argv, *jobset_overrides(args, process_id_expression(args))]
+    expression = process_id_expression(args)
+    argv = [*train_argv, *jobset_overrides(args, expression)]
     if args.slices == 1:
         return {"command": program, "args": argv}
-    line = " ".join(arg if arg == process_id else shlex.quote(arg) for arg in [*program, *argv])
+    unquoted = f"mesh.process_id={expression}"  # the one argument the shell expands
+    line = " ".join(arg if arg == unquoted else shlex.quote(arg) for arg in [*program, *argv])
     return {"command": ["/bin/sh", "-c"], "args": [f"exec {line}"]}
 
 
