@@ -69,7 +69,7 @@ def test_live_transformers_generate_matches(name):
 
 @pytest.mark.parametrize("decode_attention", ["rollout", "model"])
 def test_gemma3_greedy_equals_transformers_generate(decode_attention):
-    """Sliding-window layers (4 slots, rows of up to 20 tokens) decoded by the rollout's own decode
+    """Sliding-window layers (4 slots, rows of up to 22 tokens) decoded by the rollout's own decode
     step (the default) and by the model's cached forward."""
     record = golden("gemma3")
     for eos, expected in ((None, record["tokens"]), (record["eos"], record["tokens_with_eos"])):
