@@ -14,7 +14,6 @@ from grpo_core.contracts import Policy
 from grpo_core.models import load_pretrained
 from grpo_core.sharding import DEFAULT_RULES, shard_model
 from grpo_rollout import JaxRollout, JaxRolloutOptions, SamplingParams
-from grpo_rollout.head_parallel import LayoutUnsupported
 
 GOLDEN = Path(__file__).parent / "golden"
 FAMILIES = ["qwen2", "qwen3", "llama3", "qwen3_moe"]
@@ -89,25 +88,46 @@ def test_gemma3_greedy_two_samples_equal_transformers_generate(shared_prompt, se
     np.testing.assert_array_equal(tokens[1::2], record["tokens_with_eos"])
 
 
-@pytest.mark.parametrize("shared_prompt", [True, False])
-def test_gemma3_greedy_model_parallel_equals_transformers_generate(mesh, shared_prompt):
-    """8 rows (n = 2) over 8 devices, the weights split by heads, MLP columns and vocabulary."""
+def split_greedy_tokens(mesh, gather_weights, shared_prompt, projector=None):
+    """The golden Gemma 3 rows, n = 2, decoded greedily in a split layout over the 8 devices
+    (`projector`: ranks the layouts `auto` compares)."""
     record = golden("gemma3")
     model = shard_model(load_pretrained(GOLDEN / "gemma3", dtype="float32"), mesh, DEFAULT_RULES)
     params = SamplingParams(max_new_tokens=record["max_new_tokens"], greedy=True, n=2, stop_token_ids=(record["eos"],))
-    rollout = JaxRollout(JaxRolloutOptions(gather_weights="model_parallel", shared_prompt=shared_prompt))
+    rollout = JaxRollout(JaxRolloutOptions(gather_weights=gather_weights, shared_prompt=shared_prompt))
+    if projector is not None:
+        rollout.project_decodes_with(projector)
     rollout.load_weights(Policy.of(model))
     result = rollout.generate(record["prompts"], jax.random.key(0), params, pad_token_id=record["pad_id"],
                               batch_sharding=NamedSharding(mesh, PartitionSpec(("dp", "fsdp", "tp"))))
-    tokens = np.asarray(result.completion_ids)
+    return np.asarray(result.completion_ids), record
+
+
+@pytest.mark.parametrize("shared_prompt", [True, False])
+def test_gemma3_greedy_model_parallel_equals_transformers_generate(mesh, shared_prompt):
+    """8 rows (n = 2) over 8 devices, the weights split by heads, MLP columns and vocabulary."""
+    tokens, record = split_greedy_tokens(mesh, "model_parallel", shared_prompt)
     np.testing.assert_array_equal(tokens[0::2], record["tokens_with_eos"])
     np.testing.assert_array_equal(tokens[1::2], record["tokens_with_eos"])
 
 
-def test_gemma3_refuses_the_head_parallel_decode_step(mesh):
-    model = shard_model(load_pretrained(GOLDEN / "gemma3", dtype="float32"), mesh, DEFAULT_RULES)
-    rollout = JaxRollout(JaxRolloutOptions(gather_weights="head_parallel", shared_prompt=False))
-    rollout.load_weights(Policy.of(model))
-    with pytest.raises(LayoutUnsupported, match="model_type 'gemma3_text'"):
-        rollout.generate(golden("gemma3")["prompts"], jax.random.key(0), SamplingParams(max_new_tokens=4, n=2),
-                         batch_sharding=NamedSharding(mesh, PartitionSpec(("dp", "fsdp", "tp"))))
+@pytest.mark.parametrize("shared_prompt", [True, False])
+def test_gemma3_greedy_head_parallel_equals_transformers_generate(mesh, shared_prompt):
+    """n = 2 over a (4 row groups, 2 KV head groups) grid of the 8 devices: each device attends over
+    its rows' cache of its KV head within each sliding layer's window (4 slots, rows longer than
+    it), the post-norms applied to the all-reduced attention and MLP outputs."""
+    tokens, record = split_greedy_tokens(mesh, "head_parallel", shared_prompt)
+    np.testing.assert_array_equal(tokens[0::2], record["tokens_with_eos"])
+    np.testing.assert_array_equal(tokens[1::2], record["tokens_with_eos"])
+
+
+def test_gemma3_auto_projects_the_head_parallel_decode(mesh, monkeypatch, capsys):
+    """`auto` compares the head-parallel decode for Gemma 3 too: a fake projection ranks it fastest."""
+    from grpo_rollout import gather
+
+    monkeypatch.setattr(gather, "spare_device_bytes", lambda devices: 1 << 40)
+    seconds = iter([4.0, 3.0, 2.0, 1.0])  # gather.LAYOUTS order: gathered, sharded, model-parallel, head-parallel
+    tokens, record = split_greedy_tokens(mesh, "auto", False, projector=lambda compiled, steps: next(seconds) * steps)
+    assert "gather_weights=auto: head_parallel weights" in capsys.readouterr().out
+    np.testing.assert_array_equal(tokens[0::2], record["tokens_with_eos"])
+    np.testing.assert_array_equal(tokens[1::2], record["tokens_with_eos"])

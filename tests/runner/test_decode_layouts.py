@@ -11,8 +11,6 @@ GEMMA = ["model.architecture.model_type=gemma3_text", "model.architecture.slidin
 MODEL_DECODE = "rollout.options={decode_attention: model}"
 PARTIAL = ["rollout.partial.enabled=true", "loss.mismatch_correction=truncate"]
 REFUSED = [
-    (["rollout.options={gather_weights: head_parallel}"], "rollout.options.gather_weights='head_parallel'",
-     "set rollout.options.gather_weights: auto"),
     (PARTIAL, "rollout.options.shared_prompt=true", "set rollout.options.shared_prompt: false"),
     ([MODEL_DECODE, *PARTIAL], "rollout.partial.kv_cache='auto' with decode_attention=model",
      "or rollout.partial.kv_cache: reprefill"),
@@ -20,12 +18,13 @@ REFUSED = [
      "rollout.multi_turn.kv_cache='auto'", "set rollout.multi_turn.kv_cache: reprefill"),
 ]
 ACCEPTED = {"default": [], "shared_prompt": ["rollout.options={decode_attention: rollout, shared_prompt: true}"],
-            "model_parallel": ["rollout.options={gather_weights: model_parallel}"], "model_decode": [MODEL_DECODE],
+            "model_parallel": ["rollout.options={gather_weights: model_parallel}"],
+            "head_parallel": ["rollout.options={gather_weights: head_parallel}"], "model_decode": [MODEL_DECODE],
             "partial": ["rollout.options={shared_prompt: false}", *PARTIAL],
             "partial_reprefill": [MODEL_DECODE, *PARTIAL, "rollout.partial.kv_cache=reprefill"]}
 
 
-@pytest.mark.parametrize("overrides, what, fix", REFUSED, ids=["head_parallel", "partial_shared", "partial_model_decode", "multi_turn"])
+@pytest.mark.parametrize("overrides, what, fix", REFUSED, ids=["partial_shared", "partial_model_decode", "multi_turn"])
 def test_windowed_model_refuses_layout_in_one_line(tiny_config_path, overrides, what, fix, capsys):
     assert main(["--config", tiny_config_path, "--print-config", *GEMMA, *overrides]) == 2
     err = capsys.readouterr().err.strip().splitlines()

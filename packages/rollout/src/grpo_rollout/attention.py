@@ -130,14 +130,10 @@ def routed_decode_forward(model, tokens: jax.Array, live: jax.Array, cache,
     activations of a model-parallel decode (grpo_rollout.model_parallel), or runs the step
     head-parallel (grpo_rollout.head_parallel). view: the attention reads the cache's (or a shared
     cache's completion part's) slots [:view] only (grpo_rollout.segments). A family's sliding
-    windows, post-norms and embedding scale are honoured except head-parallel, which refuses such a
-    model (ValueError). Returns (hidden [B, 1, H], cache, routing): a mixture-of-experts model's
-    experts [B, L, k] for each row's token (`decode_layers`; None for a dense model, and head-parallel).
+    windows, post-norms and embedding scale are honoured in every layout. Returns (hidden [B, 1, H],
+    cache, routing): a mixture-of-experts model's experts [B, L, k] for each row's token
+    (`decode_layers`; None for a dense model, and head-parallel).
     """
-    if isinstance(layout, HeadParallel) and not model.config.plain_decoder:
-        raise ValueError(f"the head-parallel decode step runs the plain pre-norm layer with full attention, not "
-                         f"model_type {model.config.model_type!r}'s layers; use another layout or "
-                         "decode_attention='model'")
     attention = functools.partial(attention, view=view)
     if isinstance(layout, HeadParallel):
         (x, cache), routing = layout.forward(model, tokens, live, cache, attention), None

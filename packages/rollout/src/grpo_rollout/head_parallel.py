@@ -35,7 +35,6 @@ from jax import shard_map
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from grpo_core.errors import ConfigError
-from grpo_core.models.layers import rope_tables
 from grpo_core.sharding import variable_names
 from grpo_rollout.model_parallel import ActivationLayout, embed_from_slice
 
@@ -61,8 +60,6 @@ def grid_mesh(mesh: Mesh, kv_heads: int) -> Mesh:
 
 def unsupported(config: Any, rows: int, groups: int, devices: int) -> str | None:
     """Why the head-parallel decode cannot run this model and batch on `devices`, or None."""
-    if not config.plain_decoder:  # its layer loop (local_layers) has no windows, post-norms or embedding scale
-        return f"model_type {config.model_type!r} has sliding-window layers, post-norms or scaled embeddings"
     ways = math.gcd(config.num_key_value_heads, devices)
     row_groups = devices // ways
     columns = config.moe_intermediate_size if config.num_experts else config.intermediate_size  # a MoE's experts'
@@ -162,25 +159,28 @@ def sum_over_grid(partial: jax.Array, rows: int) -> jax.Array:
 def local_forward(model, tokens, live, cache, attention):
     """One device's share of a decode step (inside shard_map). Its rows' positions come from its
     own cache and its rows' mask is updated locally: the embedding's sum over vocabulary slices
-    and 2 all-reduces per layer are the step's only collectives before the logits."""
+    and 2 all-reduces per layer are the step's only collectives before the logits. The embedding
+    scale and RoPE tables are the model's own (`QwenModel.scale_embeddings`, `QwenModel.rope`)."""
     positions = cache.lengths()[:, None]  # this device's rows: the position of each row's next token
-    cos, sin = rope_tables(positions, model.config.rope_frequencies())
-    x = embed_from_slice(model.embed_tokens.embedding[...], tokens[:, None], BOTH)
+    cos, sin = model.rope(positions)
+    x = model.scale_embeddings(embed_from_slice(model.embed_tokens.embedding[...], tokens[:, None], BOTH))
     cache = cache.with_new_tokens(own_rows(live)[:, None])
     return local_layers(model, x, cos, sin, cache, attention)
 
 
 def local_layers(model, x, cos, sin, cache, attention):
     """Every layer for x [B, 1, H] (replicated) and this device's rows (cos, sin, cache): its rows'
-    attention over its KV heads, its columns of the MLP; 2 all-reduces per layer."""
+    attention over its KV heads (within the layer's sliding window, with its RoPE tables:
+    `QwenModel.layer_tables`), its columns of the MLP; 2 all-reduces per layer. A family's
+    post-norms are applied to the summed outputs, as the model's layer does (`DecoderLayer.add_attention`)."""
     attend = attention(cache)
     rows = x.shape[0]
 
     def step(layer, i, carry):
-        x, cache = carry
-        q, k, v = layer.self_attn.project_qkv(layer.input_layernorm(own_rows(x)), cos, sin)
-        attended, cache = attend(i, cache, q[:, 0], k, v)
-        x = x + sum_over_grid(layer.self_attn.o_proj(attended[:, None]), rows)
-        return x + jax.lax.psum(layer.mlp(layer.post_attention_layernorm(x)), BOTH), cache
+        (x, cache), (cos_i, sin_i, window) = carry, model.layer_tables(i, cos, sin)
+        q, k, v = layer.self_attn.project_qkv(layer.input_layernorm(own_rows(x)), cos_i, sin_i)
+        attended, cache = attend(i, cache, q[:, 0], k, v, window)
+        x = layer.add_attention(x, sum_over_grid(layer.self_attn.o_proj(attended[:, None]), rows))
+        return layer.add_mlp(x, lambda partial: jax.lax.psum(partial, BOTH)), cache
 
     return model.over_layers(step, (x, cache))

@@ -1,14 +1,14 @@
 """Decode layouts a model's layers can run in, checked at config load.
 
 The rollout's own decode step (`grpo_rollout.attention`: the default `decode_attention: rollout`,
-its shared-prompt cascade and its model-parallel layout) and the model's cached forward
+its shared-prompt cascade, its model-parallel and head-parallel layouts) and the model's cached forward
 (`decode_attention: model`) run a family's sliding-window layers, post-norms and scaled
 embeddings (Gemma 3). The rollout's decode step counts the window in positions, so it also
 serves partial rollouts' kept caches, whose rows may hold empty slots between their tokens; the
 model's cached forward counts it in slots (right on freshly prefilled rows only). Refused in one
-line rather than run without the window: the head-parallel layout (the plain layer only),
-partial rollouts on the prompt table (shared_prompt) or on kept caches decoded by the model's
-forward, and kept multi-turn caches (a tool turn appended to a kept row runs the model's forward).
+line rather than run without the window: partial rollouts on the prompt table (shared_prompt) or
+on kept caches decoded by the model's forward, and kept multi-turn caches (a tool turn appended to
+a kept row runs the model's forward).
 """
 
 from __future__ import annotations
@@ -23,10 +23,6 @@ def check_decode_layouts(rollout: RolloutConfig, qcfg: QwenConfig) -> None:
     if qcfg.plain_decoder or rollout.backend != "jax":
         return
     why = f"model_type {qcfg.model_type!r} has sliding-window layers, post-norms or scaled embeddings"
-    gather = rollout.options.get("gather_weights", "auto")
-    if gather == "head_parallel":
-        raise UserError(f"rollout.options.gather_weights='head_parallel': {why}, which the head-parallel decode "
-                        "step does not run; set rollout.options.gather_weights: auto (or model_parallel, true, false)")
     check_partial(rollout, why)
     if rollout.multi_turn.enabled and rollout.multi_turn.kv_cache != "reprefill":
         raise UserError(f"rollout.multi_turn.kv_cache={rollout.multi_turn.kv_cache!r}: {why}, and kept caches "
