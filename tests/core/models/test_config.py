@@ -71,10 +71,22 @@ def _param_count(cfg):
     return sum(x.size for x in __import__("jax").tree.leaves(nnx.state(model, nnx.Param)))
 
 
-def test_preset_parameter_counts_match_published_sizes():
-    # Published totals: Qwen2.5-0.5B 494,032,768; Qwen3-0.6B 596,049,920 (tied heads).
-    assert _param_count(PRESETS["qwen2.5-0.5b"]) == 494_032_768
-    assert _param_count(PRESETS["qwen3-0.6b"]) == 596_049_920
+# Published totals: Qwen2.5-0.5B and Qwen3-0.6B (tied heads) and Llama-3.1-8B(-Instruct) by their Hub
+# safetensors; Gemma 3 4B / 12B text models by keras-hub's presets (`gemma3_4b_text`, `gemma3_12b_text`).
+@pytest.mark.parametrize("name, published", [
+    ("qwen2.5-0.5b", 494_032_768), ("qwen3-0.6b", 596_049_920), ("llama-3.1-8b", 8_030_261_248),
+    ("gemma-3-4b", 3_880_099_328), ("gemma-3-12b", 11_765_788_416)])
+def test_preset_parameter_counts_match_published_sizes(name, published):
+    assert _param_count(PRESETS[name]) == published
+
+
+def test_qwen3_30b_a3b_preset_has_its_published_total_and_active_sizes():
+    """The model card: 30.5B parameters, 3.3B activated (8 of 128 experts per token)."""
+    cfg = PRESETS["qwen3-30b-a3b"]
+    idle_experts = (cfg.num_experts - cfg.num_experts_per_tok) * 3 * cfg.hidden_size * cfg.moe_intermediate_size
+    total = _param_count(cfg)
+    assert round(total / 1e9, 1) == 30.5
+    assert 3.3e9 <= total - cfg.num_hidden_layers * idle_experts < 3.4e9  # 3,353,032,704
 
 
 @pytest.mark.parametrize(
