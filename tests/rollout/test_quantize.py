@@ -1,4 +1,4 @@
-"""`rollout.quantize: int8`: per-channel int8 projection kernels in the rollout (grpo_rollout.quantize)."""
+"""`rollout.quantize: int8 | fp8`: per-channel 8-bit projection kernels in the rollout (grpo_rollout.quantize)."""
 
 import jax
 import jax.numpy as jnp
@@ -14,19 +14,36 @@ from grpo_core.sharding import DEFAULT_RULES, shard_model
 from grpo_rollout import JaxRollout, JaxRolloutOptions, SamplingParams
 from grpo_rollout.gather import candidate_layouts
 from grpo_core.models import lora
-from grpo_rollout.quantize import Int8Kernel, is_quantized, quantize_int8, quantize_weights
+from grpo_rollout.quantize import FP8, FP8_MAX, QuantizedKernel, is_quantized, quantize_kernel, quantize_weights
 
 PROMPTS = [[5, 17, 33, 2, 91], [64, 3], [7, 7, 120, 45, 12, 99, 1, 30, 4, 4, 9]]
 
 
+KERNEL = jax.random.normal(jax.random.key(0), (2, 8, 3, 4)) * jnp.arange(1, 13).reshape(3, 4)  # [L, in, N, D]
+
+
 def test_int8_kernel_is_per_output_channel_and_within_half_a_step():
-    kernel = jax.random.normal(jax.random.key(0), (2, 8, 3, 4)) * jnp.arange(1, 13).reshape(3, 4)  # [L, in, N, D]
-    quantized = quantize_int8(kernel, (1,))
+    kernel = KERNEL
+    quantized = quantize_kernel(kernel, (1,))
     assert quantized.values.dtype == jnp.int8 and quantized.scale.shape == (2, 1, 3, 4)
     # Each output channel's largest |w| maps to +-127, and every weight is within half a step.
     np.testing.assert_array_equal(np.abs(np.asarray(quantized.values)).max(axis=1), 127)
     error = np.abs(np.asarray(quantized[...]) - np.asarray(kernel))
     assert (error <= np.asarray(quantized.scale) / 2 * (1 + 1e-6)).all()
+
+
+def test_fp8_kernel_is_per_output_channel_and_within_e4m3_rounding():
+    quantized = quantize_kernel(KERNEL, (1,), "fp8")
+    assert quantized.values.dtype == FP8 and quantized.scale.shape == (2, 1, 3, 4)
+    values = np.asarray(quantized.values).astype(np.float32)
+    # Each output channel's largest |w| maps to e4m3's largest value, 448.
+    np.testing.assert_array_equal(np.abs(values).max(axis=1), FP8_MAX)
+    # e4m3 keeps 3 mantissa bits: above its smallest normal (2^-6) a value rounds within 2^-4 of
+    # itself; below, within half its subnormal step 2^-9, both in units of the scale.
+    scaled = np.asarray(KERNEL) / np.asarray(quantized.scale)
+    bound = np.maximum(np.abs(scaled) * 2.0**-4, 2.0**-10) * (1 + 1e-6)
+    assert (np.abs(values - scaled) <= bound).all()
+    assert np.abs(values - scaled).max() > 0  # rounded, not passed through
 
 
 @pytest.fixture(scope="module", params=["qwen2", "qwen3"])  # qwen2 untied: its LM head is quantized too
@@ -41,24 +58,29 @@ def forward_logps(graphdef, weights, batch):
     return np.pad(np.asarray(jnp.take_along_axis(logp, batch.input_ids[:, 1:, None], axis=-1)[..., 0]), ((0, 0), (1, 0)))
 
 
-def test_int8_sampler_logps_are_the_quantized_model_s_and_near_full_precision(model):
+# The largest per-token gap the 8-bit sampler may have to the full-precision forward: int8 moves each
+# weight by at most 1/254 of its channel's largest, e4m3 by up to 1/16 of the weight itself (measured
+# max: 1.8e-3 nats int8, 7.6e-3 fp8, on logits ~0.5 apart); each bound is about 3x the measured max.
+GAP_BOUNDS = {"int8": 5e-3, "fp8": 2e-2}
+
+
+@pytest.mark.parametrize("mode", ["int8", "fp8"])
+def test_8bit_sampler_logps_are_the_quantized_model_s_and_near_full_precision(model, mode):
     rollout = JaxRollout(JaxRolloutOptions(prompt_buckets=(8, 16)))
-    rollout.quantize_with("int8")
+    rollout.quantize_with(mode)
     rollout.load_weights(Policy.of(model))
     batch = rollout.trim(rollout.generate(PROMPTS, jax.random.key(0), SamplingParams(max_new_tokens=12, n=2),
                                           pad_token_id=0))
     graphdef, weights = nnx.split(model)
-    quantized = quantize_weights(graphdef, weights, "int8")
+    quantized = quantize_weights(graphdef, weights, mode)
     assert is_quantized(quantized) and not is_quantized(weights)
     mask = np.asarray(batch.completion_mask, bool)
     sampled = np.asarray(batch.sampler_logps)[mask]
-    # The sampler samples from the int8 model: its log-probs are that model's (f32 sums, as in test_generate).
+    # The sampler samples from the 8-bit model: its log-probs are that model's (f32 sums, as in test_generate).
     np.testing.assert_allclose(sampled, forward_logps(graphdef, quantized, batch)[mask], atol=1e-5)
     gap = np.abs(sampled - forward_logps(graphdef, weights, batch)[mask])
-    print(f"int8 vs full-precision per-token log-prob gap: mean {gap.mean():.2e}, max {gap.max():.2e}")
-    # Each weight moves by at most 1/254 of its channel's largest, so logits move by well under 1% of their
-    # spread (~0.5 nats here): the gap is ~1e-3 nats. Above 1e-5 proves the decode read int8 kernels.
-    assert 1e-5 < gap.mean() and gap.max() < 5e-3
+    print(f"{mode} vs full-precision per-token log-prob gap: mean {gap.mean():.2e}, max {gap.max():.2e}")
+    assert 1e-5 < gap.mean() and gap.max() < GAP_BOUNDS[mode]  # above 1e-5: the decode read 8-bit kernels
 
 
 def test_quantized_decode_refuses_the_split_layouts_and_auto_skips_them():
@@ -91,7 +113,7 @@ def test_per_token_lora_keeps_its_adapters_in_full_precision_over_int8_kernels()
     flat, quantized = dict(nnx.to_flat_state(weights)), dict(nnx.to_flat_state(quantize_weights(graphdef, weights,
                                                                                                     "int8")))
     kernels = [path for path in flat if path[-1] == "kernel"]
-    assert len(kernels) == 7 and all(isinstance(quantized[path].get_value(), Int8Kernel) for path in kernels)
+    assert len(kernels) == 7 and all(isinstance(quantized[path].get_value(), QuantizedKernel) for path in kernels)
     adapters = [path for path in flat if "lora" in path]
     assert len(adapters) == 14 and all(quantized[path].get_value() is flat[path].get_value() for path in adapters)
 

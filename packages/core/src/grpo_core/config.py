@@ -175,8 +175,8 @@ class RolloutConfig:
         "legacy", "Rollout batch sharding: legacy = over dp*fsdp*tp, maxtext = over dp only.")
     use_sampler_logps: bool = setting(
         False, "Use the sampler's log-probs as old log-probs instead of one extra forward pass.")
-    quantize: Literal["none", "int8"] = setting(
-        "none", "Sample from int8 per-channel projection weights (the trainer stays in full precision).")
+    quantize: Literal["none", "int8", "fp8"] = setting(
+        "none", "Sample from int8 or fp8 (e4m3) per-channel projection weights (the trainer stays in full precision).")
     partial: PartialConfig = field(default_factory=PartialConfig,
                                    metadata={"doc": "Partial rollouts carried across steps (see PartialConfig)."})
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig,

@@ -142,7 +142,7 @@ class JaxRollout:
 
     def quantize_with(self, mode: str) -> None:
         """Sample from `mode`-quantized weights (grpo_rollout.quantize), made on device at each
-        `load_weights`. int8 serves the gathered and sharded decode layouts only: `auto` then
+        `load_weights`. 8-bit weights serve the gathered and sharded decode layouts only: `auto` then
         compares those, and a split layout asked for by name is refused."""
         if mode not in QUANTIZE_MODES:
             raise ValueError(f"rollout.quantize={mode!r} is not supported; use one of {', '.join(QUANTIZE_MODES)}.")

@@ -1,13 +1,15 @@
-"""`rollout.quantize: int8`: the rollout's projection matmuls read int8 weights.
+"""`rollout.quantize: int8 | fp8`: the rollout's projection matmuls read 8-bit weights.
 
 Each projection kernel (q/k/v/o, gate/up/down, an untied LM head) is quantized per output
-channel, symmetrically: scale = max |w| over the input axes / 127, w_int8 = round(w / scale).
+channel, symmetrically: scale = max |w| over the input axes / the format's largest value
+(int8: 127, w_q = round(w / scale); fp8 e4m3: 448, w_q = w / scale rounded to e4m3's 3-bit
+mantissa, so the relative error per weight is at most 2^-4 instead of int8's absolute half step).
 It happens on device once per rollout, in `JaxRollout.load_weights`, from the weights the
 trainer just updated (with LoRA: the merged kernels, or the base kernels under the per-token
-adapters, which stay in full precision). The kernel's value becomes an `Int8Kernel`, a pytree
-of the int8 values and the scales that the model reads as usual (`kernel[...]`): it returns
-w_int8 * scale in the compute dtype, made inside the layer scan from that layer's int8 slice,
-so the model's forward is unchanged and the loop holds int8 weights. The embedding (a gather,
+adapters, which stay in full precision). The kernel's value becomes a `QuantizedKernel`, a pytree
+of the 8-bit values and the scales that the model reads as usual (`kernel[...]`): it returns
+w_q * scale in the compute dtype, made inside the layer scan from that layer's 8-bit slice,
+so the model's forward is unchanged and the loop holds 8-bit weights. The embedding (a gather,
 and the tied LM head) stays in full precision.
 
 qwix (Google's JAX quantization library) was read and not used: it quantizes a Flax model by
@@ -28,14 +30,16 @@ from flax import nnx, struct
 
 from grpo_core.models.layers import Projection
 
-QUANTIZE_MODES = ("none", "int8")
+QUANTIZE_MODES = ("none", "int8", "fp8")
 INT8_MAX = 127
+FP8 = jnp.float8_e4m3fn  # the e4m3 of H100/H200 and of the OCP 8-bit formats; no inf, max 448
+FP8_MAX = float(jnp.finfo(FP8).max)
 
 
 @struct.dataclass
-class Int8Kernel:
-    """A projection kernel as int8 values [..., in..., out...] and f32 scales of the same rank
-    (1 on the input axes); indexing it gives the dequantized kernel in `dtype`."""
+class QuantizedKernel:
+    """A projection kernel as 8-bit values (int8 or fp8) [..., in..., out...] and f32 scales of
+    the same rank (1 on the input axes); indexing it gives the dequantized kernel in `dtype`."""
 
     values: jax.Array
     scale: jax.Array
@@ -50,14 +54,16 @@ class Int8Kernel:
         return self.values.shape
 
 
-@functools.partial(jax.jit, static_argnames=("in_axes",))
-def quantize_int8(kernel: jax.Array, in_axes: tuple[int, ...]) -> Int8Kernel:
-    """Symmetric per-output-channel int8 of `kernel`, its scales reduced over `in_axes`."""
+@functools.partial(jax.jit, static_argnames=("in_axes", "mode"))
+def quantize_kernel(kernel: jax.Array, in_axes: tuple[int, ...], mode: str = "int8") -> QuantizedKernel:
+    """Symmetric per-output-channel `mode` (int8 | fp8) of `kernel`, its scales reduced over `in_axes`."""
     w = kernel.astype(jnp.float32)
     amax = jnp.max(jnp.abs(w), axis=in_axes, keepdims=True)
-    scale = jnp.where(amax > 0, amax / INT8_MAX, 1.0)  # an all-zero channel stays zero
-    values = jnp.clip(jnp.round(w / scale), -INT8_MAX, INT8_MAX).astype(jnp.int8)
-    return Int8Kernel(values, scale, kernel.dtype)
+    largest = FP8_MAX if mode == "fp8" else INT8_MAX
+    scale = jnp.where(amax > 0, amax / largest, 1.0)  # an all-zero channel stays zero
+    scaled = jnp.clip(w / scale, -largest, largest)  # rounding may lift amax / scale a hair past it
+    values = scaled.astype(FP8) if mode == "fp8" else jnp.round(scaled).astype(jnp.int8)
+    return QuantizedKernel(values, scale, kernel.dtype)
 
 
 def input_axes(kernel: nnx.Variable, n_in: int) -> tuple[int, ...]:
@@ -75,17 +81,17 @@ def projection_kernels(graphdef, weights) -> dict[tuple, tuple[int, ...]]:
 
 
 def quantize_weights(graphdef, weights, mode: str):
-    """The rollout's weights with every projection kernel quantized (`mode` int8), or as they are (none)."""
+    """The rollout's weights with every projection kernel quantized (`mode` int8 | fp8), or as they are (none)."""
     if mode == "none":
         return weights
     kernels = projection_kernels(graphdef, weights)
     flat = dict(nnx.to_flat_state(weights))
     for path, axes in kernels.items():
-        flat[path] = flat[path].replace(quantize_int8(flat[path].get_value(), axes))
+        flat[path] = flat[path].replace(quantize_kernel(flat[path].get_value(), axes, mode))
     return nnx.from_flat_state(flat)
 
 
 def is_quantized(weights) -> bool:
-    """Some kernel of `weights` is an Int8Kernel."""
-    return any(isinstance(leaf, Int8Kernel)
-               for leaf in jax.tree.leaves(weights, is_leaf=lambda x: isinstance(x, Int8Kernel)))
+    """Some kernel of `weights` is a QuantizedKernel."""
+    return any(isinstance(leaf, QuantizedKernel)
+               for leaf in jax.tree.leaves(weights, is_leaf=lambda x: isinstance(x, QuantizedKernel)))
