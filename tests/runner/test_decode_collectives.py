@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from grpo_core.registry import default_registry
 from grpo_rollout.collectives import decode_collective_bytes_per_token
@@ -81,3 +83,47 @@ def test_head_parallel_decode_runs_two_all_reduces_per_layer(plan_inputs):
     per_layer = {kind: (counts[1].get(kind, 0) - counts[0].get(kind, 0)) // 2 for kind in {*counts[0], *counts[1]}}
     print("head-parallel collectives per token:", counts)
     assert {kind: n for kind, n in per_layer.items() if n} == {"all-reduce": 2}
+
+
+@pytest.fixture(scope="module")
+def decode_hlo_and_flops():
+    """`(hlo, flops)` of the gathered decode of a 2-layer bf16 model (hidden 256, untied head) whose
+    weights are `mode` (none | int8 | fp8), compiled for v6e-8 (memoised per mode)."""
+    compiled = {}
+
+    def compile_mode(plan_inputs, mode):
+        if mode not in compiled:
+            arch = [f"model.architecture.{key}={value}" for key, value in (
+                ("hidden_size", 256), ("intermediate_size", 512), ("num_attention_heads", 4), ("head_dim", 64),
+                ("tie_word_embeddings", "false"))]
+            decode = plan.compile_rollout(plan_inputs(*arch, f"rollout.quantize={mode}",
+                                                      "rollout.options.gather_weights=true"))["rollout decode"]
+            cost = decode.cost_analysis()
+            compiled[mode] = decode.as_text(), (cost[0] if isinstance(cost, list) else cost)["flops"]
+        return compiled[mode]
+    return compile_mode
+
+
+@pytest.mark.parametrize("mode", ["int8", "fp8"])
+def test_8bit_decode_multiplies_the_8bit_weights_and_scales_the_results(plan_inputs, decode_hlo_and_flops, mode):
+    """Every projection (and the untied head) of the 8-bit decode multiplies the 8-bit values,
+    exact in bf16, and scales its result per output channel: the compiled decode does the bf16
+    decode's arithmetic (dequantizing each weight first doubled it: a convert and a multiply per
+    weight per token), and no bf16 or f32 copy of a kernel is made outside the matmuls' fusions."""
+    hlo, flops = decode_hlo_and_flops(plan_inputs, mode)
+    _, bf16_flops = decode_hlo_and_flops(plan_inputs, "none")
+    assert flops <= 1.01 * bf16_flops, (flops, bf16_flops)
+    kernels = ["256,4,64", "256,2,64", "4,64,256", "256,512", "512,256", "256,100"]  # q, k/v, o, gate/up, down, head
+    eight_bit = {"int8": "s8", "fp8": "f8e4m3fn"}[mode]
+    assert f"{eight_bit}[2,256,512]" in hlo  # the stacked 8-bit gate/up kernels reach the decode
+    copies = [line for line in materialized_lines(hlo) for shape in kernels
+              if re.search(rf"= (bf16|f32)\[(1,)?{shape}\]", line)]
+    assert not copies, copies[:3]
+
+
+def materialized_lines(hlo: str) -> list[str]:
+    """The instructions of `hlo` whose results are buffers: those outside fused computations (a
+    fusion's own body computes in registers and vector memory)."""
+    computations = re.split(r"\n(?=\S)", hlo)
+    return [line for comp in computations if not comp.startswith(("%fused", "%wrapped"))
+            for line in comp.splitlines()[1:]]

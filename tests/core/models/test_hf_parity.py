@@ -46,14 +46,15 @@ def test_our_export_then_hf_load(golden, name, tmp_path, randomize, logits_of):
 
 @pytest.mark.parametrize("name", FAMILIES)
 def test_golden_fixtures_match_current_transformers(golden, name):
-    """The committed HF logits still equal what HF computes from the committed weights."""
+    """The committed HF logits still equal what HF computes from the committed weights (within 1e-5:
+    torch's own f32 CPU kernels differ by ~2e-6 between machines and thread counts)."""
     path = os.path.join(golden.GOLDEN_DIR, name)
     io = np.load(os.path.join(path, "io.npz"))
     ids, mask = io["input_ids"], io["attention_mask"]
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
-    assert _max_real_diff(golden.hf_logits(hf.eval(), ids, mask), io["logits"], mask) <= 1e-6
+    assert _max_real_diff(golden.hf_logits(hf.eval(), ids, mask), io["logits"], mask) <= 1e-5
     far = golden.hf_logits(hf, ids, mask, golden.POSITION_OFFSET)
-    assert _max_real_diff(far, io["logits_far"], mask) <= 1e-6
+    assert _max_real_diff(far, io["logits_far"], mask) <= 1e-5
 
 
 def test_qwen3_with_attention_bias(golden, tmp_path, logits_of):

@@ -342,7 +342,7 @@ class JaxRollout:
     def compile_phases(self, shapes: RolloutShapes, compiler: PhaseCompiler) -> None:
         """Prefill, then the decode loop as `generate` runs it (gathered or not: see `decoder`);
         with `shapes.kept_prefix`, the widest round of `generate_round` instead."""
-        weights, key = shapes.policy.weights, shapes.key
+        weights, key = self.abstract_weights(shapes.policy), shapes.key
         static = self.static_args(shapes.policy.graphdef, weights, shapes.sampling, shapes.pad_token_id,
                                   shapes.batch_sharding)
         if shapes.kept_prefix:
@@ -359,6 +359,10 @@ class JaxRollout:
             cache, state = abstract_outputs(first)
             compile_decode(compiler, (weights, cache, state, key), static, self.options.gather_weights,
                            self.decode_segments(shapes.sampling))
+
+    def abstract_weights(self, policy: Policy) -> Any:
+        """The shapes of the weights `load_weights(policy)` would decode from (quantized as they would be)."""
+        return jax.eval_shape(lambda w: quantize_weights(policy.graphdef, w, self.quantize), policy.weights)
 
     def kept_cache(self, shapes: RolloutShapes) -> Any:
         """The abstract KV cache of `generate_round`'s widest round (grpo_rollout.kept_plan)."""

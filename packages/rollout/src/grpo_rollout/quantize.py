@@ -7,10 +7,10 @@ mantissa, so the relative error per weight is at most 2^-4 instead of int8's abs
 It happens on device once per rollout, in `JaxRollout.load_weights`, from the weights the
 trainer just updated (with LoRA: the merged kernels, or the base kernels under the per-token
 adapters, which stay in full precision). The kernel's value becomes a `QuantizedKernel`, a pytree
-of the 8-bit values and the scales that the model reads as usual (`kernel[...]`): it returns
-w_q * scale in the compute dtype, made inside the layer scan from that layer's 8-bit slice,
-so the model's forward is unchanged and the loop holds 8-bit weights. The embedding (a gather,
-and the tied LM head) stays in full precision.
+of the 8-bit values and the scales; the model's projections and untied head call its
+`contract` (x . w_q in f32, times the scale per output channel) instead of a matmul, inside the
+layer scan on that layer's 8-bit slice, so the loop holds 8-bit weights. The embedding (a
+gather, and the tied LM head) stays in full precision.
 
 qwix (Google's JAX quantization library) was read and not used: it quantizes a Flax model by
 intercepting the `dot_general` calls of one traced method (`__call__` for NNX) and swapping
@@ -48,6 +48,16 @@ class QuantizedKernel:
     def __getitem__(self, index) -> jax.Array:
         # One rounding, to the compute dtype: the product of two exact f32 factors.
         return (self.values.astype(jnp.float32) * self.scale).astype(self.dtype)[index]
+
+    def contract(self, x: jax.Array, axes: tuple) -> jax.Array:
+        """x . kernel in f32, as `Projection` computes it: the 8-bit values (exact in bfloat16)
+        enter the matmul as they are and the per-output-channel scale multiplies its result, so
+        the compiler can read the 8-bit weights straight into the matmul (a dequantized copy
+        costs more weight bytes than the full-precision kernel)."""
+        n_in = len(axes[1])
+        product = jax.lax.dot_general(x, self.values.astype(x.dtype), (axes, ((), ())),
+                                      preferred_element_type=jnp.float32)
+        return product * self.scale.reshape(self.scale.shape[n_in:])
 
     @property
     def shape(self) -> tuple[int, ...]:

@@ -8,6 +8,7 @@ Logical axis names used on parameters (mapped to mesh axes by `grpo_core.shardin
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -42,6 +43,14 @@ def _zeros(key, shape, dtype):
 _normal = jax.nn.initializers.normal(INIT_STD)
 
 
+def contract_f32(x: jax.Array, kernel: Any, dims: tuple) -> jax.Array:
+    """x . kernel over `dims` (x's axes, the kernel's), accumulated and returned in f32 for bf16
+    params too (as HF's bf16 matmuls do); a quantized kernel (grpo_rollout.quantize) runs its own."""
+    if hasattr(kernel, "contract"):
+        return kernel.contract(x, dims)
+    return jax.lax.dot_general(x, kernel, (dims, ((), ())), preferred_element_type=jnp.float32)
+
+
 class Projection(nnx.Module):
     """y = x . kernel (+ bias), contracting the last `len(in_shape)` axes of x.
 
@@ -57,8 +66,7 @@ class Projection(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         contract = (tuple(range(x.ndim - self.n_in, x.ndim)), tuple(range(self.n_in)))
-        # f32 accumulation for bf16 params too (as HF's bf16 matmuls do), result in x's dtype.
-        y = jax.lax.dot_general(x, self.kernel[...], (contract, ((), ())), preferred_element_type=jnp.float32)
+        y = contract_f32(x, self.kernel.get_value(), contract)
         adapter = getattr(self, "lora", None)  # a LoRA adapter attached by grpo_core.models.lora
         if adapter is not None:
             y = y + adapter(x)

@@ -37,7 +37,7 @@ from grpo_core.models.attention import Attention, KVCache
 from grpo_core.models.attention_impls import CausalMask, check_attention
 from grpo_core.models.config import QwenConfig
 from grpo_core.models.layer_grads import scan_accumulating
-from grpo_core.models.layers import MLP, Embedding, Projection, RMSNorm, rope_tables
+from grpo_core.models.layers import MLP, Embedding, Projection, RMSNorm, contract_f32, rope_tables
 from grpo_core.sharding import Rules, check_auto_mesh, divides, freeze_rules, logical_to_spec
 
 REMAT_POLICIES = {
@@ -236,7 +236,8 @@ class QwenModel(nnx.Module):
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """[B, T, H] -> [B, T, V] in f32 (f32 accumulation whatever the param dtype)."""
-        return jnp.einsum("bth,hv->btv", hidden, self.lm_head_weight(), preferred_element_type=jnp.float32)
+        head = self.lm_head.kernel.get_value() if self.lm_head is not None else self.lm_head_weight()
+        return contract_f32(hidden, head, ((2,), (0,)))
 
     def init_cache(self, batch: int, max_len: int, dtype: Any = None) -> KVCache:
         return KVCache.zeros(self.config, batch, max_len, resolve_dtype(dtype) if dtype else self.dtype)
