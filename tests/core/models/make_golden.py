@@ -8,6 +8,8 @@ saved with HF `save_pretrained` (config.json + model.safetensors), and run in f3
 fixed left-padded batch; `io.npz` keeps the inputs, HF's logits and (fixtures written since
 Gemma 3) HF's greedy `generate` tokens. Tests without torch
 load the HF-saved weights with `load_pretrained` and compare against those logits.
+`gemma3_multimodal` is a `Gemma3ForConditionalGeneration` (the released Gemma 3 4B+ layout) whose
+`io.npz` holds its text-only logits.
 
 Importable without torch: the tests reuse FAMILIES, INPUTS and the helpers.
 """
@@ -89,8 +91,20 @@ FAMILIES: dict[str, dict] = {
                       attention_bias=False, rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
                       num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=True),
 }
+# Gemma 3 4B+ as released: the "gemma3" text model as the language model of a
+# Gemma3ForConditionalGeneration, next to a one-layer SigLIP vision tower (2x2 patches of 14 pixels,
+# one image token per patch); the outer eos ids differ from text_config's as gemma-3-4b-it's [1, 106].
+MULTIMODAL: dict[str, dict] = {
+    "gemma3_multimodal": dict(
+        model_type="gemma3",
+        text_config={k: v for k, v in FAMILIES["gemma3"].items() if k != "torch_dtype"},
+        vision_config=dict(model_type="siglip_vision_model", hidden_size=16, intermediate_size=32,
+                           num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14,
+                           vision_use_head=False),
+        mm_tokens_per_image=4, eos_token_id=[1, 95], torch_dtype="float32"),
+}
 SEEDS = {"qwen2_tied": 11, "qwen2_untied": 12, "qwen3": 13, "llama3_tied": 14, "llama3_untied": 15, "gemma3": 16,
-         "qwen3_moe": 16}
+         "qwen3_moe": 16, "gemma3_multimodal": 17}
 GREEDY_NEW_TOKENS = 8
 WEIGHT_STD = 0.2  # large enough that logits are O(1) and layout mistakes show
 # Families whose norms scale by (1 + weight): their weights are drawn around 0, so every norm
@@ -129,6 +143,39 @@ def build_hf_model(config: dict, seed: int):
             if "norm" in name and config["model_type"] not in NORM_SCALE_ADDS_ONE:
                 p.add_(1.0)
     return model
+
+
+def build_hf_multimodal(config: dict, seed: int):
+    """An HF Gemma3ForConditionalGeneration from `config`, every parameter redrawn: the language
+    model's norms around 0 (they scale by 1 + weight), the vision tower's around 1."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    hf_config = transformers.AutoConfig.for_model(**config)
+    model = transformers.AutoModelForImageTextToText.from_config(hf_config, attn_implementation="eager")
+    model = model.float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(0.0, WEIGHT_STD)
+            if "norm" in name and "language_model" not in name:
+                p.add_(1.0)
+    return model
+
+
+# transformers' save_pretrained writes a Gemma3ForConditionalGeneration's tensors under the
+# 4.50-4.5x names; these are its 5.x module names (save_pretrained(save_original_format=False)).
+TRANSFORMERS5_PREFIXES = (("language_model.model.", "model.language_model."), ("language_model.lm_head.", "lm_head."),
+                          ("vision_tower.", "model.vision_tower."),
+                          ("multi_modal_projector.", "model.multi_modal_projector."))
+
+
+def transformers5_name(name: str) -> str:
+    """The 5.x module name of a tensor saved under a 4.5x Gemma3ForConditionalGeneration name."""
+    for old, new in TRANSFORMERS5_PREFIXES:
+        if name.startswith(old):
+            return new + name.removeprefix(old)
+    raise KeyError(f"{name!r} is no Gemma3ForConditionalGeneration tensor name")
 
 
 # Far positions exercise RoPE tables where f32 angle rounding matters.
@@ -202,10 +249,26 @@ def write_family(name: str) -> None:
         json.dump(meta, f, indent=2)
 
 
+def write_multimodal(name: str) -> None:
+    import torch
+    import transformers
+
+    out = os.path.join(GOLDEN_DIR, name)
+    model = build_hf_multimodal(MULTIMODAL[name], SEEDS[name])
+    model.save_pretrained(out)
+    os.remove(os.path.join(out, "generation_config.json"))
+    ids, mask = golden_inputs(MULTIMODAL[name]["text_config"]["vocab_size"])
+    np.savez_compressed(os.path.join(out, "io.npz"), input_ids=ids, attention_mask=mask,
+                        logits=hf_logits(model, ids, mask), logits_far=hf_logits(model, ids, mask, POSITION_OFFSET))
+    meta = {"torch": torch.__version__, "transformers": transformers.__version__, "seed": SEEDS[name]}
+    with open(os.path.join(out, "versions.json"), "w") as f:
+        json.dump(meta, f, indent=2)
+
+
 def main(names: list[str]) -> int:
-    """Writes the fixtures of `names` (default: every family)."""
-    for name in names or FAMILIES:
-        write_family(name)
+    """Writes the fixtures of `names` (default: every family and multimodal model)."""
+    for name in names or [*FAMILIES, *MULTIMODAL]:
+        (write_multimodal if name in MULTIMODAL else write_family)(name)
         print(f"wrote {os.path.join(GOLDEN_DIR, name)}")
     return 0
 

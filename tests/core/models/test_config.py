@@ -175,3 +175,83 @@ def test_gemma3_unsupported_options_are_named_errors(overrides, key, value):
         QwenConfig.from_hf_dict(_gemma3_1b_style(**overrides))
     msg = str(err.value)
     assert key in msg and value in msg and "supported" in msg and "\n" not in msg, msg
+
+
+# ---- Gemma 3 4B / 12B / 27B: the multimodal Gemma3ForConditionalGeneration config.json ----------
+_GEMMA3_4B_TEXT = {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text", "num_hidden_layers": 34,
+                   "rope_scaling": {"factor": 8.0, "rope_type": "linear"}, "sliding_window": 1024}
+_GEMMA3_27B_TEXT = {"head_dim": 128, "hidden_size": 5376, "intermediate_size": 21504, "model_type": "gemma3_text",
+                    "num_attention_heads": 32, "num_hidden_layers": 62, "num_key_value_heads": 16,
+                    "query_pre_attn_scalar": 168, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                    "sliding_window": 1024}
+
+
+def _gemma3_multimodal_style(text=_GEMMA3_27B_TEXT, **overrides):
+    """google/gemma-3-27b-it's config.json (transformers 4.50 layout: text_config keeps only the keys
+    that differ from Gemma3TextConfig's defaults; the eos ids and dtype are outside it)."""
+    d = {"architectures": ["Gemma3ForConditionalGeneration"], "boi_token_index": 255999, "eoi_token_index": 256000,
+         "eos_token_id": [1, 106], "image_token_index": 262144, "initializer_range": 0.02, "mm_tokens_per_image": 256,
+         "model_type": "gemma3", "text_config": dict(text), "torch_dtype": "bfloat16",
+         "transformers_version": "4.50.0.dev0",
+         "vision_config": {"hidden_size": 1152, "image_size": 896, "intermediate_size": 4304,
+                           "model_type": "siglip_vision_model", "num_attention_heads": 16, "num_hidden_layers": 27,
+                           "patch_size": 14, "vision_use_head": False}}
+    d.update(overrides)
+    return d
+
+
+def test_gemma3_multimodal_config_reads_its_text_config():
+    cfg = QwenConfig.from_hf_dict(_gemma3_multimodal_style())
+    assert (cfg.model_type, cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers) == ("gemma3_text", 5376,
+                                                                                               21504, 62)
+    assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (32, 16, 128)
+    assert cfg.vocab_size == 262_208 and cfg.max_position_embeddings == 131_072  # Gemma3TextConfig's defaults
+    assert cfg.family.attention_scale(cfg) == 168 ** -0.5
+    assert dict(cfg.rope_scaling) == {"factor": 8.0, "rope_type": "linear"} and cfg.rope_theta == 1_000_000.0
+    windows = cfg.sliding_windows
+    assert [i for i, w in enumerate(windows) if w == 0] == [5, 11, 17, 23, 29, 35, 41, 47, 53, 59]
+    assert set(windows) == {0, 1024}
+    assert (cfg.bos_token_id, cfg.eos_token_id, cfg.torch_dtype) == (2, (1, 106), "bfloat16")
+    # Written back it is the text model's own config.json (what export writes).
+    assert QwenConfig.from_hf_dict(json.loads(json.dumps(cfg.to_hf_dict()))) == cfg
+    assert cfg.to_hf_dict()["architectures"] == ["Gemma3ForCausalLM"]
+
+
+@pytest.mark.parametrize("text", [_GEMMA3_4B_TEXT, _GEMMA3_27B_TEXT, {"model_type": "gemma3_text"}],
+                         ids=["4b", "27b", "all-defaults"])
+def test_gemma3_text_config_omitted_keys_are_transformers_defaults(text):
+    """A text_config that omits keys reads as transformers' Gemma3TextConfig with those keys written out."""
+    transformers = pytest.importorskip("transformers")
+    full = transformers.Gemma3TextConfig(**{k: v for k, v in text.items() if k != "model_type"}).to_dict()
+    expected = QwenConfig.from_hf_dict({**full, "eos_token_id": [1, 106], "torch_dtype": "bfloat16"})
+    assert QwenConfig.from_hf_dict(_gemma3_multimodal_style(text)) == expected
+
+
+def test_gemma3_multimodal_outer_token_ids_and_dtype_win():
+    """transformers 5 writes text_config in full (its default eos 1 too); the outer ids are the model's."""
+    text = dict(_GEMMA3_4B_TEXT, eos_token_id=1, bos_token_id=2)
+    assert QwenConfig.from_hf_dict(_gemma3_multimodal_style(text)).eos_token_id == (1, 106)
+    outer_lacks = {k: v for k, v in _gemma3_multimodal_style(text).items() if k not in ("eos_token_id", "torch_dtype")}
+    cfg = QwenConfig.from_hf_dict({**outer_lacks, "dtype": "float32"})
+    assert (cfg.eos_token_id, cfg.torch_dtype) == (1, "float32")
+
+
+@pytest.mark.parametrize(
+    "d, words",
+    [
+        (_gemma3_multimodal_style(model_type="llava", architectures=["LlavaForConditionalGeneration"]),
+         ["'llava'", "multimodal", "text_config and vision_config", "gemma3 (Gemma3ForConditionalGeneration)"]),
+        ({**_qwen25_style(model_type="qwen2_5_vl"), "vision_config": {"depth": 32}},
+         ["'qwen2_5_vl'", "multimodal", "(vision_config)"]),
+        ({k: v for k, v in _gemma3_multimodal_style().items() if k != "text_config"},
+         ["text_config=None", "model_type 'gemma3'"]),
+        (_gemma3_multimodal_style(dict(_GEMMA3_4B_TEXT, model_type="gemma2")), ["text_config.model_type='gemma2'"]),
+        (_gemma3_multimodal_style(tie_word_embeddings=False), ["tie_word_embeddings=False"]),
+    ],
+    ids=["llava", "vision-only", "no-text-config", "other-text-model", "untied-outside"],
+)
+def test_unsupported_multimodal_configs_are_one_line_errors(d, words):
+    with pytest.raises(ValueError) as err:
+        QwenConfig.from_hf_dict(d)
+    msg = str(err.value)
+    assert all(word in msg for word in words) and "supported" in msg and "\n" not in msg, msg

@@ -15,6 +15,7 @@ transformers = pytest.importorskip("transformers")
 
 from grpo_core.models import QwenConfig, export_pretrained, init_from_config, load_pretrained
 from grpo_core.tokenizer import build_char_tokenizer
+from safetensors.numpy import load_file
 
 FAMILIES = ("qwen2_tied", "qwen2_untied", "qwen3", "llama3_tied", "llama3_untied", "gemma3", "qwen3_moe")
 PARITY_ATOL = 1e-4
@@ -88,3 +89,48 @@ def test_sharded_export_with_tokenizer_loads_in_transformers(golden, tmp_path, r
     assert ids.max() < cfg.vocab_size and ids.tolist() == [tokenizer(prompt)["input_ids"]]
     mask = np.ones_like(ids)
     assert _max_real_diff(logits_of(model, ids, mask), golden.hf_logits(hf.eval(), ids, mask), mask) <= PARITY_ATOL
+
+
+# ---- Gemma 3 4B+ (multimodal Gemma3ForConditionalGeneration): its text model ---------------------
+MULTIMODAL = "gemma3_multimodal"
+
+
+def test_gemma3_multimodal_fixture_matches_current_transformers(golden):
+    path = os.path.join(golden.GOLDEN_DIR, MULTIMODAL)
+    io = np.load(os.path.join(path, "io.npz"))
+    ids, mask = io["input_ids"], io["attention_mask"]
+    hf = transformers.Gemma3ForConditionalGeneration.from_pretrained(path, dtype=torch.float32,
+                                                                     attn_implementation="eager").eval()
+    assert _max_real_diff(golden.hf_logits(hf, ids, mask), io["logits"], mask) <= 1e-6
+    assert _max_real_diff(golden.hf_logits(hf, ids, mask, golden.POSITION_OFFSET), io["logits_far"], mask) <= 1e-6
+
+
+def test_gemma3_multimodal_hf_save_then_our_load_in_both_layouts(golden, tmp_path, logits_of):
+    """save_pretrained writes the 4.5x names (`language_model.model.*`); with save_original_format=False
+    transformers 5's module names (`model.language_model.*`): both load as the text model."""
+    config = golden.MULTIMODAL[MULTIMODAL]
+    hf = golden.build_hf_multimodal(config, seed=100 + golden.SEEDS[MULTIMODAL])  # fresh weights
+    hf.save_pretrained(tmp_path / "v4")
+    hf.save_pretrained(tmp_path / "v5", save_original_format=False)
+    v4_names = sorted(load_file(tmp_path / "v4" / "model.safetensors"))
+    v5_names = sorted(load_file(tmp_path / "v5" / "model.safetensors"))
+    assert v5_names == sorted(golden.transformers5_name(k) for k in v4_names)  # what the torch-free test renames
+    ids, mask = golden.golden_inputs(config["text_config"]["vocab_size"], seed=1)
+    expected = golden.hf_logits(hf, ids, mask)
+    for layout in ("v4", "v5"):
+        ours = logits_of(load_pretrained(tmp_path / layout, dtype="float32"), ids, mask)
+        assert _max_real_diff(ours, expected, mask) <= PARITY_ATOL, layout
+
+
+def test_gemma3_multimodal_export_loads_in_transformers_as_gemma3_causal_lm(golden, tmp_path, logits_of):
+    path = os.path.join(golden.GOLDEN_DIR, MULTIMODAL)
+    model = load_pretrained(path, dtype="float32")
+    export_pretrained(model, tmp_path)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32, attn_implementation="eager")
+    assert type(hf).__name__ == "Gemma3ForCausalLM"
+    multimodal = transformers.Gemma3ForConditionalGeneration.from_pretrained(path, dtype=torch.float32,
+                                                                             attn_implementation="eager")
+    ids, mask = golden.golden_inputs(model.config.vocab_size, seed=2)
+    exported = golden.hf_logits(hf.eval(), ids, mask)
+    assert _max_real_diff(exported, golden.hf_logits(multimodal.eval(), ids, mask), mask) <= PARITY_ATOL
+    assert _max_real_diff(exported, logits_of(model, ids, mask), mask) <= PARITY_ATOL

@@ -11,11 +11,15 @@ Families register through the `grpo_model_families` hook (entry-point group `grp
 selected by `model_type` (or `architectures`) in `model.architecture` or a checkpoint's
 `config.json`. The built-in families and those of the registry a run config is checked against
 are published here, so a config built anywhere in the process resolves them; an unknown name
-is looked up in the installed plugins, then refused.
+is looked up in the installed plugins, then refused. A family may also read checkpoints that hold
+its model as the language model of a larger one (`OuterCheckpoint`: Gemma 3's multimodal
+`gemma3`), unwrapping their config.json.
 """
 
 from __future__ import annotations
 
+import re
+from dataclasses import dataclass
 from typing import Any
 
 import jax.numpy as jnp
@@ -30,6 +34,20 @@ def unsupported(key: str, value: Any, supported: str) -> ValueError:
     return ValueError(f"config.json: {key}={value!r} is not supported; supported: {supported}.")
 
 
+@dataclass(frozen=True)
+class OuterCheckpoint:
+    """A checkpoint holding a family's model as the language model of a larger one (Gemma 3's
+    multimodal Gemma3ForConditionalGeneration), named by config.json's `model_type` (without one, by
+    `architectures`). hf_table: HF name rows of the language model's tensors in it (the first row
+    of a parameter names it in errors); not_loaded: patterns of its other parts' tensors (a vision
+    tower), skipped on load."""
+
+    model_type: str
+    architecture: str
+    hf_table: tuple
+    not_loaded: tuple[re.Pattern, ...] = ()
+
+
 class ModelFamily:
     """One HF `model_type`, as its difference from the shared decoder.
 
@@ -40,6 +58,8 @@ class ModelFamily:
     hf_table:       HF tensor name <-> parameter path rows for load and export; None = the shared
                     `grpo_core.models.hf_names.HF_TABLE` (parameters a config lacks are simply absent).
     sparse_mlp:     the MLP routes tokens to experts (`QwenConfig.num_experts` may be non-zero).
+    outer:          checkpoints holding this family's model inside a larger one (`unwrap_hf` reads
+                    their config.json); the family's export writes its own model only.
     """
 
     name: str = ""
@@ -50,6 +70,7 @@ class ModelFamily:
     activations: tuple[str, ...] = ("silu",)  # accepted `hidden_act` values (grpo_core.models.layers.ACTIVATIONS)
     option_keys: frozenset[str] = frozenset()  # config.json keys kept in `QwenConfig.family_options`
     sparse_mlp: bool = False  # the MLP routes tokens to experts (qwen3_moe)
+    outer: tuple[OuterCheckpoint, ...] = ()
 
     def validate(self, cfg: Any) -> None:
         """Raise ValueError (one line: key, value seen, what is supported) for a config this family cannot run."""
@@ -88,6 +109,10 @@ class ModelFamily:
         return {"attention_bias": cfg.attention_bias, "mlp_bias": False}
 
     # ---- config.json keys of this family only ------------------------------------------
+    def unwrap_hf(self, d: dict[str, Any]) -> dict[str, Any]:
+        """The language model's own config.json inside `d`, the config.json of one of `outer`."""
+        raise NotImplementedError(f"model family {self.name!r} declares outer checkpoints but no unwrap_hf")
+
     def read_hf(self, d: dict[str, Any]) -> None:
         """Rewrite a parsed config.json in place before the shared reader sees it (e.g. move this
         family's own keys into d['family_options'], refuse what it does not implement)."""
@@ -182,3 +207,38 @@ def family_of_hf_dict(d: dict[str, Any]) -> ModelFamily:
             return family
     supported = " | ".join(sorted(f.architecture for f in _PUBLISHED.values()))
     raise unsupported("architectures", names, supported + " (or give model_type)")
+
+
+def outer_checkpoint_of(d: dict[str, Any]) -> tuple[ModelFamily, OuterCheckpoint] | None:
+    """The family and `OuterCheckpoint` config.json `d` names, None when it names none."""
+    found = _outer_named(d)
+    if found is None and d.get("model_type") not in _PUBLISHED:
+        publish_registry(default_registry())
+        found = _outer_named(d)
+    return found
+
+
+def _outer_named(d: dict[str, Any]) -> tuple[ModelFamily, OuterCheckpoint] | None:
+    kind, names = d.get("model_type"), list(d.get("architectures") or [])
+    for family in _PUBLISHED.values():
+        for outer in family.outer:
+            if (kind == outer.model_type) if kind else (outer.architecture in names):
+                return family, outer
+    return None
+
+
+def language_model_hf_dict(d: dict[str, Any]) -> tuple[ModelFamily, dict[str, Any]]:
+    """The family of config.json `d` and its language model's own config.json: an outer checkpoint's,
+    unwrapped by its family; `d` itself for a family's own model. Any other multimodal config (one
+    with a text_config or vision_config) is refused in one line."""
+    found = outer_checkpoint_of(d)
+    if found is not None:
+        return found[0], found[0].unwrap_hf(d)
+    parts = [key for key in ("text_config", "vision_config") if key in d]
+    if parts:
+        outers = " | ".join(sorted(f"{o.model_type} ({o.architecture})" for f in _PUBLISHED.values() for o in f.outer))
+        raise ValueError(f"config.json: model_type={d.get('model_type')!r} (architectures "
+                         f"{list(d.get('architectures') or [])}) is a multimodal checkpoint ({' and '.join(parts)}) "
+                         f"that no installed model family reads; supported: the language model of {outers}, "
+                         f"or a text model's own config.json (model_type {' | '.join(published_names())}).")
+    return family_of_hf_dict(d), d

@@ -17,7 +17,8 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from grpo_core.model_families import ModelFamily, family_named, family_of_hf_dict, publish, published_names, unsupported
+from grpo_core.model_families import (ModelFamily, family_named, language_model_hf_dict, publish, published_names,
+                                     unsupported)
 from grpo_core.models.gemma3_family import GEMMA3
 from grpo_core.models.llama_family import LLAMA
 from grpo_core.models.qwen3_moe_family import QWEN3_MOE
@@ -181,9 +182,10 @@ class QwenConfig:
     # ---- HF config.json ------------------------------------------------------------
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> QwenConfig:
-        """Build from a parsed HF `config.json` (transformers 4.x or 5.x layout)."""
+        """Build from a parsed HF `config.json` (transformers 4.x or 5.x layout); a multimodal
+        checkpoint's that a family reads (`gemma3`) gives its language model's config."""
+        family, d = language_model_hf_dict(dict(d))
         d = dict(d)
-        family = family_of_hf_dict(d)
         d["model_type"] = family.name
         family.read_hf(d)
         _read_rope(d)
@@ -203,15 +205,7 @@ class QwenConfig:
 
     @classmethod
     def from_pretrained_dir(cls, path: str | os.PathLike) -> QwenConfig:
-        config_path = os.path.join(os.fspath(path), "config.json")
-        if not os.path.isfile(config_path):
-            raise FileNotFoundError(f"{config_path} not found: a model directory needs an HF config.json.")
-        try:
-            with open(config_path) as f:
-                d = json.load(f)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{config_path} is not valid JSON ({e}).") from e
-        return cls.from_hf_dict(d)
+        return cls.from_hf_dict(read_config_json(path))
 
     def to_hf_dict(self) -> dict[str, Any]:
         """An HF `config.json` dict that transformers 4.50+ and 5.x both load."""
@@ -260,6 +254,18 @@ class QwenConfig:
             torch_dtype="float32",
         )
         return base.replace(**changes)
+
+
+def read_config_json(path: str | os.PathLike) -> dict[str, Any]:
+    """The parsed config.json of model directory `path`."""
+    config_path = os.path.join(os.fspath(path), "config.json")
+    if not os.path.isfile(config_path):
+        raise FileNotFoundError(f"{config_path} not found: a model directory needs an HF config.json.")
+    try:
+        with open(config_path) as f:
+            return json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{config_path} is not valid JSON ({e}).") from e
 
 
 def _read_rope(d: dict[str, Any]) -> None:

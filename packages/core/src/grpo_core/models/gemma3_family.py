@@ -13,15 +13,20 @@ shared decoder (read from transformers' `modeling_gemma3.py` and Google's Gemma 
 
 Not implemented, refused in one line: logit soft-capping (final or attention; null in the
 released Gemma 3 configs), bidirectional attention, attention biases, other rope scalings.
+
+The multimodal 4B/12B/27B checkpoints (`gemma3`, `Gemma3ForConditionalGeneration`) are read as
+their language model: config.json's `text_config` and the `language_model` tensors; the vision
+tower and projector are not loaded, and export writes a text-only `Gemma3ForCausalLM`.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import jax.numpy as jnp
 
-from grpo_core.model_families import ModelFamily, default_frequencies, rope_type, unsupported
+from grpo_core.model_families import ModelFamily, OuterCheckpoint, default_frequencies, rope_type, unsupported
 from grpo_core.models.hf_names import HF_TABLE, Same
 
 SLIDING, GLOBAL = "sliding_attention", "full_attention"
@@ -38,6 +43,38 @@ GEMMA3_TABLE = (
     ("model.layers.{layer}.post_feedforward_layernorm.weight", "layers.post_feedforward_layernorm.scale", Same()),
 )
 
+# Gemma3TextConfig's defaults (the same from transformers 4.50 to 5.x) where this reader's own differ:
+# a multimodal config.json's text_config omits keys equal to them. Its other defaults (rms_norm_eps,
+# both rope thetas, sliding_window, query_pre_attn_scalar, the 5:1 pattern, the activation, the tied
+# head, no biases) are this reader's already.
+TEXT_CONFIG_DEFAULTS = {"vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+                        "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+                        "max_position_embeddings": 131_072, "bos_token_id": 2, "eos_token_id": 1}
+# The outer config's own token ids win over text_config's, as in transformers' generation config
+# (gemma-3-4b-it: eos [1, 106] outside; transformers 5 writes text_config's default 1 inside).
+_OUTER_TOKEN_IDS = ("bos_token_id", "eos_token_id")
+_DTYPE_KEYS = ("torch_dtype", "dtype")
+
+# The language model's HF name prefixes in a Gemma3ForConditionalGeneration checkpoint, per layout.
+_MULTIMODAL_LAYOUTS = (
+    # transformers 4.50-4.5x files; 5.x save_pretrained converts back to this layout
+    (("model.", "language_model.model."), ("lm_head.", "language_model.lm_head.")),
+    # transformers 5.x module names (save_pretrained(save_original_format=False))
+    (("model.", "model.language_model."), ("lm_head.", "lm_head.")),
+)
+
+
+def _renamed(hf_name: str, prefixes: tuple) -> str:
+    old, new = next((old, new) for old, new in prefixes if hf_name.startswith(old))
+    return new + hf_name.removeprefix(old)
+
+
+GEMMA3_MULTIMODAL = OuterCheckpoint(
+    model_type="gemma3", architecture="Gemma3ForConditionalGeneration",
+    hf_table=tuple((_renamed(hf, layout), ours, t) for layout in _MULTIMODAL_LAYOUTS for hf, ours, t in GEMMA3_TABLE),
+    not_loaded=(re.compile(r"(model\.)?(vision_tower|multi_modal_projector)\."),),
+)
+
 
 class Gemma3Family(ModelFamily):
     name = "gemma3_text"
@@ -47,10 +84,26 @@ class Gemma3Family(ModelFamily):
     activations = ("gelu_pytorch_tanh",)
     option_keys = frozenset({"sliding_window", "layer_types", "sliding_window_pattern", "rope_local_base_freq",
                              "query_pre_attn_scalar"})
+    outer = (GEMMA3_MULTIMODAL,)
 
     def validate(self, cfg: Any) -> None:
         if cfg.attention_bias:
             raise unsupported("attention_bias", cfg.attention_bias, "false for gemma3_text (Gemma 3 has none)")
+
+    def unwrap_hf(self, d: dict[str, Any]) -> dict[str, Any]:
+        text = d.get("text_config")
+        if not isinstance(text, dict):
+            raise unsupported("text_config", text, "the language model's config (a mapping), which a "
+                              "model_type 'gemma3' (Gemma3ForConditionalGeneration) config.json holds")
+        if text.get("model_type", self.name) != self.name:
+            raise unsupported("text_config.model_type", text["model_type"], repr(self.name))
+        tied = text.get("tie_word_embeddings", True)
+        if d.get("tie_word_embeddings", tied) != tied:
+            raise unsupported("tie_word_embeddings", d["tie_word_embeddings"], f"{tied}, as text_config's")
+        outer = {key: d[key] for key in _OUTER_TOKEN_IDS if d.get(key) is not None}
+        if not any(key in text for key in _DTYPE_KEYS):
+            outer.update({key: d[key] for key in _DTYPE_KEYS if key in d})
+        return {**TEXT_CONFIG_DEFAULTS, **text, **outer, "model_type": self.name}
 
     def read_hf(self, d: dict[str, Any]) -> None:
         for key in _REFUSED_IF_SET:

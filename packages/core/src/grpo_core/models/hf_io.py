@@ -5,7 +5,9 @@ Loading never holds more than one tensor on the host: the model is built abstrac
 `hf_names.HF_TABLE`, cast, and placed on its NamedSharding (or the default device).
 A decoder-layer tensor is placed as one slice of its stacked [L, ...] parameter (a MoE
 expert's, of its [L, E, ...] one): the stack is allocated on its sharding once and each
-slice is written into it in place.
+slice is written into it in place. A checkpoint that holds the model as the language model of a
+larger one (a family's `OuterCheckpoint`: Gemma 3's multimodal checkpoints) is read by that kind's
+table; its other parts' tensors are skipped.
 """
 
 from __future__ import annotations
@@ -29,7 +31,9 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 import grpo_core.models.hf_names as hf_names
-from grpo_core.models.config import QwenConfig
+from grpo_core.model_families import outer_checkpoint_of
+from grpo_core.models.config import QwenConfig, read_config_json
+from grpo_core.models.hf_names import CheckpointNames
 from grpo_core.models.qwen import QwenModel, resolve_dtype
 from grpo_core.sharding import DEFAULT_RULES, Rules, param_shardings
 
@@ -123,10 +127,19 @@ def _place(host: np.ndarray, sharding: jax.sharding.Sharding | None) -> jax.Arra
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
+def _checkpoint_names(model_dir: str, cfg: QwenConfig, skip: frozenset) -> CheckpointNames:
+    """The names of an outer checkpoint when its config.json names one, else of `cfg`'s family."""
+    has_config = os.path.isfile(os.path.join(model_dir, "config.json"))
+    found = outer_checkpoint_of(read_config_json(model_dir)) if has_config else None
+    if found is None:
+        return CheckpointNames(cfg.family.hf_table, skip=skip)
+    return CheckpointNames(found[1].hf_table, hf_names.HF_IGNORED + found[1].not_loaded, skip)
+
+
 def _target_path(hf_name: str, cfg: QwenConfig, targets: dict, file: str,
-                 skip: frozenset = frozenset()) -> tuple[str, Any, tuple] | None:
-    found = hf_names.hf_to_ours(hf_name, cfg.family.hf_table)
-    if found is None and (hf_names.is_ignored(hf_name) or hf_name in skip):
+                 names: CheckpointNames) -> tuple[str, Any, tuple] | None:
+    found = hf_names.hf_to_ours(hf_name, names.table)
+    if found is None and names.skipped(hf_name):
         return None
     if found and found[0] in targets and all(i < n for i, n in zip(found[2], targets[found[0]].shape)):
         return found
@@ -200,22 +213,26 @@ def _shardings_by_path(state: nnx.State, mesh, rules: Rules) -> dict[str, jax.sh
 
 
 def _fill_state(state: nnx.State, cfg: QwenConfig, model_dir: str, dtype, shardings: dict,
-                skip: frozenset = frozenset()) -> None:
+                names: CheckpointNames) -> None:
     """Set every Variable of the abstract `state` from the checkpoint, one tensor at a time;
-    tensors named in `skip` are left to the caller."""
+    tensors `names` skips are left to the caller."""
     targets = {_dotted(p): v for p, v in nnx.to_flat_state(state)}
     stacks = _StackedBuffers(shardings)
     loaded: set[tuple[str, tuple]] = set()
-    for file, names in _names_by_file(model_dir):
+    for file, hf_list in _names_by_file(model_dir):
         with open_safetensors(file) as f:
-            for hf_name in names:
-                target = _target_path(hf_name, cfg, targets, file, skip)
+            for hf_name in hf_list:
+                target = _target_path(hf_name, cfg, targets, file, names)
                 if target is None:
                     continue
                 path, transform, index = target
+                if (path, index) in loaded:  # two layouts of one outer checkpoint mixed in its files
+                    where = f"{path} (slice {index})" if index else path
+                    raise ValueError(f"tensor {hf_name!r} in {file} is a second copy of parameter {where}; "
+                                     f"is the checkpoint in {model_dir} written by one tool?")
                 _load_into(f, hf_name, file, (targets[path], path, index), transform, dtype, shardings, stacks)
                 loaded.add((path, index))
-    _check_complete(targets, loaded, cfg, model_dir)
+    _check_complete(targets, loaded, names.table, model_dir)
     for path, array in stacks.finished().items():
         targets[path].set_value(array)
 
@@ -248,13 +265,15 @@ def load_pretrained(
     (default `grpo_core.sharding.DEFAULT_RULES`), one tensor at a time, and the model's
     activation sharding is set from the same rules. `config` replaces the directory's
     config.json (a reward model's decoder without an LM head); HF tensors named in `skip`
-    are not loaded (its score head, read apart).
+    are not loaded (its score head, read apart). A multimodal checkpoint a family reads (Gemma 3's
+    `gemma3`) loads as its language model; its vision tower and projector are not loaded.
     """
     model_dir = resolve_model_dir(path_or_hub_id)
     cfg = QwenConfig.from_pretrained_dir(model_dir) if config is None else config
     rules = rules or DEFAULT_RULES
     graphdef, state = nnx.split(abstract_model(cfg, resolve_dtype(dtype), remat, scan_layers))
-    _fill_state(state, cfg, model_dir, resolve_dtype(dtype), _shardings_by_path(state, mesh, rules), frozenset(skip))
+    names = _checkpoint_names(model_dir, cfg, frozenset(skip))
+    _fill_state(state, cfg, model_dir, resolve_dtype(dtype), _shardings_by_path(state, mesh, rules), names)
     model = nnx.merge(graphdef, state)
     if mesh is not None:
         model.set_activation_sharding(mesh, rules)
@@ -266,8 +285,7 @@ def _slices(path: str, shape: tuple, table: tuple | None) -> list[tuple[int, ...
     return list(itertools.product(*(range(n) for n in shape[:hf_names.index_depth(path, table)])))
 
 
-def _check_complete(targets: dict, loaded: set, cfg: QwenConfig, model_dir: str) -> None:
-    table = cfg.family.hf_table
+def _check_complete(targets: dict, loaded: set, table: tuple | None, model_dir: str) -> None:
     expected = {(p, index) for p, v in targets.items() for index in _slices(p, v.shape, table)}
     missing = sorted(expected - loaded, key=lambda pi: (pi[1], pi[0]))
     if missing:

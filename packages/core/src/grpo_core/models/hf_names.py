@@ -136,5 +136,15 @@ def ours_to_hf(path: str, index: tuple[int, ...] = (), table: tuple | None = Non
     raise KeyError(f"parameter {path!r} (index {index}) has no Hugging Face name in the table.")
 
 
-def is_ignored(hf_name: str) -> bool:
-    return any(p.match(hf_name) for p in HF_IGNORED)
+@dataclass(frozen=True)
+class CheckpointNames:
+    """How one checkpoint's tensors are named: the HF table of the model's tensors (None = HF_TABLE),
+    patterns of tensors not loaded (recomputed ones; an outer checkpoint's other parts) and names
+    the caller reads apart."""
+
+    table: tuple | None = None
+    not_loaded: tuple[re.Pattern, ...] = HF_IGNORED
+    skip: frozenset[str] = frozenset()
+
+    def skipped(self, hf_name: str) -> bool:
+        return hf_name in self.skip or any(p.match(hf_name) for p in self.not_loaded)
