@@ -23,9 +23,9 @@ MISMATCH = ["train-other/mismatch_kl", "train-other/mismatch_ratio_mean", "train
 REFILL = ["train-other/refill_extra_rollouts", "train-other/refill_prompts_consumed",
           "train-other/refill_groups_dropped", "train-other/refill_groups_missing"]
 OPTION_RUNS = {
-    # int8 rollouts: the gap between the int8 sampler and the bf16 trainer is what TIS corrects
+    # int8 rollouts (weights and KV cache): the gap between the int8 sampler and the bf16 trainer is what TIS corrects
     "tis_token_two_epochs_int8": (["loss.mismatch_correction=truncate", "train.ppo_epochs=2", "model.dtype=bfloat16",
-                                   "rollout.quantize=int8"], MISMATCH),
+                                   "rollout.quantize=int8", "rollout.kv_cache_dtype=int8"], MISMATCH),
     "mis_sequence": (["loss.mismatch_correction=mask", "loss.mismatch_level=sequence", "loss.mismatch_c_min=0.5"],
                      MISMATCH),
     "overlong": (["loss.mask_truncated_completions=true", "task.rewards={correctness: 1.0, overlong: 0.5}",
@@ -79,8 +79,9 @@ def assert_trained_with_metrics(records: list[dict], keys: list[str]) -> None:
 def test_option_trains_and_logs_its_metrics(train, name, capsys):
     overrides, keys = OPTION_RUNS[name]
     records = train(*overrides)
-    quantized = "rollout: quantize=int8: sampling from int8 projection weights" in capsys.readouterr().out
-    assert quantized == ("rollout.quantize=int8" in overrides)
+    out = capsys.readouterr().out
+    assert ("rollout: quantize=int8: sampling from int8 projection weights" in out) == ("rollout.quantize=int8" in overrides)
+    assert ("rollout: kv_cache_dtype=int8: " in out) == ("rollout.kv_cache_dtype=int8" in overrides)
     assert_trained_with_metrics(records, keys)
 
 
