@@ -23,10 +23,10 @@ MISMATCH = ["train-other/mismatch_kl", "train-other/mismatch_ratio_mean", "train
 REFILL = ["train-other/refill_extra_rollouts", "train-other/refill_prompts_consumed",
           "train-other/refill_groups_dropped", "train-other/refill_groups_missing"]
 OPTION_RUNS = {
-    # fp8 rollouts: the gap between the fp8 sampler and the bf16 trainer is what TIS corrects (int8 takes
-    # the same path through the run: only the quantizer differs, tests/rollout/test_quantize.py)
-    "tis_token_two_epochs_fp8": (["loss.mismatch_correction=truncate", "train.ppo_epochs=2", "model.dtype=bfloat16",
-                                  "rollout.quantize=fp8"], MISMATCH),
+    # 8-bit rollouts (fp8 weights, int8 KV cache): the gap between the 8-bit sampler and the bf16 trainer is
+    # what TIS corrects (int8 weights take the same path through the run: tests/rollout/test_quantize.py)
+    "tis_token_two_epochs_8bit": (["loss.mismatch_correction=truncate", "train.ppo_epochs=2", "model.dtype=bfloat16",
+                                   "rollout.quantize=fp8", "rollout.kv_cache_dtype=int8"], MISMATCH),
     "mis_sequence": (["loss.mismatch_correction=mask", "loss.mismatch_level=sequence", "loss.mismatch_c_min=0.5"],
                      MISMATCH),
     "overlong": (["loss.mask_truncated_completions=true", "task.rewards={correctness: 1.0, overlong: 0.5}",
@@ -80,8 +80,11 @@ def assert_trained_with_metrics(records: list[dict], keys: list[str]) -> None:
 def test_option_trains_and_logs_its_metrics(train, name, capsys):
     overrides, keys = OPTION_RUNS[name]
     records = train(*overrides)
-    quantized = "rollout: quantize=fp8: sampling from fp8 projection weights" in capsys.readouterr().out
-    assert quantized == ("rollout.quantize=fp8" in overrides)
+    out = capsys.readouterr().out
+    for mode in ("int8", "fp8"):
+        assert (f"rollout: quantize={mode}: sampling from {mode} projection weights" in out) == (
+            f"rollout.quantize={mode}" in overrides)
+    assert ("rollout: kv_cache_dtype=int8: " in out) == ("rollout.kv_cache_dtype=int8" in overrides)
     assert_trained_with_metrics(records, keys)
 
 

@@ -12,9 +12,11 @@ from grpo_core.errors import ConfigError
 from grpo_core.models import QwenConfig, init_from_config
 from grpo_core.sharding import DEFAULT_RULES, shard_model
 from grpo_rollout import JaxRollout, JaxRolloutOptions, SamplingParams
+from grpo_rollout.decode import prefill, prefill_shared
 from grpo_rollout.gather import candidate_layouts
 from grpo_core.models import lora
 from grpo_rollout.quantize import FP8, FP8_MAX, QuantizedKernel, is_quantized, quantize_kernel, quantize_weights
+from grpo_core.models.kv_quant import Int8KV
 
 PROMPTS = [[5, 17, 33, 2, 91], [64, 3], [7, 7, 120, 45, 12, 99, 1, 30, 4, 4, 9]]
 
@@ -134,3 +136,126 @@ def test_int8_on_fsdp_sharded_weights_samples_as_unsharded_in_both_layouts(mesh,
         results.append(rollout.generate(PROMPTS + [[88, 1]], jax.random.key(7), params, batch_sharding=batch_sharding))
     np.testing.assert_array_equal(results[1].completion_ids, results[0].completion_ids)
     np.testing.assert_allclose(results[1].sampler_logps, results[0].sampler_logps, atol=1e-5)
+
+
+# ---- rollout.kv_cache_dtype: int8 (grpo_core.models.kv_quant) --------------------------------------------------
+def int8_cache_logps(graphdef, weights, batch):
+    """`forward_logps` with every attention reading int8-rounded keys and values: the prompt and completion
+    run in one pass through an int8 cache (each token's keys and values quantized alone, as the decode does)."""
+    model = nnx.merge(graphdef, weights)
+    ids, mask = batch.input_ids, batch.attention_mask
+    hidden, _ = model(ids, attention_mask=mask, cache=model.init_cache(*ids.shape, "int8"))
+    logp = jax.nn.log_softmax(model.logits(hidden)[:, :-1], -1)
+    return np.pad(np.asarray(jnp.take_along_axis(logp, ids[:, 1:, None], axis=-1)[..., 0]), ((0, 0), (1, 0)))
+
+
+def int8_cache_rollout(model, **options) -> JaxRollout:
+    rollout = JaxRollout(JaxRolloutOptions(prompt_buckets=(8, 16), **options))
+    rollout.kv_cache_with("int8")
+    rollout.load_weights(Policy.of(model))
+    return rollout
+
+
+def test_int8_cache_sampler_logps_are_the_int8_cache_model_s_and_near_full_precision(model):
+    rollout = int8_cache_rollout(model)
+    batch = rollout.trim(rollout.generate(PROMPTS, jax.random.key(0), SamplingParams(max_new_tokens=12, n=2),
+                                          pad_token_id=0))
+    graphdef, weights = nnx.split(model)
+    mask = np.asarray(batch.completion_mask, bool)
+    sampled = np.asarray(batch.sampler_logps)[mask]
+    same = np.abs(sampled - int8_cache_logps(graphdef, weights, batch)[mask])
+    gap = np.abs(sampled - forward_logps(graphdef, weights, batch)[mask])
+    print(f"int8 cache vs its forward: max {same.max():.2e}; vs full precision ({mask.sum()} tokens): "
+          f"mean {gap.mean():.2e}, max {gap.max():.2e}")
+    np.testing.assert_allclose(same, 0.0, atol=1e-5)
+    # A cached element moves by at most half a step, 1/254 of its head's largest: ~1e-4 nats here (f32). Above
+    # 1e-5 proves the decode read int8 keys and values; 1e-2 leaves room for a larger spread of logits.
+    assert 1e-5 < gap.mean() and gap.max() < 1e-2
+
+
+def test_int8_cache_holds_int8_values_and_a_scale_per_row_position_and_kv_head(model):
+    """After the prefill (plain, and the shared prompt's two parts), within half a step of the f32 cache."""
+    cfg, graphdef, weights = model.config, *nnx.split(model)
+    ids, mask = np.asarray([[0, 5, 17, 33], [9, 64, 3, 8]], np.int32), np.asarray([[0, 1, 1, 1], [1, 1, 1, 1]], np.int32)
+    sampling = SamplingParams(max_new_tokens=3, n=2)
+    full = JaxRollout(JaxRolloutOptions()).static_args(graphdef, weights, sampling, 0, None)
+    static = int8_cache_rollout(model).static_args(graphdef, weights, sampling, 0, None)
+    reference, _ = prefill(weights, ids, mask, jax.random.key(0), **full)
+    cache, _ = prefill(weights, ids, mask, jax.random.key(0), **static)
+    shared, _ = prefill_shared(weights, ids, mask, jax.random.key(0), **static)
+    layers, kv_heads, dim = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
+    for part, rows, slots in ((cache, 2, 4 + 2), (shared.prompt, 2, 4), (shared.completion, 4, 2)):
+        for stored in (part.k, part.v):
+            assert isinstance(stored, Int8KV) and stored.values.dtype == jnp.int8
+            assert stored.values.shape == (layers, rows, slots, kv_heads, dim)
+            assert stored.scale.dtype == jnp.float32 and stored.scale.shape == (layers, rows, slots, kv_heads, 1)
+    for stored, exact in ((cache.k, reference.k), (cache.v, reference.v)):
+        written = np.asarray(stored.values[:, :, :4])  # the prompt's slots: each real token's head reaches +-127
+        np.testing.assert_array_equal(np.abs(written).max(axis=-1)[:, np.asarray(mask, bool)], 127)
+        # Layer 0's keys and values come from the same inputs in both caches (later layers read int8 ones).
+        error = np.abs(np.asarray(stored[0, :, :4]) - np.asarray(exact[0, :, :4]))
+        assert (error <= np.asarray(stored.scale[0, :, :4]) / 2 * (1 + 1e-5) + 1e-7).all()
+
+
+def test_int8_cache_greedy_tokens_agree_with_and_without_the_shared_prompt_and_on_the_model_s_decode():
+    model = init_from_config(QwenConfig.tiny("qwen3"), seed=3)
+    params = SamplingParams(max_new_tokens=10, n=2, greedy=True)
+    results = [int8_cache_rollout(model, **options).generate(PROMPTS, jax.random.key(0), params, pad_token_id=0)
+               for options in ({"shared_prompt": True}, {"shared_prompt": False}, {"decode_attention": "model"})]
+    for other in results[1:]:
+        np.testing.assert_array_equal(other.completion_ids, results[0].completion_ids)
+        np.testing.assert_allclose(other.sampler_logps, results[0].sampler_logps, atol=1e-5)
+
+
+@pytest.mark.parametrize("gather", [True, False])
+def test_int8_cache_on_fsdp_sharded_weights_samples_as_unsharded_in_both_layouts(mesh, gather):
+    cfg = QwenConfig.tiny("qwen2", tie_word_embeddings=False)
+    plain = init_from_config(cfg, seed=1)
+    sharded = shard_model(nnx.clone(init_from_config(cfg, seed=1)), mesh, DEFAULT_RULES)
+    params = SamplingParams(max_new_tokens=8, n=2, temperature=0.9)
+    results = [int8_cache_rollout(plain).generate(PROMPTS + [[88, 1]], jax.random.key(7), params)]
+    rollout = int8_cache_rollout(sharded, gather_weights=gather)
+    results.append(rollout.generate(PROMPTS + [[88, 1]], jax.random.key(7), params,
+                                    batch_sharding=NamedSharding(mesh, PartitionSpec(("dp", "fsdp", "tp")))))
+    np.testing.assert_array_equal(results[1].completion_ids, results[0].completion_ids)
+    np.testing.assert_allclose(results[1].sampler_logps, results[0].sampler_logps, atol=1e-5)
+
+
+def test_int8_cache_refuses_the_split_layouts_kept_caches_and_a_second_cache_dtype(model):
+    for layout in ("model_parallel", "head_parallel"):
+        with pytest.raises(ValueError, match=f"^rollout.kv_cache_dtype=int8 serves the gathered and sharded decode "
+                                             f"layouts, not gather_weights={layout} "):
+            JaxRollout(JaxRolloutOptions(gather_weights=layout)).kv_cache_with("int8")
+    with pytest.raises(ValueError, match="^rollout.kv_cache_dtype=int8 with rollout.options.cache_dtype=float32: "):
+        JaxRollout(JaxRolloutOptions(cache_dtype="float32")).kv_cache_with("int8")
+    with pytest.raises(ValueError, match="^rollout.kv_cache_dtype='fp8' is not supported"):
+        JaxRollout().kv_cache_with("fp8")
+    rollout = int8_cache_rollout(model)
+    assert rollout._auto_decoders.split_layouts is False
+    with pytest.raises(ValueError, match="^rollout.kv_cache_dtype=int8: generate_round's kept caches"):
+        rollout.generate_round([[5, 17, 33]], [False], jax.random.key(0), SamplingParams(max_new_tokens=2, n=1))
+
+
+@pytest.mark.parametrize("overrides,refusal", [
+    (["rollout.options.gather_weights=model_parallel"],
+     "rollout.kv_cache_dtype=int8 serves the gathered and sharded decode layouts, not gather_weights=model_parallel"),
+    (["rollout.options.gather_weights=head_parallel"],
+     "rollout.kv_cache_dtype=int8 serves the gathered and sharded decode layouts, not gather_weights=head_parallel"),
+    (["rollout.partial.enabled=true", "loss.mismatch_correction=truncate"],
+     "rollout.partial.enabled=true with rollout.kv_cache_dtype=int8: partial rollouts decode their rounds on kept"),
+    (["rollout.multi_turn.enabled=true", "rollout.multi_turn.tools=[calculator]"],
+     "rollout.multi_turn.kv_cache=auto with rollout.kv_cache_dtype=int8: kept caches"),
+])
+def test_config_load_refuses_int8_cache_layouts_in_one_line(tiny_config, overrides, refusal):
+    with pytest.raises(ConfigError) as refused:
+        tiny_config("rollout.kv_cache_dtype=int8", *overrides)
+    assert str(refused.value).startswith(refusal) and "\n" not in str(refused.value)
+    assert "; set rollout." in str(refused.value)
+
+
+def test_config_load_takes_int8_cache_in_the_decode_layouts_it_serves(tiny_config):
+    for options in ([], ["rollout.options.gather_weights=true"], ["rollout.options.shared_prompt=false"],
+                    ["rollout.options.decode_attention=model"], ["rollout.quantize=int8"],
+                    ["rollout.multi_turn.enabled=true", "rollout.multi_turn.tools=[calculator]",
+                     "rollout.multi_turn.kv_cache=reprefill"]):
+        assert tiny_config("rollout.kv_cache_dtype=int8", *options).rollout.kv_cache_dtype == "int8"

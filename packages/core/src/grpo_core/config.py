@@ -54,10 +54,9 @@ class ModelConfig:
 
     path: Optional[str] = setting(
         None, "HF model directory or Hub id; null builds a random-init model from `architecture`.")
-    architecture: dict = setting(
-        {"model_type": "qwen2", "hidden_size": 64, "intermediate_size": 192,
-         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-         "max_position_embeddings": 256, "tie_word_embeddings": True},
+    architecture: dict = setting({"model_type": "qwen2", "hidden_size": 64, "intermediate_size": 192,
+                                  "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                                  "max_position_embeddings": 256, "tie_word_embeddings": True},
         "HF config.json fields of the random-init model, used only when `path` is null "
         "(vocab_size defaults to the tokenizer's size).")
     tokenizer: Optional[str] = setting(
@@ -76,9 +75,8 @@ class ModelConfig:
         "auto", "Multi-token attention (training and the prompt pass): xla holds [B, heads, T, T] "
         "scores; chunked (any backend), splash (TPU Pallas kernel) and cudnn (GPU, 16-bit dtypes) "
         "never do; auto = splash on TPU, cudnn on GPU in bfloat16, chunked otherwise.")
-    scan_layers: bool = setting(
-        True, "Run the decoder layers as one scan (compile time independent of depth); "
-        "false loops over them in Python, for debugging.")
+    scan_layers: bool = setting(True, "Run the decoder layers as one scan (compile time independent of depth); "
+                                "false loops over them in Python, for debugging.")
     seed: int = setting(0, "Seed of the random initialisation and of the LoRA adapters' A (a JAX key: "
                         "fits 32 bits).", ge=0, le=JAX_SEED_MAX)
     lora: LoRAConfig = field(default_factory=LoRAConfig, metadata={"doc": "LoRA adapters (see LoRAConfig)."})
@@ -177,6 +175,8 @@ class RolloutConfig:
         False, "Use the sampler's log-probs as old log-probs instead of one extra forward pass.")
     quantize: Literal["none", "int8", "fp8"] = setting(
         "none", "Sample from int8 or fp8 (e4m3) per-channel projection weights (the trainer stays in full precision).")
+    kv_cache_dtype: Literal["auto", "int8"] = setting("auto", "Rollout KV cache: auto = options.cache_dtype or "
+        "model.dtype; int8 = int8 with a float32 scale per token and KV head, read in model.dtype (trainer untouched).")
     partial: PartialConfig = field(default_factory=PartialConfig,
                                    metadata={"doc": "Partial rollouts carried across steps (see PartialConfig)."})
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig,

@@ -216,8 +216,8 @@ def validate_plugins(cfg: RunConfig, registry: Any) -> None:
             _check_entropy_provided(cfg, spec)
         if kind == "advantage":
             _check_estimator(cfg, spec, checked)
-        if kind == "rollout" and cfg.rollout.quantize != "none":
-            _check_quantize(cfg.rollout.quantize, spec, checked)
+        if kind == "rollout":
+            _check_decode_settings(cfg.rollout, spec, checked)
     check_tools(cfg, registry, plugin_options)
 
 
@@ -228,16 +228,26 @@ def _check_entropy_provided(cfg: RunConfig, spec: Any) -> None:
                           "(or jax, pallas) or set loss.top_entropy_quantile=1.0")
 
 
-def _check_quantize(mode: str, spec: Any, options: Any) -> None:
-    """The backend samples from `mode`-quantized weights in its configured layout (`quantize_with`)."""
-    backend = spec.factory(options)
-    if not hasattr(backend, "quantize_with"):
-        raise ConfigError(f"rollout.quantize = {mode}: rollout.backend = {spec.name!r} cannot quantize its weights; "
-                          "set rollout.quantize=none or rollout.backend=jax")
-    try:
-        backend.quantize_with(mode)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
+# rollout key -> (its default, the backend method that serves another value, what that method does)
+DECODE_SETTINGS = {"quantize": ("none", "quantize_with", "quantize its weights"),
+                   "kv_cache_dtype": ("auto", "kv_cache_with", "store an int8 KV cache")}
+
+
+def _check_decode_settings(rollout: Any, spec: Any, options: Any) -> None:
+    """The backend samples with rollout.quantize and rollout.kv_cache_dtype in its configured layout
+    (`quantize_with`, `kv_cache_with`), or the config is refused in one line."""
+    for key, (default, method, what) in DECODE_SETTINGS.items():
+        value = getattr(rollout, key)
+        if value == default:
+            continue
+        backend = spec.factory(options)
+        if not hasattr(backend, method):
+            raise ConfigError(f"rollout.{key} = {value}: rollout.backend = {spec.name!r} cannot {what}; "
+                              f"set rollout.{key}={default} or rollout.backend=jax")
+        try:
+            getattr(backend, method)(value)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
 
 
 def _name_key(kind: str) -> str:

@@ -22,7 +22,7 @@ from grpo_rollout.kept_shared import SharedRounds, SlotGroups
 from grpo_rollout.gather import SPLIT_LAYOUTS, AutoDecoders, layout_static
 from grpo_rollout.results import abstract_outputs, finish
 from grpo_rollout.segments import run_segments, segment_count
-from grpo_rollout.quantize import QUANTIZE_MODES, quantize_weights
+from grpo_rollout.quantize import KV_CACHE_DTYPES, QUANTIZE_MODES, kv_int8_refusal, quantize_weights
 from grpo_rollout.prompts import DEFAULT_PROMPT_BUCKETS, bucket_length, fit_to_bucket, left_pad, repeat_samples
 from grpo_core.rollout_records import DEFAULT_TRIM_BUCKET, RolloutResult, TrainBatch, trim_batch, trimmed_widths
 from grpo_core.contracts import PhaseCompiler, Policy, RolloutShapes, RolloutWidths, SamplingParams
@@ -134,6 +134,7 @@ class JaxRollout:
         self._kept: Any = None  # the KV cache of `generate_round`'s slots, kept between rounds
         self._shared = SharedRounds()  # their groups' prompt table (grpo_rollout.kept_shared)
         self.quantize = "none"  # rollout.quantize (grpo_rollout.quantize); see `quantize_with`
+        self.kv_cache_dtype = "auto"  # rollout.kv_cache_dtype; see `kv_cache_with`
 
     def project_decodes_with(self, projector: Any) -> None:
         """`projector(compiled decode, steps)` -> projected seconds: `gather_weights: auto` then
@@ -151,7 +152,21 @@ class JaxRollout:
                              f"gather_weights={self.options.gather_weights}; set rollout.options.gather_weights "
                              "to auto, true or false, or rollout.quantize=none.")
         self.quantize = mode
-        self._auto_decoders.split_layouts = mode == "none"
+        self._auto_decoders.split_layouts = mode == "none" and self.kv_cache_dtype == "auto"
+
+    def kv_cache_with(self, dtype: str) -> None:
+        """Store the decode's KV cache as `dtype`: auto, the options' cache_dtype; int8, int8 values with
+        one f32 scale per token and KV head (grpo_core.models.kv_quant), read back in the model's dtype.
+        int8 serves `generate` in the gathered and sharded layouts (`auto` then compares those); the
+        rest is refused (`kv_int8_refusal`, and `generate_round`)."""
+        if dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"rollout.kv_cache_dtype={dtype!r} is not supported; use one of "
+                             f"{', '.join(KV_CACHE_DTYPES)}.")
+        refusal = kv_int8_refusal(self.options) if dtype == "int8" else None
+        if refusal:
+            raise ValueError(refusal)
+        self.kv_cache_dtype = dtype
+        self._auto_decoders.split_layouts = self.quantize == "none" and dtype == "auto"
 
     def load_weights(self, policy: Policy) -> None:
         """Sample from the policy's weights until the next call (no copy: the arrays are shared;
@@ -233,11 +248,7 @@ class JaxRollout:
         keeps its cache. key: one key, or one per slot. The slots' cache is kept for the next round. groups:
         the slots' groups, whose prompts are then kept once each (grpo_rollout.kept_shared) where
         `shares_round_prompts`; an empty slot (group None) samples nothing."""
-        if self._weights is None:
-            raise RuntimeError("JaxRollout.generate_round without weights: call load_weights(policy) first.")
-        if any(cached) and (self._kept is None or self._kept.mask.shape[0] != len(prefixes)):
-            raise ValueError(f"generate_round: {sum(cached)} slots continue from a kept cache, but none is kept "
-                             f"for {len(prefixes)} slots; mark them uncached (their prefixes are then admitted).")
+        self._check_round(len(prefixes), sum(cached))
         check_batch_divisible(len(prefixes), 1, batch_sharding)
         static = self.static_args(self._graphdef, self._weights, dataclasses.replace(sampling, n=1), pad_token_id,
                                   batch_sharding)
@@ -259,6 +270,18 @@ class JaxRollout:
         cache, state = self.decoder(self._weights, cache, state, key, static)(self._weights, cache, state, key)
         self._kept, self._shared.table = (cache.completion, cache.prompt) if shared else (cache, None)
         return finish(last, np.ones_like(last), state, static["params"])
+
+    def _check_round(self, slots: int, cached: int) -> None:
+        """`generate_round` refuses to run without weights, on a kept cache that is not there, or on int8."""
+        if self._weights is None:
+            raise RuntimeError("JaxRollout.generate_round without weights: call load_weights(policy) first.")
+        if self.kv_cache_dtype == "int8":
+            raise ValueError("rollout.kv_cache_dtype=int8: generate_round's kept caches (partial rollouts, kept "
+                             "multi-turn caches, eval --stream) are compacted and refilled as plain arrays, not "
+                             "int8 with scales; set rollout.kv_cache_dtype=auto or decode with generate.")
+        if cached and (self._kept is None or self._kept.mask.shape[0] != slots):
+            raise ValueError(f"generate_round: {cached} slots continue from a kept cache, but none is kept "
+                             f"for {slots} slots; mark them uncached (their prefixes are then admitted).")
 
     def _round_cache(self, prefixes, cached, counts, budget: int, pad_token_id: int, batch_sharding, static) -> Any:
         """The slots' cache compacted and with the admitted and appended tokens written, room for
@@ -324,10 +347,15 @@ class JaxRollout:
         """The static (compile-time) arguments shared by `prefill` and `decode`; the model
         structure carries the rollout's activation sharding (set here, outside jit)."""
         return dict(graphdef=rollout_graphdef(graphdef, weights, batch_sharding), params=sampling, pad_id=int(pad_token_id),
-                    cache_dtype=self.options.cache_dtype, batch_sharding=batch_sharding,
+                    cache_dtype=self.cache_dtype, batch_sharding=batch_sharding,
                     block=self.options.cdf_block or None, top_p_candidates=self.options.top_p_candidates,
                     attention=self.options.decode_attention, gather_weights=self.options.gather_weights is True,
                     model_parallel=SPLIT_LAYOUTS.get(self.options.gather_weights, False))
+
+    @property
+    def cache_dtype(self) -> str | None:
+        """The decode's cache dtype (`QwenModel.init_cache`): int8, or the options' (None: the model's)."""
+        return "int8" if self.kv_cache_dtype == "int8" else self.options.cache_dtype
 
     def trim(self, result: RolloutResult) -> TrainBatch:
         return trim_batch(result, self.options.trim_bucket)

@@ -166,8 +166,9 @@ def constrain_cache(cache, batch_sharding):
         prompt = constrain_cache(cache.prompt, group_sharding(batch_sharding, groups) if groups else
                                  batch_sharding and NamedSharding(batch_sharding.mesh, PartitionSpec()))
         return cache.replace(prompt=prompt, completion=constrain_cache(cache.completion, batch_sharding))
-    return cache.replace(k=constrain(cache.k, batch_sharding, 1), v=constrain(cache.v, batch_sharding, 1),
-                         mask=constrain(cache.mask, batch_sharding, 0))
+    # An int8 cache's keys and values are (int8 values, scales): each split like the batch.
+    keys, values = (jax.tree.map(lambda a: constrain(a, batch_sharding, 1), kv) for kv in (cache.k, cache.v))
+    return cache.replace(k=keys, v=values, mask=constrain(cache.mask, batch_sharding, 0))
 
 
 def rollout_graphdef(graphdef, weights, batch_sharding):

@@ -2,7 +2,8 @@
 
 The cache is a fixed-shape pytree so a jitted decode loop can carry (and donate) it:
 
-    k, v   [L, B, S_max, kv_heads, head_dim]  keys/values of every layer
+    k, v   [L, B, S_max, kv_heads, head_dim]  keys/values of every layer (or an Int8KV of them:
+                                              int8 with a scale per token and head, kv_quant.py)
     mask   [B, S_max] bool                    slot holds a real (non-pad) token
     index  [] int32                           next slot to write, shared by all rows
 
@@ -20,6 +21,7 @@ from flax import nnx, struct
 
 from grpo_core.models.attention_impls import CHUNK, CausalMask, memory_efficient_attention
 from grpo_core.models.config import QwenConfig
+from grpo_core.models.kv_quant import Int8KV, write_slots
 from grpo_core.models.layers import Projection, RMSNorm, apply_rope
 
 # Finite "minus infinity": a row with no visible key (a left-pad query) then gets a
@@ -29,17 +31,19 @@ _MASKED = float(jnp.finfo(jnp.float32).min)
 
 @struct.dataclass
 class KVCache:
-    k: jax.Array  # [L, B, S_max, KV, D]
-    v: jax.Array  # [L, B, S_max, KV, D]
+    k: jax.Array | Int8KV  # [L, B, S_max, KV, D]
+    v: jax.Array | Int8KV  # [L, B, S_max, KV, D]
     mask: jax.Array  # [B, S_max] bool
     index: jax.Array  # [] int32
 
     @classmethod
-    def zeros(cls, cfg: QwenConfig, batch: int, max_len: int, dtype: Any) -> KVCache:
+    def zeros(cls, cfg: QwenConfig, batch: int, max_len: int, dtype: Any, int8: bool = False) -> KVCache:
+        """int8: keys and values stored as Int8KV, read back in `dtype`."""
         shape = (cfg.num_hidden_layers, batch, max_len, cfg.num_key_value_heads, cfg.head_dim)
+        store = Int8KV.zeros if int8 else jnp.zeros
         return cls(
-            k=jnp.zeros(shape, dtype),
-            v=jnp.zeros(shape, dtype),
+            k=store(shape, dtype),
+            v=store(shape, dtype),
             mask=jnp.zeros((batch, max_len), jnp.bool_),
             index=jnp.zeros((), jnp.int32),
         )
@@ -70,11 +74,10 @@ class KVCache:
         return self.mask[:, None, :] & causal[None]
 
     def write_layer(self, layer: int, k: jax.Array, v: jax.Array) -> KVCache:
-        """Store one layer's new keys/values [B, T, KV, D] at slots [index, index+T)."""
+        """Store one layer's new keys/values [B, T, KV, D] at slots [index, index+T) (quantized
+        there in an int8 cache)."""
         start = (layer, 0, self.index, 0, 0)
-        new_k = jax.lax.dynamic_update_slice(self.k, k[None].astype(self.k.dtype), start)
-        new_v = jax.lax.dynamic_update_slice(self.v, v[None].astype(self.v.dtype), start)
-        return self.replace(k=new_k, v=new_v)
+        return self.replace(k=write_slots(self.k, k[None], start), v=write_slots(self.v, v[None], start))
 
     def advance(self, num_tokens: int) -> KVCache:
         return self.replace(index=self.index + num_tokens)

@@ -146,6 +146,10 @@ def build_plugins(loss: LossConfig, rollout: RolloutConfig, registry: Registry, 
         backend.quantize_with(rollout.quantize)
         print(f"rollout: quantize={rollout.quantize}: sampling from {rollout.quantize} projection weights made "
               "once per step; the trainer scores in full precision", flush=True)
+    if rollout.kv_cache_dtype != "auto":  # checked when the config loaded, as quantize
+        backend.kv_cache_with(rollout.kv_cache_dtype)
+        print(f"rollout: kv_cache_dtype={rollout.kv_cache_dtype}: the decode's keys and values cached as "
+              f"{rollout.kv_cache_dtype} with a scale per token and KV head", flush=True)
     return Plugins(loss_impl, backend)
 
 
