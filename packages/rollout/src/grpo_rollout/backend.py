@@ -388,8 +388,7 @@ class JaxRollout:
             compile_decode(compiler, (weights, cache, state, key), static, self.options.gather_weights,
                            self.decode_segments(shapes.sampling))
 
-    def abstract_weights(self, policy: Policy) -> Any:
-        """The shapes of the weights `load_weights(policy)` would decode from (quantized as they would be)."""
+    def abstract_weights(self, policy: Policy) -> Any:  # the shapes `load_weights(policy)` would decode from
         return jax.eval_shape(lambda w: quantize_weights(policy.graphdef, w, self.quantize), policy.weights)
 
     def kept_cache(self, shapes: RolloutShapes) -> Any:

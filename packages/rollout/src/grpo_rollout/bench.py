@@ -96,7 +96,8 @@ def add_comparison_args(group) -> None:
                        help="time the decode as one loop and as K segments (rollout.options.decode_segments), "
                             "shared prompts when --n > 1, in one run")
     group.add_argument("--compare-quantize", action="store_true",
-                       help="time the decode on full-precision and on int8 weights (rollout.quantize)")
+                       help="time the decode on full-precision, int8 and fp8 weights (rollout.quantize) and on "
+                            "an int8 KV cache (rollout.kv_cache_dtype)")
     group.add_argument("--threads", type=int, default=0, help="torch threads for --engine hf (0: all cores)")
 
 
@@ -116,14 +117,23 @@ def split_weights(model, quantize: str) -> tuple:
     return graphdef, quantize_weights(graphdef, weights, quantize)
 
 
+def bench_rollout(args: argparse.Namespace, shared: bool | None, kv_cache: str):
+    """The `jax` backend as the benchmark decodes: the args' attention, shared prompts or not, `kv_cache`."""
+    from grpo_rollout.backend import JaxRollout, JaxRolloutOptions
+
+    rollout = JaxRollout(JaxRolloutOptions(decode_attention=args.decode_attention, shared_prompt=bool(shared)))
+    rollout.kv_cache_with(kv_cache)
+    return rollout
+
+
 def bench_jax(args: argparse.Namespace, shared: bool | None = None, segments: int = 1,
-              quantize: str = "none") -> dict[str, Any]:
+              quantize: str = "none", kv_cache: str = "auto") -> dict[str, Any]:
     """shared None: `batch` distinct prompts; else batch / n prompts of n samples each, repeated n times
     (False) or prefilled once per group (True, grpo_rollout.cascade). segments: the decode as that many
-    loops (grpo_rollout.segments); quantize: of the weights (grpo_rollout.quantize)."""
+    loops (grpo_rollout.segments); quantize: of the weights (grpo_rollout.quantize); kv_cache: its dtype
+    (rollout.kv_cache_dtype)."""
     import jax
 
-    from grpo_rollout.backend import JaxRollout, JaxRolloutOptions
     from grpo_rollout.decode import decode, prefill, prefill_shared
     from grpo_rollout.segments import run_segments
     from grpo_core.contracts import SamplingParams
@@ -134,8 +144,7 @@ def bench_jax(args: argparse.Namespace, shared: bool | None = None, segments: in
     sampling = SamplingParams(max_new_tokens=args.new_tokens, temperature=args.temperature, top_p=args.top_p,
                               top_k=args.top_k, greedy=args.greedy, stop_token_ids=stop, n=n)
     graphdef, weights = split_weights(model, quantize)
-    rollout = JaxRollout(JaxRolloutOptions(decode_attention=args.decode_attention, shared_prompt=bool(shared)))
-    static = rollout.static_args(graphdef, weights, sampling, 0, None)
+    static = bench_rollout(args, shared, kv_cache).static_args(graphdef, weights, sampling, 0, None)
     prompts = random_prompts(args)[: args.batch // n]
     ids = jax.numpy.asarray(prompts if shared else np.repeat(prompts, n, axis=0))
     mask = jax.numpy.ones_like(ids)
@@ -281,9 +290,12 @@ def comparison(args: argparse.Namespace) -> dict[str, Any] | None:
                 "decode_speedup": repeated["decode_ms_per_token"] / shared["decode_ms_per_token"],
                 "tokens_per_s_speedup": shared["tokens_per_s"] / repeated["tokens_per_s"]}
     if args.compare_quantize:
-        full, int8 = bench_jax(args), bench_jax(args, quantize="int8")
-        return {"full_precision": full, "int8": int8,
-                "decode_speedup": full["decode_ms_per_token"] / int8["decode_ms_per_token"]}
+        full = bench_jax(args)
+        sides = {"int8": bench_jax(args, quantize="int8"), "fp8": bench_jax(args, quantize="fp8"),
+                 "int8_kv_cache": bench_jax(args, kv_cache="int8")}
+        return {"full_precision": full, **sides,
+                "decode_speedup": {name: full["decode_ms_per_token"] / side["decode_ms_per_token"]
+                                   for name, side in sides.items()}}
     return None
 
 
