@@ -22,7 +22,7 @@ from grpo_rollout.kept_shared import SharedRounds, SlotGroups
 from grpo_rollout.gather import SPLIT_LAYOUTS, AutoDecoders, layout_static
 from grpo_rollout.results import abstract_outputs, finish
 from grpo_rollout.segments import run_segments, segment_count
-from grpo_rollout.quantize import KV_CACHE_DTYPES, QUANTIZE_MODES, kv_int8_refusal, quantize_weights
+from grpo_rollout.quantize import KV_CACHE_DTYPES, QUANTIZE_MODES, abstract_quantized, kv_int8_refusal, quantize_weights
 from grpo_rollout.prompts import DEFAULT_PROMPT_BUCKETS, bucket_length, fit_to_bucket, left_pad, repeat_samples
 from grpo_core.rollout_records import DEFAULT_TRIM_BUCKET, RolloutResult, TrainBatch, trim_batch, trimmed_widths
 from grpo_core.contracts import PhaseCompiler, Policy, RolloutShapes, RolloutWidths, SamplingParams
@@ -389,7 +389,7 @@ class JaxRollout:
                            self.decode_segments(shapes.sampling))
 
     def abstract_weights(self, policy: Policy) -> Any:  # the shapes `load_weights(policy)` would decode from
-        return jax.eval_shape(lambda w: quantize_weights(policy.graphdef, w, self.quantize), policy.weights)
+        return abstract_quantized(policy.graphdef, policy.weights, self.quantize)
 
     def kept_cache(self, shapes: RolloutShapes) -> Any:
         """The abstract KV cache of `generate_round`'s widest round (grpo_rollout.kept_plan)."""

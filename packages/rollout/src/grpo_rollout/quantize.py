@@ -30,6 +30,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx, struct
+from jax.sharding import NamedSharding, PartitionSpec
 
 from grpo_core.models.layers import Projection
 from grpo_rollout.gather import SPLIT_LAYOUTS
@@ -104,6 +105,28 @@ def quantize_weights(graphdef, weights, mode: str):
     for path, axes in kernels.items():
         flat[path] = flat[path].replace(quantize_kernel(flat[path].get_value(), axes, mode))
     return nnx.from_flat_state(flat)
+
+
+def abstract_quantized(graphdef, weights, mode: str):
+    """What `quantize_weights` makes of abstract `weights` (ShapeDtypeStructs with shardings): each
+    kernel's 8-bit values sharded as the kernel, its scales as the kernel's output axes."""
+    if mode == "none":
+        return weights
+    flat = dict(nnx.to_flat_state(weights))
+    for path, axes in projection_kernels(graphdef, weights).items():
+        flat[path] = flat[path].replace(abstract_kernel(flat[path].get_value(), axes, mode))
+    return nnx.from_flat_state(flat)
+
+
+def abstract_kernel(kernel: jax.ShapeDtypeStruct, in_axes: tuple[int, ...], mode: str) -> QuantizedKernel:
+    shapes = jax.eval_shape(functools.partial(quantize_kernel, in_axes=in_axes, mode=mode), kernel)
+    sharding = kernel.sharding
+    spec = tuple(sharding.spec) + (None,) * (kernel.ndim - len(sharding.spec))
+    scale_sharding = NamedSharding(sharding.mesh, PartitionSpec(*(None if i in in_axes else axis
+                                                                  for i, axis in enumerate(spec))))
+    return QuantizedKernel(jax.ShapeDtypeStruct(shapes.values.shape, shapes.values.dtype, sharding=sharding),
+                           jax.ShapeDtypeStruct(shapes.scale.shape, shapes.scale.dtype, sharding=scale_sharding),
+                           kernel.dtype)
 
 
 def is_quantized(weights) -> bool:
