@@ -259,3 +259,22 @@ def test_config_load_takes_int8_cache_in_the_decode_layouts_it_serves(tiny_confi
                     ["rollout.multi_turn.enabled=true", "rollout.multi_turn.tools=[calculator]",
                      "rollout.multi_turn.kv_cache=reprefill"]):
         assert tiny_config("rollout.kv_cache_dtype=int8", *options).rollout.kv_cache_dtype == "int8"
+
+
+@pytest.mark.parametrize("mode", ["none", "int8"])
+def test_planned_weights_keep_their_shardings(mesh, mode):
+    """`--plan` compiles the rollout on `abstract_weights`: the FSDP-sharded weights as the run's
+    `load_weights` makes them, never replicated (a gathered copy of an 8B model is 16 GB per chip)."""
+    model = shard_model(init_from_config(QwenConfig.tiny("qwen2", tie_word_embeddings=False), seed=1), mesh,
+                        DEFAULT_RULES)
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                            nnx.split(model)[1])
+    rollout = JaxRollout(JaxRolloutOptions())
+    rollout.quantize_with(mode)
+    planned = rollout.abstract_weights(Policy(nnx.split(model)[0], abstract, model.config))
+    real = quantize_weights(*nnx.split(model), mode)
+    assert jax.tree.structure(planned) == jax.tree.structure(real)
+    for plan_leaf, real_leaf in zip(jax.tree.leaves(planned), jax.tree.leaves(real)):
+        assert (plan_leaf.shape, plan_leaf.dtype) == (real_leaf.shape, real_leaf.dtype)
+        assert plan_leaf.sharding.is_equivalent_to(real_leaf.sharding, real_leaf.ndim), (plan_leaf, real_leaf.sharding)
+    assert any(not leaf.sharding.is_fully_replicated for leaf in jax.tree.leaves(planned))
