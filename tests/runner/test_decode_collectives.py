@@ -127,3 +127,25 @@ def materialized_lines(hlo: str) -> list[str]:
     computations = re.split(r"\n(?=\S)", hlo)
     return [line for comp in computations if not comp.startswith(("%fused", "%wrapped"))
             for line in comp.splitlines()[1:]]
+
+
+def test_int8_kv_cache_decode_reads_int8_and_makes_no_bf16_copy_of_the_cache(plan_inputs):
+    """The gathered decode of 16 rows x 512 slots (bf16 compute, hidden 256): with
+    `rollout.kv_cache_dtype: int8` the cache stays int8 outside the attention's fusions (no
+    top-level bf16 value of a layer's cache shape) and the decode program moves far fewer bytes."""
+    long_cache = ["rollout.prompts_per_step=8", "rollout.max_new_tokens=256", "rollout.max_prompt_length=256",
+                  "model.architecture.max_position_embeddings=1024", "rollout.options.gather_weights=true"] + [
+        f"model.architecture.{key}={value}" for key, value in (
+            ("hidden_size", 256), ("intermediate_size", 512), ("num_attention_heads", 4), ("head_dim", 64))]
+
+    def decode(kv_cache_dtype):
+        program = plan.compile_rollout(plan_inputs(*long_cache, f"rollout.kv_cache_dtype={kv_cache_dtype}"))[
+            "rollout decode"]
+        cost = program.cost_analysis()
+        return program.as_text(), (cost[0] if isinstance(cost, list) else cost)["bytes accessed"]
+
+    (int8_hlo, int8_bytes), (bf16_hlo, bf16_bytes) = decode("int8"), decode("auto")
+    cache_copies = [line for line in materialized_lines(int8_hlo) if re.search(r"= bf16\[2,\d+,\d+,2,64\]", line)]
+    assert not cache_copies, cache_copies[:3]
+    assert re.search(r"= bf16\[2,\d+,\d+,2,64\]", bf16_hlo)  # the pattern finds the bf16 cache where it is one
+    assert int8_bytes < 0.75 * bf16_bytes, (int8_bytes, bf16_bytes)
