@@ -121,8 +121,10 @@ def test_per_token_lora_keeps_its_adapters_in_full_precision_over_int8_kernels()
 
 
 @pytest.mark.parametrize("gather", [True, False])
-def test_int8_on_fsdp_sharded_weights_samples_as_unsharded_in_both_layouts(mesh, gather):
-    """Quantized on device from sharded kernels (a max over a split axis is exact), gathered or left sharded."""
+@pytest.mark.parametrize("weights, cache", [("int8", "auto"), ("none", "int8")], ids=["int8_weights", "int8_cache"])
+def test_int8_on_fsdp_sharded_weights_samples_as_unsharded_in_both_layouts(mesh, gather, weights, cache):
+    """Weights quantized on device from sharded kernels (a max over a split axis is exact), or the
+    cache quantized as it is written, with the weights gathered or left sharded."""
     cfg = QwenConfig.tiny("qwen2", tie_word_embeddings=False)
     plain = init_from_config(cfg, seed=1)
     sharded = shard_model(nnx.clone(init_from_config(cfg, seed=1)), mesh, DEFAULT_RULES)
@@ -131,7 +133,8 @@ def test_int8_on_fsdp_sharded_weights_samples_as_unsharded_in_both_layouts(mesh,
     for model, options, batch_sharding in ((plain, {}, None), (sharded, {"gather_weights": gather},
                                                                NamedSharding(mesh, PartitionSpec(("dp", "fsdp", "tp"))))):
         rollout = JaxRollout(JaxRolloutOptions(prompt_buckets=(16,), **options))
-        rollout.quantize_with("int8")
+        rollout.quantize_with(weights)
+        rollout.kv_cache_with(cache)
         rollout.load_weights(Policy.of(model))
         results.append(rollout.generate(PROMPTS + [[88, 1]], jax.random.key(7), params, batch_sharding=batch_sharding))
     np.testing.assert_array_equal(results[1].completion_ids, results[0].completion_ids)
@@ -205,20 +208,6 @@ def test_int8_cache_greedy_tokens_agree_with_and_without_the_shared_prompt_and_o
     for other in results[1:]:
         np.testing.assert_array_equal(other.completion_ids, results[0].completion_ids)
         np.testing.assert_allclose(other.sampler_logps, results[0].sampler_logps, atol=1e-5)
-
-
-@pytest.mark.parametrize("gather", [True, False])
-def test_int8_cache_on_fsdp_sharded_weights_samples_as_unsharded_in_both_layouts(mesh, gather):
-    cfg = QwenConfig.tiny("qwen2", tie_word_embeddings=False)
-    plain = init_from_config(cfg, seed=1)
-    sharded = shard_model(nnx.clone(init_from_config(cfg, seed=1)), mesh, DEFAULT_RULES)
-    params = SamplingParams(max_new_tokens=8, n=2, temperature=0.9)
-    results = [int8_cache_rollout(plain).generate(PROMPTS + [[88, 1]], jax.random.key(7), params)]
-    rollout = int8_cache_rollout(sharded, gather_weights=gather)
-    results.append(rollout.generate(PROMPTS + [[88, 1]], jax.random.key(7), params,
-                                    batch_sharding=NamedSharding(mesh, PartitionSpec(("dp", "fsdp", "tp")))))
-    np.testing.assert_array_equal(results[1].completion_ids, results[0].completion_ids)
-    np.testing.assert_allclose(results[1].sampler_logps, results[0].sampler_logps, atol=1e-5)
 
 
 def test_int8_cache_refuses_the_split_layouts_kept_caches_and_a_second_cache_dtype(model):

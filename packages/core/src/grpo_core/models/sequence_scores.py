@@ -16,8 +16,6 @@ which is what HF gives that row alone.
 
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -25,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from grpo_core.models.config import QwenConfig
+from grpo_core.models.config import QwenConfig, read_config_json
 from grpo_core.models.hf_io import checkpoint_tensor_files, open_safetensors
 
 SCORE_HEAD = "score.weight"
@@ -51,7 +49,7 @@ class ScoreHead:
     def read(cls, model_dir: str) -> "ScoreHead":
         """ValueError naming what is wrong: an unknown family, num_labels != 1, no score head, or a
         head of the wrong shape."""
-        hf_config = read_config(model_dir)
+        hf_config = read_config_json(model_dir)
         decoder = QwenConfig.from_hf_dict(hf_config).replace(tie_word_embeddings=True)  # no lm_head to load
         file = checkpoint_tensor_files(model_dir).get(SCORE_HEAD)
         if file is None:
@@ -79,15 +77,6 @@ class ScoreHead:
             return f.get_tensor(SCORE_HEAD).reshape(-1).astype(dtype)
 
 
-def read_config(model_dir: str) -> dict:
-    path = os.path.join(model_dir, "config.json")
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"{path} not found: a model directory needs an HF config.json")
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{path} is not valid JSON ({exc})") from None
 
 
 def last_scored_token(input_ids: np.ndarray, attention_mask: np.ndarray, pad_token_id: Optional[int]) -> np.ndarray:
