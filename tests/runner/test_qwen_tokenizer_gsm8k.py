@@ -27,7 +27,8 @@ from grpo_runner_gsm8k.tasks.gsm8k import Gsm8kTask, final_answer, read_jsonl
 REPO = Path(__file__).resolve().parents[2]
 SHARED = REPO.parent / "shared" / "data"
 TOKENIZER, GSM8K = SHARED / "qwen3-tokenizer", SHARED / "gsm8k"
-PRESETS = sorted((REPO / "configs").glob("gsm8k_*.yaml"))
+# The GSM8K presets of Qwen models (the others use their own family's tokenizer and chat template).
+PRESETS = sorted((REPO / "configs").glob("gsm8k_qwen*.yaml"))
 QWEN25_DEFAULT_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
 
 pytestmark = pytest.mark.skipif(not (TOKENIZER / "tokenizer.json").is_file() or not (GSM8K / "test.jsonl").is_file(),
