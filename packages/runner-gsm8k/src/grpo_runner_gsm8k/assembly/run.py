@@ -23,6 +23,7 @@ from grpo_core.contracts import MeshAwareLoss, Policy, RolloutBackend, RolloutSh
 from grpo_core.models import QwenConfig
 from grpo_core.models.qwen import resolve_dtype
 from grpo_core.registry import Registry
+from grpo_losses.full_kl import FullKLTerm
 from grpo_meshes import ProcessLayout, build_mesh_from_config, rollout_batch_sharding, setup_processes
 
 from grpo_runner_gsm8k.assembly.adapters import storage_dtype
