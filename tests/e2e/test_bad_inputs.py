@@ -104,7 +104,7 @@ CATALOGUE = [
         "only 1 of the 2 processes required by mesh.require_process_count joined", "launch it on every host"),
     Bad("heads-not-multiple-of-kv-heads", ("model.architecture.num_attention_heads=3",),
         "num_attention_heads=3 must be a multiple of num_key_value_heads=2", "must be a multiple"),
-    Bad("unsupported-model-type", ("model.architecture.model_type=gemma3",), "model_type='gemma3' is not supported",
+    Bad("unsupported-model-type", ("model.architecture.model_type=gemma2",), "model_type='gemma2' is not supported",
         "supported: gemma3_text | llama | qwen2 | qwen3 | qwen3_moe (the installed model families)"),
     Bad("vocab-smaller-than-tokenizer", ("model.architecture.vocab_size=10",),
         "the tokenizer has 100 tokens but the model's vocab_size is 10", "raise model.architecture.vocab_size"),

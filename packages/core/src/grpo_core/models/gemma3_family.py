@@ -94,7 +94,8 @@ class Gemma3Family(ModelFamily):
         text = d.get("text_config")
         if not isinstance(text, dict):
             raise unsupported("text_config", text, "the language model's config (a mapping), which a "
-                              "model_type 'gemma3' (Gemma3ForConditionalGeneration) config.json holds")
+                              "model_type 'gemma3' (Gemma3ForConditionalGeneration) config.json holds; for the "
+                              "text model itself, model_type gemma3_text")
         if text.get("model_type", self.name) != self.name:
             raise unsupported("text_config.model_type", text["model_type"], repr(self.name))
         tied = text.get("tie_word_embeddings", True)
