@@ -130,35 +130,31 @@ def positions(mask: np.ndarray) -> np.ndarray:
 
 def build_hf_model(config: dict, seed: int):
     """An HF CausalLM from `config` with every parameter redrawn (norm scales around 1)."""
-    import torch
-    import transformers
-
-    torch.manual_seed(seed)
-    hf_config = transformers.AutoConfig.for_model(**config)
-    model = transformers.AutoModelForCausalLM.from_config(hf_config, attn_implementation="eager")
-    model = model.float().eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.normal_(0.0, WEIGHT_STD)
-            if "norm" in name and config["model_type"] not in NORM_SCALE_ADDS_ONE:
-                p.add_(1.0)
-    return model
+    adds_one = config["model_type"] in NORM_SCALE_ADDS_ONE
+    return _redrawn("AutoModelForCausalLM", config, seed, lambda name: "norm" in name and not adds_one)
 
 
 def build_hf_multimodal(config: dict, seed: int):
     """An HF Gemma3ForConditionalGeneration from `config`, every parameter redrawn: the language
     model's norms around 0 (they scale by 1 + weight), the vision tower's around 1."""
+    return _redrawn("AutoModelForImageTextToText", config, seed,
+                    lambda name: "norm" in name and "language_model" not in name)
+
+
+def _redrawn(auto_class: str, config: dict, seed: int, around_one):
+    """transformers' `auto_class` model of `config`, f32, every parameter drawn from N(0, WEIGHT_STD)
+    in order, plus 1 where `around_one(name)` (norm scales)."""
     import torch
     import transformers
 
     torch.manual_seed(seed)
     hf_config = transformers.AutoConfig.for_model(**config)
-    model = transformers.AutoModelForImageTextToText.from_config(hf_config, attn_implementation="eager")
+    model = getattr(transformers, auto_class).from_config(hf_config, attn_implementation="eager")
     model = model.float().eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.normal_(0.0, WEIGHT_STD)
-            if "norm" in name and "language_model" not in name:
+            if around_one(name):
                 p.add_(1.0)
     return model
 
