@@ -5,10 +5,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from grpo_core.hlo import HloModule
 from grpo_core.models import QwenConfig, init_from_config
+from grpo_core.replica_groups import crosses_groups
 from grpo_rollout.attention import decode_forward
 from grpo_rollout.head_parallel import HeadParallel, grid_mesh
-from grpo_rollout.model_parallel import ActivationLayout
+from grpo_rollout.model_parallel import ActivationLayout, model_parallel_layout
 
 
 # Gemma 3: a 4-slot window on 6-slot prompts (rows 0 and 3 have real keys beyond it), sliding
@@ -42,9 +44,35 @@ def test_decode_forward_equals_the_model_step(family):
     assert_step_equals_the_models(*prefilled(CONFIGS[family]))
 
 
-def test_head_parallel_decode_step_equals_the_model_step_of_gemma3(mesh):
-    """One row per row group, KV heads split over 2 devices (grpo_rollout.head_parallel). Layer 1's
-    keys come from a residual whose partial sums were added in another order: float32 rounding."""
+def split_layout(mesh, kind: str, slices: int):
+    """The head- or model-parallel layout of 4 rows split over the mesh's dp and fsdp (tp replicates),
+    the 8 devices as `slices` slices of consecutive devices (a slice's rows stay on its devices)."""
+    if kind == "heads":
+        return HeadParallel(grid_mesh(mesh, GEMMA.num_key_value_heads, slices))
+    return model_parallel_layout(mesh, ("dp", "fsdp"), slices)
+
+
+@pytest.mark.parametrize("slices", [1, 2])
+@pytest.mark.parametrize("kind", ["heads", "model"])
+def test_split_decode_steps_equal_the_model_step_of_gemma3(mesh, kind, slices):
+    """Head-parallel: one row per row group, KV heads split over 2 devices; model-parallel: heads, MLP
+    columns and vocabulary over the row devices (per slice across slices). Layer 1's keys come from a
+    residual whose partial sums were added in another order: float32 rounding."""
     model, cache, tokens, live = prefilled(GEMMA)
-    layout = HeadParallel(grid_mesh(mesh, GEMMA.num_key_value_heads))
-    assert_step_equals_the_models(model, cache, tokens, live, layout, key_atol=1e-5)
+    assert_step_equals_the_models(model, cache, tokens, live, split_layout(mesh, kind, slices), key_atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["heads", "model"])
+def test_split_decode_steps_across_slices_keep_every_collective_within_a_slice(mesh, kind):
+    """Devices 0-3 and 4-7 as two slices: the step's collectives (all-reduces, all-to-alls) group devices
+    of one slice only; the same layout over the whole mesh groups devices of both (what the test tells apart)."""
+    model, cache, tokens, live = prefilled(GEMMA)
+    crosses = crosses_groups([0] * 4 + [1] * 4)  # partition i: the layout mesh's device i (batch order)
+
+    def collectives(slices: int, where=None) -> int:
+        step = jax.jit(lambda m, t, v, c: decode_forward(m, t, v, c, split_layout(mesh, kind, slices)))
+        return sum(HloModule(step.lower(model, tokens, live, cache).compile().as_text())
+                   .collective_count(where=where).values())
+
+    assert collectives(2) > 0 and collectives(2, crosses) == 0
+    assert collectives(1, crosses) > 0

@@ -121,12 +121,57 @@ def test_head_parallel_decode_samples_the_gathered_decodes_tokens(mesh, style, s
     cfg = QwenConfig.tiny("qwen2", tie_word_embeddings=False, num_attention_heads=8, hidden_size=64)
     sharded = shard_model(init_from_config(cfg, seed=3), mesh, DEFAULT_RULES)
     grid = head_parallel.grid_mesh(mesh, cfg.num_key_value_heads)
-    assert dict(grid.shape) == {"rows": 4, "kv": 2}
+    assert dict(grid.shape) == {"slice": 1, "rows": 4, "kv": 2}
     specs = head_parallel.weight_specs(nnx.state(sharded), grid)
     assert specs["layers"]["self_attn"]["k_proj"]["kernel"].get_value() == PartitionSpec(None, None, "kv", None)
     assert specs["layers"]["mlp"]["down_proj"]["kernel"].get_value() == PartitionSpec(None, ("rows", "kv"), None)
     batch_sharding = NamedSharding(mesh, PartitionSpec(STYLES[style]))
     assert_samples_like_gathered(sharded, "head_parallel", batch_sharding, shared_prompt=shared_prompt)
+
+
+@pytest.mark.parametrize(("groups", "spec"), [(8, ("dp", "fsdp", "tp")), (4, ("dp", "fsdp")), (2, ("dp",)), (3, None)])
+def test_prompts_split_over_the_leading_batch_axes_that_divide_them(mesh, groups, spec):
+    """Per-prompt arrays beside a batch over (dp, fsdp, tp): over the longest leading run of those axes
+    whose devices divide the prompts (across slices dp: each slice prefills its own), else replicated."""
+    from grpo_rollout.decode import group_sharding
+
+    sharding = group_sharding(NamedSharding(mesh, PartitionSpec(STYLES["legacy"])), groups)
+    assert sharding.spec == (PartitionSpec(spec) if spec else PartitionSpec())
+
+
+@pytest.fixture
+def two_slices(monkeypatch):
+    """Devices 0-3 and 4-7 of the legacy batch taken as two TPU slices (as the devices' slice_index
+    would say), with the compiled decodes of one slice cleared before and after."""
+    from grpo_rollout import slices
+
+    jax.clear_caches()
+    monkeypatch.setattr(slices, "decode_slices", lambda devices: 2)
+    yield
+    monkeypatch.undo()
+    jax.clear_caches()
+
+
+@pytest.mark.parametrize("layout", ["model_parallel", "head_parallel", True])
+def test_decodes_across_two_slices_sample_the_one_slice_decodes_tokens(mesh, layout, request):
+    """Across slices the split layouts keep to each slice and the loop tests for its end every 16
+    tokens: the same tokens, lengths and log-probs (within 1e-5) as the gathered decode on one slice,
+    which stops when every row is done (here all of them, before the 16th token: half the vocabulary
+    stops a row)."""
+    cfg = QwenConfig.tiny("qwen2", tie_word_embeddings=False, num_attention_heads=8, hidden_size=64)
+    sharded = shard_model(init_from_config(cfg, seed=3), mesh, DEFAULT_RULES)
+    batch_sharding = NamedSharding(mesh, PartitionSpec(STYLES["legacy"]))
+    one_slice = JaxRollout(JaxRolloutOptions(prompt_buckets=(8,), gather_weights=True))
+    one_slice.load_weights(Policy.of(sharded))
+    params = SamplingParams(max_new_tokens=24, n=2, temperature=0.9, stop_token_ids=tuple(range(64, 128)))
+    expected = one_slice.generate(PROMPTS, jax.random.key(5), params, batch_sharding=batch_sharding)
+    assert bool(expected.finished.all()) and int(expected.completion_mask.sum(axis=1).max()) < 15
+    request.getfixturevalue("two_slices")
+    from grpo_rollout.slices import batch_slices, end_test_every
+    assert end_test_every(batch_slices(mesh, STYLES["legacy"])) == 16
+    across = JaxRollout(JaxRolloutOptions(prompt_buckets=(8,), gather_weights=layout))
+    across.load_weights(Policy.of(sharded))
+    assert_same_rollout(across.generate(PROMPTS, jax.random.key(5), params, batch_sharding=batch_sharding), expected)
 
 
 def test_head_parallel_decode_with_per_token_lora_on_qwen3(mesh):

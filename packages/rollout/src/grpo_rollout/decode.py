@@ -27,7 +27,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 from grpo_rollout.attention import routed_decode_forward
 from grpo_rollout.cascade import SharedCache, TableCache, routed_shared_decode_forward
 from grpo_rollout.head_parallel import HeadParallel, LayoutUnsupported, grid_mesh, unsupported
-from grpo_rollout.model_parallel import ActivationLayout, model_parallel_weights, weight_shardings
+from grpo_rollout.model_parallel import (ActivationLayout, model_parallel_layout, model_parallel_weights,
+                                         weight_shardings)
+from grpo_rollout.slices import SLICE, all_done, batch_slices, end_test_every
 from grpo_core.contracts import SamplingParams
 from grpo_core.rollout_records import routing_record_dtype
 from grpo_core.sharding import as_tuple
@@ -149,13 +151,17 @@ def place(array: np.ndarray, batch_sharding: NamedSharding | None) -> jax.Array:
 
 def group_sharding(batch_sharding: NamedSharding | None, groups: int) -> NamedSharding | None:
     """The sharding of per-prompt arrays [P, ...] beside a batch of P * n rows: split like the batch
-    when its devices divide P (each device then holds whole groups), else replicated."""
+    when its devices divide P (each device then holds whole groups), else over the longest run of
+    its leading axes that divides P (across slices dp: each slice its own prompts, never gathered
+    from another), else replicated."""
     if batch_sharding is None:
         return None
-    axes = batch_spec_axes(batch_sharding)
-    if axes is not None and groups % math.prod(batch_sharding.mesh.shape[a] for a in as_tuple(axes)):
-        return NamedSharding(batch_sharding.mesh, PartitionSpec())
-    return batch_sharding
+    mesh, axes = batch_sharding.mesh, as_tuple(batch_spec_axes(batch_sharding))
+    ways = [math.prod(mesh.shape[a] for a in axes[:end]) for end in range(len(axes) + 1)]
+    end = max(end for end, split in enumerate(ways) if groups % split == 0)
+    if end == len(axes):
+        return batch_sharding
+    return NamedSharding(mesh, PartitionSpec(axes[:end]) if ways[end] > 1 else PartitionSpec())
 
 
 def constrain_cache(cache, batch_sharding):
@@ -277,10 +283,12 @@ def decode(weights, cache, state: LoopState, key, *, graphdef, params: SamplingP
     rows, end = state.last.shape[0], params.max_new_tokens if until is None else min(until, params.max_new_tokens)
     view = view_slots(cache, params.max_new_tokens, until)
     layout, weights = decode_layout(weights, graphdef, cache, batch_sharding, gather_weights, model_parallel)
+    every = 1 if batch_sharding is None else end_test_every(batch_slices(batch_sharding.mesh,
+                                                                         batch_spec_axes(batch_sharding)))
 
     def unfinished(carry):
         _, s = carry
-        return (s.step < end) & ~jnp.all(s.done)
+        return (s.step < end) & ~all_done(s, every)
 
     def one_token(carry):
         cache, s = carry
@@ -293,10 +301,12 @@ def decode(weights, cache, state: LoopState, key, *, graphdef, params: SamplingP
 
     # Head-parallel, the cache is split by rows and KV heads in the loop; the result is pinned so first (else the
     # batch's layout reaches into the carry), then handed back split like the batch, but by a segment before the
-    # last as it is, for the next (`lay_out`).
+    # last as it is, for the next (`lay_out`), and across slices as it is (a prompt part replicated in the
+    # batch's layout would be gathered across them).
     cache, state = pin_loop(*jax.lax.while_loop(unfinished, one_token, pin_loop(cache, state, batch_sharding, layout)),
                             batch_sharding, layout)
-    return (cache if until is not None else constrain_cache(cache, batch_sharding)), state
+    keep = until is not None or (isinstance(layout, HeadParallel) and layout.mesh.shape[SLICE] > 1)
+    return (cache if keep else constrain_cache(cache, batch_sharding)), state
 
 
 def step_forward(model, s: LoopState, cache, attention: str, layout, view: int | None):
@@ -320,7 +330,8 @@ def loop_shardings(weights, cache, *, graphdef, batch_sharding=None, gather_weig
         layout = head_parallel_layout(nnx.merge(graphdef, weights).config, cache, batch_sharding)
         return layout.weight_shardings(weights), layout.cache_shardings(cache)
     if model_parallel:
-        return weight_shardings(weights, batch_sharding.mesh, batch_spec_axes(batch_sharding)), own[1]
+        layout = model_parallel_layout(batch_sharding.mesh, batch_spec_axes(batch_sharding))
+        return weight_shardings(weights, layout.mesh, layout.axes), own[1]
     return jax.tree.map(lambda _: NamedSharding(batch_sharding.mesh, PartitionSpec()), weights), own[1]
 
 
@@ -340,7 +351,7 @@ def decode_layout(weights, graphdef, cache, batch_sharding, gather_weights: bool
     if model_parallel == "heads":
         layout = head_parallel_layout(nnx.merge(graphdef, weights).config, cache, batch_sharding)
         return layout, layout.weights(weights)  # outside the loop: once per rollout
-    layout = ActivationLayout(batch_sharding.mesh, batch_spec_axes(batch_sharding))
+    layout = model_parallel_layout(batch_sharding.mesh, batch_spec_axes(batch_sharding))
     return layout, model_parallel_weights(weights, layout)
 
 
@@ -349,11 +360,12 @@ def head_parallel_layout(config, cache, batch_sharding: NamedSharding) -> HeadPa
     is refused (LayoutUnsupported)."""
     mesh = batch_sharding.mesh
     rows, groups = cache_rows(cache)
-    reason = unsupported(config, rows, groups, mesh.size)
+    slices = batch_slices(mesh, batch_spec_axes(batch_sharding))
+    reason = unsupported(config, rows, groups, mesh.size, slices)
     if reason:
         raise LayoutUnsupported(f"gather_weights=head_parallel: {reason}; or set gather_weights to auto, "
                                 "model_parallel, true or false.")
-    return HeadParallel(grid_mesh(mesh, config.num_key_value_heads))
+    return HeadParallel(grid_mesh(mesh, config.num_key_value_heads, slices))
 
 
 def cache_rows(cache) -> tuple[int, int]:

@@ -19,6 +19,9 @@ So each layer runs 2 all-reduces per token, against 2 all-to-alls and 2 all-redu
 is weight bytes: each device reads 1/A of the attention weights instead of 1/D (for a 3B
 model with 2 KV heads on 8 chips, about 5 MB more per layer and token). `auto` compares it
 with the other layouts by projected time (grpo_rollout.gather).
+
+Across TPU slices the grid is (slice S, rows R, kv A) within each slice: the collectives above
+run over a slice's devices, each slice decoding its own rows ("replicated" means within a slice).
 """
 
 from __future__ import annotations
@@ -36,10 +39,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from grpo_core.errors import ConfigError
 from grpo_core.sharding import variable_names
-from grpo_rollout.model_parallel import ActivationLayout, embed_from_slice
+from grpo_rollout.model_parallel import SLICE, ActivationLayout, embed_from_slice
 
-ROWS, KV = "rows", "kv"  # axes of the decode's device grid
-BOTH = (ROWS, KV)  # flattened in the devices' own order: the batch's row order
+ROWS, KV = "rows", "kv"  # axes of the decode's device grid within a slice
+BOTH = (ROWS, KV)  # flattened in the devices' own order: the batch's row order within a slice
+ALL_ROWS = (SLICE, ROWS)  # what splits the rows
 HEAD_DIMENSIONS = ("heads", "kv_heads")  # split over KV (query head h serves KV head h // G)
 COLUMN_DIMENSIONS = ("mlp", "vocab")  # split over all devices
 
@@ -49,22 +53,23 @@ class LayoutUnsupported(ConfigError, ValueError):
     input, printed by grpo-run as one line."""
 
 
-def grid_mesh(mesh: Mesh, kv_heads: int) -> Mesh:
-    """The (rows, kv) grid over `mesh`'s devices in their order, kv = gcd(kv_heads, devices):
-    device (r, a) is the mesh's device r * kv + a, so row group r holds the rows that devices
-    r * kv .. r * kv + kv - 1 hold when the batch is split over the whole mesh."""
+def grid_mesh(mesh: Mesh, kv_heads: int, slices: int = 1) -> Mesh:
+    """The (slice, rows, kv) grid over `mesh`'s devices in their order, kv = gcd(kv_heads, devices
+    of a slice): device (s, r, a) is the mesh's device (s * R + r) * kv + a, so row group r of slice
+    s holds the rows that those kv devices hold when the batch is split over the whole mesh."""
     devices = np.asarray(mesh.devices).reshape(-1)
-    ways = math.gcd(kv_heads, devices.size)
-    return Mesh(devices.reshape(devices.size // ways, ways), BOTH)
+    ways = math.gcd(kv_heads, devices.size // slices)
+    return Mesh(devices.reshape(slices, devices.size // slices // ways, ways), (SLICE,) + BOTH)
 
 
-def unsupported(config: Any, rows: int, groups: int, devices: int) -> str | None:
-    """Why the head-parallel decode cannot run this model and batch on `devices`, or None."""
-    ways = math.gcd(config.num_key_value_heads, devices)
+def unsupported(config: Any, rows: int, groups: int, devices: int, slices: int = 1) -> str | None:
+    """Why the head-parallel decode cannot run this model and batch on `devices` in `slices` slices, or None."""
+    per_slice = devices // slices
+    ways = math.gcd(config.num_key_value_heads, per_slice)
     row_groups = devices // ways
     columns = config.moe_intermediate_size if config.num_experts else config.intermediate_size  # a MoE's experts'
-    if columns % devices:
-        return f"the MLP's {columns} columns do not split over {devices} devices"
+    if columns % per_slice:
+        return f"the MLP's {columns} columns do not split over {per_slice} devices"
     if rows % row_groups or groups % row_groups:
         return (f"{groups} prompts ({rows} rows) do not split into {row_groups} row groups of whole prompts "
                 f"({devices} devices / {ways} KV head groups): use a multiple of {row_groups} prompts")
@@ -89,7 +94,8 @@ def weight_specs(weights: nnx.State, mesh: Mesh) -> nnx.State:
 def cache_spec(cache: Any) -> Any:
     """PartitionSpecs of a KVCache or SharedCache: rows (or prompts) over rows, KV heads over kv."""
     def spec(x):
-        return {5: PartitionSpec(None, ROWS, None, KV, None), 2: PartitionSpec(ROWS, None)}.get(x.ndim, PartitionSpec())
+        by_rank = {5: PartitionSpec(None, ALL_ROWS, None, KV, None), 2: PartitionSpec(ALL_ROWS, None)}
+        return by_rank.get(x.ndim, PartitionSpec())
 
     return jax.tree.map(spec, cache)
 
@@ -103,7 +109,7 @@ class HeadParallel:
 
     @property
     def outside(self) -> ActivationLayout:
-        return ActivationLayout(self.mesh, BOTH)
+        return ActivationLayout(self.mesh, BOTH, SLICE)
 
     def replicated(self, x):
         return self.outside.replicated(x)
@@ -130,14 +136,16 @@ class HeadParallel:
         """One token per row through the embedding and every layer, all inside one shard_map:
         tokens and live [B] replicated; returns x [B, 1, H] replicated and the cache with the
         new slot marked. `attention(cache)` builds the attend function of
-        grpo_rollout.attention.decode_layers from a device's share of the cache."""
+        grpo_rollout.attention.decode_layers from a device's share of the cache. "Replicated": within
+        a slice, each slice's rows on its own devices."""
         graphdef, state = nnx.split(model)
-        specs = (weight_specs(state, self.mesh), PartitionSpec(), PartitionSpec(), cache_spec(cache))
+        per_slice = PartitionSpec(SLICE)
+        specs = (weight_specs(state, self.mesh), per_slice, per_slice, cache_spec(cache))
 
         def local(state, tokens, live, cache):
             return local_forward(nnx.merge(graphdef, state), tokens, live, cache, attention)
 
-        return shard_map(local, mesh=self.mesh, in_specs=specs, out_specs=(PartitionSpec(), specs[-1]),
+        return shard_map(local, mesh=self.mesh, in_specs=specs, out_specs=(per_slice, specs[-1]),
                          check_vma=False)(state, tokens, live, cache)
 
 

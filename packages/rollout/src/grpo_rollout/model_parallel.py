@@ -16,6 +16,10 @@ they move (a few MB per token, not the weights):
 - the attention output goes back to head-split for o_proj, whose partial sums and the
   MLP's (down_proj is split by its input columns) are all-reduced into the residual;
 - the logits, split by vocabulary, go to the rows' devices for sampling.
+
+Across TPU slices (grpo_meshes.slices) all of that stays within each slice: the layout's mesh is
+(slice, model), the weights split over `model` and copied per slice, each slice's rows
+"replicated" over its own devices only, so no decoded token crosses the data-center network.
 """
 
 from __future__ import annotations
@@ -30,8 +34,22 @@ from jax import shard_map
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from grpo_core.sharding import as_tuple, mesh_ways, variable_names
+from grpo_rollout.slices import SLICE, batch_ordered, batch_slices
 
 SPLIT_DIMENSIONS = ("heads", "mlp", "vocab")  # logical names split over the batch devices
+MODEL = "model"  # the axis of a slice's devices in the layout across slices
+
+
+def model_parallel_layout(mesh: Mesh, axes: Any, slices: int | None = None) -> "ActivationLayout":
+    """The model-parallel layout of a batch split over `axes` of `mesh`; across `slices` slices
+    (default: the TPU slices, `batch_slices`) on a (slice, model) mesh of the same devices, each row on the
+    device that holds it in the batch."""
+    slices = batch_slices(mesh, axes) if slices is None else slices
+    devices, others = batch_ordered(mesh, axes)
+    if slices == 1:
+        return ActivationLayout(mesh, axes)
+    grid = devices.reshape(slices, -1, *devices.shape[len(as_tuple(axes)):])
+    return ActivationLayout(Mesh(grid, (SLICE, MODEL) + others), MODEL, SLICE)
 
 
 def weight_spec(names: tuple, shape: tuple, mesh: Mesh, axes: Any) -> PartitionSpec:
@@ -60,13 +78,19 @@ class ActivationLayout:
 
     mesh: Mesh | None = None
     axes: Any = None  # mesh axes of the rollout batch, which also split the weights
+    outer: str | None = None  # the axis of the slices: rows split over it too, "replicated" within a slice
+
+    @property
+    def row_axes(self) -> Any:
+        return self.axes if self.outer is None else (self.outer, *as_tuple(self.axes))
 
     def _pin(self, x: jax.Array, dim: int | None) -> jax.Array:
+        """x (rows first) split along `dim` (None: only by slice)."""
         if self.mesh is None:
             return x
-        spec: list = [None] * x.ndim
+        spec: list = [self.outer] + [None] * (x.ndim - 1)
         if dim is not None:
-            spec[dim] = self.axes
+            spec[dim] = self.row_axes if dim == 0 else self.axes
         return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, PartitionSpec(*spec)))
 
     def replicated(self, x: jax.Array) -> jax.Array:
@@ -84,8 +108,8 @@ class ActivationLayout:
             return self.replicated(jnp.take(embedding, ids, axis=0))
         names = as_tuple(self.axes)
         return shard_map(lambda table, ids: embed_from_slice(table, ids, names), mesh=self.mesh,
-                         in_specs=(PartitionSpec(self.axes, None), PartitionSpec()),
-                         out_specs=PartitionSpec(), check_vma=False)(embedding, ids)
+                         in_specs=(PartitionSpec(self.axes, None), PartitionSpec(self.outer)),
+                         out_specs=PartitionSpec(self.outer), check_vma=False)(embedding, ids)
 
     def split(self, x: jax.Array, dim: int) -> jax.Array:
         """x split along `dim` (heads for o_proj's input, vocabulary for the logits) where
