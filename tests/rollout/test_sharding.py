@@ -139,9 +139,26 @@ def test_prompts_split_over_the_leading_batch_axes_that_divide_them(mesh, groups
     assert sharding.spec == (PartitionSpec(spec) if spec else PartitionSpec())
 
 
+@pytest.mark.parametrize("style", sorted(STYLES))
+def test_the_model_parallel_layout_across_slices_splits_the_weights_over_every_device_of_a_slice(mesh, style):
+    """Two slices of 4 devices: the weights split 4 ways within each, over the devices the batch is
+    split over (legacy: every axis) or, for a batch over dp alone (maxtext: each slice's rows copied
+    over its devices), over those it is copied over."""
+    from grpo_rollout import model_parallel
+
+    layout = model_parallel.model_parallel_layout(mesh, STYLES[style], slices=2)
+    rows, weights = {"legacy": (4, "model"), "maxtext": (1, "rest")}[style]  # a slice's devices splitting them
+    assert dict(layout.mesh.shape) == {"slice": 2, "model": rows, "rest": 4 // rows}
+    assert layout.row_axes == ("slice", "model") and layout.axes == weights
+    assert [d.id for d in layout.mesh.devices[1].flat] == [4, 5, 6, 7]  # slice 1: the batch's second half
+    cfg = QwenConfig.tiny("qwen2", tie_word_embeddings=False, num_attention_heads=8, hidden_size=64)
+    specs = model_parallel.weight_shardings(nnx.state(init_from_config(cfg, seed=3)), layout.mesh, layout.axes)
+    assert specs["layers"]["self_attn"]["q_proj"]["kernel"].get_value().spec[2] == weights
+
+
 @pytest.fixture
 def two_slices(monkeypatch):
-    """Devices 0-3 and 4-7 of the legacy batch taken as two TPU slices (as the devices' slice_index
+    """Devices 0-3 and 4-7 of the batch taken as two TPU slices (as the devices' slice_index
     would say), with the compiled decodes of one slice cleared before and after."""
     from grpo_rollout import slices
 
@@ -152,15 +169,16 @@ def two_slices(monkeypatch):
     jax.clear_caches()
 
 
-@pytest.mark.parametrize("layout", ["model_parallel", "head_parallel", True])
-def test_decodes_across_two_slices_sample_the_one_slice_decodes_tokens(mesh, layout, request):
+@pytest.mark.parametrize(("layout", "style"), [("model_parallel", "legacy"), ("model_parallel", "maxtext"),
+                                               ("head_parallel", "legacy"), (True, "legacy")])
+def test_decodes_across_two_slices_sample_the_one_slice_decodes_tokens(mesh, layout, style, request):
     """Across slices the split layouts keep to each slice and the loop tests for its end every 16
     tokens: the same tokens, lengths and log-probs (within 1e-5) as the gathered decode on one slice,
     which stops when every row is done (here all of them, before the 16th token: half the vocabulary
     stops a row)."""
     cfg = QwenConfig.tiny("qwen2", tie_word_embeddings=False, num_attention_heads=8, hidden_size=64)
     sharded = shard_model(init_from_config(cfg, seed=3), mesh, DEFAULT_RULES)
-    batch_sharding = NamedSharding(mesh, PartitionSpec(STYLES["legacy"]))
+    batch_sharding = NamedSharding(mesh, PartitionSpec(STYLES[style]))
     one_slice = JaxRollout(JaxRolloutOptions(prompt_buckets=(8,), gather_weights=True))
     one_slice.load_weights(Policy.of(sharded))
     params = SamplingParams(max_new_tokens=24, n=2, temperature=0.9, stop_token_ids=tuple(range(64, 128)))
@@ -168,7 +186,7 @@ def test_decodes_across_two_slices_sample_the_one_slice_decodes_tokens(mesh, lay
     assert bool(expected.finished.all()) and int(expected.completion_mask.sum(axis=1).max()) < 15
     request.getfixturevalue("two_slices")
     from grpo_rollout.slices import batch_slices, end_test_every
-    assert end_test_every(batch_slices(mesh, STYLES["legacy"])) == 16
+    assert end_test_every(batch_slices(mesh, STYLES[style])) == 16
     across = JaxRollout(JaxRolloutOptions(prompt_buckets=(8,), gather_weights=layout))
     across.load_weights(Policy.of(sharded))
     assert_same_rollout(across.generate(PROMPTS, jax.random.key(5), params, batch_sharding=batch_sharding), expected)

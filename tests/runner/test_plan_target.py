@@ -241,17 +241,19 @@ def test_tiny_model_planned_across_two_slices_sends_only_gradient_all_reduces(pl
     assert report["rollout decode"]["dcn_collectives"] == 0 and report["train step"]["dcn_collectives"] > 0
 
 
-@pytest.mark.parametrize("layout", ["model_parallel", "head_parallel"])
-def test_split_decodes_across_two_slices_send_nothing_between_them_per_token(plan_config, layout):
+@pytest.mark.parametrize(("layout", "sharding"), [("model_parallel", "legacy"), ("model_parallel", "maxtext"),
+                                                  ("head_parallel", "legacy")])
+def test_split_decodes_across_two_slices_send_nothing_between_them_per_token(plan_config, layout, sharding):
     """The model- and head-parallel decodes split the weights within each slice (the layout's
     (slice, ...) mesh of the hybrid mesh's devices), so neither the reshard before the loop nor a
     decoded token crosses the DCN: the program's one transfer is the loop's test that every row is
     done, in a branch its condition takes every 16 tokens. The prefill of the 8 shared prompts (on 16
-    devices) splits them over the slices: nothing crosses there either."""
+    devices) splits them over the slices: nothing crosses there either. With the batch split over dp
+    alone (maxtext), the model-parallel weights split over the devices that copy a slice's rows."""
     from grpo_core.hlo import HloModule
     from grpo_runner_gsm8k.costs.roofline import data_dependent_loop
 
-    cfg = plan_config("mesh.slices=2", f"rollout.options.gather_weights={layout}")
+    cfg = plan_config("mesh.slices=2", f"rollout.options.gather_weights={layout}", f"rollout.sharding={sharding}")
     inputs = plan.build_plan_inputs(cfg, default_registry(), tpu_target.parse_target("2xv6e-8"))
     programs = plan.compile_rollout(inputs)
     assert HloModule(programs["rollout prefill"].as_text()).dcn_transfers() == (0, 0)  # each slice its 4 prompts
@@ -260,5 +262,6 @@ def test_split_decodes_across_two_slices_send_nothing_between_them_per_token(pla
     condition = re.search(r"condition=%([\w.\-]+)", loop.attrs).group(1)
     [gate] = [inst for inst in module.computations[condition].instructions if inst.op == "conditional"]
     assert module.dcn_transfers(loop.body())[1] == 0
+    assert sum(module.collective_count(loop.body()).values()) > 0  # split weights: reduced within the slice
     assert module.dcn_transfers()[1] == module.dcn_transfers(condition)[1] == 1
     assert sum(module.dcn_transfers(branch)[1] for branch in gate.callees()) == 1

@@ -18,8 +18,9 @@ they move (a few MB per token, not the weights):
 - the logits, split by vocabulary, go to the rows' devices for sampling.
 
 Across TPU slices (grpo_meshes.slices) all of that stays within each slice: the layout's mesh is
-(slice, model), the weights split over `model` and copied per slice, each slice's rows
-"replicated" over its own devices only, so no decoded token crosses the data-center network.
+(slice, model, rest), the weights split within a slice and copied per slice, each
+slice's rows "replicated" over its own devices only, so no decoded token crosses the data-center
+network.
 """
 
 from __future__ import annotations
@@ -37,19 +38,21 @@ from grpo_core.sharding import as_tuple, mesh_ways, variable_names
 from grpo_rollout.slices import SLICE, batch_ordered, batch_slices
 
 SPLIT_DIMENSIONS = ("heads", "mlp", "vocab")  # logical names split over the batch devices
-MODEL = "model"  # the axis of a slice's devices in the layout across slices
+MODEL, REST = "model", "rest"  # a slice's devices in the layout across slices: splitting the rows, copying them
 
 
 def model_parallel_layout(mesh: Mesh, axes: Any, slices: int | None = None) -> "ActivationLayout":
     """The model-parallel layout of a batch split over `axes` of `mesh`; across `slices` slices
-    (default: the TPU slices, `batch_slices`) on a (slice, model) mesh of the same devices, each row on the
-    device that holds it in the batch."""
+    (default: the TPU slices, `batch_slices`) on a (slice, model, rest) mesh of the same devices in
+    the batch's order: the rows split over (slice, model) as in the batch, the weights over `model`,
+    or, where the batch is split over the slices alone (model 1, e.g. over dp), over `rest`, the
+    devices it is copied over (else each slice would read whole weights)."""
     slices = batch_slices(mesh, axes) if slices is None else slices
-    devices, others = batch_ordered(mesh, axes)
     if slices == 1:
         return ActivationLayout(mesh, axes)
-    grid = devices.reshape(slices, -1, *devices.shape[len(as_tuple(axes)):])
-    return ActivationLayout(Mesh(grid, (SLICE, MODEL) + others), MODEL, SLICE)
+    devices = batch_ordered(mesh, axes).reshape(slices, mesh_ways(mesh, axes) // slices, -1)
+    grid = Mesh(devices, (SLICE, MODEL, REST))
+    return ActivationLayout(grid, MODEL if grid.shape[MODEL] > 1 else REST, SLICE, MODEL)
 
 
 def weight_spec(names: tuple, shape: tuple, mesh: Mesh, axes: Any) -> PartitionSpec:
@@ -79,10 +82,13 @@ class ActivationLayout:
     mesh: Mesh | None = None
     axes: Any = None  # mesh axes of the rollout batch, which also split the weights
     outer: str | None = None  # the axis of the slices: rows split over it too, "replicated" within a slice
+    rows_within: Any = None  # the axes of `axes` that split the rows within a slice (None: all)
 
     @property
     def row_axes(self) -> Any:
-        return self.axes if self.outer is None else (self.outer, *as_tuple(self.axes))
+        if self.outer is None:
+            return self.axes
+        return (self.outer, *as_tuple(self.axes if self.rows_within is None else self.rows_within))
 
     def _pin(self, x: jax.Array, dim: int | None) -> jax.Array:
         """x (rows first) split along `dim` (None: only by slice)."""

@@ -33,14 +33,14 @@ def decode_slices(devices: np.ndarray) -> int:
 
 def batch_slices(mesh: Mesh, axes: Any) -> int:
     """`decode_slices` of a rollout batch split over `axes` of `mesh`."""
-    return decode_slices(batch_ordered(mesh, axes)[0])
+    return decode_slices(batch_ordered(mesh, axes))
 
 
-def batch_ordered(mesh: Mesh, axes: Any) -> tuple[np.ndarray, tuple[str, ...]]:
-    """(`mesh`'s devices with the batch axes `axes` first, in their order, the other axes' names)."""
+def batch_ordered(mesh: Mesh, axes: Any) -> np.ndarray:
+    """`mesh`'s devices with the batch axes `axes` first, in their order (a device array)."""
     names = as_tuple(axes)
-    others = tuple(a for a in mesh.axis_names if a not in names)
-    return np.transpose(mesh.devices, [mesh.axis_names.index(a) for a in names + others]), others
+    order = names + tuple(a for a in mesh.axis_names if a not in names)
+    return np.transpose(mesh.devices, [mesh.axis_names.index(a) for a in order])
 
 
 END_TEST_EVERY = 16  # tokens between a decode's tests for its end across slices
