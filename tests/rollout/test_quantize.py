@@ -16,7 +16,7 @@ from grpo_rollout.decode import prefill, prefill_shared
 from grpo_rollout.gather import candidate_layouts
 from grpo_core.models import lora
 from grpo_rollout.quantize import FP8, FP8_MAX, QuantizedKernel, is_quantized, quantize_kernel, quantize_weights
-from grpo_core.models.kv_quant import Int8KV
+from grpo_core.models.kv_quant import LARGEST, STORED, QuantizedKV
 
 PROMPTS = [[5, 17, 33, 2, 91], [64, 3], [7, 7, 120, 45, 12, 99, 1, 30, 4, 4, 9]]
 
@@ -141,63 +141,70 @@ def test_int8_on_fsdp_sharded_weights_samples_as_unsharded_in_both_layouts(mesh,
     np.testing.assert_allclose(results[1].sampler_logps, results[0].sampler_logps, atol=1e-5)
 
 
-# ---- rollout.kv_cache_dtype: int8 (grpo_core.models.kv_quant) --------------------------------------------------
-def int8_cache_logps(graphdef, weights, batch):
-    """`forward_logps` with every attention reading int8-rounded keys and values: the prompt and completion
-    run in one pass through an int8 cache (each token's keys and values quantized alone, as the decode does)."""
+# ---- rollout.kv_cache_dtype: int8 | fp8 (grpo_core.models.kv_quant) --------------------------------------------
+def cache_logps(graphdef, weights, batch, mode: str):
+    """`forward_logps` with every attention reading `mode`-rounded keys and values: the prompt and completion
+    run in one pass through a `mode` cache (each token's keys and values quantized alone, as the decode does)."""
     model = nnx.merge(graphdef, weights)
     ids, mask = batch.input_ids, batch.attention_mask
-    hidden, _ = model(ids, attention_mask=mask, cache=model.init_cache(*ids.shape, "int8"))
+    hidden, _ = model(ids, attention_mask=mask, cache=model.init_cache(*ids.shape, mode))
     logp = jax.nn.log_softmax(model.logits(hidden)[:, :-1], -1)
     return np.pad(np.asarray(jnp.take_along_axis(logp, ids[:, 1:, None], axis=-1)[..., 0]), ((0, 0), (1, 0)))
 
 
-def int8_cache_rollout(model, **options) -> JaxRollout:
+def int8_cache_rollout(model, mode: str = "int8", **options) -> JaxRollout:
     rollout = JaxRollout(JaxRolloutOptions(prompt_buckets=(8, 16), **options))
-    rollout.kv_cache_with("int8")
+    rollout.kv_cache_with(mode)
     rollout.load_weights(Policy.of(model))
     return rollout
 
 
-def test_int8_cache_sampler_logps_are_the_int8_cache_model_s_and_near_full_precision(model):
-    rollout = int8_cache_rollout(model)
+# A cached element moves by at most half a step, 1/254 of its head's largest (int8), or 2^-4 of itself (fp8
+# e4m3's 3-bit mantissa): ~1e-4 and ~1e-3 nats here (f32). Above 1e-5 proves the decode read 8-bit keys and
+# values; the upper bounds leave room for a larger spread of logits.
+@pytest.mark.parametrize("mode, largest_gap", [("int8", 1e-2), ("fp8", 2e-2)])
+def test_8bit_cache_sampler_logps_are_the_8bit_cache_model_s_and_near_full_precision(model, mode, largest_gap):
+    rollout = int8_cache_rollout(model, mode)
     batch = rollout.trim(rollout.generate(PROMPTS, jax.random.key(0), SamplingParams(max_new_tokens=12, n=2),
                                           pad_token_id=0))
     graphdef, weights = nnx.split(model)
     mask = np.asarray(batch.completion_mask, bool)
     sampled = np.asarray(batch.sampler_logps)[mask]
-    same = np.abs(sampled - int8_cache_logps(graphdef, weights, batch)[mask])
+    same = np.abs(sampled - cache_logps(graphdef, weights, batch, mode)[mask])
     gap = np.abs(sampled - forward_logps(graphdef, weights, batch)[mask])
-    print(f"int8 cache vs its forward: max {same.max():.2e}; vs full precision ({mask.sum()} tokens): "
+    print(f"{mode} cache vs its forward: max {same.max():.2e}; vs full precision ({mask.sum()} tokens): "
           f"mean {gap.mean():.2e}, max {gap.max():.2e}")
     np.testing.assert_allclose(same, 0.0, atol=1e-5)
-    # A cached element moves by at most half a step, 1/254 of its head's largest: ~1e-4 nats here (f32). Above
-    # 1e-5 proves the decode read int8 keys and values; 1e-2 leaves room for a larger spread of logits.
-    assert 1e-5 < gap.mean() and gap.max() < 1e-2
+    assert 1e-5 < gap.mean() and gap.max() < largest_gap
 
 
-def test_int8_cache_holds_int8_values_and_a_scale_per_row_position_and_kv_head(model):
-    """After the prefill (plain, and the shared prompt's two parts), within half a step of the f32 cache."""
+@pytest.mark.parametrize("mode", ["int8", "fp8"])
+def test_8bit_cache_holds_8bit_values_and_a_scale_per_row_position_and_kv_head(model, mode):
+    """After the prefill (plain, and the shared prompt's two parts), within half a step of the f32 cache
+    (int8), or 2^-4 of each element plus half of e4m3's smallest step (fp8)."""
     cfg, graphdef, weights = model.config, *nnx.split(model)
     ids, mask = np.asarray([[0, 5, 17, 33], [9, 64, 3, 8]], np.int32), np.asarray([[0, 1, 1, 1], [1, 1, 1, 1]], np.int32)
     sampling = SamplingParams(max_new_tokens=3, n=2)
     full = JaxRollout(JaxRolloutOptions()).static_args(graphdef, weights, sampling, 0, None)
-    static = int8_cache_rollout(model).static_args(graphdef, weights, sampling, 0, None)
+    static = int8_cache_rollout(model, mode).static_args(graphdef, weights, sampling, 0, None)
     reference, _ = prefill(weights, ids, mask, jax.random.key(0), **full)
     cache, _ = prefill(weights, ids, mask, jax.random.key(0), **static)
     shared, _ = prefill_shared(weights, ids, mask, jax.random.key(0), **static)
     layers, kv_heads, dim = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
     for part, rows, slots in ((cache, 2, 4 + 2), (shared.prompt, 2, 4), (shared.completion, 4, 2)):
         for stored in (part.k, part.v):
-            assert isinstance(stored, Int8KV) and stored.values.dtype == jnp.int8
+            assert isinstance(stored, QuantizedKV) and stored.values.dtype == STORED[mode]
             assert stored.values.shape == (layers, rows, slots, kv_heads, dim)
             assert stored.scale.dtype == jnp.float32 and stored.scale.shape == (layers, rows, slots, kv_heads, 1)
     for stored, exact in ((cache.k, reference.k), (cache.v, reference.v)):
-        written = np.asarray(stored.values[:, :, :4])  # the prompt's slots: each real token's head reaches +-127
-        np.testing.assert_array_equal(np.abs(written).max(axis=-1)[:, np.asarray(mask, bool)], 127)
-        # Layer 0's keys and values come from the same inputs in both caches (later layers read int8 ones).
-        error = np.abs(np.asarray(stored[0, :, :4]) - np.asarray(exact[0, :, :4]))
-        assert (error <= np.asarray(stored.scale[0, :, :4]) / 2 * (1 + 1e-5) + 1e-7).all()
+        # The prompt's slots: each real token's head reaches the format's largest value (127, 448).
+        written = np.asarray(stored.values[:, :, :4]).astype(np.float32)
+        np.testing.assert_array_equal(np.abs(written).max(axis=-1)[:, np.asarray(mask, bool)], LARGEST[mode])
+        # Layer 0's keys and values come from the same inputs in both caches (later layers read 8-bit ones).
+        exact0, scale = np.asarray(exact[0, :, :4]), np.asarray(stored.scale[0, :, :4])
+        error = np.abs(np.asarray(stored[0, :, :4]) - exact0)
+        bound = scale / 2 if mode == "int8" else np.abs(exact0) * 2.0**-4 + scale * 2.0**-10
+        assert (error <= bound * (1 + 1e-5) + 1e-7).all()
 
 
 def test_int8_cache_greedy_tokens_agree_with_and_without_the_shared_prompt_and_on_the_model_s_decode():
@@ -217,8 +224,8 @@ def test_int8_cache_refuses_the_split_layouts_kept_caches_and_a_second_cache_dty
             JaxRollout(JaxRolloutOptions(gather_weights=layout)).kv_cache_with("int8")
     with pytest.raises(ValueError, match="^rollout.kv_cache_dtype=int8 with rollout.options.cache_dtype=float32: "):
         JaxRollout(JaxRolloutOptions(cache_dtype="float32")).kv_cache_with("int8")
-    with pytest.raises(ValueError, match="^rollout.kv_cache_dtype='fp8' is not supported"):
-        JaxRollout().kv_cache_with("fp8")
+    with pytest.raises(ValueError, match="^rollout.kv_cache_dtype='int4' is not supported"):
+        JaxRollout().kv_cache_with("int4")
     rollout = int8_cache_rollout(model)
     assert rollout._auto_decoders.split_layouts is False
     with pytest.raises(ValueError, match="^rollout.kv_cache_dtype=int8: generate_round's kept caches"):

@@ -61,17 +61,18 @@ def _check_loss_options(loss: Any) -> None:
 
 
 def _check_int8_kv_cache(rollout: Any) -> None:
-    """The int8 KV cache serves the decode of fresh caches; rows kept on their caches between rounds
+    """The 8-bit KV caches serve the decode of fresh caches; rows kept on their caches between rounds
     or turns are refused (the backend's layouts are checked with the plugin: config_io)."""
-    if rollout.kv_cache_dtype != "int8":
+    dtype = rollout.kv_cache_dtype
+    if dtype == "auto":
         return
-    why = "kept caches (generate_round) are compacted and refilled as plain arrays, not int8 with their scales"
+    why = f"kept caches (generate_round) are compacted and refilled as plain arrays, not {dtype} with their scales"
     if rollout.partial.enabled:
-        raise ConfigError(f"rollout.partial.enabled=true with rollout.kv_cache_dtype=int8: partial rollouts decode "
+        raise ConfigError(f"rollout.partial.enabled=true with rollout.kv_cache_dtype={dtype}: partial rollouts decode "
                           f"their rounds on {why}; set rollout.kv_cache_dtype=auto or rollout.partial.enabled=false")
     if rollout.multi_turn.enabled and rollout.multi_turn.kv_cache != "reprefill":
         raise ConfigError(f"rollout.multi_turn.kv_cache={rollout.multi_turn.kv_cache} with rollout.kv_cache_dtype="
-                          f"int8: {why}; set rollout.multi_turn.kv_cache=reprefill or rollout.kv_cache_dtype=auto")
+                          f"{dtype}: {why}; set rollout.multi_turn.kv_cache=reprefill or rollout.kv_cache_dtype=auto")
 
 
 def _check_partial(cfg: RunConfig) -> None:

@@ -230,7 +230,7 @@ def _check_entropy_provided(cfg: RunConfig, spec: Any) -> None:
 
 # rollout key -> (its default, the backend method that serves another value, what that method does)
 DECODE_SETTINGS = {"quantize": ("none", "quantize_with", "quantize its weights"),
-                   "kv_cache_dtype": ("auto", "kv_cache_with", "store an int8 KV cache")}
+                   "kv_cache_dtype": ("auto", "kv_cache_with", "store an 8-bit KV cache")}
 
 
 def _check_decode_settings(rollout: Any, spec: Any, options: Any) -> None:

@@ -22,7 +22,7 @@ from grpo_rollout.kept_shared import SharedRounds, SlotGroups
 from grpo_rollout.gather import SPLIT_LAYOUTS, AutoDecoders, layout_static
 from grpo_rollout.results import abstract_outputs, finish
 from grpo_rollout.segments import run_segments, segment_count
-from grpo_rollout.quantize import KV_CACHE_DTYPES, QUANTIZE_MODES, abstract_quantized, kv_int8_refusal, quantize_weights
+from grpo_rollout.quantize import KV_CACHE_DTYPES, QUANTIZE_MODES, abstract_quantized, kv_cache_refusal, quantize_weights
 from grpo_rollout.prompts import DEFAULT_PROMPT_BUCKETS, bucket_length, fit_to_bucket, left_pad, repeat_samples
 from grpo_core.rollout_records import DEFAULT_TRIM_BUCKET, RolloutResult, TrainBatch, trim_batch, trimmed_widths
 from grpo_core.contracts import PhaseCompiler, Policy, RolloutShapes, RolloutWidths, SamplingParams
@@ -155,14 +155,14 @@ class JaxRollout:
         self._auto_decoders.split_layouts = mode == "none" and self.kv_cache_dtype == "auto"
 
     def kv_cache_with(self, dtype: str) -> None:
-        """Store the decode's KV cache as `dtype`: auto, the options' cache_dtype; int8, int8 values with
+        """Store the decode's KV cache as `dtype`: auto, the options' cache_dtype; int8 | fp8, 8-bit values with
         one f32 scale per token and KV head (grpo_core.models.kv_quant), read back in the model's dtype.
-        int8 serves `generate` in the gathered and sharded layouts (`auto` then compares those); the
-        rest is refused (`kv_int8_refusal`, and `generate_round`)."""
+        Those serve `generate` in the gathered and sharded layouts (`auto` then compares those); the
+        rest is refused (`kv_cache_refusal`, and `generate_round`)."""
         if dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"rollout.kv_cache_dtype={dtype!r} is not supported; use one of "
                              f"{', '.join(KV_CACHE_DTYPES)}.")
-        refusal = kv_int8_refusal(self.options) if dtype == "int8" else None
+        refusal = kv_cache_refusal(self.options, dtype) if dtype != "auto" else None
         if refusal:
             raise ValueError(refusal)
         self.kv_cache_dtype = dtype
@@ -272,13 +272,13 @@ class JaxRollout:
         return finish(last, np.ones_like(last), state, static["params"])
 
     def _check_round(self, slots: int, cached: int) -> None:
-        """`generate_round` refuses to run without weights, on a kept cache that is not there, or on int8."""
+        """`generate_round` refuses to run without weights, on a kept cache that is not there, or on 8 bits."""
         if self._weights is None:
             raise RuntimeError("JaxRollout.generate_round without weights: call load_weights(policy) first.")
-        if self.kv_cache_dtype == "int8":
-            raise ValueError("rollout.kv_cache_dtype=int8: generate_round's kept caches (partial rollouts, kept "
-                             "multi-turn caches, eval --stream) are compacted and refilled as plain arrays, not "
-                             "int8 with scales; set rollout.kv_cache_dtype=auto or decode with generate.")
+        if self.kv_cache_dtype != "auto":
+            raise ValueError(f"rollout.kv_cache_dtype={self.kv_cache_dtype}: generate_round's kept caches (partial "
+                             "rollouts, kept multi-turn caches, eval --stream) are compacted and refilled as plain "
+                             "arrays, not 8-bit with scales; set rollout.kv_cache_dtype=auto or decode with generate.")
         if cached and (self._kept is None or self._kept.mask.shape[0] != slots):
             raise ValueError(f"generate_round: {cached} slots continue from a kept cache, but none is kept "
                              f"for {slots} slots; mark them uncached (their prefixes are then admitted).")
@@ -354,8 +354,8 @@ class JaxRollout:
 
     @property
     def cache_dtype(self) -> str | None:
-        """The decode's cache dtype (`QwenModel.init_cache`): int8, or the options' (None: the model's)."""
-        return "int8" if self.kv_cache_dtype == "int8" else self.options.cache_dtype
+        """The decode's cache dtype (`QwenModel.init_cache`): int8 | fp8, or the options' (None: the model's)."""
+        return self.options.cache_dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
 
     def trim(self, result: RolloutResult) -> TrainBatch:
         return trim_batch(result, self.options.trim_bucket)

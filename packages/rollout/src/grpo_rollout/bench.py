@@ -97,7 +97,7 @@ def add_comparison_args(group) -> None:
                             "shared prompts when --n > 1, in one run")
     group.add_argument("--compare-quantize", action="store_true",
                        help="time the decode on full-precision, int8 and fp8 weights (rollout.quantize) and on "
-                            "an int8 KV cache (rollout.kv_cache_dtype)")
+                            "int8 and fp8 KV caches (rollout.kv_cache_dtype)")
     group.add_argument("--threads", type=int, default=0, help="torch threads for --engine hf (0: all cores)")
 
 
@@ -292,7 +292,7 @@ def comparison(args: argparse.Namespace) -> dict[str, Any] | None:
     if args.compare_quantize:
         full = bench_jax(args)
         sides = {"int8": bench_jax(args, quantize="int8"), "fp8": bench_jax(args, quantize="fp8"),
-                 "int8_kv_cache": bench_jax(args, kv_cache="int8")}
+                 "int8_kv_cache": bench_jax(args, kv_cache="int8"), "fp8_kv_cache": bench_jax(args, kv_cache="fp8")}
         return {"full_precision": full, **sides,
                 "decode_speedup": {name: full["decode_ms_per_token"] / side["decode_ms_per_token"]
                                    for name, side in sides.items()}}

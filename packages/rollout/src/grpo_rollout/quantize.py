@@ -18,8 +18,8 @@ the model's params for its own quantized array types; the decode never calls the
 `__call__` (it runs `grpo_rollout.attention.decode_forward` over the model's modules, one
 `lax.scan` over stacked layers), and a changed graph would reach into every decode layout.
 
-`rollout.kv_cache_dtype: int8` is the model's cache (grpo_core.models.kv_quant); what the backend
-cannot decode on it is `kv_int8_refusal`.
+`rollout.kv_cache_dtype: int8 | fp8` is the model's cache (grpo_core.models.kv_quant); what the
+backend cannot decode on it is `kv_cache_refusal`.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from grpo_core.models.layers import Projection
 from grpo_rollout.gather import SPLIT_LAYOUTS
 
 QUANTIZE_MODES = ("none", "int8", "fp8")
-KV_CACHE_DTYPES = ("auto", "int8")  # rollout.kv_cache_dtype (the int8 cache: grpo_core.models.kv_quant)
+KV_CACHE_DTYPES = ("auto", "int8", "fp8")  # rollout.kv_cache_dtype (the 8-bit caches: grpo_core.models.kv_quant)
 INT8_MAX = 127
 FP8 = jnp.float8_e4m3fn  # the e4m3 of H100/H200 and of the OCP 8-bit formats; no inf, max 448
 FP8_MAX = float(jnp.finfo(FP8).max)
@@ -136,15 +136,16 @@ def is_quantized(weights) -> bool:
 
 
 
-def kv_int8_refusal(options) -> str | None:
-    """Why the jax backend's `options` (JaxRolloutOptions) cannot decode on an int8 KV cache, in one
-    line with the fix, or None. The split layouts shard the cache their own way, not checked on int8."""
+def kv_cache_refusal(options, dtype: str) -> str | None:
+    """Why the jax backend's `options` (JaxRolloutOptions) cannot decode on a `dtype` (int8 | fp8) KV
+    cache, in one line with the fix, or None. The split layouts shard the cache their own way, not
+    checked with the scales."""
     if options.gather_weights in SPLIT_LAYOUTS:
-        return (f"rollout.kv_cache_dtype=int8 serves the gathered and sharded decode layouts, not gather_weights="
-                f"{options.gather_weights} (its cache layout is not checked with int8 scales); set "
+        return (f"rollout.kv_cache_dtype={dtype} serves the gathered and sharded decode layouts, not gather_weights="
+                f"{options.gather_weights} (its cache layout is not checked with {dtype} scales); set "
                 "rollout.options.gather_weights to auto, true or false, or rollout.kv_cache_dtype=auto.")
     if options.cache_dtype is not None:
-        return (f"rollout.kv_cache_dtype=int8 with rollout.options.cache_dtype={options.cache_dtype}: the int8 "
+        return (f"rollout.kv_cache_dtype={dtype} with rollout.options.cache_dtype={options.cache_dtype}: the {dtype} "
                 "cache is read back in model.dtype, so the options' cache dtype would be ignored; set "
                 "rollout.options.cache_dtype=null or rollout.kv_cache_dtype=auto.")
     return None

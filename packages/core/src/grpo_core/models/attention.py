@@ -2,8 +2,8 @@
 
 The cache is a fixed-shape pytree so a jitted decode loop can carry (and donate) it:
 
-    k, v   [L, B, S_max, kv_heads, head_dim]  keys/values of every layer (or an Int8KV of them:
-                                              int8 with a scale per token and head, kv_quant.py)
+    k, v   [L, B, S_max, kv_heads, head_dim]  keys/values of every layer (or a QuantizedKV of them:
+                                              int8 or fp8 with a scale per token and head, kv_quant.py)
     mask   [B, S_max] bool                    slot holds a real (non-pad) token
     index  [] int32                           next slot to write, shared by all rows
 
@@ -13,6 +13,7 @@ index serves the whole batch; per-row lengths come from `mask`.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -21,7 +22,7 @@ from flax import nnx, struct
 
 from grpo_core.models.attention_impls import CHUNK, CausalMask, memory_efficient_attention
 from grpo_core.models.config import QwenConfig
-from grpo_core.models.kv_quant import Int8KV, write_slots
+from grpo_core.models.kv_quant import QuantizedKV, write_slots
 from grpo_core.models.layers import Projection, RMSNorm, apply_rope
 
 # Finite "minus infinity": a row with no visible key (a left-pad query) then gets a
@@ -31,16 +32,16 @@ _MASKED = float(jnp.finfo(jnp.float32).min)
 
 @struct.dataclass
 class KVCache:
-    k: jax.Array | Int8KV  # [L, B, S_max, KV, D]
-    v: jax.Array | Int8KV  # [L, B, S_max, KV, D]
+    k: jax.Array | QuantizedKV  # [L, B, S_max, KV, D]
+    v: jax.Array | QuantizedKV  # [L, B, S_max, KV, D]
     mask: jax.Array  # [B, S_max] bool
     index: jax.Array  # [] int32
 
     @classmethod
-    def zeros(cls, cfg: QwenConfig, batch: int, max_len: int, dtype: Any, int8: bool = False) -> KVCache:
-        """int8: keys and values stored as Int8KV, read back in `dtype`."""
+    def zeros(cls, cfg: QwenConfig, batch: int, max_len: int, dtype: Any, quantized: str | None = None) -> KVCache:
+        """quantized (int8 | fp8): keys and values stored as a QuantizedKV, read back in `dtype`."""
         shape = (cfg.num_hidden_layers, batch, max_len, cfg.num_key_value_heads, cfg.head_dim)
-        store = Int8KV.zeros if int8 else jnp.zeros
+        store = functools.partial(QuantizedKV.zeros, mode=quantized) if quantized else jnp.zeros
         return cls(
             k=store(shape, dtype),
             v=store(shape, dtype),
@@ -75,7 +76,7 @@ class KVCache:
 
     def write_layer(self, layer: int, k: jax.Array, v: jax.Array) -> KVCache:
         """Store one layer's new keys/values [B, T, KV, D] at slots [index, index+T) (quantized
-        there in an int8 cache)."""
+        there in an 8-bit cache)."""
         start = (layer, 0, self.index, 0, 0)
         return self.replace(k=write_slots(self.k, k[None], start), v=write_slots(self.v, v[None], start))
 

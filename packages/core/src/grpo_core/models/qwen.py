@@ -34,7 +34,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from grpo_core.models.attention import Attention, KVCache
-from grpo_core.models.kv_quant import INT8_CACHE
+from grpo_core.models.kv_quant import STORED as QUANTIZED_CACHES
 from grpo_core.models.attention_impls import CausalMask, check_attention
 from grpo_core.models.config import QwenConfig
 from grpo_core.models.layer_grads import scan_accumulating
@@ -241,9 +241,9 @@ class QwenModel(nnx.Module):
         return contract_f32(hidden, head, ((2,), (0,)))
 
     def init_cache(self, batch: int, max_len: int, dtype: Any = None) -> KVCache:
-        """dtype: of the keys and values; None, the model's; "int8", int8 read back in the model's (kv_quant)."""
-        if dtype == INT8_CACHE:
-            return KVCache.zeros(self.config, batch, max_len, self.dtype, int8=True)
+        """dtype: of the keys and values; None, the model's; "int8" | "fp8", 8-bit read back in the model's (kv_quant)."""
+        if dtype in QUANTIZED_CACHES:
+            return KVCache.zeros(self.config, batch, max_len, self.dtype, quantized=dtype)
         return KVCache.zeros(self.config, batch, max_len, resolve_dtype(dtype) if dtype else self.dtype)
 
     def __call__(self, input_ids, attention_mask=None, *, positions=None, cache: KVCache | None = None,
