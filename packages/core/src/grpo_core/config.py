@@ -175,9 +175,8 @@ class RolloutConfig:
         False, "Use the sampler's log-probs as old log-probs instead of one extra forward pass.")
     quantize: Literal["none", "int8", "fp8"] = setting(
         "none", "Sample from int8 or fp8 (e4m3) per-channel projection weights (the trainer stays in full precision).")
-    kv_cache_dtype: Literal["auto", "int8", "fp8"] = setting("auto", "Rollout KV cache: auto = options.cache_dtype "
-        "or model.dtype; int8 or fp8 (e4m3) with a float32 scale per token and KV head, read in model.dtype (trainer "
-        "untouched).")
+    kv_cache_dtype: Literal["auto", "int8", "fp8"] = setting("auto", "Rollout KV cache: auto = options.cache_dtype or "
+        "model.dtype; int8 or fp8 (e4m3), a float32 scale per token and KV head, read in model.dtype (not the trainer).")
     partial: PartialConfig = field(default_factory=PartialConfig,
                                    metadata={"doc": "Partial rollouts carried across steps (see PartialConfig)."})
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig,
