@@ -29,7 +29,7 @@ from grpo_rollout.cascade import SharedCache, TableCache, routed_shared_decode_f
 from grpo_rollout.head_parallel import HeadParallel, LayoutUnsupported, grid_mesh, unsupported
 from grpo_rollout.model_parallel import (ActivationLayout, model_parallel_layout, model_parallel_weights,
                                          weight_shardings)
-from grpo_rollout.slices import SLICE, all_done, batch_slices, end_test_every
+from grpo_rollout.slices import all_done, batch_slices, end_test_every
 from grpo_core.contracts import SamplingParams
 from grpo_core.rollout_records import routing_record_dtype
 from grpo_core.sharding import as_tuple
@@ -301,12 +301,10 @@ def decode(weights, cache, state: LoopState, key, *, graphdef, params: SamplingP
 
     # Head-parallel, the cache is split by rows and KV heads in the loop; the result is pinned so first (else the
     # batch's layout reaches into the carry), then handed back split like the batch, but by a segment before the
-    # last as it is, for the next (`lay_out`), and across slices as it is (a prompt part replicated in the
-    # batch's layout would be gathered across them).
+    # last as it is, for the next (`lay_out`).
     cache, state = pin_loop(*jax.lax.while_loop(unfinished, one_token, pin_loop(cache, state, batch_sharding, layout)),
                             batch_sharding, layout)
-    keep = until is not None or (isinstance(layout, HeadParallel) and layout.mesh.shape[SLICE] > 1)
-    return (cache if keep else constrain_cache(cache, batch_sharding)), state
+    return (cache if until is not None else constrain_cache(cache, batch_sharding)), state
 
 
 def step_forward(model, s: LoopState, cache, attention: str, layout, view: int | None):
