@@ -32,14 +32,13 @@ import jax.numpy as jnp
 from flax import nnx, struct
 from jax.sharding import NamedSharding, PartitionSpec
 
+from grpo_core.models.kv_quant import FP8, LARGEST, quantize_symmetric  # noqa: F401 (FP8 re-exported)
 from grpo_core.models.layers import Projection
 from grpo_rollout.gather import SPLIT_LAYOUTS
 
 QUANTIZE_MODES = ("none", "int8", "fp8")
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")  # rollout.kv_cache_dtype (the 8-bit caches: grpo_core.models.kv_quant)
-INT8_MAX = 127
-FP8 = jnp.float8_e4m3fn  # the e4m3 of H100/H200 and of the OCP 8-bit formats; no inf, max 448
-FP8_MAX = float(jnp.finfo(FP8).max)
+FP8_MAX = LARGEST["fp8"]
 
 
 @struct.dataclass
@@ -73,13 +72,7 @@ class QuantizedKernel:
 @functools.partial(jax.jit, static_argnames=("in_axes", "mode"))
 def quantize_kernel(kernel: jax.Array, in_axes: tuple[int, ...], mode: str = "int8") -> QuantizedKernel:
     """Symmetric per-output-channel `mode` (int8 | fp8) of `kernel`, its scales reduced over `in_axes`."""
-    w = kernel.astype(jnp.float32)
-    amax = jnp.max(jnp.abs(w), axis=in_axes, keepdims=True)
-    largest = FP8_MAX if mode == "fp8" else INT8_MAX
-    scale = jnp.where(amax > 0, amax / largest, 1.0)  # an all-zero channel stays zero
-    scaled = jnp.clip(w / scale, -largest, largest)  # rounding may lift amax / scale a hair past it
-    values = scaled.astype(FP8) if mode == "fp8" else jnp.round(scaled).astype(jnp.int8)
-    return QuantizedKernel(values, scale, kernel.dtype)
+    return QuantizedKernel(*quantize_symmetric(kernel, in_axes, mode), kernel.dtype)
 
 
 def input_axes(kernel: nnx.Variable, n_in: int) -> tuple[int, ...]:

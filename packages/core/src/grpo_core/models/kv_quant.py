@@ -56,14 +56,21 @@ class QuantizedKV:
                             scale=jax.lax.dynamic_update_slice(self.scale, scale, start))
 
 
-def quantize_heads(x: jax.Array, mode: str = "int8") -> tuple[jax.Array, jax.Array]:
-    """(`mode` values, f32 scales) of x [..., D], one symmetric scale per vector over its last axis."""
+def quantize_symmetric(x: jax.Array, axes: tuple[int, ...], mode: str) -> tuple[jax.Array, jax.Array]:
+    """(`mode` (int8 | fp8) values, f32 scales) of x, one symmetric scale per slice over `axes` (kept,
+    as 1): scale = max |x| / the format's largest; int8 rounds x / scale, fp8 casts it (the weights'
+    quantization too: grpo_rollout.quantize)."""
     x = x.astype(jnp.float32)
     largest = LARGEST[mode]
-    amax = jnp.max(jnp.abs(x), axis=-1, keepdims=True)
-    scale = jnp.where(amax > 0, amax / largest, 1.0)  # an all-zero head stays zero
+    amax = jnp.max(jnp.abs(x), axis=axes, keepdims=True)
+    scale = jnp.where(amax > 0, amax / largest, 1.0)  # an all-zero slice stays zero
     scaled = jnp.clip(x / scale, -largest, largest)  # rounding may lift amax / scale a hair past it
     return (scaled.astype(FP8) if mode == "fp8" else jnp.round(scaled).astype(jnp.int8)), scale
+
+
+def quantize_heads(x: jax.Array, mode: str = "int8") -> tuple[jax.Array, jax.Array]:
+    """(`mode` values, f32 scales) of x [..., D], one symmetric scale per vector over its last axis."""
+    return quantize_symmetric(x, (-1,), mode)
 
 
 def write_slots(store: jax.Array | QuantizedKV, new: jax.Array, start: tuple) -> jax.Array | QuantizedKV:
