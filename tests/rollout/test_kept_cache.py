@@ -34,10 +34,12 @@ def gemma():
     return init_from_config(QwenConfig.tiny("gemma3_text"), seed=3)
 
 
-def run_pool(model, steps: int, restore_at: int, kv_cache: str = "across_steps", decode_attention: str = "rollout"):
+def run_pool(model, steps: int, restore_at: int, kv_cache: str = "across_steps", decode_attention: str = "rollout",
+             kv_cache_dtype: str = "auto", **options):
     """(groups trained over `steps` steps of a kept-cache pool, the `cached` flags of every round,
     the index of the first round of every step, that of the first round after the restore)."""
-    rollout = JaxRollout(JaxRolloutOptions(prompt_buckets=(4, 8, 16, 32), decode_attention=decode_attention))
+    rollout = JaxRollout(JaxRolloutOptions(prompt_buckets=(4, 8, 16, 32), decode_attention=decode_attention, **options))
+    rollout.kv_cache_with(kv_cache_dtype)
     rollout.load_weights(Policy.of(model))
     rounds = []
 
@@ -59,10 +61,14 @@ def run_pool(model, steps: int, restore_at: int, kv_cache: str = "across_steps",
     return groups, rounds, starts, restored
 
 
-def full_forward_logps(model, prompts, completions):
-    """log_softmax(logits / T) of each completion token given everything before it."""
+def full_forward_logps(model, prompts, completions, kv_cache_dtype: str = "auto"):
+    """log_softmax(logits / T) of each completion token given everything before it; with an 8-bit
+    `kv_cache_dtype`, every attention reading the keys and values as that cache stores them (each
+    token's quantized alone, as the decode writes them)."""
     ids, mask = left_pad([p + c for p, c in zip(prompts, completions)], 0, (32,))
-    hidden = model(jnp.asarray(ids), attention_mask=jnp.asarray(mask))
+    cache = None if kv_cache_dtype == "auto" else model.init_cache(*ids.shape, kv_cache_dtype)
+    hidden = model(jnp.asarray(ids), attention_mask=jnp.asarray(mask), cache=cache)
+    hidden = hidden if cache is None else hidden[0]
     logp = jax.nn.log_softmax(model.logits(hidden)[:, :-1] / TEMPERATURE, axis=-1)
     taken = np.asarray(jnp.take_along_axis(logp, jnp.asarray(ids)[:, 1:, None], axis=-1)[..., 0])
     return [taken[i, taken.shape[1] - len(c):] for i, c in enumerate(completions)]
@@ -79,6 +85,27 @@ def test_kept_admitted_and_readmitted_rows_sample_from_the_full_forward(model, k
     expected = full_forward_logps(model, prompts, [row.tokens for row in rows])
     for row, logps in zip(rows, expected):
         np.testing.assert_allclose(row.logps, logps, atol=1e-5)  # f32 forward vs cached decode
+
+
+@pytest.mark.parametrize("kv_cache_dtype, shared_prompt", [("int8", False), ("fp8", True)])
+def test_kept_rows_on_an_8bit_cache_sample_from_the_8bit_cache_forward(kv_cache_dtype, shared_prompt):
+    """Compacted, admitted and refilled 8-bit caches (and the shared prompts' table) move each token's
+    8-bit keys and values with their scales: the sampler's log-probs are those of one forward
+    through an 8-bit cache of the same sequences (to 1e-5), and differ from the full-precision
+    forward's (the test would pass on a plain cache otherwise)."""
+    model = init_from_config(QwenConfig.tiny("qwen3"), seed=3)
+    groups, rounds, _, _ = run_pool(model, steps=3, restore_at=1, kv_cache_dtype=kv_cache_dtype,
+                                    shared_prompt=shared_prompt)
+    assert any(any(r) and not all(r) for r in rounds)
+    rows = [row for group in groups for row in group.rows]
+    prompts, completions = [group.prompt for group in groups for _ in group.rows], [row.tokens for row in rows]
+    sampled = np.concatenate([row.logps for row in rows])
+    eight_bit = np.concatenate(full_forward_logps(model, prompts, completions, kv_cache_dtype))
+    full = np.concatenate(full_forward_logps(model, prompts, completions))
+    print(f"{kv_cache_dtype} kept cache: vs its forward max {np.abs(sampled - eight_bit).max():.2e}, vs full "
+          f"precision mean {np.abs(sampled - full).mean():.2e}")
+    np.testing.assert_allclose(sampled, eight_bit, atol=1e-5)
+    assert np.abs(sampled - full).mean() > 1e-5
 
 
 @pytest.mark.parametrize("kv_cache", ["within_step", "across_steps"])

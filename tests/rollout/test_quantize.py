@@ -8,17 +8,17 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from grpo_core.contracts import Policy
-from grpo_core.errors import ConfigError
 from grpo_core.models import QwenConfig, init_from_config
 from grpo_core.sharding import DEFAULT_RULES, shard_model
+from grpo_core.testing import assert_same_rollout
 from grpo_rollout import JaxRollout, JaxRolloutOptions, SamplingParams
 from grpo_rollout.decode import prefill, prefill_shared
-from grpo_rollout.gather import candidate_layouts
 from grpo_core.models import lora
 from grpo_rollout.quantize import FP8, FP8_MAX, QuantizedKernel, is_quantized, quantize_kernel, quantize_weights
 from grpo_core.models.kv_quant import LARGEST, STORED, QuantizedKV
 
 PROMPTS = [[5, 17, 33, 2, 91], [64, 3], [7, 7, 120, 45, 12, 99, 1, 30, 4, 4, 9]]
+STYLE = ("dp", "fsdp", "tp")  # the rollout batch split over every device
 
 
 KERNEL = jax.random.normal(jax.random.key(0), (2, 8, 3, 4)) * jnp.arange(1, 13).reshape(3, 4)  # [L, in, N, D]
@@ -85,14 +85,39 @@ def test_8bit_sampler_logps_are_the_quantized_model_s_and_near_full_precision(mo
     assert 1e-5 < gap.mean() and gap.max() < GAP_BOUNDS[mode]  # above 1e-5: the decode read 8-bit kernels
 
 
-def test_quantized_decode_refuses_the_split_layouts_and_auto_skips_them():
-    with pytest.raises(ValueError, match="gather_weights=head_parallel; set rollout.options.gather_weights"):
-        JaxRollout(JaxRolloutOptions(gather_weights="head_parallel")).quantize_with("int8")
-    rollout = JaxRollout(JaxRolloutOptions(gather_weights="auto"))
-    rollout.quantize_with("int8")
-    assert rollout._auto_decoders.split_layouts is False
-    assert candidate_layouts({"attention": "rollout"}, split=False) == ("gathered", "sharded")
-    assert "model_parallel" in candidate_layouts({"attention": "rollout"})
+SPLIT_CASES = [("model_parallel", "int8", "int8"), ("head_parallel", "int8", "int8"), ("head_parallel", "fp8", "fp8")]
+
+
+@pytest.mark.parametrize("layout, weights, cache", SPLIT_CASES, ids=["-".join(case) for case in SPLIT_CASES])
+def test_split_layouts_on_8bit_weights_and_cache_sample_the_gathered_decodes_tokens(mesh, layout, weights, cache):
+    """The split layouts split a kernel's 8-bit values as the kernel and its scales along the output axes
+    only (a split input axis leaves partial sums that the scale multiplies alike): 8 query heads and
+    2 KV heads over 8 devices, the batch over all of them, greedy and sampled, as the gathered decode."""
+    from grpo_rollout import head_parallel, model_parallel
+
+    cfg = QwenConfig.tiny("qwen2", tie_word_embeddings=False, num_attention_heads=8, hidden_size=64)
+    sharded = shard_model(init_from_config(cfg, seed=3), mesh, DEFAULT_RULES)
+    quantized = quantize_weights(*nnx.split(sharded), weights)
+    if layout == "model_parallel":
+        specs = model_parallel.weight_shardings(quantized, mesh, STYLE)
+    else:
+        specs = head_parallel.HeadParallel(head_parallel.grid_mesh(mesh, 2)).weight_shardings(quantized)
+    o_proj = specs["layers"]["self_attn"]["o_proj"]["kernel"].get_value()  # [L, heads, head_dim, H]: input split
+    assert o_proj.values.spec[1] is not None and o_proj.scale.spec == PartitionSpec(None, None, None, None)
+    q_proj = specs["layers"]["self_attn"]["q_proj"]["kernel"].get_value()  # [L, H, heads, head_dim]: output split
+    assert q_proj.scale.spec[2] == q_proj.values.spec[2] is not None
+    results = []
+    for gather in (layout, True):
+        rollout = JaxRollout(JaxRolloutOptions(prompt_buckets=(16,), gather_weights=gather))
+        rollout.quantize_with(weights)
+        rollout.kv_cache_with(cache)
+        rollout.load_weights(Policy.of(sharded))
+        results.append([rollout.generate(PROMPTS + [[88, 1]], jax.random.key(5), params,
+                                         batch_sharding=NamedSharding(mesh, PartitionSpec(STYLE)))
+                        for params in (SamplingParams(max_new_tokens=8, n=2, temperature=0.9),
+                                       SamplingParams(max_new_tokens=8, n=2, greedy=True))])
+    for split, gathered in zip(*results):
+        assert_same_rollout(split, gathered)
 
 
 def test_none_leaves_the_weights_as_they_are(model):
@@ -100,11 +125,10 @@ def test_none_leaves_the_weights_as_they_are(model):
     assert quantize_weights(graphdef, weights, "none") is weights
 
 
-def test_config_load_refuses_int8_with_a_split_layout(tiny_config):
-    with pytest.raises(ConfigError, match=r"^rollout.quantize=int8 serves the gathered and sharded decode layouts, "
-                                          r"not gather_weights=model_parallel; set rollout.options.gather_weights"):
-        tiny_config("rollout.quantize=int8", "rollout.options.gather_weights=model_parallel")
-    assert tiny_config("rollout.quantize=int8").rollout.quantize == "int8"
+def test_config_load_takes_8bit_weights_in_every_decode_layout(tiny_config):
+    for layout in ("auto", "true", "model_parallel", "head_parallel"):
+        config = tiny_config("rollout.quantize=int8", f"rollout.options.gather_weights={layout}")
+        assert config.rollout.quantize == "int8"
 
 
 def test_per_token_lora_keeps_its_adapters_in_full_precision_over_int8_kernels():
@@ -217,43 +241,19 @@ def test_int8_cache_greedy_tokens_agree_with_and_without_the_shared_prompt_and_o
         np.testing.assert_allclose(other.sampler_logps, results[0].sampler_logps, atol=1e-5)
 
 
-def test_int8_cache_refuses_the_split_layouts_kept_caches_and_a_second_cache_dtype(model):
-    for layout in ("model_parallel", "head_parallel"):
-        with pytest.raises(ValueError, match=f"^rollout.kv_cache_dtype=int8 serves the gathered and sharded decode "
-                                             f"layouts, not gather_weights={layout} "):
-            JaxRollout(JaxRolloutOptions(gather_weights=layout)).kv_cache_with("int8")
+def test_int8_cache_refuses_a_second_cache_dtype_and_unknown_dtypes():
     with pytest.raises(ValueError, match="^rollout.kv_cache_dtype=int8 with rollout.options.cache_dtype=float32: "):
         JaxRollout(JaxRolloutOptions(cache_dtype="float32")).kv_cache_with("int8")
     with pytest.raises(ValueError, match="^rollout.kv_cache_dtype='int4' is not supported"):
         JaxRollout().kv_cache_with("int4")
-    rollout = int8_cache_rollout(model)
-    assert rollout._auto_decoders.split_layouts is False
-    with pytest.raises(ValueError, match="^rollout.kv_cache_dtype=int8: generate_round's kept caches"):
-        rollout.generate_round([[5, 17, 33]], [False], jax.random.key(0), SamplingParams(max_new_tokens=2, n=1))
 
 
-@pytest.mark.parametrize("overrides,refusal", [
-    (["rollout.options.gather_weights=model_parallel"],
-     "rollout.kv_cache_dtype=int8 serves the gathered and sharded decode layouts, not gather_weights=model_parallel"),
-    (["rollout.options.gather_weights=head_parallel"],
-     "rollout.kv_cache_dtype=int8 serves the gathered and sharded decode layouts, not gather_weights=head_parallel"),
-    (["rollout.partial.enabled=true", "loss.mismatch_correction=truncate"],
-     "rollout.partial.enabled=true with rollout.kv_cache_dtype=int8: partial rollouts decode their rounds on kept"),
-    (["rollout.multi_turn.enabled=true", "rollout.multi_turn.tools=[calculator]"],
-     "rollout.multi_turn.kv_cache=auto with rollout.kv_cache_dtype=int8: kept caches"),
-])
-def test_config_load_refuses_int8_cache_layouts_in_one_line(tiny_config, overrides, refusal):
-    with pytest.raises(ConfigError) as refused:
-        tiny_config("rollout.kv_cache_dtype=int8", *overrides)
-    assert str(refused.value).startswith(refusal) and "\n" not in str(refused.value)
-    assert "; set rollout." in str(refused.value)
-
-
-def test_config_load_takes_int8_cache_in_the_decode_layouts_it_serves(tiny_config):
+def test_config_load_takes_int8_cache_in_every_decode_layout_and_on_kept_caches(tiny_config):
     for options in ([], ["rollout.options.gather_weights=true"], ["rollout.options.shared_prompt=false"],
+                    ["rollout.options.gather_weights=model_parallel"], ["rollout.options.gather_weights=head_parallel"],
                     ["rollout.options.decode_attention=model"], ["rollout.quantize=int8"],
-                    ["rollout.multi_turn.enabled=true", "rollout.multi_turn.tools=[calculator]",
-                     "rollout.multi_turn.kv_cache=reprefill"]):
+                    ["rollout.multi_turn.enabled=true", "rollout.multi_turn.tools=[calculator]"],
+                    ["rollout.partial.enabled=true", "loss.mismatch_correction=truncate"]):
         assert tiny_config("rollout.kv_cache_dtype=int8", *options).rollout.kv_cache_dtype == "int8"
 
 

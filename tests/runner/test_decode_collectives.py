@@ -70,19 +70,45 @@ def test_model_parallel_decode_runs_four_collectives_per_layer(plan_inputs):
     assert {kind: n for kind, n in per_layer.items() if n} == {"all-reduce": 2, "all-to-all": 2}
 
 
-def test_head_parallel_decode_runs_two_all_reduces_per_layer(plan_inputs):
+EIGHT_BIT = ("rollout.quantize=int8", "rollout.kv_cache_dtype=int8")
+
+
+@pytest.mark.parametrize("eight_bit", [(), EIGHT_BIT], ids=["bf16", "int8_weights_and_cache"])
+def test_head_parallel_decode_runs_two_all_reduces_per_layer(plan_inputs, eight_bit):
     """The same model with the attention where its 2 KV heads are (2 KV head groups x 4 row groups
     on 8 chips): per layer and token one all-reduce places each chip's rows of o_proj's partial
-    sums and sums the head groups, and one sums down_proj's; nothing else."""
+    sums and sums the head groups, and one sums down_proj's; nothing else. On int8 weights and
+    cache the same (each chip's 8-bit values and scales split alike: no scale moves per token)."""
     from grpo_rollout.collectives import decode_collectives_per_token
 
     arch = ["model.architecture.num_attention_heads=16", "model.architecture.head_dim=16",
-            "rollout.options.gather_weights=head_parallel", "rollout.n=4"]
+            "rollout.options.gather_weights=head_parallel", "rollout.n=4", *eight_bit]
     counts = [decode_collectives_per_token(plan.compile_rollout(plan_inputs(
         *arch, f"model.architecture.num_hidden_layers={layers}"))["rollout decode"]) for layers in (2, 4)]
     per_layer = {kind: (counts[1].get(kind, 0) - counts[0].get(kind, 0)) // 2 for kind in {*counts[0], *counts[1]}}
     print("head-parallel collectives per token:", counts)
     assert {kind: n for kind, n in per_layer.items() if n} == {"all-reduce": 2}
+
+
+def test_head_parallel_decode_on_int8_weights_and_cache_moves_fewer_bytes_after_a_quantize_phase(plan_inputs):
+    """hidden 256 (the weights dominate the bytes): the head-parallel decode on int8 weights and cache
+    moves well under the bf16 decode's bytes, and `--plan` records the on-device quantization as its
+    own phase, which reads each weight once (about the f32 weights' bytes, not a decode's worth per token)."""
+    arch = ["rollout.options.gather_weights=head_parallel", "rollout.n=4"] + [
+        f"model.architecture.{key}={value}" for key, value in (
+            ("hidden_size", 256), ("intermediate_size", 512), ("num_attention_heads", 8), ("head_dim", 32),
+            ("tie_word_embeddings", "false"))]
+
+    def accessed(program):
+        cost = program.cost_analysis()
+        return (cost[0] if isinstance(cost, list) else cost)["bytes accessed"]
+
+    full, eight = (plan.compile_rollout(plan_inputs(*arch, *extra)) for extra in ((), EIGHT_BIT))
+    assert "rollout quantize" in eight and "rollout quantize" not in full
+    full_bytes, eight_bytes = accessed(full["rollout decode"]), accessed(eight["rollout decode"])
+    print(f"head-parallel decode bytes accessed: bf16 {full_bytes:.4g}, int8 {eight_bytes:.4g}; quantize phase "
+          f"{accessed(eight['rollout quantize']):.4g}")
+    assert eight_bytes < 0.75 * full_bytes, (eight_bytes, full_bytes)
 
 
 @pytest.fixture(scope="module")

@@ -108,7 +108,6 @@ REFUSED = [
     (("--run-dir", "{run}", "--model", "{tmp}"), "with --run-dir: the checkpoint's weights are what is evaluated"),
     (("--step", "2"), "--step only applies to --run-dir"),
     (("--limit", "0"), "--limit 0: need at least 1 question"),
-    (("--stream", "rollout.kv_cache_dtype=int8"), "--stream with rollout.kv_cache_dtype=int8: the streaming slots"),
     *[(("--regrade", "s.jsonl", *flag), f"{flag[0]} with --regrade") for flag in
       (("--limit", "2"), ("--out", "o"), ("--fresh",), ("--stream",), ("--tasks", "countdown"))],
 ]

@@ -34,7 +34,6 @@ def validate_cross_fields(cfg: RunConfig) -> None:
     _check_loss_options(cfg.loss)
     _check_lora(cfg.model.lora)
     _check_partial(cfg)
-    _check_int8_kv_cache(cfg.rollout)
     check_unused_loss(cfg.loss, cfg.rollout.max_new_tokens)
     check_unused_train(cfg.train)
     check_unused_partial(cfg.rollout.partial, cfg.rollout.max_new_tokens)
@@ -58,21 +57,6 @@ def _check_loss_options(loss: Any) -> None:
     if loss.dynamic_sampling_mode == "refill" and not loss.dynamic_sampling:
         raise ConfigError("loss.dynamic_sampling_mode = 'refill' with loss.dynamic_sampling = false: refilling "
                           "replaces groups that dynamic sampling drops; set loss.dynamic_sampling=true")
-
-
-def _check_int8_kv_cache(rollout: Any) -> None:
-    """The 8-bit KV caches serve the decode of fresh caches; rows kept on their caches between rounds
-    or turns are refused (the backend's layouts are checked with the plugin: config_io)."""
-    dtype = rollout.kv_cache_dtype
-    if dtype == "auto":
-        return
-    why = f"kept caches (generate_round) are compacted and refilled as plain arrays, not {dtype} with their scales"
-    if rollout.partial.enabled:
-        raise ConfigError(f"rollout.partial.enabled=true with rollout.kv_cache_dtype={dtype}: partial rollouts decode "
-                          f"their rounds on {why}; set rollout.kv_cache_dtype=auto or rollout.partial.enabled=false")
-    if rollout.multi_turn.enabled and rollout.multi_turn.kv_cache != "reprefill":
-        raise ConfigError(f"rollout.multi_turn.kv_cache={rollout.multi_turn.kv_cache} with rollout.kv_cache_dtype="
-                          f"{dtype}: {why}; set rollout.multi_turn.kv_cache=reprefill or rollout.kv_cache_dtype=auto")
 
 
 def _check_partial(cfg: RunConfig) -> None:

@@ -22,7 +22,8 @@ from grpo_rollout.kept_shared import SharedRounds, SlotGroups
 from grpo_rollout.gather import SPLIT_LAYOUTS, AutoDecoders, layout_static
 from grpo_rollout.results import abstract_outputs, finish
 from grpo_rollout.segments import run_segments, segment_count
-from grpo_rollout.quantize import KV_CACHE_DTYPES, QUANTIZE_MODES, abstract_quantized, kv_cache_refusal, quantize_weights
+from grpo_rollout.quantize import (KV_CACHE_DTYPES, QUANTIZE_MODES, abstract_quantized, compile_quantize, kv_cache_refusal,
+                                   quantize_weights)
 from grpo_rollout.prompts import DEFAULT_PROMPT_BUCKETS, bucket_length, fit_to_bucket, left_pad, repeat_samples
 from grpo_core.rollout_records import DEFAULT_TRIM_BUCKET, RolloutResult, TrainBatch, trim_batch, trimmed_widths
 from grpo_core.contracts import PhaseCompiler, Policy, RolloutShapes, RolloutWidths, SamplingParams
@@ -143,22 +144,15 @@ class JaxRollout:
 
     def quantize_with(self, mode: str) -> None:
         """Sample from `mode`-quantized weights (grpo_rollout.quantize), made on device at each
-        `load_weights`. 8-bit weights serve the gathered and sharded decode layouts only: `auto` then
-        compares those, and a split layout asked for by name is refused."""
+        `load_weights`, in every decode layout (the split layouts split the 8-bit values and their scales alike)."""
         if mode not in QUANTIZE_MODES:
             raise ValueError(f"rollout.quantize={mode!r} is not supported; use one of {', '.join(QUANTIZE_MODES)}.")
-        if mode != "none" and self.options.gather_weights in SPLIT_LAYOUTS:
-            raise ValueError(f"rollout.quantize={mode} serves the gathered and sharded decode layouts, not "
-                             f"gather_weights={self.options.gather_weights}; set rollout.options.gather_weights "
-                             "to auto, true or false, or rollout.quantize=none.")
         self.quantize = mode
-        self._auto_decoders.split_layouts = mode == "none" and self.kv_cache_dtype == "auto"
 
     def kv_cache_with(self, dtype: str) -> None:
         """Store the decode's KV cache as `dtype`: auto, the options' cache_dtype; int8 | fp8, 8-bit values with
         one f32 scale per token and KV head (grpo_core.models.kv_quant), read back in the model's dtype.
-        Those serve `generate` in the gathered and sharded layouts (`auto` then compares those); the
-        rest is refused (`kv_cache_refusal`, and `generate_round`)."""
+        Those serve `generate` in every decode layout; the rest is refused (`kv_cache_refusal`, and `generate_round`)."""
         if dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"rollout.kv_cache_dtype={dtype!r} is not supported; use one of "
                              f"{', '.join(KV_CACHE_DTYPES)}.")
@@ -166,7 +160,6 @@ class JaxRollout:
         if refusal:
             raise ValueError(refusal)
         self.kv_cache_dtype = dtype
-        self._auto_decoders.split_layouts = self.quantize == "none" and dtype == "auto"
 
     def load_weights(self, policy: Policy) -> None:
         """Sample from the policy's weights until the next call (no copy: the arrays are shared;
@@ -272,13 +265,9 @@ class JaxRollout:
         return finish(last, np.ones_like(last), state, static["params"])
 
     def _check_round(self, slots: int, cached: int) -> None:
-        """`generate_round` refuses to run without weights, on a kept cache that is not there, or on 8 bits."""
+        """`generate_round` refuses to run without weights or on a kept cache that is not there."""
         if self._weights is None:
             raise RuntimeError("JaxRollout.generate_round without weights: call load_weights(policy) first.")
-        if self.kv_cache_dtype != "auto":
-            raise ValueError(f"rollout.kv_cache_dtype={self.kv_cache_dtype}: generate_round's kept caches (partial "
-                             "rollouts, kept multi-turn caches, eval --stream) are compacted and refilled as plain "
-                             "arrays, not 8-bit with scales; set rollout.kv_cache_dtype=auto or decode with generate.")
         if cached and (self._kept is None or self._kept.mask.shape[0] != slots):
             raise ValueError(f"generate_round: {cached} slots continue from a kept cache, but none is kept "
                              f"for {slots} slots; mark them uncached (their prefixes are then admitted).")
@@ -292,7 +281,7 @@ class JaxRollout:
         cache = self._kept
         if cache is None:
             model = nnx.merge(self._graphdef, self._weights)
-            cache = model.init_cache(len(prefixes), 0, self.options.cache_dtype)
+            cache = model.init_cache(len(prefixes), 0, self.cache_dtype)
         cache = compact(cache, place(np.asarray(cached, bool), batch_sharding), base=base,
                         width=base + ids.shape[1] + budget, batch_sharding=batch_sharding)
         if ids.shape[1]:
@@ -370,6 +359,7 @@ class JaxRollout:
     def compile_phases(self, shapes: RolloutShapes, compiler: PhaseCompiler) -> None:
         """Prefill, then the decode loop as `generate` runs it (gathered or not: see `decoder`);
         with `shapes.kept_prefix`, the widest round of `generate_round` instead."""
+        compile_quantize(compiler, shapes.policy.graphdef, shapes.policy.weights, self.quantize)
         weights, key = self.abstract_weights(shapes.policy), shapes.key
         static = self.static_args(shapes.policy.graphdef, weights, shapes.sampling, shapes.pad_token_id,
                                   shapes.batch_sharding)

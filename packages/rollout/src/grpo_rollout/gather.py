@@ -93,11 +93,9 @@ def layout_static(static: dict[str, Any], layout: str) -> dict[str, Any]:
     return {**static, **LAYOUTS[layout]}
 
 
-def candidate_layouts(static: dict[str, Any], split: bool = True) -> tuple[str, ...]:
-    """The layouts `auto` compares: the split ones run the rollout's own decode step only, and
-    not on quantized weights (`split` False; grpo_rollout.quantize)."""
-    return tuple(name for name in LAYOUTS
-                 if name not in SPLIT_LAYOUTS or (split and static.get("attention") == "rollout"))
+def candidate_layouts(static: dict[str, Any]) -> tuple[str, ...]:
+    """The layouts `auto` compares: the split ones run the rollout's own decode step only."""
+    return tuple(name for name in LAYOUTS if name not in SPLIT_LAYOUTS or static.get("attention") == "rollout")
 
 
 def compile_unless_unsupported(compile_layout: Callable[[], Any]) -> Any:
@@ -139,7 +137,6 @@ class AutoDecoders:
     def __init__(self) -> None:
         self._by_signature: dict[Any, tuple[Optional[str], Optional[Callable[..., Any]]]] = {}
         self.projector: Optional[Projector] = None
-        self.split_layouts = True  # False: weights the split layouts cannot serve (int8, grpo_rollout.quantize)
 
     def get(self, weights, cache, state, key, static: dict[str, Any], segments: int = 1) -> Optional[Callable[..., Any]]:
         """segments: the decode runs as that many calls (grpo_rollout.segments), each paying the setup."""
@@ -170,7 +167,7 @@ class AutoDecoders:
                 lambda: decode.lower(weights, cache, state, key, **layout_static(static, name)).compile()),
             lambda program: every_process(spare is not None and bytes_beyond_arguments(program) <= spare),
             lambda program: segmented_seconds(self.projector, program, steps, segments),
-            candidate_layouts(static, self.split_layouts), steps)
+            candidate_layouts(static), steps)
         print(f"rollout: {note}", flush=True)
         return layout, compiled
 

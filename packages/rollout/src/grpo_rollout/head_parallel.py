@@ -35,11 +35,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax import shard_map
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, PartitionSpec
 
 from grpo_core.errors import ConfigError
 from grpo_core.sharding import variable_names
-from grpo_rollout.model_parallel import SLICE, ActivationLayout, embed_from_slice
+from grpo_rollout.model_parallel import SLICE, ActivationLayout, embed_from_slice, named, value_spec
 
 ROWS, KV = "rows", "kv"  # axes of the decode's device grid within a slice
 BOTH = (ROWS, KV)  # flattened in the devices' own order: the batch's row order within a slice
@@ -88,7 +88,8 @@ def weight_spec(names: tuple, shape: tuple, mesh: Mesh) -> PartitionSpec:
 
 
 def weight_specs(weights: nnx.State, mesh: Mesh) -> nnx.State:
-    return nnx.map_state(lambda _, v: v.replace(weight_spec(variable_names(v), v.shape, mesh)), weights)
+    return nnx.map_state(lambda _, v: v.replace(value_spec(v.get_value(), weight_spec(variable_names(v), v.shape, mesh))),
+                         weights)
 
 
 def cache_spec(cache: Any) -> Any:
@@ -118,11 +119,10 @@ class HeadParallel:
         return self.outside.logits(logits)
 
     def weight_shardings(self, weights: nnx.State) -> nnx.State:
-        return nnx.map_state(lambda _, v: v.replace(NamedSharding(self.mesh, v.get_value())),
-                             weight_specs(weights, self.mesh))
+        return nnx.map_state(lambda _, v: v.replace(named(self.mesh, v.get_value())), weight_specs(weights, self.mesh))
 
     def cache_shardings(self, cache: Any) -> Any:
-        return jax.tree.map(lambda spec: NamedSharding(self.mesh, spec), cache_spec(cache))
+        return named(self.mesh, cache_spec(cache))
 
     def weights(self, weights: nnx.State) -> nnx.State:
         """The weights resharded for the decode loop (inside jit: once per call)."""

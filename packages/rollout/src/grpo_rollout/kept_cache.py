@@ -38,17 +38,20 @@ def compact(cache, keep: jax.Array, *, base: int, width: int, batch_sharding=Non
     """Each kept row's visible slots, in order, moved to end at slot `base`; rows not kept
     emptied; the cache `width` slots wide with its write index at `base`."""
     visible = cache.mask & keep[:, None]
-    pad = max(base - cache.max_len, 0)
-    k, v = (jnp.pad(a, ((0, 0), (0, 0), (pad, 0), (0, 0), (0, 0))) for a in (cache.k, cache.v))
+    pad, grow = max(base - cache.max_len, 0), width - base
     visible = jnp.pad(visible, ((0, 0), (pad, 0)))
     # A stable sort puts each row's invisible slots first and its visible ones last, in order.
     order = jnp.argsort(visible.astype(jnp.int32), axis=1, stable=True)[:, visible.shape[1] - base:]
-    k, v = (jnp.take_along_axis(a, order[None, :, :, None, None], axis=2) for a in (k, v))
-    visible = jnp.take_along_axis(visible, order, axis=1)
-    grow = width - base
-    cache = cache.replace(k=jnp.pad(k, ((0, 0), (0, 0), (0, grow), (0, 0), (0, 0))),
-                          v=jnp.pad(v, ((0, 0), (0, 0), (0, grow), (0, 0), (0, 0))),
-                          mask=jnp.pad(visible, ((0, 0), (0, grow))), index=jnp.asarray(base, jnp.int32))
+
+    def move(slots: jax.Array) -> jax.Array:  # [L, B, S, KV, D]
+        slots = jnp.pad(slots, ((0, 0), (0, 0), (pad, 0), (0, 0), (0, 0)))
+        slots = jnp.take_along_axis(slots, order[None, :, :, None, None], axis=2)
+        return jnp.pad(slots, ((0, 0), (0, 0), (0, grow), (0, 0), (0, 0)))
+
+    # tree.map: an 8-bit cache's values and scales (grpo_core.models.kv_quant) move together.
+    cache = cache.replace(k=jax.tree.map(move, cache.k), v=jax.tree.map(move, cache.v),
+                          mask=jnp.pad(jnp.take_along_axis(visible, order, axis=1), ((0, 0), (0, grow))),
+                          index=jnp.asarray(base, jnp.int32))
     return constrain_cache(cache, batch_sharding)
 
 

@@ -21,7 +21,7 @@ from grpo_rollout.prompts import bucket_length
 
 def _abstract_cache(rollout, shapes: RolloutShapes, rows: int, width: int, sharding) -> Any:
     model = nnx.merge(shapes.policy.graphdef, shapes.policy.weights)
-    cache = jax.eval_shape(lambda: model.init_cache(rows, width, rollout.options.cache_dtype))
+    cache = jax.eval_shape(lambda: model.init_cache(rows, width, rollout.cache_dtype))
     if sharding is None:
         return cache
     return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),

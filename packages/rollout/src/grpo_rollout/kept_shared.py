@@ -89,7 +89,8 @@ class PromptTable:
 def widen_table(table, width: int):
     """The table left-padded to `width` slots (positions count visible slots: unchanged)."""
     pad = width - table.max_len
-    k, v = (jnp.pad(a, ((0, 0), (0, 0), (pad, 0), (0, 0), (0, 0))) for a in (table.k, table.v))
+    k, v = (jax.tree.map(lambda a: jnp.pad(a, ((0, 0), (0, 0), (pad, 0), (0, 0), (0, 0))), part)
+            for part in (table.k, table.v))  # tree.map: an 8-bit cache's values and scales alike
     return table.replace(k=k, v=v, mask=jnp.pad(table.mask, ((0, 0), (pad, 0))), index=jnp.asarray(width, jnp.int32))
 
 
@@ -100,7 +101,8 @@ def fill_table(weights, table, ids, mask, targets, *, graphdef, params, pad_id, 
     del params, pad_id, block, top_p_candidates, attention, model_parallel  # shared static signature
     model = nnx.merge(graphdef, rollout_weights(weights, batch_sharding, gather_weights))
     _, new = model(ids, attention_mask=mask, cache=model.init_cache(ids.shape[0], ids.shape[1], cache_dtype))
-    k, v = (a.at[:, targets].set(b.astype(a.dtype), mode="drop") for a, b in ((table.k, new.k), (table.v, new.v)))
+    k, v = (jax.tree.map(lambda a, b: a.at[:, targets].set(b.astype(a.dtype), mode="drop"), old, part)
+            for old, part in ((table.k, new.k), (table.v, new.v)))
     return table.replace(k=k, v=v, mask=table.mask.at[targets].set(new.mask, mode="drop"))
 
 
@@ -153,13 +155,13 @@ class SharedRounds:
         parts written, room for `budget` tokens. slots: (prefixes, cached, SlotGroups) of the round."""
         prefixes, cached, groups = slots
         pad_id, buckets, batch_sharding = static["pad_id"], options.prompt_buckets, static["batch_sharding"]
-        self.update_table(model, weights, slots, buckets, options.cache_dtype, static)
+        self.update_table(model, weights, slots, buckets, static["cache_dtype"], static)
         counts = own_counts(prefixes, groups)
         base = kept_width([c if kept else 0 for c, kept in zip(counts, cached)], buckets)
         # An admitted row's own tokens (its prompt's last and its completion but the last) go in on the table.
         heads = [len(p) - 1 - c if not kept else len(p) - 1 for p, c, kept in zip(prefixes, counts, cached)]
         ids, mask = admission_batch(prefixes, heads, pad_id, buckets)
-        own = own if own is not None else model.init_cache(len(prefixes), 0, options.cache_dtype)
+        own = own if own is not None else model.init_cache(len(prefixes), 0, static["cache_dtype"])
         own = compact(own, place(np.asarray(cached, bool), batch_sharding), base=base,
                       width=base + ids.shape[1] + budget, batch_sharding=batch_sharding)
         group, member = self.slots.rows(groups.ids)

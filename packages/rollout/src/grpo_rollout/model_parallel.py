@@ -25,6 +25,7 @@ network.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,11 +68,29 @@ def weight_spec(names: tuple, shape: tuple, mesh: Mesh, axes: Any) -> PartitionS
 
 
 def weight_shardings(weights: nnx.State, mesh: Mesh, axes: Any) -> nnx.State:
-    """`weights` with each Variable's value replaced by its model-parallel NamedSharding."""
+    """`weights` with each Variable's value replaced by its model-parallel NamedSharding(s)."""
     def to_sharding(_, variable):
-        return variable.replace(NamedSharding(mesh, weight_spec(variable_names(variable), variable.shape, mesh, axes)))
+        spec = weight_spec(variable_names(variable), variable.shape, mesh, axes)
+        return variable.replace(named(mesh, value_spec(variable.get_value(), spec)))
 
     return nnx.map_state(to_sharding, weights)
+
+
+def value_spec(value: Any, spec: PartitionSpec) -> Any:
+    """`spec` as the PartitionSpec(s) of a weight's value: an 8-bit kernel (grpo_rollout.quantize)
+    splits its values by `spec` and its scales likewise, but not along the input axes, where a
+    scale has size 1 (a split contracted axis leaves partial sums, which its scale multiplies alike)."""
+    scale = getattr(value, "scale", None)
+    if scale is None:
+        return spec
+    padded = tuple(spec) + (None,) * (scale.ndim - len(spec))
+    scale_spec = PartitionSpec(*(None if size == 1 else axis for axis, size in zip(padded, scale.shape)))
+    return dataclasses.replace(value, values=spec, scale=scale_spec)
+
+
+def named(mesh: Mesh, specs: Any) -> Any:
+    """NamedShardings on `mesh` for a PartitionSpec or a tree of them."""
+    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs)
 
 
 @dataclass(frozen=True)

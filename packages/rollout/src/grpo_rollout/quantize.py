@@ -34,7 +34,6 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from grpo_core.models.kv_quant import FP8, LARGEST, quantize_symmetric  # noqa: F401 (FP8 re-exported)
 from grpo_core.models.layers import Projection
-from grpo_rollout.gather import SPLIT_LAYOUTS
 
 QUANTIZE_MODES = ("none", "int8", "fp8")
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")  # rollout.kv_cache_dtype (the 8-bit caches: grpo_core.models.kv_quant)
@@ -122,21 +121,27 @@ def abstract_kernel(kernel: jax.ShapeDtypeStruct, in_axes: tuple[int, ...], mode
                            kernel.dtype)
 
 
+def compile_quantize(compiler, graphdef, weights, mode: str) -> None:
+    """Records `rollout quantize` for `grpo-run --plan` (a grpo_core PhaseCompiler): the 8-bit copy
+    `load_weights` makes from the trained `weights` (abstract, sharded) once per rollout, laid out as
+    `abstract_quantized`; the projection prices it with the step. Nothing for mode none."""
+    if mode == "none":
+        return
+    shardings = jax.tree.map(lambda leaf: leaf.sharding, abstract_quantized(graphdef, weights, mode))
+    quantize = jax.jit(lambda full: quantize_weights(graphdef, full, mode), out_shardings=shardings)
+    compiler.compile("rollout quantize", lambda: quantize.lower(weights).compile(), (weights,),
+                     note=f"{mode} projection weights made on device from the trained ones, once per rollout")
+
+
 def is_quantized(weights) -> bool:
     """Some kernel of `weights` is a QuantizedKernel."""
     return any(isinstance(leaf, QuantizedKernel)
                for leaf in jax.tree.leaves(weights, is_leaf=lambda x: isinstance(x, QuantizedKernel)))
 
 
-
 def kv_cache_refusal(options, dtype: str) -> str | None:
     """Why the jax backend's `options` (JaxRolloutOptions) cannot decode on a `dtype` (int8 | fp8) KV
-    cache, in one line with the fix, or None. The split layouts shard the cache their own way, not
-    checked with the scales."""
-    if options.gather_weights in SPLIT_LAYOUTS:
-        return (f"rollout.kv_cache_dtype={dtype} serves the gathered and sharded decode layouts, not gather_weights="
-                f"{options.gather_weights} (its cache layout is not checked with {dtype} scales); set "
-                "rollout.options.gather_weights to auto, true or false, or rollout.kv_cache_dtype=auto.")
+    cache, in one line with the fix, or None."""
     if options.cache_dtype is not None:
         return (f"rollout.kv_cache_dtype={dtype} with rollout.options.cache_dtype={options.cache_dtype}: the {dtype} "
                 "cache is read back in model.dtype, so the options' cache dtype would be ignored; set "

@@ -138,10 +138,6 @@ def _check_sampling(cfg, stream: bool) -> None:
     if stream and cfg.rollout.multi_turn.enabled:
         raise UserError("--stream with rollout.multi_turn.enabled: a multi-turn run's eval rolls its rows out turn "
                         "by turn with its tools, which the streaming slots do not; drop --stream")
-    if stream and cfg.rollout.kv_cache_dtype != "auto":
-        raise UserError(f"--stream with rollout.kv_cache_dtype={cfg.rollout.kv_cache_dtype}: the streaming slots "
-                        "decode on kept KV caches, which are not 8-bit yet; drop --stream or set "
-                        "rollout.kv_cache_dtype=auto")
     if cfg.eval.greedy and cfg.eval.n > 1:
         raise UserError(f"eval.greedy is true with eval.n = {cfg.eval.n}: greedy samples are all the same; set "
                         "eval.greedy=false to sample n answers per question (or eval.n=1)")
