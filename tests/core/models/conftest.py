@@ -88,3 +88,13 @@ def mesh8():
     if len(jax.devices()) < 8:
         pytest.skip("needs 8 devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
     return jax.make_mesh((1, 4, 2), ("dp", "fsdp", "tp"), axis_types=(jax.sharding.AxisType.Auto,) * 3)
+
+
+@pytest.fixture
+def tpu_devices():
+    """v6e 2x2 devices of the TPU compiler (libtpu, ahead of time; no TPU needed); skips without libtpu."""
+    pytest.importorskip("libtpu", reason="libtpu (jax[tpu]) is not installed")
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # compile-only: other processes may hold libtpu
+    from jax.experimental import topologies
+
+    return topologies.get_topology_desc("v6e:2x2", platform="tpu").devices

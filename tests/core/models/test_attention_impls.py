@@ -8,7 +8,6 @@ a left-pad query sees no key and its output is never used.
 """
 
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
@@ -168,19 +167,10 @@ def test_resolve_attention():
         init_from_config(FAMILIES["qwen2"]).set_attention("auto")
 
 
-def _tpu_topology_devices():
-    """v6e 2x2 devices of the TPU compiler (libtpu, ahead of time; no TPU needed)."""
-    pytest.importorskip("libtpu", reason="libtpu (jax[tpu]) is not installed")
-    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # compile-only: other processes may hold libtpu
-    from jax.experimental import topologies
-
-    return topologies.get_topology_desc("v6e:2x2", platform="tpu").devices
-
-
-def test_splash_kernel_compiles_for_tpu():
+def test_splash_kernel_compiles_for_tpu(tpu_devices):
     """Forward and backward Pallas kernels lowered and compiled by the TPU compiler, the
     batch split over 4 chips by shard_map (FSDP-style activation rules)."""
-    mesh = jax.sharding.Mesh(np.array(_tpu_topology_devices()), ("fsdp",))
+    mesh = jax.sharding.Mesh(np.array(tpu_devices), ("fsdp",))
     rules = (("batch", "fsdp"), ("heads", None))
     sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("fsdp"))
 

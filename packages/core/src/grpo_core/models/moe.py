@@ -7,9 +7,10 @@ when `norm_topk_prob`, cast to x's dtype. A token's output is the sum over its k
 weight * expert(x), each expert a SwiGLU MLP of `moe_intermediate_size`.
 
 Dropless dispatch: the N*k (token, expert) assignments are sorted by expert, so each expert's
-rows are one contiguous group, and `jax.lax.ragged_dot` multiplies every group by its own
-expert's weights in one grouped matmul: no capacity factor, no token dropped, no padding of
-groups. The outputs are put back in (token, slot) order and summed with the router weights.
+rows are one contiguous group, and one grouped matmul (`grouped_matmul.ragged_matmul`:
+`jax.lax.ragged_dot`, a Pallas kernel on TPU) multiplies every group by its own expert's weights:
+no capacity factor, no token dropped, no padding of groups. The outputs are put back in (token,
+slot) order and summed with the router weights.
 
 Routing replay (`replayed`): a token may come with recorded experts (the rollout's routing); it
 then goes to them, weighted by the current router's probabilities there, renormalised like the
@@ -27,6 +28,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from grpo_core.models.grouped_matmul import ragged_matmul
 from grpo_core.models.layers import INIT_STD, Projection, logical_param
 
 _normal = jax.nn.initializers.normal(INIT_STD)  # as the dense kernels
@@ -57,7 +59,7 @@ def grouped_swiglu(x: jax.Array, experts: jax.Array, gate: jax.Array, up: jax.Ar
 
     def matmul(lhs, weights):
         # f32 accumulation, result in the compute dtype (as the dense Projection).
-        return jax.lax.ragged_dot(lhs, weights, group_sizes, preferred_element_type=jnp.float32).astype(x.dtype)
+        return ragged_matmul(lhs, weights, group_sizes, preferred_element_type=jnp.float32).astype(x.dtype)
 
     out = matmul(jax.nn.silu(matmul(rows, gate)) * matmul(rows, up), down)
     unsorted = jnp.take(out, jnp.argsort(order), axis=0)
