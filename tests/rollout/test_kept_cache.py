@@ -154,6 +154,13 @@ def test_tokens_appended_to_a_kept_cache_and_rows_that_sit_out(model):
     continue on their kept cache; row 2 sits out round 2 (live False) and continues in round 3;
     row 3 continues plainly. Every sampled token's log-prob is the full forward's, and a row's
     tokens with its own key do not depend on which rows share its round."""
+    rows, trained = appended_turns(model)
+    assert full_forward_gap(model, rows, trained) < 1e-5  # f32 forward vs cached decode
+
+
+def appended_turns(model):
+    """(rows, (position, log-prob) of each token sampled) of the rounds of
+    `test_tokens_appended_to_a_kept_cache_and_rows_that_sit_out`, and its check of row 3 alone."""
     rollout = JaxRollout(JaxRolloutOptions(prompt_buckets=(4, 8, 16, 32)))
     rollout.load_weights(Policy.of(model))
     sampling = SamplingParams(max_new_tokens=4, n=1, temperature=TEMPERATURE)
@@ -178,16 +185,32 @@ def test_tokens_appended_to_a_kept_cache_and_rows_that_sit_out(model):
     rows[1] += [23]
     second = one_round([True] * 4, kept, [True, True, False, True], jax.random.split(jax.random.key(6), 4))
     one_round([True] * 4, None, [False, False, True, False], keys)
-    hidden = model(*map(jnp.asarray, left_pad(rows, 0, (32,))))
-    ids, _ = left_pad(rows, 0, (32,))
-    logp = np.asarray(jax.nn.log_softmax(model.logits(hidden) / TEMPERATURE, axis=-1))
-    for i, row in enumerate(rows):
-        offset = ids.shape[1] - len(row)
-        expected = [logp[i, offset + position - 1, row[position]] for position, _ in trained[i]]
-        np.testing.assert_allclose([p for _, p in trained[i]], expected, atol=1e-5)  # f32 forward vs cached decode
     # Row 3's second round again, alone in slot 0 with its key, admitted afresh: the same tokens.
     rollout.release_kept_cache()
     alone = [prompts[3] + rows[3][len(prompts[3]):len(prompts[3]) + 4], [1], [1], [1]]
     slot_keys = jnp.stack([jax.random.split(jax.random.key(6), 4)[3]] + list(keys[1:]))
     result = rollout.generate_round(alone, [False] * 4, slot_keys, sampling, live=[True, False, False, False])
     assert np.asarray(result.completion_ids)[0].tolist() == second[3].tolist()
+    return rows, trained
+
+
+def full_forward_gap(model, rows, trained) -> float:
+    """Max |sampler log-prob - the cache-free forward's| over the tokens `trained` of `rows`."""
+    ids, mask = left_pad(rows, 0, (32,))
+    logp = np.asarray(jax.nn.log_softmax(model.logits(model(jnp.asarray(ids), attention_mask=jnp.asarray(mask)))
+                                         / TEMPERATURE, axis=-1))
+    gaps = [abs(p - logp[i, ids.shape[1] - len(row) + position - 1, row[position]])
+            for i, row in enumerate(rows) for position, p in trained[i]]
+    return max(gaps)
+
+
+def test_tokens_appended_to_a_kept_cache_of_a_sliding_window_model(gemma):
+    """Multi-turn kept caches with a 4-token window on rows of up to 14 tokens: the appended turns
+    follow their kept tokens with no empty slot between, so the model's forward that runs them in
+    reads the window it reads on the whole row (left-padded after an empty slot, it did not: 2.3e-2)."""
+    rows, trained = appended_turns(gemma)
+    assert max(len(row) for row in rows) > 3 * 4  # rows of up to 14 tokens, a 4-token window
+    assert full_forward_gap(gemma, rows, trained) < 1e-5
+    wide = QwenConfig.tiny("gemma3_text", family_options=(("layer_types", ("sliding_attention", "full_attention")),
+                                                          ("sliding_window", 10_000)))
+    assert full_forward_gap(init_from_config(wide, seed=3), rows, trained) > 1e-2  # the window matters here

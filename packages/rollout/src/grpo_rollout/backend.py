@@ -276,7 +276,7 @@ class JaxRollout:
         """The slots' cache compacted and with the admitted and appended tokens written, room for
         `budget` tokens."""
         buckets = self.options.prompt_buckets
-        ids, mask = admission_batch(prefixes, counts, pad_token_id, buckets)
+        ids, mask = admission_batch(prefixes, counts, pad_token_id, buckets, follow=cached)
         base = kept_width(counts, buckets)
         cache = self._kept
         if cache is None:

@@ -21,7 +21,9 @@ prompt cache, so each prompt key and value is read once per group and step, not 
 Partial rollouts (`TableCache`) hold rows of different groups at different depths in their
 slots: each live group's prompt sits once in a slot g of a prompt table [L, G, Tp, KV, D], each
 row is mapped to (g, member j), and the prompt part runs on the queries scattered into
-[G, n, ...], its (m, l, o) gathered back to the rows and merged by the same formula.
+[G, n, ...], its (m, l, o) gathered back to the rows and merged by the same formula. There a
+sliding window masks each row's prompt and own slots by token position (`TableCache.windowed`):
+its prompt part is masked per row, [G, n, Tp], not per group.
 """
 
 from __future__ import annotations
@@ -31,7 +33,6 @@ import jax.numpy as jnp
 from flax import struct
 
 from grpo_core.models.attention import KVCache
-from grpo_core.models.layers import rope_tables
 from grpo_rollout.attention import routed_decode_forward, windowed
 from grpo_rollout.model_parallel import ActivationLayout
 
@@ -86,9 +87,9 @@ def with_new_own_tokens(cache, token_mask: jax.Array):
 
 
 def _part(scores: jax.Array, visible: jax.Array):
-    """(m, p) of one part: scores [X, S, ...] masked by visible [X, S], m its max over S, p the
-    shifted exponentials (0 where not visible)."""
-    visible = visible.reshape(visible.shape + (1,) * (scores.ndim - 2))
+    """(m, p) of one part: scores [X, S, ...] masked by visible [X, S] (or [X, S, n]: per query row),
+    m its max over S, p the shifted exponentials (0 where not visible)."""
+    visible = visible.reshape(visible.shape + (1,) * (scores.ndim - visible.ndim))
     scores = jnp.where(visible, scores, _MASKED)
     peak = jnp.max(scores, axis=1, keepdims=True)
     return peak[:, 0], jnp.where(visible, jnp.exp(scores - peak), 0.0)
@@ -102,9 +103,11 @@ def grouped_queries(q: jax.Array, kv_heads: int) -> jax.Array:
 
 def prompt_part(grouped: jax.Array, prompt_k: jax.Array, prompt_v: jax.Array, prompt_visible: jax.Array):
     """(m, l, o) of the prompt part, one product per group: grouped [P, n, KV, G, D] (the group's n
-    rows as extra query heads), prompt_k/v [P, Sp, KV, D], prompt_visible [P, Sp] -> m, l
-    [P, n, KV, G] and o [P, n, KV, G, D] (f32)."""
+    rows as extra query heads), prompt_k/v [P, Sp, KV, D], prompt_visible [P, Sp] (or [P, n, Sp]: each
+    row's own, through a sliding window) -> m, l [P, n, KV, G] and o [P, n, KV, G, D] (f32)."""
     scores = jnp.einsum("pnkgd,pskd->psnkg", grouped, prompt_k, preferred_element_type=jnp.float32)
+    if prompt_visible.ndim == 3:
+        prompt_visible = prompt_visible.swapaxes(1, 2)  # [P, Sp, n], as the scores
     peak, p = _part(scores * grouped.shape[-1] ** -0.5, prompt_visible)
     out = jnp.einsum("psnkg,pskd->pnkgd", p.astype(prompt_v.dtype), prompt_v, preferred_element_type=jnp.float32)
     return peak, jnp.sum(p, axis=1), out
@@ -185,10 +188,29 @@ class TableCache:
     def with_new_tokens(self, token_mask: jax.Array) -> "TableCache":
         return with_new_own_tokens(self, token_mask)
 
+    def windowed(self, own_visible: jax.Array, window: jax.Array | None,
+                 query: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+        """(prompt [G, members, Tp], own [B, view]) slots each row's query sees through a sliding window,
+        counted in positions: rows sit at different depths, and a kept row's own slots hold empty ones
+        between its tokens (grpo_rollout.kept_cache). query [B]: each row's query position (None: that
+        of its newest token)."""
+        if window is None:
+            return self.prompt.mask, own_visible
+        query = self.lengths() - 1 if query is None else query
+        own_start = self.prompt.lengths().at[self.group].get(mode="fill", fill_value=0)  # [B]
+        own_seen = jnp.cumsum(self.completion.mask[:, :own_visible.shape[1]], axis=1, dtype=jnp.int32)
+        own = own_visible & (query[:, None] - (own_start[:, None] + own_seen - 1) < window)
+        rows = jnp.zeros((self.prompt.mask.shape[0], self.members), jnp.int32)
+        rows = rows.at[self.group, self.member].set(query, mode="drop")  # [G, members]: as the queries
+        prompt_seen = jnp.cumsum(self.prompt.mask, axis=1, dtype=jnp.int32)  # [G, Tp]: a slot's position + 1
+        prompt = self.prompt.mask[:, None, :] & (rows[:, :, None] - (prompt_seen[:, None, :] - 1) < window)
+        return prompt, own
+
     def advance(self, num_tokens: int) -> "TableCache":
         return self.replace(completion=self.completion.advance(num_tokens))
 
     def attention(self, q, prompt_k, prompt_v, own_k, own_v, own_visible, prompt_visible=None) -> jax.Array:
+        """prompt_visible [G, Tp], or [G, members, Tp] per row (`windowed`); None: every real slot."""
         prompt_visible = self.prompt.mask if prompt_visible is None else prompt_visible
         return table_attention(q, self.group, self.member, self.members, prompt_k, prompt_v, prompt_visible,
                                own_k, own_v, own_visible)
@@ -199,17 +221,13 @@ def shared_decode_forward(model, tokens: jax.Array, live: jax.Array, cache,
     """`grpo_rollout.attention.decode_forward` on a SharedCache or TableCache: the new token's keys and
     values go to the row's completion cache; the attention merges the prompt part and the row's own.
     view: attend over completion slots [:view] only (None: all). Returns (hidden [B, 1, H], cache).
-    A TableCache's rows are at different depths, not aligned on slots: a model with sliding-window
-    layers is refused there (ValueError)."""
+    A sliding window is counted in slots on a SharedCache, in positions on a TableCache (`windowed`)."""
     return routed_shared_decode_forward(model, tokens, live, cache, layout, view)[:2]
 
 
 def routed_shared_decode_forward(model, tokens: jax.Array, live: jax.Array, cache,
                                  layout: ActivationLayout = ActivationLayout(), view: int | None = None):
     """`shared_decode_forward` plus the routing of `grpo_rollout.attention.routed_decode_forward`."""
-    if isinstance(cache, TableCache) and model.config.sliding_windows is not None:
-        raise ValueError(f"partial rollouts on a prompt table do not apply model_type {model.config.model_type!r}'s "
-                         "sliding window; set shared_prompt=False (each row then keeps its own cache)")
     return routed_decode_forward(model, tokens, live, cache, layout, cascade_over, view)
 
 
@@ -233,28 +251,41 @@ def cascade_over(cache, view: int | None = None):
 
 def table_prefill_forward(model, ids: jax.Array, mask: jax.Array, cache: TableCache) -> TableCache:
     """Several tokens per row into its own cache at [index, index + A): ids, mask [B, A] (left-padded;
-    a masked slot stays invisible). Each query attends over its row's prompt in the table and the
-    row's own slots up to itself, merged as in `table_attention` (one query position at a time)."""
-    if not model.config.plain_decoder:
-        raise ValueError(f"the prompt-table prefill runs the plain pre-norm layer with full attention, not "
-                         f"model_type {model.config.model_type!r}'s layers; set shared_prompt=False")
+    a masked slot stays invisible). Each layer runs as the model's does (its RoPE tables and sliding
+    window, the family's post-norms and embedding scale); each query attends over its row's prompt in
+    the table and the row's own slots up to itself, merged as in `table_attention`."""
     width = ids.shape[1]
     positions = jnp.maximum(cache.lengths()[:, None] + jnp.cumsum(mask, axis=1) - 1, 0)  # as the model counts them
-    cos, sin = rope_tables(positions, model.config.rope_frequencies())
-    own = cache.completion.with_new_tokens(mask)
-    visible = own.visibility(width)  # [B, A, S]
-    prompt = cache.prompt
+    cos, sin = model.rope(positions)
+    cache = cache.replace(completion=cache.completion.with_new_tokens(mask))
+    attend = table_queries(cache, positions)
 
     def step(layer, i, carry):
-        x, own = carry
-        q, k, v = layer.self_attn.project_qkv(layer.input_layernorm(x), cos, sin)
+        (x, own), (cos_i, sin_i, window) = carry, model.layer_tables(i, cos, sin)
+        q, k, v = layer.self_attn.project_qkv(layer.input_layernorm(x), cos_i, sin_i)
         own = own.write_layer(i, k, v)
-        pk, pv, ok, ov = (a[i].astype(q.dtype) for a in (prompt.k, prompt.v, own.k, own.v))
-        attended = jax.vmap(lambda q_t, visible_t: cache.attention(q_t, pk, pv, ok, ov, visible_t),
-                            in_axes=(1, 1), out_axes=1)(q, visible)
-        x = x + layer.self_attn.o_proj(attended)
-        return x + layer.mlp(layer.post_attention_layernorm(x)), own
+        x = layer.add_attention(x, layer.self_attn.o_proj(attend(i, own, q, window)))
+        return layer.add_mlp(x), own
 
-    x = jnp.take(model.embed_tokens.embedding[...], ids, axis=0)
-    _, own = model.over_layers(step, (x, own))
+    x = model.scale_embeddings(jnp.take(model.embed_tokens.embedding[...], ids, axis=0))
+    _, own = model.over_layers(step, (x, cache.completion))
     return cache.replace(completion=own.advance(width))
+
+
+def table_queries(cache: TableCache, positions: jax.Array):
+    """attend(i, own, q [B, A, N, D], window) -> [B, A, N, D]: layer i's queries at positions [B, A]
+    over their rows' prompts in the table and own slots `own` up to themselves (one query position at
+    a time), within the layer's sliding window counted in positions."""
+    visible = cache.completion.visibility(positions.shape[1])  # [B, A, S]
+    prompt = cache.prompt
+
+    def attend(i, own, q, window):
+        pk, pv, ok, ov = (a[i].astype(q.dtype) for a in (prompt.k, prompt.v, own.k, own.v))
+
+        def one(q_t, visible_t, query_t):
+            prompt_visible, own_visible = cache.windowed(visible_t, window, query_t)
+            return cache.attention(q_t, pk, pv, ok, ov, own_visible, prompt_visible)
+
+        return jax.vmap(one, in_axes=(1, 1, 1), out_axes=1)(q, visible, positions)
+
+    return attend

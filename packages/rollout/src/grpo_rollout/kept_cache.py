@@ -8,9 +8,10 @@ write index for all rows, positions counted from the mask), so a round is:
     compact:  every kept row's visible slots move, in order, to end at slot `base`
               (a per-row gather); admitted rows are emptied
     admit:    the admitted rows' prefixes go to slots [base, base + A) in one masked forward
-              (kept rows feed masked pads there: invisible), as do the tokens appended to a kept
-              row (a multi-turn row's tool turn): positions count the visible slots, so they
-              continue the row's sequence
+              (kept rows feed masked pads there: invisible), left-padded; the tokens appended to a
+              kept row (a multi-turn row's tool turn) go there right-padded, right after its kept
+              tokens: positions count the visible slots, so they continue the row's sequence, and
+              the model's forward, which counts a sliding window in slots, sees no gap in it
     decode:   the usual loop writes [base + A, base + A + budget), starting from each
               row's last token
 
@@ -96,16 +97,20 @@ def kept_width(counts: Sequence[int], buckets: Sequence[int]) -> int:
 
 
 def admission_batch(prefixes: Sequence[Sequence[int]], counts: Sequence[int], pad_id: int,
-                    buckets: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+                    buckets: Sequence[int], follow: Sequence[bool] | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(ids, mask) [N, A]: the tokens of each prefix after its kept ones but its last (an admitted
-    row's whole prefix but the last; a kept row's appended turn), left-padded; A = 0 when no row
-    has any."""
+    row's whole prefix but the last; a kept row's appended turn), left-padded, or right-padded where
+    `follow` (a kept row's turn then starts at the admission's first slot, right after its kept tokens:
+    no empty slot between them, for the model's forward counts a sliding window in slots); A = 0 when
+    no row has any."""
     heads = [list(p[count:-1]) for p, count in zip(prefixes, counts)]
+    follow = [False] * len(heads) if follow is None else follow
     longest = max(len(h) for h in heads)
     width = bucket_length(longest, buckets) if longest else 0
     ids = np.full((len(heads), width), pad_id, np.int32)
     mask = np.zeros((len(heads), width), np.int32)
-    for row, head in enumerate(heads):
+    for row, (head, right) in enumerate(zip(heads, follow)):
         if head:
-            ids[row, width - len(head):], mask[row, width - len(head):] = head, 1
+            span = slice(0, len(head)) if right else slice(width - len(head), width)
+            ids[row, span], mask[row, span] = head, 1
     return ids, mask

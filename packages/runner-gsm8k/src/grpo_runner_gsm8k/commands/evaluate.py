@@ -237,12 +237,22 @@ def prepare(plan: EvalPlan, given: dict[str, Any]) -> dict[str, tuple[Any, list]
 def _job(plan: EvalPlan, tasks: dict[str, tuple[Any, list]]) -> EvalJob:
     from grpo_runner_gsm8k.assembly.run import build_run
 
+    if plan.stream:
+        _check_stream(plan.cfg)
     built = build_run(plan.cfg, default_registry(), training=False)
     turns = MultiTurnEval(built, built.registry) if plan.cfg.rollout.multi_turn.enabled else None
     for task, examples in tasks.values() if turns is not None else ():  # prompts with the tools: too long fails now
         turns.check(task, examples)
     return EvalJob(built, _weights(built, plan.step, plan.run_dir), plan.out, plan.label, plan.fresh, plan.stream,
                    turns)
+
+
+def _check_stream(cfg) -> None:
+    """The streaming slots' decode layout, from the model's architecture alone (before any weights)."""
+    from grpo_runner_gsm8k.assembly.build import build_tokenizer, model_config
+    from grpo_runner_gsm8k.assembly.decode_layouts import check_stream_layout
+
+    check_stream_layout(cfg.rollout, model_config(cfg.model, build_tokenizer(cfg.model)))
 
 
 def main(argv: list[str]) -> int:
