@@ -1,6 +1,8 @@
 """`mesh.expert_parallel` in a run: the update of a mixture-of-experts policy with its experts
 split over fsdp compiles without a collective of any expert weight, gradient or partial product
-(FSDP moves them in every layer), and the run prints what `auto` chose with both byte counts."""
+(FSDP moves them in every layer), on XLA:CPU and for a v6e-8 by the TPU compiler (libtpu,
+compile-only devices; skipped without it), and the run prints what `auto` chose with both byte
+counts."""
 
 from __future__ import annotations
 
@@ -21,19 +23,25 @@ MOE = ["model.architecture.model_type=qwen3_moe", "model.architecture.num_expert
 EXPERT_COLUMNS = 40
 
 
-def compiled_update(cfg):
-    """(the abstract run, the compiled update's collectives that move data as (op, shape)): those
-    whose every group is one device (shard_map's sums over the size-1 dp and tp axes) move nothing."""
-    inputs = plan.PlanInputs(abstract_run(cfg, default_registry()))
-    lower, args = plan.update_lowering(inputs, cfg.train.micro_batch_size_per_device)
+def update_collectives(inputs: plan.PlanInputs) -> list[tuple[str, list[list[int]]]]:
+    """The compiled update's collectives that move data, as (op, array dims): those whose every group
+    is one device (shard_map's sums over the size-1 dp and tp axes) move nothing."""
+    lower, args = plan.update_lowering(inputs, inputs.run.cfg.train.micro_batch_size_per_device)
     module = HloModule(lower(*args).compile().as_text())
-    return inputs.run, [(op, inst.shape) for comp in module.computations.values() for inst in comp.instructions
-                        if (op := inst.op.removesuffix("-done").removesuffix("-start")) in COLLECTIVES
-                        and any(len(group) > 1 for group in replica_groups(inst, 8))]
+    devices = inputs.run.mesh.devices.size
+    return [(op, array_dims(inst.shape)) for comp in module.computations.values() for inst in comp.instructions
+            if (op := inst.op.removesuffix("-done").removesuffix("-start")) in COLLECTIVES
+            and any(len(group) > 1 for group in replica_groups(inst, devices))]
+
+
+def compiled_update(cfg):
+    """(the abstract run, `update_collectives` of its update)."""
+    inputs = plan.PlanInputs(abstract_run(cfg, default_registry()))
+    return inputs.run, update_collectives(inputs)
 
 
 def expert_collectives(collectives):
-    return [(op, shape) for op, shape in collectives if any(EXPERT_COLUMNS in dims for dims in array_dims(shape))]
+    return [(op, dims) for op, dims in collectives if any(EXPERT_COLUMNS in d for d in dims)]
 
 
 def expert_spec(run):
@@ -80,3 +88,28 @@ def test_true_is_refused_in_one_line_where_fsdp_does_not_divide_the_experts(tiny
     with pytest.raises(UserError, match="mesh.expert_parallel=true: fsdp=8 does not divide the model's 12 experts; "
                                         "set mesh.expert_parallel to auto or false"):
         abstract_run(cfg, default_registry())
+
+
+TPU_SHAPE = [*MOE, "model.dtype=bfloat16", "rollout.prompts_per_step=4", "rollout.n=2", "rollout.max_new_tokens=8"]
+
+
+@pytest.fixture
+def tpu_devices(monkeypatch):
+    monkeypatch.setenv("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # compile only: other processes may hold libtpu
+    topologies = pytest.importorskip("jax.experimental.topologies")
+    try:
+        return topologies.get_topology_desc("v6e:2x4", platform="tpu").devices
+    except Exception as exc:  # no libtpu (or no TPU plugin) on this machine
+        pytest.skip(f"libtpu not available: {exc}")
+
+
+def test_tpu_compiles_the_expert_parallel_update_without_moving_expert_weights(tpu_devices, tiny_config):
+    split = plan.PlanInputs(abstract_run(tiny_config(*TPU_SHAPE, "mesh.expert_parallel=true"), default_registry(),
+                                         tpu_devices))
+    assert expert_spec(split.run) == P(None, "fsdp", None, "tp")  # [L, E, H, I]: one whole expert per chip
+    assert {d.platform for d in split.run.mesh.devices.flat} == {"tpu"}
+    assert not expert_collectives(update_collectives(split))
+    fsdp = plan.PlanInputs(abstract_run(tiny_config(*TPU_SHAPE, "mesh.expert_parallel=false"), default_registry(),
+                                        tpu_devices))
+    assert expert_spec(fsdp.run) == P(None, None, "fsdp", "tp")
+    assert expert_collectives(update_collectives(fsdp))
