@@ -36,7 +36,7 @@ def test_auto_takes_expert_parallelism_when_it_moves_fewer_bytes():
 
 @pytest.mark.parametrize("experts, fsdp, why", [
     (None, 8, "the model is dense"), (12, 8, "fsdp=8 does not divide the model's 12 experts"),
-    (8, 1, "the mesh has one fsdp device")])
+    (8, 1, "the mesh has a single fsdp device")])
 def test_auto_keeps_it_off_and_true_is_refused_where_it_cannot_run(experts, fsdp, why):
     traffic = None if experts is None else expert_traffic(experts, 64, 32, 2, 1, fsdp, 4, 4)
     chosen, line = choose_expert_parallel("auto", experts, fsdp, traffic)

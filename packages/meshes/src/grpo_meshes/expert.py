@@ -49,9 +49,9 @@ def expert_parallel_refusal(experts: int | None, fsdp: int) -> str | None:
     """Why expert parallelism cannot run (a dense model, one fsdp device, fsdp not dividing the
     experts), or None when it can."""
     if experts is None:
-        return "the model is dense (no experts to split)"
+        return "the model is dense"
     if fsdp == 1:
-        return "the mesh has one fsdp device (nothing to split the experts over)"
+        return "the mesh has a single fsdp device"
     if experts % fsdp:
         return f"fsdp={fsdp} does not divide the model's {experts} experts"
     return None
