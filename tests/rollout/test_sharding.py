@@ -262,3 +262,28 @@ def test_head_parallel_decode_of_a_moe_model_samples_the_gathered_decodes_tokens
     cfg = QwenConfig.tiny("qwen3_moe", tie_word_embeddings=False, num_attention_heads=8, hidden_size=64)
     sharded = shard_model(init_from_config(cfg, seed=3), mesh, DEFAULT_RULES)
     assert_samples_like_gathered(sharded, "head_parallel", NamedSharding(mesh, PartitionSpec(STYLES["legacy"])))
+
+
+# The experts split over fsdp (expert parallelism): `expert` takes fsdp first, their hidden dim falls through.
+EXPERT_PARALLEL_RULES = (("expert", "fsdp"), *((n, a) for n, a in DEFAULT_RULES if n != "expert"), ("expert", None),
+                         ("embed", None))
+
+
+@pytest.mark.parametrize("layout", [False, True, "model_parallel", "head_parallel"])
+def test_an_expert_parallel_moe_model_samples_the_replicated_experts_tokens(mesh, layout):
+    """A Qwen3-MoE policy trained with its experts split over fsdp: every decode layout re-shards
+    (or reads) the weights in its own layout and runs the plain MoE path (the rollout's activation
+    rules name no expert axis), sampling the tokens of the same model with replicated experts."""
+    cfg = QwenConfig.tiny("qwen3_moe", tie_word_embeddings=False, num_attention_heads=8, hidden_size=64)
+    replicated = shard_model(init_from_config(cfg, seed=3), mesh, DEFAULT_RULES)
+    split = shard_model(init_from_config(cfg, seed=3), mesh, EXPERT_PARALLEL_RULES)
+    assert split.layers.mlp.expert_parallel is not None
+    assert split.layers.mlp.experts.gate_proj[...].sharding.spec == PartitionSpec(None, "fsdp", None, "tp")
+    batch_sharding = NamedSharding(mesh, PartitionSpec(STYLES["legacy"]))
+    rollout = JaxRollout(JaxRolloutOptions(prompt_buckets=(8,), gather_weights=layout))
+    for params in (PARAMS, SamplingParams(max_new_tokens=8, n=2, greedy=True)):
+        results = []
+        for model in (split, replicated):
+            rollout.load_weights(Policy.of(model))
+            results.append(rollout.generate(PROMPTS, jax.random.key(5), params, batch_sharding=batch_sharding))
+        assert_same_rollout(*results)

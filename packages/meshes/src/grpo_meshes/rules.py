@@ -25,7 +25,7 @@ PARAM_RULES: Rules = (
     ("mlp", "tp"),
     ("norm", None),         # norm scales are tiny; replicating avoids a gather per layer
     ("layers", None),       # stacked decoder layers: the scan slices this axis, never split it
-    ("expert", None),       # MoE experts: replicated (no expert-parallel axis yet); embed/mlp dims shard
+    ("expert", None),       # MoE experts: replicated unless expert parallel (`expert_parallel_rules`)
 )
 
 TRAIN_ACTIVATION_RULES: Rules = (
@@ -39,3 +39,12 @@ TRAIN_ACTIVATION_RULES: Rules = (
     ("mlp", "tp"),
     ("norm", None),
 )
+
+
+def expert_parallel_rules(rules: Rules, axis: str = "fsdp") -> Rules:
+    """`rules` with the MoE experts split over `axis` (expert parallelism, grpo_core.models.moe_parallel):
+    `expert` takes the axis first, so an expert weight [E, H, I] keeps its hidden dimension whole
+    (`embed` falls through to None) and the router [H, E] its expert dimension (`expert` falls
+    through to None). In the activation rules the same entry tells the MoE layer where its experts are."""
+    kept = tuple(rule for rule in rules if rule[0] != "expert")
+    return (("expert", axis), *kept, ("expert", None), ("embed", None))

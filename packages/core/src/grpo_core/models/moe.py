@@ -30,6 +30,7 @@ from flax import nnx
 
 from grpo_core.models.grouped_matmul import ragged_matmul
 from grpo_core.models.layers import INIT_STD, Projection, logical_param
+from grpo_core.models.moe_parallel import expert_parallel_from_rules, expert_parallel_moe
 
 _normal = jax.nn.initializers.normal(INIT_STD)  # as the dense kernels
 
@@ -83,6 +84,12 @@ class SparseMoE(nnx.Module):
         self.top_k, self.normalize = top_k, normalize
         self.gate = Projection((hidden,), (experts,), ("embed", "expert"), bias=False, dtype=dtype, rngs=rngs)
         self.experts = Experts(experts, hidden, intermediate, dtype=dtype, rngs=rngs)
+        self.expert_parallel = None  # set_expert_parallel: the experts split over a mesh axis (moe_parallel)
+
+    def set_expert_parallel(self, mesh, rules) -> None:
+        """Expert parallelism when the activation `rules` map `expert` to a mesh axis that divides
+        the experts (grpo_core.models.moe_parallel); otherwise the replicated-expert path."""
+        self.expert_parallel = expert_parallel_from_rules(mesh, rules, self.experts.gate_proj.shape[-3])  # [(L,) E, H, I]
 
     def route(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """x [N, H] -> `route`'s (probabilities, weights, experts) for each token."""
@@ -99,10 +106,18 @@ class SparseMoE(nnx.Module):
         if replay is not None:
             weights, experts = replayed(probs, weights, experts, replay.reshape(-1, self.top_k).astype(jnp.int32),
                                         self.normalize)
+        return self.mixed(flat, experts, weights).reshape(x.shape), experts
+
+    def mixed(self, flat: jax.Array, experts: jax.Array, weights: jax.Array) -> jax.Array:
+        """flat [N, H], experts and router weights [N, k] -> the weighted sum of each token's experts [N, H]."""
+        if self.expert_parallel is not None:
+            e = self.experts
+            return expert_parallel_moe(self.expert_parallel, flat, experts, weights, e.gate_proj[...], e.up_proj[...],
+                                       e.down_proj[...], grouped_swiglu)
         outputs = self.experts(flat, experts)  # [N, k, H]
         # HF multiplies in the compute dtype; the k-term sum accumulates in f32.
-        weighted = outputs * weights.astype(x.dtype)[..., None]
-        return jnp.sum(weighted.astype(jnp.float32), axis=1).astype(x.dtype).reshape(x.shape), experts
+        weighted = outputs * weights.astype(flat.dtype)[..., None]
+        return jnp.sum(weighted.astype(jnp.float32), axis=1).astype(flat.dtype)
 
 
 def replayed(probs: jax.Array, weights: jax.Array, experts: jax.Array, replay: jax.Array,

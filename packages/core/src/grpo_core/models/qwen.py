@@ -209,6 +209,10 @@ class QwenModel(nnx.Module):
         if mesh is not None:
             check_auto_mesh(mesh)
         self.activation_sharding = None if mesh is None else (mesh, freeze_rules(rules or ()))
+        # A sparse MLP splits its experts over the axis the rules give `expert` (expert parallelism).
+        set_expert_parallel = getattr(self.layers.mlp, "set_expert_parallel", None)
+        if set_expert_parallel is not None:
+            set_expert_parallel(mesh, rules)
 
     def set_attention(self, name: str) -> None:
         """Multi-token attention implementation (attention_impls: xla, chunked, splash,

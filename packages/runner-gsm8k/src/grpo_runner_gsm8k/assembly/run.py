@@ -27,6 +27,7 @@ from grpo_losses.full_kl import FullKLTerm
 from grpo_meshes import ProcessLayout, build_mesh_from_config, rollout_batch_sharding, setup_processes
 
 from grpo_runner_gsm8k.assembly.adapters import storage_dtype
+from grpo_runner_gsm8k.assembly.experts import expert_parallel_strategy, train_tokens_per_device
 from grpo_runner_gsm8k.assembly.build import (Inputs, build_model, check_inputs, from_plugin, micro_batches, preflight,
                                      sampling_params, stop_token_ids, with_micro_batch_size)
 from grpo_runner_gsm8k.operations.checkpoint import Resume, TrainState
@@ -206,6 +207,8 @@ def build_run(cfg: RunConfig, registry: Registry, resume: bool = False, *, train
     mesh, strategy = resolved.mesh, resolved.strategy
     qcfg, inputs = check_inputs(cfg, registry, layout.process_index, layout.process_count)
     preflight(cfg.rollout, cfg.train, mesh, qcfg)
+    strategy = expert_parallel_strategy(cfg.mesh.expert_parallel, strategy, mesh, qcfg,
+                                        train_tokens_per_device(cfg.rollout, cfg.train, mesh), compute_dtype(cfg.model))
     model = build_model(cfg.model, qcfg, mesh, strategy, storage_dtype(cfg.model))
     policy, params = policy_model(cfg.model, model, mesh, strategy.param_rules, compute_dtype(cfg.model))
     plugins, optimizer = build_plugins(cfg.loss, cfg.rollout, registry, mesh), run_optimizer(cfg.train)

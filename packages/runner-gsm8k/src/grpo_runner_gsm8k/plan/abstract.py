@@ -24,6 +24,7 @@ from grpo_core.rollout_records import routing_record_dtype
 from grpo_core.sharding import param_shardings, per_device_bytes
 from grpo_meshes import ProcessLayout, build_mesh_from_config, setup_processes, train_batch_sharding
 
+from grpo_runner_gsm8k.assembly.experts import expert_parallel_strategy, train_tokens_per_device
 from grpo_runner_gsm8k.assembly.adapters import LoRAPolicy, abstract_lora_model, lora_spec, storage_dtype
 from grpo_runner_gsm8k.assembly.build import (attention_impl, build_tokenizer, check_lengths, model_config, preflight,
                                      rows_per_step, sampling_params)
@@ -187,17 +188,19 @@ def abstract_run(cfg: RunConfig, registry: Registry, devices: Optional[list] = N
     check_lengths(cfg.rollout, cfg.eval, qcfg)
     local_prompt_count(cfg.rollout.prompts_per_step, layout.process_count)  # the prompts split over the hosts
     preflight(cfg.rollout, cfg.train, mesh, qcfg, devices)
+    strategy = expert_parallel_strategy(cfg.mesh.expert_parallel, resolved.strategy, mesh, qcfg,
+                                        train_tokens_per_device(cfg.rollout, cfg.train, mesh), compute_dtype(cfg.model))
     spec = lora_spec(cfg.model.lora)
     base = abstract_model(qcfg, storage_dtype(cfg.model), cfg.model.remat, cfg.model.scan_layers)
     policy, params = abstract_trained(base, None if spec is None else abstract_lora_model(cfg.model, qcfg), spec,
-                                      attention_impl(cfg.model, mesh), mesh, resolved.strategy,
+                                      attention_impl(cfg.model, mesh), mesh, strategy,
                                       compute_dtype(cfg.model))
     plugins, optimizer = build_plugins(cfg.loss, cfg.rollout, registry, mesh), run_optimizer(cfg.train)
     state = TrainState(params, abstract_opt_state(optimizer[1], params, mesh), abstract_key(mesh))
-    teacher = (abstract_teacher(cfg.teacher, cfg.model, mesh, resolved.strategy, plugins.loss_impl,
+    teacher = (abstract_teacher(cfg.teacher, cfg.model, mesh, strategy, plugins.loss_impl,
                                 cfg.rollout.temperature) if cfg.teacher.path else None)
     options = reward_model_options(cfg.task)
-    reward_model = None if options is None else abstract_reward_model(options, cfg.model, mesh, resolved.strategy)
+    reward_model = None if options is None else abstract_reward_model(options, cfg.model, mesh, strategy)
     # stop ids change no buffer: the plan needs no tokenizer for them; the rollout is decided
     # later, against the planned capacity (phases.decide_lora_rollout)
     return assemble(cfg, RunPlace(registry, layout, mesh, qcfg, policy), state, plugins, optimizer,
