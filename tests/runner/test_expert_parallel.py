@@ -23,11 +23,15 @@ MOE = ["model.architecture.model_type=qwen3_moe", "model.architecture.num_expert
 EXPERT_COLUMNS = 40
 
 
-def update_collectives(inputs: plan.PlanInputs) -> list[tuple[str, list[list[int]]]]:
+def update_hlo(inputs: plan.PlanInputs) -> str:
+    lower, args = plan.update_lowering(inputs, inputs.run.cfg.train.micro_batch_size_per_device)
+    return lower(*args).compile().as_text()
+
+
+def update_collectives(inputs: plan.PlanInputs, hlo: str | None = None) -> list[tuple[str, list[list[int]]]]:
     """The compiled update's collectives that move data, as (op, array dims): those whose every group
     is one device (shard_map's sums over the size-1 dp and tp axes) move nothing."""
-    lower, args = plan.update_lowering(inputs, inputs.run.cfg.train.micro_batch_size_per_device)
-    module = HloModule(lower(*args).compile().as_text())
+    module = HloModule(hlo or update_hlo(inputs))
     devices = inputs.run.mesh.devices.size
     return [(op, array_dims(inst.shape)) for comp in module.computations.values() for inst in comp.instructions
             if (op := inst.op.removesuffix("-done").removesuffix("-start")) in COLLECTIVES
@@ -108,7 +112,12 @@ def test_tpu_compiles_the_expert_parallel_update_without_moving_expert_weights(t
                                          tpu_devices))
     assert expert_spec(split.run) == P(None, "fsdp", None, "tp")  # [L, E, H, I]: one whole expert per chip
     assert {d.platform for d in split.run.mesh.devices.flat} == {"tpu"}
-    assert not expert_collectives(update_collectives(split))
+    hlo = update_hlo(split)
+    assert not expert_collectives(update_collectives(split, hlo))
+    # Inside the expert-parallel shard_map each chip's experts run the grouped-matmul Mosaic kernel
+    # (grpo_core.models.grouped_matmul), forward and backward.
+    kernels = [line for line in hlo.splitlines() if 'custom_call_target="tpu_custom_call"' in line]
+    assert any("grouped_matmul_transposed" in line for line in kernels), len(kernels)
     fsdp = plan.PlanInputs(abstract_run(tiny_config(*TPU_SHAPE, "mesh.expert_parallel=false"), default_registry(),
                                         tpu_devices))
     assert expert_spec(fsdp.run) == P(None, None, "fsdp", "tp")

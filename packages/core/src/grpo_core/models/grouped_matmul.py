@@ -76,8 +76,8 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, pr
     if lhs.shape[0] == 0:
         return jnp.zeros((0, rhs.shape[2]), out_dtype)
     tm = _row_tile(lhs.shape[0], min(dtype.itemsize, out_dtype.itemsize), tile_m)
-    return _grouped_matmul(lhs.astype(dtype), rhs.astype(dtype), group_sizes.astype(jnp.int32), out_dtype, tm,
-                           interpret)
+    lhs, rhs, group_sizes = _same_varying(lhs.astype(dtype), rhs.astype(dtype), group_sizes.astype(jnp.int32))
+    return _grouped_matmul(lhs, rhs, group_sizes, out_dtype, tm, interpret)
 
 
 def _row_tile(rows: int, itemsize: int, tile_m: int) -> int:
@@ -202,10 +202,26 @@ def _gmm(lhs, rhs, group_sizes, out_dtype, tm, transpose_rhs, interpret):
         scratch_shapes=[pltpu.VMEM((tm, tw), jnp.float32)])
     out = pl.pallas_call(
         functools.partial(_gmm_kernel, transpose_rhs=transpose_rhs), grid_spec=spec, name="grouped_matmul",
-        out_shape=jax.ShapeDtypeStruct((lhs.shape[0], rhs.shape[out_axis]), out_dtype),
+        out_shape=_varying_like((lhs.shape[0], rhs.shape[out_axis]), out_dtype, lhs, rhs, group_sizes),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary", "arbitrary")),
         interpret=interpret)(*visits, lhs, rhs)
     return out[:rows, :width]
+
+
+def _varying_like(shape: tuple, dtype, *operands: jax.Array) -> jax.ShapeDtypeStruct:
+    """The kernel's output shape, varying over the manual mesh axes its operands vary over (made the same
+    by `_same_varying`): inside a shard_map that checks it (check_vma, e.g. the expert-parallel MoE)
+    a Pallas call must say so."""
+    return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=jax.typeof(operands[0]).manual_axis_type)
+
+
+def _same_varying(*operands: jax.Array) -> tuple[jax.Array, ...]:
+    """`operands` cast to vary over every manual mesh axis one of them varies over, before the custom
+    VJP: each cotangent then matches its operand, and the cast's transpose sums a weight's gradient
+    over the axes its tokens vary over (outside shard_map: unchanged)."""
+    varying = [jax.typeof(x).manual_axis_type.varying for x in operands]
+    every = frozenset().union(*varying)
+    return tuple(jax.lax.pcast(x, tuple(sorted(every - own)), to="varying") for x, own in zip(operands, varying))
 
 
 def _tgmm_kernel(tiles, groups, lo, hi, lhs_ref, dout_ref, out_ref, acc_ref):
@@ -241,7 +257,7 @@ def _tgmm(lhs, dout, group_sizes, out_dtype, tm, interpret):
         scratch_shapes=[pltpu.VMEM((tk, tn), jnp.float32)])
     out = pl.pallas_call(
         _tgmm_kernel, grid_spec=spec, name="grouped_matmul_transposed",
-        out_shape=jax.ShapeDtypeStruct((e, lhs.shape[1], dout.shape[1]), out_dtype),
+        out_shape=_varying_like((e, lhs.shape[1], dout.shape[1]), out_dtype, lhs, dout, group_sizes),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
         interpret=interpret)(*visits, lhs, dout)
     return out[:, :k, :n]
