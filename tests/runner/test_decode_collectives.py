@@ -15,16 +15,6 @@ SHAPE = ["model.dtype=bfloat16", "rollout.prompts_per_step=4", "rollout.n=2", "r
 
 
 @pytest.fixture
-def tpu_devices(monkeypatch):
-    monkeypatch.setenv("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # compile only: other processes may hold libtpu
-    topologies = pytest.importorskip("jax.experimental.topologies")
-    try:
-        return topologies.get_topology_desc("v6e:2x4", platform="tpu").devices
-    except Exception as exc:  # no libtpu (or no TPU plugin) on this machine
-        pytest.skip(f"libtpu not available: {exc}")
-
-
-@pytest.fixture
 def plan_inputs(tpu_devices, tiny_config):
     """`plan_inputs(*overrides)`: the abstract run at SHAPE on the v6e-8 devices (auto mesh: fsdp over all 8)."""
     return lambda *overrides: plan.PlanInputs(abstract_run(tiny_config(*SHAPE, *overrides), default_registry(),

@@ -97,16 +97,6 @@ def test_true_is_refused_in_one_line_where_fsdp_does_not_divide_the_experts(tiny
 TPU_SHAPE = [*MOE, "model.dtype=bfloat16", "rollout.prompts_per_step=4", "rollout.n=2", "rollout.max_new_tokens=8"]
 
 
-@pytest.fixture
-def tpu_devices(monkeypatch):
-    monkeypatch.setenv("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # compile only: other processes may hold libtpu
-    topologies = pytest.importorskip("jax.experimental.topologies")
-    try:
-        return topologies.get_topology_desc("v6e:2x4", platform="tpu").devices
-    except Exception as exc:  # no libtpu (or no TPU plugin) on this machine
-        pytest.skip(f"libtpu not available: {exc}")
-
-
 def test_tpu_compiles_the_expert_parallel_update_without_moving_expert_weights(tpu_devices, tiny_config):
     split = plan.PlanInputs(abstract_run(tiny_config(*TPU_SHAPE, "mesh.expert_parallel=true"), default_registry(),
                                          tpu_devices))
