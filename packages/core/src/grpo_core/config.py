@@ -106,8 +106,9 @@ class RolloutConfig:
         "legacy", "Rollout batch sharding: legacy = over dp*fsdp*tp, maxtext = over dp only.")
     use_sampler_logps: bool = setting(
         False, "Use the sampler's log-probs as old log-probs instead of one extra forward pass.")
-    quantize: Literal["none", "int8", "fp8"] = setting(
-        "none", "Sample from int8 or fp8 (e4m3) per-channel projection weights (the trainer stays in full precision).")
+    quantize: Literal["none", "int8", "fp8", "fp8_block"] = setting(
+        "none", "Sample from int8 or fp8 (e4m3) per-channel projection weights, or fp8 with a scale per 128 x 128 "
+        "block (fp8_block); the trainer stays in full precision.")
     kv_cache_dtype: Literal["auto", "int8", "fp8"] = setting("auto", "Rollout KV cache: auto = options.cache_dtype or "
         "model.dtype; int8 or fp8 (e4m3), a float32 scale per token and KV head, read in model.dtype (not the trainer).")
     partial: PartialConfig = field(default_factory=PartialConfig,

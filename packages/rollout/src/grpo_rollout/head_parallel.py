@@ -37,20 +37,15 @@ from flax import nnx
 from jax import shard_map
 from jax.sharding import Mesh, PartitionSpec
 
-from grpo_core.errors import ConfigError
 from grpo_core.sharding import variable_names
-from grpo_rollout.model_parallel import SLICE, ActivationLayout, embed_from_slice, named, value_spec
+from grpo_rollout.model_parallel import (SLICE, ActivationLayout, LayoutUnsupported, embed_from_slice,  # noqa: F401 (re-exported)
+                                         named, value_spec)
 
 ROWS, KV = "rows", "kv"  # axes of the decode's device grid within a slice
 BOTH = (ROWS, KV)  # flattened in the devices' own order: the batch's row order within a slice
 ALL_ROWS = (SLICE, ROWS)  # what splits the rows
 HEAD_DIMENSIONS = ("heads", "kv_heads")  # split over KV (query head h serves KV head h // G)
 COLUMN_DIMENSIONS = ("mlp", "vocab")  # split over all devices
-
-
-class LayoutUnsupported(ConfigError, ValueError):
-    """The head-parallel decode cannot split this model or batch (the message says why): bad
-    input, printed by grpo-run as one line."""
 
 
 def grid_mesh(mesh: Mesh, kv_heads: int, slices: int = 1) -> Mesh:
@@ -88,7 +83,7 @@ def weight_spec(names: tuple, shape: tuple, mesh: Mesh) -> PartitionSpec:
 
 
 def weight_specs(weights: nnx.State, mesh: Mesh) -> nnx.State:
-    return nnx.map_state(lambda _, v: v.replace(value_spec(v.get_value(), weight_spec(variable_names(v), v.shape, mesh))),
+    return nnx.map_state(lambda _, v: v.replace(value_spec(v.get_value(), weight_spec(variable_names(v), v.shape, mesh), mesh)),
                          weights)
 
 

@@ -35,6 +35,7 @@ from flax import nnx
 from jax import shard_map
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from grpo_core.errors import ConfigError
 from grpo_core.sharding import as_tuple, mesh_ways, variable_names
 from grpo_rollout.slices import SLICE, batch_ordered, batch_slices
 
@@ -71,19 +72,31 @@ def weight_shardings(weights: nnx.State, mesh: Mesh, axes: Any) -> nnx.State:
     """`weights` with each Variable's value replaced by its model-parallel NamedSharding(s)."""
     def to_sharding(_, variable):
         spec = weight_spec(variable_names(variable), variable.shape, mesh, axes)
-        return variable.replace(named(mesh, value_spec(variable.get_value(), spec)))
+        return variable.replace(named(mesh, value_spec(variable.get_value(), spec, mesh)))
 
     return nnx.map_state(to_sharding, weights)
 
 
-def value_spec(value: Any, spec: PartitionSpec) -> Any:
+class LayoutUnsupported(ConfigError, ValueError):
+    """A split decode layout cannot split this model or batch (the message says why): bad input,
+    printed by grpo-run as one line; `auto` skips the layout."""
+
+
+def value_spec(value: Any, spec: PartitionSpec, mesh: Mesh) -> Any:
     """`spec` as the PartitionSpec(s) of a weight's value: an 8-bit kernel (grpo_rollout.quantize)
-    splits its values by `spec` and its scales likewise, but not along the input axes, where a
-    scale has size 1 (a split contracted axis leaves partial sums, which its scale multiplies alike)."""
+    splits its values by `spec` and its scales likewise, but not along the axes where a scale has
+    size 1 (per channel: the input axes; a split contracted axis leaves partial sums, which its scale
+    multiplies alike). Block scales (fp8_block) split with their blocks, each device's blocks whole:
+    an axis whose block count its devices do not divide is refused (LayoutUnsupported)."""
     scale = getattr(value, "scale", None)
     if scale is None:
         return spec
     padded = tuple(spec) + (None,) * (scale.ndim - len(spec))
+    for axis, blocks, size in zip(padded, scale.shape, value.shape):
+        if axis is not None and 1 < blocks < size and blocks % mesh_ways(mesh, axis):
+            raise LayoutUnsupported(f"rollout.quantize=fp8_block: an axis of {size} weights in {blocks} blocks does "
+                                    f"not split over {mesh_ways(mesh, axis)} devices; use rollout.quantize=fp8 or "
+                                    "another rollout.options.gather_weights layout")
     scale_spec = PartitionSpec(*(None if size == 1 else axis for axis, size in zip(padded, scale.shape)))
     return dataclasses.replace(value, values=spec, scale=scale_spec)
 

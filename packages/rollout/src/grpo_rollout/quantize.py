@@ -25,6 +25,7 @@ backend cannot decode on it is `kv_cache_refusal`.
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any
 
 import jax
@@ -34,8 +35,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from grpo_core.models.kv_quant import FP8, LARGEST, quantize_symmetric  # noqa: F401 (FP8 re-exported)
 from grpo_core.models.layers import Projection
+from grpo_rollout.quantize_blocks import contract_blocks, expand, quantize_blocks
 
-QUANTIZE_MODES = ("none", "int8", "fp8")
+QUANTIZE_MODES = ("none", "int8", "fp8", "fp8_block")  # fp8_block: grpo_rollout.quantize_blocks
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")  # rollout.kv_cache_dtype (the 8-bit caches: grpo_core.models.kv_quant)
 FP8_MAX = LARGEST["fp8"]
 
@@ -43,7 +45,8 @@ FP8_MAX = LARGEST["fp8"]
 @struct.dataclass
 class QuantizedKernel:
     """A projection kernel as 8-bit values (int8 or fp8) [..., in..., out...] and f32 scales of
-    the same rank (1 on the input axes); indexing it gives the dequantized kernel in `dtype`."""
+    the same rank (per channel: 1 on the input axes; per block: size / extent on every axis,
+    grpo_rollout.quantize_blocks); indexing it gives the dequantized kernel in `dtype`."""
 
     values: jax.Array
     scale: jax.Array
@@ -51,17 +54,21 @@ class QuantizedKernel:
 
     def __getitem__(self, index) -> jax.Array:
         # One rounding, to the compute dtype: the product of two exact f32 factors.
-        return (self.values.astype(jnp.float32) * self.scale).astype(self.dtype)[index]
+        return expand(self.values.astype(jnp.float32), self.scale).astype(self.dtype)[index]
 
     def contract(self, x: jax.Array, axes: tuple) -> jax.Array:
         """x . kernel in f32, as `Projection` computes it: the 8-bit values (exact in bfloat16)
         enter the matmul as they are and the per-output-channel scale multiplies its result, so
         the compiler can read the 8-bit weights straight into the matmul (a dequantized copy
-        costs more weight bytes than the full-precision kernel)."""
+        costs more weight bytes than the full-precision kernel). Block scales along the inputs: per
+        input block (grpo_rollout.quantize_blocks; x's contracted axes are its last, as Projection's)."""
         n_in = len(axes[1])
+        if math.prod(self.scale.shape[:n_in]) > 1:
+            return contract_blocks(x, self.values, self.scale, n_in)
         product = jax.lax.dot_general(x, self.values.astype(x.dtype), (axes, ((), ())),
                                       preferred_element_type=jnp.float32)
-        return product * self.scale.reshape(self.scale.shape[n_in:])
+        rows = product.ndim - self.values.ndim + n_in
+        return expand(product, self.scale.reshape((1,) * rows + self.scale.shape[n_in:]))
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -70,7 +77,10 @@ class QuantizedKernel:
 
 @functools.partial(jax.jit, static_argnames=("in_axes", "mode"))
 def quantize_kernel(kernel: jax.Array, in_axes: tuple[int, ...], mode: str = "int8") -> QuantizedKernel:
-    """Symmetric per-output-channel `mode` (int8 | fp8) of `kernel`, its scales reduced over `in_axes`."""
+    """Symmetric `mode` (int8 | fp8: per output channel, its scales reduced over `in_axes`; fp8_block: per
+    128 x 128 block) of `kernel`."""
+    if mode == "fp8_block":
+        return QuantizedKernel(*quantize_blocks(kernel, in_axes), kernel.dtype)
     return QuantizedKernel(*quantize_symmetric(kernel, in_axes, mode), kernel.dtype)
 
 
@@ -114,8 +124,9 @@ def abstract_kernel(kernel: jax.ShapeDtypeStruct, in_axes: tuple[int, ...], mode
     shapes = jax.eval_shape(functools.partial(quantize_kernel, in_axes=in_axes, mode=mode), kernel)
     sharding = kernel.sharding
     spec = tuple(sharding.spec) + (None,) * (kernel.ndim - len(sharding.spec))
-    scale_sharding = NamedSharding(sharding.mesh, PartitionSpec(*(None if i in in_axes else axis
-                                                                  for i, axis in enumerate(spec))))
+    # Split like the kernel along the output axes it keeps whole (per channel); block scales' others replicated.
+    scale_sharding = NamedSharding(sharding.mesh, PartitionSpec(*(
+        None if i in in_axes or shapes.scale.shape[i] != kernel.shape[i] else axis for i, axis in enumerate(spec))))
     return QuantizedKernel(jax.ShapeDtypeStruct(shapes.values.shape, shapes.values.dtype, sharding=sharding),
                            jax.ShapeDtypeStruct(shapes.scale.shape, shapes.scale.dtype, sharding=scale_sharding),
                            kernel.dtype)
