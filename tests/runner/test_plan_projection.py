@@ -3,6 +3,7 @@ compiler's programs equal a count by hand for prefill, one decode step and the t
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -13,7 +14,7 @@ from grpo_runner_gsm8k import plan
 from grpo_runner_gsm8k.costs import tpu_target
 from grpo_runner_gsm8k.costs import flops
 from grpo_runner_gsm8k.costs.roofline import phase_cost
-from grpo_runner_gsm8k.plan.projection import project, projection_json
+from grpo_runner_gsm8k.plan.projection import project, projection_json, projection_lines
 
 pytest.importorskip("libtpu")
 
@@ -179,6 +180,18 @@ def test_step_is_prefill_decode_steps_and_update_and_mfu_is_model_flops_over_pea
     steps = json.loads(projection_json(projection, [NEW, 5]))["projection"]["steps"]
     assert [s["completion_tokens"] for s in steps] == [NEW, 5]
 
+
+
+def test_an_update_whose_compiled_flops_miss_kernel_flops_is_taken_at_its_model_flops(projected):
+    """A Pallas kernel's FLOPs are not in the compiler's cost analysis (the MoE's grouped matmul): the
+    update is never projected faster than its model FLOPs at the slice's peak, so MFU stays <= 1."""
+    _, projection = projected
+    compiled = projection.phases["train step"].seconds
+    assert projection.update_seconds == compiled  # dense: the compiler's count is above the model FLOPs
+    kernels = dataclasses.replace(projection, model_update_flops=2 * compiled * projection.peak_flops)
+    assert kernels.update_seconds == pytest.approx(2 * compiled) and kernels.mfu == pytest.approx(1.0)
+    assert kernels.step_seconds(NEW) - projection.step_seconds(NEW) == pytest.approx(kernels.epochs * compiled)
+    assert "the update taken at its model FLOPs at peak" in "\n".join(projection_lines(kernels, [NEW]))
 
 
 def test_latency_sensitivity_rescales_the_same_programs(projected):
