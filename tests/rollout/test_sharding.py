@@ -76,11 +76,11 @@ def test_auto_gathers_sharded_weights_only_when_the_gathered_decode_fits(models,
 
 
 def test_gather_weights_accepts_auto_true_false_and_the_split_layouts_only():
-    for value in ("auto", True, False, "model_parallel", "head_parallel"):
+    for value in ("auto", True, False, "model_parallel", "head_parallel", "expert_parallel"):
         assert JaxRolloutOptions(gather_weights=value).gather_weights == value
-    with pytest.raises(ValueError, match="gather_weights='yes' must be true, false, auto, model_parallel or head_par"):
+    with pytest.raises(ValueError, match="gather_weights='yes' must be true, false, auto, model_parallel, head_par"):
         JaxRolloutOptions(gather_weights="yes")
-    for split in ("model_parallel", "head_parallel"):
+    for split in ("model_parallel", "head_parallel", "expert_parallel"):
         with pytest.raises(ValueError, match=f"gather_weights={split} .* set decode_attention=rollout"):
             JaxRolloutOptions(gather_weights=split, decode_attention="model")
 
@@ -267,6 +267,32 @@ def test_head_parallel_decode_of_a_moe_model_samples_the_gathered_decodes_tokens
 # The experts split over fsdp (expert parallelism): `expert` takes fsdp first, their hidden dim falls through.
 EXPERT_PARALLEL_RULES = (("expert", "fsdp"), *((n, a) for n, a in DEFAULT_RULES if n != "expert"), ("expert", None),
                          ("embed", None))
+
+
+@pytest.mark.parametrize("style", sorted(STYLES))
+def test_expert_parallel_decode_samples_the_gathered_decodes_tokens(mesh, style):
+    """8 experts whole on each of the batch's devices (8 of them: 1 each; maxtext's 2: 4 each),
+    attention and vocabulary split as model-parallel, every device's experts run on the replicated
+    tokens routed to them and the outputs all-reduced: the gathered decode's tokens."""
+    from grpo_rollout import model_parallel
+
+    cfg = QwenConfig.tiny("qwen3_moe", tie_word_embeddings=False, num_attention_heads=8, hidden_size=64,
+                          num_experts=8)
+    sharded = shard_model(init_from_config(cfg, seed=3), mesh, DEFAULT_RULES)
+    specs = model_parallel.weight_shardings(nnx.state(sharded), mesh, STYLES[style], experts=True)
+    assert specs["layers"]["mlp"]["experts"]["down_proj"].get_value().spec == PartitionSpec(None, STYLES[style], None, None)
+    assert specs["layers"]["mlp"]["gate"]["kernel"].get_value().spec == PartitionSpec(None, None, None)  # the router: replicated
+    assert_samples_like_gathered(sharded, "expert_parallel", NamedSharding(mesh, PartitionSpec(STYLES[style])))
+
+
+def test_expert_parallel_decode_refuses_a_dense_model_and_indivisible_experts(mesh):
+    batch_sharding = NamedSharding(mesh, PartitionSpec(STYLES["legacy"]))
+    rollout = JaxRollout(JaxRolloutOptions(prompt_buckets=(8,), gather_weights="expert_parallel"))
+    for cfg, reason in ((QwenConfig.tiny("qwen2"), "this model has none"),
+                        (QwenConfig.tiny("qwen3_moe"), "4 experts do not split over 8 devices")):
+        rollout.load_weights(Policy.of(shard_model(init_from_config(cfg, seed=3), mesh, DEFAULT_RULES)))
+        with pytest.raises(UserError, match=f"gather_weights=expert_parallel.*{reason}.*set gather_weights to auto"):
+            rollout.generate(PROMPTS, jax.random.key(5), PARAMS, batch_sharding=batch_sharding)
 
 
 @pytest.mark.parametrize("layout", [False, True, "model_parallel", "head_parallel"])

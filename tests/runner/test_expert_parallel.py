@@ -112,3 +112,33 @@ def test_tpu_compiles_the_expert_parallel_update_without_moving_expert_weights(t
                                         tpu_devices))
     assert expert_spec(fsdp.run) == P(None, None, "fsdp", "tp")
     assert expert_collectives(update_collectives(fsdp))
+
+
+def phase_collectives(program, devices: int) -> list[tuple[str, list[list[int]]]]:
+    """A compiled phase's collectives that move data, as (op, array dims)."""
+    module = HloModule(program.as_text())
+    return [(op, array_dims(inst.shape)) for comp in module.computations.values() for inst in comp.instructions
+            if (op := inst.op.removesuffix("-done").removesuffix("-start")) in COLLECTIVES
+            and any(len(group) > 1 for group in replica_groups(inst, devices))]
+
+
+def test_tpu_compiles_the_expert_parallel_decode_in_place_with_the_kernel(tpu_devices, tiny_config):
+    """gather_weights=expert_parallel after an expert-parallel update: the move into the decode's
+    layout (2 segments compile it as its own phase) and every decoded token carry no expert weight
+    (each chip keeps its expert and runs the tokens routed to it), and the experts' grouped matmuls
+    are the Mosaic kernel; model_parallel splits each expert's 40 columns instead, so its move
+    exchanges every expert kernel (one all-to-all each, of [chips, L, H x 40 / chips])."""
+    programs = {}
+    for layout in ("expert_parallel", "model_parallel"):
+        inputs = plan.PlanInputs(abstract_run(tiny_config(
+            *TPU_SHAPE, "mesh.expert_parallel=true", f"rollout.options.gather_weights={layout}",
+            "rollout.options.decode_segments=2"), default_registry(), tpu_devices))
+        programs[layout] = plan.compile_rollout(inputs)
+    expert = programs["expert_parallel"]
+    print("expert-parallel decode layout move:", phase_collectives(expert["rollout decode layout"], 8))
+    for phase in ("rollout decode layout", "rollout decode"):
+        assert not expert_collectives(phase_collectives(expert[phase], 8)), phase
+    assert 'custom_call_target="tpu_custom_call"' in expert["rollout decode"].as_text()
+    moves = {name: [dims for op, dims in phase_collectives(program["rollout decode layout"], 8) if op == "all-to-all"]
+             for name, program in programs.items()}
+    assert moves == {"expert_parallel": [], "model_parallel": [[[8, 2, 64 * EXPERT_COLUMNS // 8]]] * 3}

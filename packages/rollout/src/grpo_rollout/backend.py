@@ -59,6 +59,9 @@ class JaxRolloutOptions:
                       "head_parallel": the attention where its KV heads are, the
                       MLP and vocabulary split over all devices: 2 collectives per
                       layer and token (grpo_rollout.head_parallel).
+                      "expert_parallel": as model_parallel, with a mixture-of-experts
+                      model's experts whole on each device (E / D each): the tokens
+                      go to the experts, their outputs are all-reduced.
     shared_prompt:    prefill each prompt once for its n samples and keep its KV cache once
                       per group, the decode attending over it once per group (cascade
                       attention, grpo_rollout.cascade): n times fewer prefill FLOPs and
@@ -95,8 +98,8 @@ class JaxRolloutOptions:
             raise ValueError(f"decode_attention={self.decode_attention!r} is not supported; use one of "
                              f"{', '.join(DECODE_ATTENTION)}.")
         if not (isinstance(self.gather_weights, bool) or self.gather_weights in ("auto", *SPLIT_LAYOUTS)):
-            raise ValueError(f"gather_weights={self.gather_weights!r} must be true, false, auto, model_parallel "
-                             "or head_parallel.")
+            raise ValueError(f"gather_weights={self.gather_weights!r} must be true, false, auto, model_parallel, "
+                             "head_parallel or expert_parallel.")
         if self.gather_weights in SPLIT_LAYOUTS and self.decode_attention != "rollout":
             raise ValueError(f"gather_weights={self.gather_weights} runs the rollout's own decode step; set "
                              "decode_attention=rollout")

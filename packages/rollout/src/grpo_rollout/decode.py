@@ -27,8 +27,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 from grpo_rollout.attention import routed_decode_forward
 from grpo_rollout.cascade import SharedCache, TableCache, routed_shared_decode_forward
 from grpo_rollout.head_parallel import HeadParallel, LayoutUnsupported, grid_mesh, unsupported
-from grpo_rollout.model_parallel import (ActivationLayout, model_parallel_layout, model_parallel_weights,
-                                         weight_shardings)
+from grpo_rollout.model_parallel import (ActivationLayout, holds_experts, model_parallel_layout,
+                                         model_parallel_weights, weight_shardings)
 from grpo_rollout.slices import all_done, batch_slices, end_test_every
 from grpo_core.contracts import SamplingParams
 from grpo_core.rollout_records import routing_record_dtype
@@ -278,7 +278,8 @@ def decode(weights, cache, state: LoopState, key, *, graphdef, params: SamplingP
     attention: "rollout" runs `attention.decode_forward` (single-query attention), "model" the model's
     own cached forward with T = 1. gather_weights: see `rollout_weights`; model_parallel: True splits the
     weights by heads / MLP columns / vocabulary over the batch devices (grpo_rollout.model_parallel),
-    "heads" runs the attention where its KV heads are (grpo_rollout.head_parallel)."""
+    "experts" the same with a MoE model's experts whole per device, "heads" runs the attention where
+    its KV heads are (grpo_rollout.head_parallel)."""
     del cache_dtype  # part of the shared static signature only
     rows, end = state.last.shape[0], params.max_new_tokens if until is None else min(until, params.max_new_tokens)
     view = view_slots(cache, params.max_new_tokens, until)
@@ -292,7 +293,7 @@ def decode(weights, cache, state: LoopState, key, *, graphdef, params: SamplingP
 
     def one_token(carry):
         cache, s = carry
-        model = nnx.merge(graphdef, weights)
+        model = run_experts(nnx.merge(graphdef, weights), layout)
         hidden, cache, routing = step_forward(model, s, cache, attention, layout, view)  # [N, 1, H]
         logits = layout.logits(model.logits(hidden)[:, 0])  # [N, V]
         sampled, logps = sample_next(logits, step_uniforms(key, s.step, rows), params, block=block,
@@ -328,8 +329,8 @@ def loop_shardings(weights, cache, *, graphdef, batch_sharding=None, gather_weig
         layout = head_parallel_layout(nnx.merge(graphdef, weights).config, cache, batch_sharding)
         return layout.weight_shardings(weights), layout.cache_shardings(cache)
     if model_parallel:
-        layout = model_parallel_layout(batch_sharding.mesh, batch_spec_axes(batch_sharding))
-        return weight_shardings(weights, layout.mesh, layout.axes), own[1]
+        layout = split_layout(weights, batch_sharding, model_parallel)
+        return weight_shardings(weights, layout.mesh, layout.axes, layout.experts), own[1]
     return jax.tree.map(lambda _: NamedSharding(batch_sharding.mesh, PartitionSpec()), weights), own[1]
 
 
@@ -342,15 +343,33 @@ def lay_out(weights, cache, static: dict):
 
 def decode_layout(weights, graphdef, cache, batch_sharding, gather_weights: bool, model_parallel):
     """(layout, weights as the decode loop reads them): model_parallel True splits the weights by
-    heads over the batch devices (grpo_rollout.model_parallel), "heads" runs the head-parallel
+    heads over the batch devices (grpo_rollout.model_parallel), "experts" its expert-parallel variant, "heads" runs the head-parallel
     decode (grpo_rollout.head_parallel), False keeps them sharded or gathers them."""
     if batch_sharding is None or not model_parallel:
         return ActivationLayout(), rollout_weights(weights, batch_sharding, gather_weights)
     if model_parallel == "heads":
         layout = head_parallel_layout(nnx.merge(graphdef, weights).config, cache, batch_sharding)
         return layout, layout.weights(weights)  # outside the loop: once per rollout
-    layout = model_parallel_layout(batch_sharding.mesh, batch_spec_axes(batch_sharding))
+    layout = split_layout(weights, batch_sharding, model_parallel)
     return layout, model_parallel_weights(weights, layout)
+
+
+def split_layout(weights, batch_sharding: NamedSharding, model_parallel) -> ActivationLayout:
+    """The model-parallel layout over the batch devices; "experts": its expert-parallel variant,
+    refused (LayoutUnsupported) for a model without experts."""
+    experts = model_parallel == "experts"
+    if experts and not holds_experts(weights):
+        raise LayoutUnsupported("gather_weights=expert_parallel splits a mixture-of-experts model's experts; this "
+                                "model has none: set gather_weights to auto, model_parallel or head_parallel")
+    return model_parallel_layout(batch_sharding.mesh, batch_spec_axes(batch_sharding), experts=experts)
+
+
+def run_experts(model, layout):
+    """`model` with its experts run as `layout` holds them: whole experts per device in the
+    expert-parallel variant (grpo_core.models.moe_parallel); other layouts leave it as it is."""
+    if getattr(layout, "experts", False):
+        model.layers.mlp.expert_parallel = layout.expert_plan()
+    return model
 
 
 def head_parallel_layout(config, cache, batch_sharding: NamedSharding) -> HeadParallel:

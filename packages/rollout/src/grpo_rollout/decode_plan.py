@@ -72,7 +72,8 @@ def compile_last_segment(compiler: PhaseCompiler, args: tuple, static: dict[str,
         auto_note = gather_refused_note(gathered, spare)
     gather, split = static["gather_weights"], static["model_parallel"]
     layout = {True: "model-parallel weights (resharded once per rollout); ",
-              "heads": "head-parallel weights (resharded once per rollout); "}.get(split, "")
+              "heads": "head-parallel weights (resharded once per rollout); ",
+              "experts": "expert-parallel weights (resharded once per rollout); "}.get(split, "")
     program = compiler.compile("rollout decode", build(gather), args,
                                note=lambda compiled: auto_note + layout + decode_traffic_note(compiled, gather or split))
     return None if program is None else static
@@ -100,7 +101,7 @@ def compile_fastest_decode(compiler: PhaseCompiler, args: tuple, static: dict[st
     layout, chosen, note = fastest_layout(lambda name: probe if name == "sharded" else compile_layout(name), fits,
                                           lambda program: segmented_seconds(compiler.decode_seconds, program, steps,
                                                                             segments),
-                                          candidate_layouts(static), steps)
+                                          candidate_layouts(static, args[0]), steps)
     compiler.compile("rollout decode", lambda: chosen, args,
                      note=lambda compiled: f"{note}; " + decode_traffic_note(compiled, layout != "sharded"))
     return layout_static(static, layout)

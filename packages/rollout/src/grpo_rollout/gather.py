@@ -21,6 +21,7 @@ from jax.sharding import NamedSharding
 
 from grpo_rollout.decode import decode
 from grpo_rollout.head_parallel import LayoutUnsupported
+from grpo_rollout.model_parallel import holds_experts
 from grpo_rollout.segments import segmented_seconds
 
 GIB = 1 << 30
@@ -80,7 +81,7 @@ def gather_refused_note(gathered: Any, spare: Optional[int]) -> str:
 
 # How the decode loop holds FSDP-sharded weights: the static arguments of `decode` for each.
 # The split layouts (gather_weights values): their `model_parallel` static argument.
-SPLIT_LAYOUTS = {"model_parallel": True, "head_parallel": "heads"}
+SPLIT_LAYOUTS = {"model_parallel": True, "head_parallel": "heads", "expert_parallel": "experts"}
 LAYOUTS = {"gathered": {"gather_weights": True, "model_parallel": False},
            "sharded": {"gather_weights": False, "model_parallel": False},
            **{name: {"gather_weights": False, "model_parallel": split} for name, split in SPLIT_LAYOUTS.items()}}
@@ -93,9 +94,12 @@ def layout_static(static: dict[str, Any], layout: str) -> dict[str, Any]:
     return {**static, **LAYOUTS[layout]}
 
 
-def candidate_layouts(static: dict[str, Any]) -> tuple[str, ...]:
-    """The layouts `auto` compares: the split ones run the rollout's own decode step only."""
-    return tuple(name for name in LAYOUTS if name not in SPLIT_LAYOUTS or static.get("attention") == "rollout")
+def candidate_layouts(static: dict[str, Any], weights: Any) -> tuple[str, ...]:
+    """The layouts `auto` compares: the split ones run the rollout's own decode step only, the
+    expert-parallel one a mixture-of-experts model's only."""
+    own_step = static.get("attention") == "rollout"
+    return tuple(name for name in LAYOUTS if name not in SPLIT_LAYOUTS or
+                 (own_step and (name != "expert_parallel" or holds_experts(weights))))
 
 
 def compile_unless_unsupported(compile_layout: Callable[[], Any]) -> Any:
@@ -167,7 +171,7 @@ class AutoDecoders:
                 lambda: decode.lower(weights, cache, state, key, **layout_static(static, name)).compile()),
             lambda program: every_process(spare is not None and bytes_beyond_arguments(program) <= spare),
             lambda program: segmented_seconds(self.projector, program, steps, segments),
-            candidate_layouts(static), steps)
+            candidate_layouts(static, weights), steps)
         print(f"rollout: {note}", flush=True)
         return layout, compiled
 

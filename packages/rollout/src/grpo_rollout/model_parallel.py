@@ -17,6 +17,11 @@ they move (a few MB per token, not the weights):
   MLP's (down_proj is split by its input columns) are all-reduced into the residual;
 - the logits, split by vocabulary, go to the rows' devices for sampling.
 
+The expert-parallel variant (`experts`) splits a mixture-of-experts model's experts whole instead
+of by their MLP columns, E / D experts per device (the layout training's expert parallelism keeps
+them in, so the move into it leaves them in place); the MoE layer then runs each device's experts
+on the replicated tokens routed to them and all-reduces the outputs (grpo_core.models.moe_parallel).
+
 Across TPU slices (grpo_meshes.slices) all of that stays within each slice: the layout's mesh is
 (slice, model, rest), the weights split within a slice and copied per slice, each
 slice's rows "replicated" over its own devices only, so no decoded token crosses the data-center
@@ -36,6 +41,7 @@ from jax import shard_map
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from grpo_core.errors import ConfigError
+from grpo_core.models.moe_parallel import ExpertParallel
 from grpo_core.sharding import as_tuple, mesh_ways, variable_names
 from grpo_rollout.slices import SLICE, batch_ordered, batch_slices
 
@@ -43,7 +49,7 @@ SPLIT_DIMENSIONS = ("heads", "mlp", "vocab")  # logical names split over the bat
 MODEL, REST = "model", "rest"  # a slice's devices in the layout across slices: splitting the rows, copying them
 
 
-def model_parallel_layout(mesh: Mesh, axes: Any, slices: int | None = None) -> "ActivationLayout":
+def model_parallel_layout(mesh: Mesh, axes: Any, slices: int | None = None, experts: bool = False) -> "ActivationLayout":
     """The model-parallel layout of a batch split over `axes` of `mesh`; across `slices` slices
     (default: the TPU slices, `batch_slices`) on a (slice, model, rest) mesh of the same devices in
     the batch's order: the rows split over (slice, model) as in the batch, the weights over `model`,
@@ -51,16 +57,35 @@ def model_parallel_layout(mesh: Mesh, axes: Any, slices: int | None = None) -> "
     devices it is copied over (else each slice would read whole weights)."""
     slices = batch_slices(mesh, axes) if slices is None else slices
     if slices == 1:
-        return ActivationLayout(mesh, axes)
+        return ActivationLayout(mesh, axes, experts=experts)
     devices = batch_ordered(mesh, axes).reshape(slices, mesh_ways(mesh, axes) // slices, -1)
     grid = Mesh(devices, (SLICE, MODEL, REST))
-    return ActivationLayout(grid, MODEL if grid.shape[MODEL] > 1 else REST, SLICE, MODEL)
+    return ActivationLayout(grid, MODEL if grid.shape[MODEL] > 1 else REST, SLICE, MODEL, experts)
 
 
-def weight_spec(names: tuple, shape: tuple, mesh: Mesh, axes: Any) -> PartitionSpec:
-    """Split the first dimension named in SPLIT_DIMENSIONS that `axes` divides; the rest replicated."""
+def is_expert_kernel(names: tuple) -> bool:
+    """An expert MLP's stacked kernel ([(L,) E, H, I] or [(L,) E, I, H]), not the router ([H, E])."""
+    return "expert" in names and "mlp" in names
+
+
+def holds_experts(weights: nnx.State) -> bool:
+    """The weights are a mixture-of-experts model's (the expert-parallel layout has something to split)."""
+    variables = jax.tree.leaves(weights, is_leaf=lambda leaf: isinstance(leaf, nnx.Variable))
+    return any(is_expert_kernel(variable_names(v)) for v in variables if isinstance(v, nnx.Variable))
+
+
+def weight_spec(names: tuple, shape: tuple, mesh: Mesh, axes: Any, experts: bool = False) -> PartitionSpec:
+    """Split the first dimension named in SPLIT_DIMENSIONS that `axes` divides; the rest replicated.
+    `experts`: an expert kernel splits its `expert` dimension instead (whole experts per device)."""
     spec: list = [None] * len(shape)
     ways = mesh_ways(mesh, axes)
+    if experts and is_expert_kernel(names):
+        count = shape[names.index("expert")]
+        if count % ways:
+            raise LayoutUnsupported(f"gather_weights=expert_parallel: {count} experts do not split over {ways} "
+                                    "devices; set gather_weights to auto, model_parallel or head_parallel")
+        spec[names.index("expert")] = axes
+        return PartitionSpec(*spec)
     for dim, (name, size) in enumerate(zip(names, shape)):
         if name in SPLIT_DIMENSIONS and size % ways == 0:
             spec[dim] = axes
@@ -68,10 +93,11 @@ def weight_spec(names: tuple, shape: tuple, mesh: Mesh, axes: Any) -> PartitionS
     return PartitionSpec(*spec)
 
 
-def weight_shardings(weights: nnx.State, mesh: Mesh, axes: Any) -> nnx.State:
-    """`weights` with each Variable's value replaced by its model-parallel NamedSharding(s)."""
+def weight_shardings(weights: nnx.State, mesh: Mesh, axes: Any, experts: bool = False) -> nnx.State:
+    """`weights` with each Variable's value replaced by its model-parallel NamedSharding(s)
+    (`experts`: the expert-parallel variant's)."""
     def to_sharding(_, variable):
-        spec = weight_spec(variable_names(variable), variable.shape, mesh, axes)
+        spec = weight_spec(variable_names(variable), variable.shape, mesh, axes, experts)
         return variable.replace(named(mesh, value_spec(variable.get_value(), spec, mesh)))
 
     return nnx.map_state(to_sharding, weights)
@@ -115,6 +141,12 @@ class ActivationLayout:
     axes: Any = None  # mesh axes of the rollout batch, which also split the weights
     outer: str | None = None  # the axis of the slices: rows split over it too, "replicated" within a slice
     rows_within: Any = None  # the axes of `axes` that split the rows within a slice (None: all)
+    experts: bool = False  # the expert-parallel variant: whole experts per device (module doc)
+
+    def expert_plan(self) -> ExpertParallel:
+        """How the MoE layer runs in the expert-parallel variant: experts split over `axes`, the
+        tokens replicated (within each slice), so each device's outputs are all-reduced."""
+        return ExpertParallel(self.mesh, self.axes, () if self.outer is None else (self.outer,), ())
 
     @property
     def row_axes(self) -> Any:
@@ -173,4 +205,4 @@ def embed_from_slice(table: jax.Array, ids: jax.Array, axes: tuple[str, ...]) ->
 
 def model_parallel_weights(weights: nnx.State, layout: ActivationLayout) -> nnx.State:
     """The weights resharded for the decode loop (inside jit: one reshard per rollout)."""
-    return jax.lax.with_sharding_constraint(weights, weight_shardings(weights, layout.mesh, layout.axes))
+    return jax.lax.with_sharding_constraint(weights, weight_shardings(weights, layout.mesh, layout.axes, layout.experts))

@@ -33,17 +33,14 @@ from grpo_core.sharding import Rules, as_tuple, rules_to_dict
 
 @dataclass(frozen=True)
 class ExpertParallel:
-    """Where the experts and tokens are: `axis` splits the experts, `tokens` the tokens (the
+    """Where the experts and tokens are: `axis` splits the experts (one mesh axis in training, the
+    decode's batch axes in the rollout's expert-parallel layout), `tokens` the tokens (the
     activations' batch axes), `mlp` the experts' intermediate columns."""
 
     mesh: Mesh
-    axis: str
+    axis: str | tuple[str, ...]
     tokens: tuple[str, ...]
     mlp: tuple[str, ...]
-
-    @property
-    def ways(self) -> int:
-        return self.mesh.shape[self.axis]
 
 
 def expert_parallel_from_rules(mesh: Mesh | None, rules: Rules | None, experts: int) -> ExpertParallel | None:
