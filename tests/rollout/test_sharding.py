@@ -85,17 +85,22 @@ def test_gather_weights_accepts_auto_true_false_and_the_split_layouts_only():
             JaxRolloutOptions(gather_weights=split, decode_attention="model")
 
 
-def assert_samples_like_gathered(model, layout: str, batch_sharding, **options):
-    """The `layout` decode samples the gathered decode's tokens, log-probs within 1e-5 (f32; only
-    the order of the partial sums differs), greedy and sampled."""
-    split = JaxRollout(JaxRolloutOptions(prompt_buckets=(8,), gather_weights=layout, **options))
-    gathered = JaxRollout(JaxRolloutOptions(prompt_buckets=(8,), gather_weights=True, **options))
+def assert_same_samples(pairs, batch_sharding):
+    """Two (rollout, model) pairs sample the same tokens, log-probs within 1e-5 (f32; only the order
+    of the partial sums differs), greedy and sampled."""
     for params in (PARAMS, SamplingParams(max_new_tokens=8, n=2, greedy=True)):
         results = []
-        for rollout in (split, gathered):
+        for rollout, model in pairs:
             rollout.load_weights(Policy.of(model))
             results.append(rollout.generate(PROMPTS, jax.random.key(5), params, batch_sharding=batch_sharding))
         assert_same_rollout(*results)
+
+
+def assert_samples_like_gathered(model, layout: str, batch_sharding, **options):
+    """The `layout` decode samples the gathered decode's tokens (`assert_same_samples`)."""
+    split = JaxRollout(JaxRolloutOptions(prompt_buckets=(8,), gather_weights=layout, **options))
+    gathered = JaxRollout(JaxRolloutOptions(prompt_buckets=(8,), gather_weights=True, **options))
+    assert_same_samples(((split, model), (gathered, model)), batch_sharding)
 
 
 @pytest.mark.parametrize("style", sorted(STYLES))
@@ -256,6 +261,16 @@ def test_fastest_layout_skips_refused_and_oversized_layouts():
     assert layout == "gathered"
 
 
+def test_auto_ranks_the_expert_parallel_decode_for_a_mixture_of_experts_model_only():
+    from grpo_rollout.gather import candidate_layouts
+
+    split = ("model_parallel", "head_parallel")
+    for model_type, extra in (("qwen2", ()), ("qwen3_moe", ("expert_parallel",))):
+        weights = nnx.state(init_from_config(QwenConfig.tiny(model_type), seed=0))
+        assert candidate_layouts({"attention": "rollout"}, weights) == ("gathered", "sharded", *split, *extra)
+        assert candidate_layouts({"attention": "model"}, weights) == ("gathered", "sharded")
+
+
 def test_head_parallel_decode_of_a_moe_model_samples_the_gathered_decodes_tokens(mesh):
     """Qwen3-MoE: the experts split by their MLP columns like a dense MLP's (the router replicated),
     each device's grouped matmuls give partial sums of every token's expert outputs."""
@@ -295,21 +310,18 @@ def test_expert_parallel_decode_refuses_a_dense_model_and_indivisible_experts(me
             rollout.generate(PROMPTS, jax.random.key(5), PARAMS, batch_sharding=batch_sharding)
 
 
-@pytest.mark.parametrize("layout", [False, True, "model_parallel", "head_parallel"])
+@pytest.mark.parametrize("layout", [False, True, "model_parallel", "head_parallel", "expert_parallel"])
 def test_an_expert_parallel_moe_model_samples_the_replicated_experts_tokens(mesh, layout):
-    """A Qwen3-MoE policy trained with its experts split over fsdp: every decode layout re-shards
+    """A Qwen3-MoE policy trained with its 8 experts split over fsdp: every decode layout re-shards
     (or reads) the weights in its own layout and runs the plain MoE path (the rollout's activation
-    rules name no expert axis), sampling the tokens of the same model with replicated experts."""
-    cfg = QwenConfig.tiny("qwen3_moe", tie_word_embeddings=False, num_attention_heads=8, hidden_size=64)
+    rules name no expert axis) or, expert_parallel, its own (the experts split over all 8 devices),
+    sampling the tokens of the same model with replicated experts."""
+    cfg = QwenConfig.tiny("qwen3_moe", tie_word_embeddings=False, num_attention_heads=8, hidden_size=64,
+                          num_experts=8)
     replicated = shard_model(init_from_config(cfg, seed=3), mesh, DEFAULT_RULES)
     split = shard_model(init_from_config(cfg, seed=3), mesh, EXPERT_PARALLEL_RULES)
     assert split.layers.mlp.expert_parallel is not None
     assert split.layers.mlp.experts.gate_proj[...].sharding.spec == PartitionSpec(None, "fsdp", None, "tp")
     batch_sharding = NamedSharding(mesh, PartitionSpec(STYLES["legacy"]))
     rollout = JaxRollout(JaxRolloutOptions(prompt_buckets=(8,), gather_weights=layout))
-    for params in (PARAMS, SamplingParams(max_new_tokens=8, n=2, greedy=True)):
-        results = []
-        for model in (split, replicated):
-            rollout.load_weights(Policy.of(model))
-            results.append(rollout.generate(PROMPTS, jax.random.key(5), params, batch_sharding=batch_sharding))
-        assert_same_rollout(*results)
+    assert_same_samples(((rollout, split), (rollout, replicated)), batch_sharding)
