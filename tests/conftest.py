@@ -156,6 +156,30 @@ def small_run() -> Callable[..., list[str]]:
     return overrides
 
 
+# The other model families on the tiny task (docs/models.md, "Learning on CPU"), each with one of the
+# three loss implementations: Gemma 3 with a sliding and a global layer, Qwen3-MoE with 4 experts of
+# which each token takes 2.
+FAMILY_RUNS = {
+    "llama": ("model.architecture.model_type=llama", "loss.impl=jax"),
+    "gemma3_text": ("model.architecture.model_type=gemma3_text", "model.architecture.sliding_window=4",
+                    "model.architecture.layer_types=[sliding_attention,full_attention]", "loss.impl=pallas"),
+    "qwen3_moe": ("model.architecture.model_type=qwen3_moe", "model.architecture.num_experts=4",
+                  "model.architecture.num_experts_per_tok=2", "model.architecture.moe_intermediate_size=32",
+                  "model.architecture.norm_topk_prob=true", "loss.impl=fused"),
+}
+
+
+# A format reward beside correctness: an untrained model's groups then differ (on correctness alone
+# every reward may be 0, every advantage 0, and nothing would train).
+GRADED_FORMAT = ("task.rewards={correctness: 1.0, format: 0.5}", "task.reward_options={format: {style: number_only}}")
+
+
+@pytest.fixture(scope="session", params=sorted(FAMILY_RUNS))
+def family_run(request) -> tuple[str, ...]:
+    """The overrides of one other model family's tiny run (FAMILY_RUNS, GRADED_FORMAT), one test per family."""
+    return (*FAMILY_RUNS[request.param], *GRADED_FORMAT)
+
+
 @pytest.fixture(scope="session")
 def one_step(tiny_config_path, small_run) -> Callable[..., list[str]]:
     """`one_step(run_dir, *args, config=None, eval_every=0)`: grpo-run's arguments for one

@@ -141,6 +141,21 @@ def test_two_process_lora_run_ends_with_the_same_adapters_on_both(tmp_path, star
     same_step_statistics(outs, records)
 
 
+@pytest.mark.slow
+def test_two_process_run_of_each_model_family_ends_with_the_same_params_on_both(tmp_path, start, family_run):
+    """Llama, Gemma 3 and Qwen3-MoE (tests/conftest.py's FAMILY_RUNS) over two processes of 4 devices:
+    one global batch, the same parameters on both, trained, in bfloat16 compute."""
+    port = free_port()
+    options = [*family_run, "model.dtype=bfloat16", "eval.every_steps=0", f"logging.dir={tmp_path}"]
+    outs = finish([start(4, [*RUN, *options, *distributed(port, i)]) for i in range(2)])
+    initial = [float(printed(out, "INITIAL")) for out in outs]
+    final = [float(printed(out, "PARAMS")) for out in outs]
+    assert initial[0] == initial[1] and final[0] == final[1] and final[0] != initial[0]
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2] and all(r["train-other/grad_norm"] > 0 for r in records)
+    same_step_statistics(outs, records)
+
+
 def same_step_statistics(outs: list[str], records: list[dict]) -> None:
     """Both processes computed the step's advantage statistics over the one global batch: the
     same values on each, as logged."""

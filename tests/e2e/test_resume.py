@@ -185,6 +185,17 @@ def test_sigterm_then_sigkill_then_resume_with_partial_rollouts_and_mixed_precis
     assert saved_meta(tmp_path / "run", STEPS)["carried"] == saved_meta(reference, STEPS)["carried"]
 
 
+def test_sigkill_then_resume_of_each_model_family_ends_bitwise_equal(family_run, tmp_path, capsys, runs):
+    """Llama, Gemma 3 and Qwen3-MoE (tests/conftest.py's FAMILY_RUNS: one loss implementation each) in
+    bfloat16 compute on float32 masters: what each family's parameters and optimizer state hold
+    (the router and experts, the four norms per layer) resumes bitwise."""
+    overrides = (*family_run, "model.dtype=bfloat16")
+    reference = tmp_path / "uninterrupted"
+    runs.run_to_end(reference, *overrides)
+    assert any(step["train-other/grad_norm"] > 0 for step in logged_steps(reference))  # it trained
+    check_sigkill_resume(runs, reference, tmp_path, capsys, *overrides)
+
+
 def test_sigkill_then_resume_with_multi_turn_rollouts_ends_bitwise_equal(tmp_path, capsys, runs):
     """A multi-turn step rolls every row out to its end, so a checkpoint never holds a row in
     mid-conversation: the resumed run redoes the next step's rollout as the uninterrupted one did."""
