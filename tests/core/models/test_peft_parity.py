@@ -43,7 +43,11 @@ def _randomize_adapters(model, spec, seed):
 
 @pytest.mark.parametrize("name, targets, rslora", [("qwen2_tied", ["all-linear"], False),
                                                    ("qwen2_untied", ["q_proj", "v_proj", "down_proj"], True),
-                                                   ("qwen3", ["all-linear"], True)])
+                                                   ("qwen3", ["all-linear"], True),
+                                                   ("llama3_untied", ["all-linear"], False),
+                                                   ("gemma3", ["q_proj", "o_proj", "up_proj"], True),
+                                                   # a MoE's adapters: attention only (experts refused)
+                                                   ("qwen3_moe", ["q_proj", "k_proj", "v_proj", "o_proj"], False)])
 def test_our_adapters_in_peft_give_our_logits(golden, name, targets, rslora, tmp_path, randomize, logits_of):
     model, spec = _ours_with_adapters(golden, name, randomize, targets, rslora)
     export_pretrained(model, tmp_path / "base")
