@@ -123,8 +123,17 @@ def value_spec(value: Any, spec: PartitionSpec, mesh: Mesh) -> Any:
             raise LayoutUnsupported(f"rollout.quantize=fp8_block: an axis of {size} weights in {blocks} blocks does "
                                     f"not split over {mesh_ways(mesh, axis)} devices; use rollout.quantize=fp8 or "
                                     "another rollout.options.gather_weights layout")
-    scale_spec = PartitionSpec(*(None if size == 1 else axis for axis, size in zip(padded, scale.shape)))
-    return dataclasses.replace(value, values=spec, scale=scale_spec)
+    return dataclasses.replace(value, values=spec, scale=scale_spec(spec, scale.shape, value.shape))
+
+
+def scale_spec(spec: PartitionSpec, scale_shape: tuple, value_shape: tuple, split_blocks: bool = True) -> PartitionSpec:
+    """The PartitionSpec of an 8-bit kernel's scales beside its values' `spec`: replicated along an
+    axis where the scale has one entry (per channel: the input axes), split like the values where it
+    has one per element (the output axes), and where it has one per block, split with the blocks
+    (`split_blocks`) or replicated."""
+    padded = tuple(spec) + (None,) * (len(scale_shape) - len(spec))
+    return PartitionSpec(*(None if scale == 1 or (scale != size and not split_blocks) else axis
+                           for axis, scale, size in zip(padded, scale_shape, value_shape)))
 
 
 def named(mesh: Mesh, specs: Any) -> Any:

@@ -31,10 +31,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx, struct
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding
 
 from grpo_core.models.kv_quant import FP8, LARGEST, quantize_symmetric  # noqa: F401 (FP8 re-exported)
 from grpo_core.models.layers import Projection
+from grpo_rollout.model_parallel import scale_spec
 from grpo_rollout.quantize_blocks import contract_blocks, expand, quantize_blocks
 
 QUANTIZE_MODES = ("none", "int8", "fp8", "fp8_block")  # fp8_block: grpo_rollout.quantize_blocks
@@ -123,10 +124,10 @@ def abstract_quantized(graphdef, weights, mode: str):
 def abstract_kernel(kernel: jax.ShapeDtypeStruct, in_axes: tuple[int, ...], mode: str) -> QuantizedKernel:
     shapes = jax.eval_shape(functools.partial(quantize_kernel, in_axes=in_axes, mode=mode), kernel)
     sharding = kernel.sharding
-    spec = tuple(sharding.spec) + (None,) * (kernel.ndim - len(sharding.spec))
-    # Split like the kernel along the output axes it keeps whole (per channel); block scales' others replicated.
-    scale_sharding = NamedSharding(sharding.mesh, PartitionSpec(*(
-        None if i in in_axes or shapes.scale.shape[i] != kernel.shape[i] else axis for i, axis in enumerate(spec))))
+    # Per channel: split like the kernel along its output axes; block scales replicated (the training
+    # layout's splits need not fall on block edges).
+    scale_sharding = NamedSharding(sharding.mesh, scale_spec(sharding.spec, shapes.scale.shape, kernel.shape,
+                                                             split_blocks=False))
     return QuantizedKernel(jax.ShapeDtypeStruct(shapes.values.shape, shapes.values.dtype, sharding=sharding),
                            jax.ShapeDtypeStruct(shapes.scale.shape, shapes.scale.dtype, sharding=scale_sharding),
                            kernel.dtype)
