@@ -294,9 +294,9 @@ def test_expert_parallel_decode_samples_the_gathered_decodes_tokens(mesh, style)
     cfg = QwenConfig.tiny("qwen3_moe", tie_word_embeddings=False, num_attention_heads=8, hidden_size=64,
                           num_experts=8)
     sharded = shard_model(init_from_config(cfg, seed=3), mesh, DEFAULT_RULES)
-    specs = model_parallel.weight_shardings(nnx.state(sharded), mesh, STYLES[style], experts=True)
-    assert specs["layers"]["mlp"]["experts"]["down_proj"].get_value().spec == PartitionSpec(None, STYLES[style], None, None)
-    assert specs["layers"]["mlp"]["gate"]["kernel"].get_value().spec == PartitionSpec(None, None, None)  # the router: replicated
+    specs = model_parallel.weight_shardings(nnx.state(sharded), mesh, STYLES[style], experts=True)["layers"]["mlp"]
+    assert specs["experts"]["down_proj"].get_value().spec == PartitionSpec(None, STYLES[style], None, None)
+    assert specs["gate"]["kernel"].get_value().spec == PartitionSpec(None, None, None)  # the router: replicated
     assert_samples_like_gathered(sharded, "expert_parallel", NamedSharding(mesh, PartitionSpec(STYLES[style])))
 
 

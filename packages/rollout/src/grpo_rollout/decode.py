@@ -27,8 +27,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 from grpo_rollout.attention import routed_decode_forward
 from grpo_rollout.cascade import SharedCache, TableCache, routed_shared_decode_forward
 from grpo_rollout.head_parallel import HeadParallel, LayoutUnsupported, grid_mesh, unsupported
-from grpo_rollout.model_parallel import (ActivationLayout, holds_experts, model_parallel_layout,
-                                         model_parallel_weights, weight_shardings)
+from grpo_rollout.model_parallel import (ActivationLayout, model_parallel_weights, run_experts, split_layout,
+                                         weight_shardings)
 from grpo_rollout.slices import all_done, batch_slices, end_test_every
 from grpo_core.contracts import SamplingParams
 from grpo_core.rollout_records import routing_record_dtype
@@ -329,7 +329,7 @@ def loop_shardings(weights, cache, *, graphdef, batch_sharding=None, gather_weig
         layout = head_parallel_layout(nnx.merge(graphdef, weights).config, cache, batch_sharding)
         return layout.weight_shardings(weights), layout.cache_shardings(cache)
     if model_parallel:
-        layout = split_layout(weights, batch_sharding, model_parallel)
+        layout = decode_split_layout(weights, batch_sharding, model_parallel)
         return weight_shardings(weights, layout.mesh, layout.axes, layout.experts), own[1]
     return jax.tree.map(lambda _: NamedSharding(batch_sharding.mesh, PartitionSpec()), weights), own[1]
 
@@ -343,33 +343,21 @@ def lay_out(weights, cache, static: dict):
 
 def decode_layout(weights, graphdef, cache, batch_sharding, gather_weights: bool, model_parallel):
     """(layout, weights as the decode loop reads them): model_parallel True splits the weights by
-    heads over the batch devices (grpo_rollout.model_parallel), "experts" its expert-parallel variant, "heads" runs the head-parallel
-    decode (grpo_rollout.head_parallel), False keeps them sharded or gathers them."""
+    heads over the batch devices (grpo_rollout.model_parallel), "experts" its expert-parallel variant,
+    "heads" runs the head-parallel decode (grpo_rollout.head_parallel), False keeps them sharded or
+    gathers them."""
     if batch_sharding is None or not model_parallel:
         return ActivationLayout(), rollout_weights(weights, batch_sharding, gather_weights)
     if model_parallel == "heads":
         layout = head_parallel_layout(nnx.merge(graphdef, weights).config, cache, batch_sharding)
         return layout, layout.weights(weights)  # outside the loop: once per rollout
-    layout = split_layout(weights, batch_sharding, model_parallel)
+    layout = decode_split_layout(weights, batch_sharding, model_parallel)
     return layout, model_parallel_weights(weights, layout)
 
 
-def split_layout(weights, batch_sharding: NamedSharding, model_parallel) -> ActivationLayout:
-    """The model-parallel layout over the batch devices; "experts": its expert-parallel variant,
-    refused (LayoutUnsupported) for a model without experts."""
-    experts = model_parallel == "experts"
-    if experts and not holds_experts(weights):
-        raise LayoutUnsupported("gather_weights=expert_parallel splits a mixture-of-experts model's experts; this "
-                                "model has none: set gather_weights to auto, model_parallel or head_parallel")
-    return model_parallel_layout(batch_sharding.mesh, batch_spec_axes(batch_sharding), experts=experts)
-
-
-def run_experts(model, layout):
-    """`model` with its experts run as `layout` holds them: whole experts per device in the
-    expert-parallel variant (grpo_core.models.moe_parallel); other layouts leave it as it is."""
-    if getattr(layout, "experts", False):
-        model.layers.mlp.expert_parallel = layout.expert_plan()
-    return model
+def decode_split_layout(weights, batch_sharding: NamedSharding, model_parallel) -> ActivationLayout:
+    """The model-parallel layout over the batch devices ("experts": its expert-parallel variant)."""
+    return split_layout(weights, batch_sharding.mesh, batch_spec_axes(batch_sharding), model_parallel == "experts")
 
 
 def head_parallel_layout(config, cache, batch_sharding: NamedSharding) -> HeadParallel:

@@ -49,7 +49,8 @@ SPLIT_DIMENSIONS = ("heads", "mlp", "vocab")  # logical names split over the bat
 MODEL, REST = "model", "rest"  # a slice's devices in the layout across slices: splitting the rows, copying them
 
 
-def model_parallel_layout(mesh: Mesh, axes: Any, slices: int | None = None, experts: bool = False) -> "ActivationLayout":
+def model_parallel_layout(mesh: Mesh, axes: Any, slices: int | None = None,
+                          experts: bool = False) -> "ActivationLayout":
     """The model-parallel layout of a batch split over `axes` of `mesh`; across `slices` slices
     (default: the TPU slices, `batch_slices`) on a (slice, model, rest) mesh of the same devices in
     the batch's order: the rows split over (slice, model) as in the batch, the weights over `model`,
@@ -61,6 +62,23 @@ def model_parallel_layout(mesh: Mesh, axes: Any, slices: int | None = None, expe
     devices = batch_ordered(mesh, axes).reshape(slices, mesh_ways(mesh, axes) // slices, -1)
     grid = Mesh(devices, (SLICE, MODEL, REST))
     return ActivationLayout(grid, MODEL if grid.shape[MODEL] > 1 else REST, SLICE, MODEL, experts)
+
+
+def split_layout(weights: nnx.State, mesh: Mesh, axes: Any, experts: bool) -> "ActivationLayout":
+    """`model_parallel_layout`; `experts`: its expert-parallel variant, refused (LayoutUnsupported)
+    for a model without experts."""
+    if experts and not holds_experts(weights):
+        raise LayoutUnsupported("gather_weights=expert_parallel splits a mixture-of-experts model's experts; this "
+                                "model has none: set gather_weights to auto, model_parallel or head_parallel")
+    return model_parallel_layout(mesh, axes, experts=experts)
+
+
+def run_experts(model: nnx.Module, layout: Any) -> nnx.Module:
+    """`model` with its experts run as `layout` holds them: whole experts per device in the
+    expert-parallel variant (grpo_core.models.moe_parallel); other layouts leave it as it is."""
+    if getattr(layout, "experts", False):
+        model.layers.mlp.expert_parallel = layout.expert_plan()
+    return model
 
 
 def is_expert_kernel(names: tuple) -> bool:
@@ -214,4 +232,5 @@ def embed_from_slice(table: jax.Array, ids: jax.Array, axes: tuple[str, ...]) ->
 
 def model_parallel_weights(weights: nnx.State, layout: ActivationLayout) -> nnx.State:
     """The weights resharded for the decode loop (inside jit: one reshard per rollout)."""
-    return jax.lax.with_sharding_constraint(weights, weight_shardings(weights, layout.mesh, layout.axes, layout.experts))
+    shardings = weight_shardings(weights, layout.mesh, layout.axes, layout.experts)
+    return jax.lax.with_sharding_constraint(weights, shardings)
