@@ -9,12 +9,14 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from grpo_core.config_io import read_yaml
 from grpo_core.testing import cpu_test_xla_flags
 from grpo_core.models.presets import PRESETS
 from grpo_runner_gsm8k.commands.gpu_acceptance import PHASES, SHAPES
+from grpo_runner_gsm8k.commands.gpu_parts import EIGHT_BIT, fp8_missing
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -34,6 +36,17 @@ def test_full_shapes_are_the_one_gpu_preset():
     assert full.loss == (1, 4096, 151643, model.hidden_size) and full.decode_new_tokens == 512
 
 
+@pytest.mark.parametrize("capability, skipped", [("8.0", True), ("8.6", True), ("8.9", False), ("9.0", False)])
+def test_fp8_is_skipped_in_one_line_on_a_gpu_without_it(capability, skipped):
+    device = SimpleNamespace(compute_capability=capability, device_kind="NVIDIA test card")
+    reason = fp8_missing(device, gpu=True)
+    assert (reason is not None) == skipped
+    if skipped:
+        assert reason == (f"fp8 needs an NVIDIA GPU of compute capability 8.9 or newer (L4, H100, H200); "
+                          f"NVIDIA test card has {capability}")
+    assert fp8_missing(SimpleNamespace(device_kind="cpu"), gpu=False) is None
+
+
 @pytest.mark.slow
 def test_cpu_run_prints_one_json_line_with_gpu_parts_skipped():
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": cpu_test_xla_flags(1)}
@@ -50,6 +63,9 @@ def test_cpu_run_prints_one_json_line_with_gpu_parts_skipped():
     assert train["peak_memory_gib"] is None  # CPU devices report no memory statistics
     decode = record["decode"]
     assert decode["status"] == "ok" and decode["rows"] == 64 and decode["tokens_per_s"] > 0
+    quantize = record["quantize"]  # XLA:CPU runs the fp8 sides too: the path, not a speed
+    assert quantize["status"] == "ok" and quantize["full_precision"]["tokens_per_s"] > 0
+    assert all(quantize[side]["status"] == "ok" and quantize[side]["decode_speedup"] > 0 for side in EIGHT_BIT)
     loss = record["loss"]
     assert [loss[impl]["status"] for impl in ("jax", "fused", "pallas")] == ["ok", "ok", "skipped"]
     assert loss["fused"]["max_abs_diff_vs_jax"]["loss"] < 1e-2

@@ -3,13 +3,15 @@
     grpo-bench gpu                  # full shapes on a GPU; elsewhere shrunken shapes, GPU-only parts skipped
     grpo-bench gpu --size small     # the shrunken (CI) shapes on any backend
 
-With random weights (nothing is downloaded), four parts, each reported as status ok, skipped (and
+With random weights (nothing is downloaded), five parts, each reported as status ok, skipped (and
 why) or error (and the message), so one failing part does not hide the others:
 - train: 3 steps of the 0.5B one-GPU preset (configs/gsm8k_qwen25_0p5b_1gpu.yaml: 8 prompts x 8
   samples, up to 384 prompt and 512 new tokens, 16 rows per micro-batch, fused loss, auto attention)
   on a random Qwen2.5-0.5B with the character tokenizer and the arithmetic task: seconds per phase
   per step (step 1 includes compilation) and peak device memory;
 - decode: the jax rollout backend's tokens/s at 64 rows (grpo-bench rollout's measurement);
+- quantize: the same on int8 and fp8 weights and KV caches beside full precision, with each side's
+  decode speedup (fp8 skipped, in one line, on a GPU of compute capability below 8.9);
 - loss: the jax, fused and pallas implementations at B1 T4096 V151643 (grpo-bench loss): forward +
   backward ms and the largest difference to jax;
 - attention: cuDNN flash attention against the chunked XLA path: ms and the largest difference.
@@ -31,7 +33,7 @@ from typing import Any, Callable, Sequence
 
 import jax
 
-from grpo_runner_gsm8k.commands.gpu_parts import attention_part, decode_part, loss_part
+from grpo_runner_gsm8k.commands.gpu_parts import attention_part, decode_part, loss_part, quantize_part
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,7 @@ SHAPES = {
     "small": Shapes("small", TINY, 2, 4, 16, 8, 1, 8, (1, 256, 4096, 64), (1, 256, 4, 2, 16)),
 }
 GPU_ONLY = ("pallas", "cudnn")  # Triton and cuDNN kernels: skipped on other backends
+PARTS = ("train", "decode", "quantize", "loss", "attention")
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -68,7 +71,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--size", choices=("auto", "full", "small"), default="auto",
                         help="auto: full on a GPU, small elsewhere")
     parser.add_argument("--steps", type=int, default=3, help="training steps of the preset")
-    parser.add_argument("--skip", nargs="*", default=[], choices=("train", "decode", "loss", "attention"),
+    parser.add_argument("--skip", nargs="*", default=[], choices=PARTS,
                         help="parts not to run")
     return parser.parse_args(argv)
 
@@ -132,7 +135,8 @@ def run(args: argparse.Namespace) -> dict:
     skipped = {"status": "skipped", "reason": "not run (--skip)"}
     parts: dict[str, Callable[[], dict]] = {
         "train": lambda: train_part(shapes, args.steps), "decode": lambda: decode_part(shapes),
-        "loss": lambda: loss_part(shapes, gpu), "attention": lambda: attention_part(shapes, gpu)}
+        "quantize": lambda: quantize_part(shapes, gpu), "loss": lambda: loss_part(shapes, gpu),
+        "attention": lambda: attention_part(shapes, gpu)}
     record: dict[str, Any] = {"bench": "gpu", "backend": jax.default_backend(),
                               "device": jax.devices()[0].device_kind, "jax": jax.__version__, "shapes": shapes.name}
     if not gpu:
@@ -148,7 +152,7 @@ def run(args: argparse.Namespace) -> dict:
 def main(argv: Sequence[str] | None = None) -> int:
     record = run(parse_args(argv))
     print(json.dumps(record), flush=True)
-    return 0 if all(record[p]["status"] != "error" for p in ("train", "decode", "loss", "attention")) else 1
+    return 0 if all(record[p]["status"] != "error" for p in PARTS) else 1
 
 
 if __name__ == "__main__":

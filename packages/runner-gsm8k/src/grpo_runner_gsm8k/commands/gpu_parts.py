@@ -1,5 +1,5 @@
-"""The kernel parts of `grpo-bench gpu` (grpo_runner_gsm8k.commands.gpu_acceptance): decode tokens/s, the
-loss implementations and cuDNN against chunked attention. Each returns the fields of its record;
+"""The kernel parts of `grpo-bench gpu` (grpo_runner_gsm8k.commands.gpu_acceptance): decode tokens/s (also
+on 8-bit weights and caches), the loss implementations and cuDNN against chunked attention. Each returns the fields of its record;
 `shapes` is a gpu_acceptance.Shapes."""
 
 from __future__ import annotations
@@ -12,9 +12,15 @@ import jax
 import jax.numpy as jnp
 
 
-def decode_part(shapes: Any) -> dict:
-    """grpo-bench rollout's measurement of the jax backend at 64 rows of the preset's model."""
-    from grpo_rollout.bench import bench_jax
+DECODE_FIELDS = ("tokens_per_s", "prefill_ms", "decode_ms_per_token", "decode_steps")
+# The 8-bit sides of the quantize part: bench_jax's arguments (rollout.quantize, rollout.kv_cache_dtype).
+EIGHT_BIT = {"int8": {"quantize": "int8"}, "fp8": {"quantize": "fp8"}, "int8_kv_cache": {"kv_cache": "int8"},
+             "fp8_kv_cache": {"kv_cache": "fp8"}}
+FP8_CAPABILITY = 8.9  # NVIDIA compute capability with fp8 (e4m3) tensor cores: L4/Ada 8.9, H100/H200 9.0
+
+
+def decode_args(shapes: Any):
+    """grpo-bench rollout's arguments for the jax backend at 64 rows of the preset's model."""
     from grpo_rollout.bench import parse_args as rollout_args
 
     arch = shapes.architecture
@@ -22,9 +28,46 @@ def decode_part(shapes: Any) -> dict:
             arch["num_attention_heads"], "--kv-heads", arch["num_key_value_heads"], "--intermediate",
             arch["intermediate_size"], "--vocab", arch["vocab_size"], "--tied", "--dtype", "bfloat16", "--batch", 64,
             "--prompt-len", shapes.prompt_tokens, "--new-tokens", shapes.decode_new_tokens, "--repeats", 2]
-    found = bench_jax(rollout_args([str(a) for a in argv]))
+    return rollout_args([str(a) for a in argv])
+
+
+def decode_part(shapes: Any) -> dict:
+    """grpo-bench rollout's measurement of the jax backend at 64 rows of the preset's model."""
+    from grpo_rollout.bench import bench_jax
+
+    found = bench_jax(decode_args(shapes))
     return {"rows": 64, "prompt_tokens": shapes.prompt_tokens, "new_tokens": shapes.decode_new_tokens,
-            **{k: found[k] for k in ("tokens_per_s", "prefill_ms", "decode_ms_per_token", "decode_steps")}}
+            **{k: found[k] for k in DECODE_FIELDS}}
+
+
+def fp8_missing(device: Any, gpu: bool) -> str | None:
+    """Why `device` cannot run the fp8 sides (a GPU older than FP8_CAPABILITY), or None. Other
+    backends run them (XLA:CPU computes fp8 in software: the figures check the path, not a speed)."""
+    capability = getattr(device, "compute_capability", None)
+    if not gpu or capability is None or float(capability) >= FP8_CAPABILITY:
+        return None
+    return (f"fp8 needs an NVIDIA GPU of compute capability {FP8_CAPABILITY} or newer (L4, H100, H200); "
+            f"{device.device_kind} has {capability}")
+
+
+def quantize_part(shapes: Any, gpu: bool) -> dict:
+    """The decode part's measurement on 8-bit weights (rollout.quantize int8, fp8) and KV caches
+    (rollout.kv_cache_dtype int8, fp8) beside full precision, in one run: each side's tokens/s and
+    its decode speedup over full precision; fp8 sides skipped in one line on a GPU without fp8."""
+    from grpo_rollout.bench import bench_jax
+
+    args = decode_args(shapes)
+    full = bench_jax(args)
+    record: dict[str, Any] = {"rows": 64, "full_precision": {k: full[k] for k in DECODE_FIELDS}}
+    missing = fp8_missing(jax.devices()[0], gpu)
+    for name, options in EIGHT_BIT.items():
+        if missing and name.startswith("fp8"):
+            record[name] = {"status": "skipped", "reason": missing}
+            continue
+        side = bench_jax(args, **options)
+        record[name] = {"status": "ok", **{k: side[k] for k in DECODE_FIELDS},
+                        "decode_speedup": round(full["decode_ms_per_token"] / side["decode_ms_per_token"], 3)}
+    return record
 
 
 def loss_part(shapes: Any, gpu: bool) -> dict:
