@@ -96,13 +96,15 @@ MULTIMODAL = "gemma3_multimodal"
 
 
 def test_gemma3_multimodal_fixture_matches_current_transformers(golden):
+    """As test_golden_fixtures_match_current_transformers (1e-5: torch's f32 CPU kernels differ by
+    ~2e-6 between machines)."""
     path = os.path.join(golden.GOLDEN_DIR, MULTIMODAL)
     io = np.load(os.path.join(path, "io.npz"))
     ids, mask = io["input_ids"], io["attention_mask"]
     hf = transformers.Gemma3ForConditionalGeneration.from_pretrained(path, dtype=torch.float32,
                                                                      attn_implementation="eager").eval()
-    assert _max_real_diff(golden.hf_logits(hf, ids, mask), io["logits"], mask) <= 1e-6
-    assert _max_real_diff(golden.hf_logits(hf, ids, mask, golden.POSITION_OFFSET), io["logits_far"], mask) <= 1e-6
+    assert _max_real_diff(golden.hf_logits(hf, ids, mask), io["logits"], mask) <= 1e-5
+    assert _max_real_diff(golden.hf_logits(hf, ids, mask, golden.POSITION_OFFSET), io["logits_far"], mask) <= 1e-5
 
 
 def test_gemma3_multimodal_hf_save_then_our_load_in_both_layouts(golden, tmp_path, logits_of):
