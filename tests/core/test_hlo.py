@@ -65,6 +65,14 @@ def test_loop_invariant_gather_is_hoisted_and_counted_once():
     assert gather_loop(varying=False).collective_bytes().get("all-gather") == 64 * 32 * 4
 
 
+def test_every_element_type_counts_its_own_bytes():
+    """float8 is 1 byte (it was counted as 4, so an fp8 decode's weights and caches looked 4x their size),
+    s4 half a byte, bf16 2, pred 1, c64 8, across a tuple shape."""
+    assert [shape_bytes(f"{dtype}[2,256]") for dtype in ("f8e4m3fn", "f8e5m2", "s4", "bf16", "pred", "c64")] == [
+        512, 512, 256, 1024, 512, 4096]
+    assert shape_bytes("(f8e4m3fn[4]{0}, f32[2]{0}, s4[3]{0})") == 4 + 8 + 2  # 1.5 bytes of s4 rounded up
+
+
 def test_instruction_and_shape_parsing():
     inst = parse_instruction("  ROOT %t = (f32[2,3]{1,0}, bf16[4]{0}) tuple(%a, %b), metadata={x}")
     assert (inst.name, inst.op, inst.operands) == ("t", "tuple", ["a", "b"])

@@ -103,15 +103,16 @@ def test_head_parallel_decode_on_int8_weights_and_cache_moves_fewer_bytes_after_
 
 @pytest.fixture(scope="module")
 def decode_hlo_and_flops():
-    """`(hlo, flops)` of the gathered decode of a 2-layer bf16 model (hidden 256, untied head) whose
-    weights are `mode` (none | int8 | fp8), compiled for v6e-8 (memoised per mode)."""
+    """`(hlo, flops)` of the gathered decode of a 2-layer bf16 model (hidden 256, an untied head over
+    128 tokens: every kernel axis whole 128-blocks) whose weights are `mode` (none | int8 | fp8 |
+    fp8_block), compiled for v6e-8 (memoised per mode)."""
     compiled = {}
 
     def compile_mode(plan_inputs, mode):
         if mode not in compiled:
             arch = [f"model.architecture.{key}={value}" for key, value in (
                 ("hidden_size", 256), ("intermediate_size", 512), ("num_attention_heads", 4), ("head_dim", 64),
-                ("tie_word_embeddings", "false"))]
+                ("tie_word_embeddings", "false"), ("vocab_size", 128))]
             decode = plan.compile_rollout(plan_inputs(*arch, f"rollout.quantize={mode}",
                                                       "rollout.options.gather_weights=true"))["rollout decode"]
             cost = decode.cost_analysis()
@@ -120,7 +121,14 @@ def decode_hlo_and_flops():
     return compile_mode
 
 
-@pytest.mark.parametrize("mode", ["int8", "fp8"])
+# fp8_block dequantizes block by block (grpo_rollout.quantize_blocks: XLA:CPU miscompiled the batched
+# per-block products), which the TPU compiler does not fuse into the matmuls: twice the arithmetic and an
+# f32 copy of each layer's gate/up kernel per token. Known; this fails (strict) once it is fixed.
+FP8_BLOCK_UNFUSED = pytest.mark.xfail(strict=True, reason="fp8_block's block-by-block dequantization is not fused "
+                                                          "on TPU: 3.78 MFLOP against bf16's 1.91")
+
+
+@pytest.mark.parametrize("mode", ["int8", "fp8", pytest.param("fp8_block", marks=FP8_BLOCK_UNFUSED)])
 def test_8bit_decode_multiplies_the_8bit_weights_and_scales_the_results(plan_inputs, decode_hlo_and_flops, mode):
     """Every projection (and the untied head) of the 8-bit decode multiplies the 8-bit values,
     exact in bf16, and scales its result per output channel: the compiled decode does the bf16
@@ -129,8 +137,8 @@ def test_8bit_decode_multiplies_the_8bit_weights_and_scales_the_results(plan_inp
     hlo, flops = decode_hlo_and_flops(plan_inputs, mode)
     _, bf16_flops = decode_hlo_and_flops(plan_inputs, "none")
     assert flops <= 1.01 * bf16_flops, (flops, bf16_flops)
-    kernels = ["256,4,64", "256,2,64", "4,64,256", "256,512", "512,256", "256,100"]  # q, k/v, o, gate/up, down, head
-    eight_bit = {"int8": "s8", "fp8": "f8e4m3fn"}[mode]
+    kernels = ["256,4,64", "256,2,64", "4,64,256", "256,512", "512,256", "256,128"]  # q, k/v, o, gate/up, down, head
+    eight_bit = {"int8": "s8", "fp8": "f8e4m3fn", "fp8_block": "f8e4m3fn"}[mode]
     assert f"{eight_bit}[2,256,512]" in hlo  # the stacked 8-bit gate/up kernels reach the decode
     copies = [line for line in materialized_lines(hlo) for shape in kernels
               if re.search(rf"= (bf16|f32)\[(1,)?{shape}\]", line)]

@@ -29,8 +29,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "s32": 4, "u32": 4, "f32": 4,
-          "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
+_BITS = re.compile(r"[a-z]+(\d+)")  # an element type's width: bf16 16, f8e4m3fn 8, s4 4, c64 64
 _ARRAY = re.compile(r"(\w+)\[([\d,]*)\]")
 _HEADER = re.compile(r"^(ENTRY )?%?([\w.\-]+) \((.*)\) -> .*\{$")
 _CALLEES = re.compile(r"(?:calls|body|to_apply|condition)=%([\w.\-]+)")
@@ -81,9 +80,18 @@ def array_dims(shape: str) -> list[list[int]]:
     return [[int(d) for d in dims.split(",") if d] for _, dims in _ARRAY.findall(shape)]
 
 
+def element_bytes(dtype: str) -> float:
+    """Bytes of one element of an HLO element type: its bit width (the number after its kind, so every
+    float8 variant is 1 and s4 half a byte) / 8; pred 1; a type without a width 4."""
+    if dtype == "pred":
+        return 1
+    width = _BITS.match(dtype)
+    return int(width.group(1)) / 8 if width else 4
+
+
 def shape_bytes(shape: str) -> int:
-    return sum(_BYTES.get(dtype, 4) * math.prod(int(d) for d in dims.split(",") if d)
-               for dtype, dims in _ARRAY.findall(shape))
+    return math.ceil(sum(element_bytes(dtype) * math.prod(int(d) for d in dims.split(",") if d)
+                         for dtype, dims in _ARRAY.findall(shape)))
 
 
 def _closing(text: str, start: int) -> int:
