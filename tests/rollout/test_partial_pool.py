@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from grpo_core.rollout_records import DecodeTally, RolloutResult
-from grpo_rollout.partial import DONE, PartialPool, groups_result
+from grpo_rollout.partial import DONE, RUNNING, PartialPool, groups_result
 
 N, SLOTS, BUDGET, MAX_NEW, STOP = 4, 8, 3, 10, 99
 
@@ -100,7 +100,7 @@ def test_rows_older_than_max_staleness_restart_from_their_prompt():
     generate, calls = fake_generate(stop_p=0.0)
     draw, _ = drawer()
     pool = PartialPool(N, N, 1, 3, max_staleness=1)
-    pool.fill(draw)
+    pool.fill(draw, max_groups=1)
     for version in range(3):  # one token per version: the rows' first token is 2 versions old at version 2
         restarted = pool.restart_stale(version)
         pool.decode_round(generate, jax.random.key(version), version)
@@ -162,3 +162,42 @@ def test_groups_result_lays_out_groups_for_the_update():
     np.testing.assert_array_equal(result.sampler_logps[-1, :len(row.tokens)], np.float32(row.logps))
     assert result.lengths[-1] == len(row.tokens) == result.completion_mask[-1].sum() == (versions[-1] >= 0).sum()
     assert result.prompt_mask[-1].sum() == len(groups[-1].prompt)
+
+
+@pytest.mark.parametrize("multiple", [1, 2, 4])
+def test_more_slots_run_fewer_rounds_per_step_as_the_projection_counts(multiple):
+    """Rows of MAX_NEW tokens hold their slot ceil(10 / 3) = 4 rounds: a step that trains 2 groups of
+    N rows runs 2 N x 4 / slots rounds on average (plan.projection.PartialRounds); a step whose groups
+    are already complete with no row running decodes nothing, and the pool never piles them up."""
+    generate, _ = fake_generate(stop_p=0.0)
+    draw, drawn = drawer()
+    pool = PartialPool(2 * N * multiple, N, BUDGET, MAX_NEW)
+    rounds = []
+    for version in range(12):
+        running = pool.running
+        groups, stats = pool.step(generate, draw, jax.random.key(version), version, max_groups=2)
+        assert len(groups) == 2 and all(group.complete for group in groups)
+        assert stats.rounds or (not running and not pool.running)
+        assert pool.complete_groups <= 2 * multiple and len(pool.groups) <= 4 * multiple
+        rounds.append(stats.rounds)
+    assert sum(rounds) / len(rounds) == 4 / multiple
+    assert (0 in rounds) == (multiple > 1)
+    trained = 2 * len(rounds)
+    assert len(drawn) - len(pool.groups) == trained  # every drawn prompt trained once or still waiting
+
+
+def test_a_step_with_its_groups_complete_still_decodes_its_running_rows():
+    """Short and long rows beside each other: whenever a row is running at a step's start the step
+    runs a round, so a running row ages at most one version per round (max_staleness holds), and
+    complete groups do not pile up (a free slot draws no prompt while a step's groups wait)."""
+    generate, _ = fake_generate(stop_p=0.3)
+    draw, _ = drawer()
+    pool = PartialPool(4 * SLOTS, N, BUDGET, MAX_NEW)
+    for version in range(20):
+        running = pool.running
+        _, stats = pool.step(generate, draw, jax.random.key(version), version, max_groups=2)
+        assert stats.rounds >= running
+        assert pool.complete_groups <= 2 * (4 * SLOTS // N)  # no new prompt drawn while a step's groups wait
+        running_rows = [pool.row(o) for o in pool.slots if o is not None and pool.row(o).state == RUNNING]
+        for row in running_rows:  # BUDGET tokens per round, a round or more per version
+            assert version - row.versions[0] <= len(row.tokens) // BUDGET - 1

@@ -82,10 +82,25 @@ def _check_partial(cfg: RunConfig) -> None:
         raise ConfigError("rollout.partial.max_staleness with rollout.partial.budget_quantile: rounds shrink with "
                           "the recent lengths, so no staleness cap is sure to let the longest rows finish; set "
                           "one of them to null")
+    _check_slots(cfg)
     if partial.max_staleness is not None and partial.max_staleness < rounds - 1:
         raise ConfigError(f"rollout.partial.max_staleness = {partial.max_staleness} is below {rounds - 1}: a row "
                           f"of {max_new} tokens spans {rounds} rounds of {budget} and could never finish; set "
                           f"rollout.partial.max_staleness >= {rounds - 1} (or null)")
+
+
+def _check_slots(cfg: RunConfig) -> None:
+    """rollout.partial.slots: a whole number of steps' rows, on single-turn rows."""
+    slots, rows = cfg.rollout.partial.slots, cfg.rollout.prompts_per_step * cfg.rollout.n
+    if slots is None:
+        return
+    if isinstance(slots, int) and slots % rows:
+        nearest = " or ".join(str(m * rows) for m in (slots // rows, slots // rows + 1) if m)
+        raise ConfigError(f"rollout.partial.slots = {slots} is not a multiple of the {rows} rows of a step "
+                          f"(rollout.prompts_per_step x rollout.n); set it to {nearest} (or null)")
+    if cfg.rollout.multi_turn.enabled:
+        raise ConfigError(f"rollout.partial.slots = {slots!r} with rollout.multi_turn.enabled: carried multi-turn "
+                          "rows have prompts_per_step x n slots; set rollout.partial.slots=null")
 
 
 def _check_lora(lora: Any) -> None:

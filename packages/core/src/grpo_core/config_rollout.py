@@ -4,7 +4,7 @@ configuration (`grpo_core.config`, which re-exports them)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Optional
+from typing import Literal, Optional, Union
 
 from grpo_core.config_fields import setting
 
@@ -27,6 +27,13 @@ class PartialConfig:
         None, "Decode steps per round from the lengths of the last prompts_per_step x n trained rows: their "
         "quantile q, rounded up to a power of two (few compiled lengths), at most `budget`; null = always `budget`.",
         gt=0.0, le=1.0)
+    # More slots than a step's rows: fewer, wider rounds per step (decode reads the weights once per
+    # token for every slot), rows carried longer.
+    slots: Union[int, Literal["auto"], None] = setting(
+        None, "Decode slots (rows in flight): null = rollout.prompts_per_step x rollout.n; an integer multiple "
+        "of that; auto = the count of 1, 2 or 4 times it whose projected step is fastest among those that fit "
+        "the device memory, decided by `grpo-run --plan --target` and by a run on TPU chips of a known "
+        "generation (elsewhere 1 time). A step whose groups are already complete decodes nothing.", ge=1)
     kv_cache: Literal["auto", "reprefill", "within_step", "across_steps"] = setting(
         "auto", "How a running row continues in the next round: auto = within_step when the rollout backend keeps "
         "caches (the built-in one does), else reprefill; reprefill = its prompt and tokens so far "

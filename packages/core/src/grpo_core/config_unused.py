@@ -26,7 +26,7 @@ class UnusedSettingWarning(UserWarning):
 POLICY_LOSS_KEYS = {"clip": ("epsilon_low", "epsilon_high"), "cispo": ("cispo_epsilon_max",),
                     "sapo": ("sapo_temperature_pos", "sapo_temperature_neg")}
 TRAIN_BY_OPTIMIZER = ("weight_decay", "b1", "b2")  # adamw and lion read them, sgd does not
-PARTIAL_KEYS = ("budget", "max_staleness", "budget_quantile", "kv_cache")
+PARTIAL_KEYS = ("budget", "max_staleness", "budget_quantile", "slots", "kv_cache")
 
 
 def refuse_unused(section: Any, prefix: str, names: Iterable[str], why: str, fix: str,

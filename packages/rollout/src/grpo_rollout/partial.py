@@ -17,6 +17,10 @@ A group (the K rows of one prompt) is complete when all its rows are done; only 
 groups leave the pool, oldest first. With `prompt_table` G (the backend runs each group's
 prompt once, grpo_rollout.kept_shared) at most G groups have rows in the slots: a row of a
 further group waits, its slot empty for the round (`RoundStats.waited`).
+With more slots than a step's rows, more groups complete per round than a step takes: a free
+slot draws no new prompt while a step's groups are complete already, and a step that finds
+them complete with no row running decodes nothing (every running row still decodes once per
+step, so `max_staleness` keeps its meaning).
 
 Every token keeps the sampler's log-prob and the policy version that drew it, so the loss
 can correct the carried tokens (truncated or masked importance sampling). A running row
@@ -27,7 +31,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import itertools
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
@@ -109,27 +112,40 @@ class PartialPool:
     # ---- one training step ------------------------------------------------------------
     def step(self, generate: Generate, draw: Draw, key: Any, version: int,
              max_groups: int) -> tuple[list[CarriedGroup], RoundStats]:
-        """Rounds of at most `budget` decode steps until `max_groups` groups are complete; returns
-        those groups (oldest first), which leave the pool. Every step trains as many groups as a
-        synchronous step would; rows still running when they are complete are carried."""
+        """Rounds of at most `budget` decode steps until `max_groups` groups are complete (none when
+        they are and no row is running); returns those groups (oldest first), which leave the pool.
+        Every step trains as many groups as a synchronous step would; rows still running when they
+        are complete are carried."""
         restarted, decode, waited = 0, DecodeTally(), self.waited
         if self.kv_cache == "within_step":  # new weights: every carried row is prefilled under them
             self.cached = [False] * len(self.slots)
-        for round_index in itertools.count():
-            self.fill(draw)
+        rounds = 0
+        # A running row decodes in every step, so it ages one version per round at most.
+        while rounds == 0 and self.running or self.complete_groups < max_groups:
+            self.fill(draw, max_groups)
             restarted += self.restart_stale(version)
-            decode += self.decode_round(generate, jax.random.fold_in(key, round_index), version)
-            if sum(group.complete for group in self.groups.values()) >= max_groups:
-                return self.take_complete(max_groups), RoundStats(restarted, round_index + 1, decode,
-                                                                    self.waited - waited)
-        raise AssertionError("unreachable")
+            decode += self.decode_round(generate, jax.random.fold_in(key, rounds), version)
+            rounds += 1
+        return self.take_complete(max_groups), RoundStats(restarted, rounds, decode, self.waited - waited)
 
-    def fill(self, draw: Draw) -> None:
-        """Every free slot gets a pending row; a new prompt is drawn when none is pending."""
+    @property
+    def complete_groups(self) -> int:
+        return sum(group.complete for group in self.groups.values())
+
+    @property
+    def running(self) -> bool:
+        return any(owner is not None and self.row(owner).state == RUNNING for owner in self.slots)
+
+    def fill(self, draw: Draw, max_groups: int) -> None:
+        """Every free slot gets a pending row; a new prompt is drawn when none is pending, unless
+        `max_groups` groups are complete already (more slots than a step's rows would pile them up)."""
+        enough = self.complete_groups >= max_groups
         for slot, owner in enumerate(self.slots):
             if owner is not None and self.row(owner).state != DONE:
                 continue
             self.slots[slot], self.cached[slot] = None, False
+            if not self.pending and enough:
+                continue
             if not self.pending:
                 for example, prompt in draw():
                     self.add_group(example, prompt)
@@ -232,7 +248,8 @@ class PartialPool:
     def restore(self, state: dict) -> None:
         if len(state["slots"]) != len(self.slots):
             raise ValueError(f"the carried rollout pool has {len(state['slots'])} slots, this run {len(self.slots)}; "
-                             "resume with the original rollout.prompts_per_step and rollout.n")
+                             f"resume with rollout.partial.slots={len(state['slots'])} and the original "
+                             "rollout.prompts_per_step and rollout.n")
         self.groups = {int(g): CarriedGroup(d["example"], d["prompt"], [CarriedRow(**r) for r in d["rows"]])
                        for g, d in state["groups"].items()}
         self.slots = [tuple(o) if o else None for o in state["slots"]]

@@ -87,8 +87,10 @@ def _train(cfg, args: argparse.Namespace) -> int:
         return plan_command(cfg, default_registry(), sweep=args.sweep, capacity_gib=args.capacity_gib,
                             target=args.target, chip=args.chip, expect_tokens=args.expect_completion_tokens)
     from grpo_runner_gsm8k.loop import train
+    from grpo_runner_gsm8k.plan.slots import decided_slots
 
-    train(cfg, default_registry(), resume=args.resume)
+    registry = default_registry()
+    train(decided_slots(cfg, registry), registry, resume=args.resume)
     return 0
 
 

@@ -37,6 +37,7 @@ from grpo_runner_gsm8k.plan.report import footer_lines, header_lines, table_line
 from grpo_runner_gsm8k.plan.projection import project, projection_json, projection_lines
 from grpo_runner_gsm8k.plan.remat import sweep_remat
 from grpo_runner_gsm8k.plan.scheduler import memory_minimizing_cpu_scheduler
+from grpo_runner_gsm8k.plan.slots import decide_slots, wants_decision
 from grpo_runner_gsm8k.plan.sweep import check_sweep_field, largest_fitting, micro_batch_candidates, sweep_micro_batch
 from grpo_runner_gsm8k.costs.tpu_target import Generation, parse_target, with_chip
 
@@ -73,8 +74,12 @@ def plan_command(cfg: RunConfig, registry: Registry, sweep: Optional[str] = None
     with memory_minimizing_cpu_scheduler():
         capacity = device_capacity(capacity_gib, parsed)
         if sweep == "model.remat":
+            if wants_decision(cfg):
+                raise UserError("--sweep model.remat with rollout.partial.slots=auto: the slots are decided per "
+                                "plan; plan without --sweep to decide them, then set rollout.partial.slots")
             return sweep_remat(cfg, registry, parsed, capacity)
         inputs = decide_lora_rollout(build_plan_inputs(cfg, registry, parsed), capacity)
+        inputs = decide_slots(inputs, capacity, parsed.generation if parsed else None, lengths[-1])
         if sweep:
             return sweep_micro_batch(inputs, capacity)
         return plan_once(inputs, capacity, parsed.generation if parsed else None, lengths)

@@ -23,7 +23,7 @@ from grpo_runner_gsm8k.plan.abstract import (PlanInputs, abstract_array, abstrac
                                              per_device_bytes, plannable)
 from grpo_runner_gsm8k.samplers.multi_turn_inputs import row_budget
 from grpo_runner_gsm8k.samplers.multi_turn_step import keeps_caches
-from grpo_runner_gsm8k.samplers.partial import kv_cache_mode, shared_prompt_table
+from grpo_runner_gsm8k.samplers.partial import kv_cache_mode, shared_prompt_table, slot_count
 from grpo_runner_gsm8k.assembly.run import with_rollout_decided
 from grpo_runner_gsm8k.assembly.reward_model import REWARD_MODEL_PHASE
 from grpo_runner_gsm8k.assembly.teacher import TEACHER_PHASE
@@ -113,7 +113,7 @@ def rollout_shapes(inputs: PlanInputs) -> RolloutShapes:
         # The widest round: every slot carries a prompt plus max_new_tokens - 1 tokens (a multi-turn
         # row: its budget over all turns, tool turns included, but one), kept in its cache (new
         # prompts admitted beside) or re-prefilled (multi-turn rows always are).
-        prompts, sampling = prompts * rollout.n, dataclasses.replace(sampling, n=1, max_new_tokens=rollout.partial.budget)
+        prompts, sampling = slot_count(rollout), dataclasses.replace(sampling, n=1, max_new_tokens=rollout.partial.budget)
         carried = prompt_length + (row_budget(rollout) if rollout.multi_turn.enabled else rollout.max_new_tokens) - 1
         groups = shared_prompt_table(rollout, plannable(run))
         if kv_cache_mode(run.cfg.rollout, plannable(run)) == "reprefill" and not groups:

@@ -38,7 +38,9 @@ from grpo_rollout.segments import decode_phase_steps
 
 from grpo_runner_gsm8k.assembly.build import attention_impl, micro_batches, rows_per_step
 from grpo_runner_gsm8k.costs.flops import forward_flops
-from grpo_runner_gsm8k.plan.abstract import PlanInputs, train_widths
+from grpo_runner_gsm8k.plan.abstract import PlanInputs, plannable, train_widths
+from grpo_runner_gsm8k.plan.phases import rollout_shapes
+from grpo_runner_gsm8k.samplers.partial import kv_cache_mode
 from grpo_runner_gsm8k.costs.memory import PhaseMemory
 from grpo_runner_gsm8k.costs.roofline import NO_COLLECTIVES, PhaseCost, call_seconds, dcn_chip_gbps, setup_seconds
 from grpo_runner_gsm8k.assembly.teacher import TEACHER_PHASE
@@ -98,6 +100,31 @@ def phase_time(inputs: PlanInputs, chip: Generation, phase: PhaseMemory) -> Phas
                      call_seconds(chip, cost, flops), setup_seconds(chip, cost), cost)
 
 
+# A partial-rollout round's phases besides its decode (grpo_rollout.kept_plan, backend.compile_phases):
+# each generate call loads (and quantizes) the weights, moves them to the decode layout, admits and compacts.
+ROUND_PHASES = ("rollout prefill", "rollout compaction", "rollout admission", "rollout prompt table",
+                "rollout quantize", "rollout decode layout")
+CARRIED_ADMISSION = "rollout admission of carried rows"
+
+
+@dataclass(frozen=True)
+class PartialRounds:
+    """A step of partial rollouts (rollout.partial) in the steady state where every row is `tokens`
+    long: a row holds its slot for ceil(tokens / budget) rounds and the slots serve `slots` rows a
+    round, so a step that trains `rows` rows runs rows x ceil(tokens / budget) / slots rounds on
+    average (a step whose groups are already complete decodes nothing: grpo_rollout.partial).
+    carried_admission: how often the carried rows are admitted again ("round": re-prefilled on a
+    prompt table; "step": kv_cache within_step, under each step's new weights; "never")."""
+
+    slots: int
+    rows: int
+    budget: int
+    carried_admission: str = "never"
+
+    def rounds(self, tokens: int) -> float:
+        return self.rows * -(-tokens // self.budget) / self.slots
+
+
 @dataclass(frozen=True)
 class Projection:
     chip: Generation
@@ -108,6 +135,7 @@ class Projection:
     phases: dict[str, PhaseTime]
     model_update_flops: float  # model_update_passes x forward of the widest training batch, all devices
     slices: int = 1  # mesh.slices: collectives across them are priced over the DCN
+    partial: Optional[PartialRounds] = None  # partial rollouts: the rollout runs in rounds
 
     def decode_segments(self) -> list[tuple[int, Optional[int], PhaseTime]]:
         """(first step, end step, phase) of each decode segment in step order; the last, `rollout
@@ -118,7 +146,10 @@ class Projection:
 
     def decode_seconds(self, tokens: int) -> float:
         """Decode steps 1 .. tokens - 1: each segment the host calls (those starting before the last
-        token), its setup and its steps."""
+        token), its setup and its steps; with partial rollouts, every round's decode loop."""
+        if self.partial is not None:
+            decode = self.phases["rollout decode"]
+            return self.partial.rounds(tokens) * (decode.setup_seconds + self.round_steps(tokens) * decode.seconds)
         total = 0.0
         for first, end, phase in self.decode_segments():
             if first < max(tokens, 2):
@@ -135,10 +166,30 @@ class Projection:
     def peak_flops(self) -> float:
         return self.chip.peak_tflops * 1e12 * self.chips
 
+    def round_steps(self, tokens: int) -> int:
+        """A partial-rollout round's decode steps: `budget` tokens, the first sampled by a prefill
+        where the round runs one (re-prefilled rows), fewer when rows are shorter."""
+        return min(self.partial.budget, tokens) - ("rollout prefill" in self.phases)
+
     def step_seconds(self, tokens: int) -> float:
-        others = sum(p.seconds for name, p in self.phases.items()
-                     if name not in ("rollout decode", "train step") and not decode_phase_steps(name))
-        return others + self.decode_seconds(tokens) + self.epochs * self.update_seconds
+        once = [name for name in self.phases if name not in ("rollout decode", "train step")
+                and not decode_phase_steps(name)]
+        if self.partial is not None:
+            once = [name for name in once if name not in ROUND_PHASES and name != CARRIED_ADMISSION]
+        return (sum(self.phases[name].seconds for name in once) + self.rollout_rounds_seconds(tokens)
+                + self.decode_seconds(tokens) + self.epochs * self.update_seconds)
+
+    def rollout_rounds_seconds(self, tokens: int) -> float:
+        """Partial rollouts: what each round runs besides its decode loop, and the carried rows'
+        admissions; 0 for a synchronous rollout (its prefill is priced once with the other phases)."""
+        if self.partial is None:
+            return 0.0
+        per_round = sum(p.seconds for name, p in self.phases.items() if name in ROUND_PHASES)
+        admission = self.phases.get(CARRIED_ADMISSION)
+        admitted = admission.seconds if admission else 0.0
+        rounds = self.partial.rounds(tokens)
+        return (rounds * (per_round + admitted * (self.partial.carried_admission == "round"))
+                + admitted * (self.partial.carried_admission == "step"))
 
     def with_latency_scale(self, scale: float) -> "Projection":
         """The same compiled programs (the decode layout chosen at the table's latency) with the
@@ -170,7 +221,19 @@ def project(inputs: PlanInputs, chip: Generation, phases: list[PhaseMemory]) -> 
     rows = rows_per_step(cfg.rollout)
     model = model_update_passes(cfg.model) * forward_flops(inputs.run.qcfg, rows, prompt_w + completion_w, completion_w)
     return Projection(chip, mesh.size, rows, micro_batches(cfg.rollout, cfg.train, mesh), cfg.train.ppo_epochs,
-                      {p.name: phase_time(inputs, chip, p) for p in phases}, model, cfg.mesh.slices)
+                      {p.name: phase_time(inputs, chip, p) for p in phases}, model, cfg.mesh.slices,
+                      partial_rounds(inputs))
+
+
+def partial_rounds(inputs: PlanInputs) -> Optional[PartialRounds]:
+    """How the run's partial rollouts (rollout.partial) are priced; None without them."""
+    rollout = inputs.run.cfg.rollout
+    if not rollout.partial.enabled:
+        return None
+    shapes = rollout_shapes(inputs)
+    mode = kv_cache_mode(rollout, plannable(inputs.run))
+    admission = "round" if mode == "reprefill" else "step" if mode == "within_step" else "never"
+    return PartialRounds(shapes.prompts, rows_per_step(rollout), rollout.partial.budget, admission)
 
 
 def projection_lines(projection: Projection, lengths: list[int]) -> list[str]:
@@ -248,7 +311,11 @@ def latency_line(projection: Projection, lengths: list[int]) -> str:
 def step_line(projection: Projection, tokens: int) -> str:
     segments = projection.decode_segments()
     steps = f"{tokens - 1} decode steps x {seconds_text(segments[0][2].seconds)}"
-    if len(segments) > 1:
+    if projection.partial is not None:
+        partial = projection.partial
+        steps = (f"{partial.rounds(tokens):g} rounds of {projection.round_steps(tokens)} decode steps x "
+                 f"{seconds_text(segments[0][2].seconds)} on {partial.slots} slots")
+    elif len(segments) > 1:
         called = sum(first < max(tokens, 2) for first, _, _ in segments)
         steps = (f"{tokens - 1} decode steps in {called} of {len(segments)} segments, "
                  f"{seconds_text(projection.decode_seconds(tokens))}")

@@ -7,6 +7,7 @@ import os
 
 import jax
 
+from grpo_core.config import RolloutConfig
 from grpo_meshes import TRAIN_BATCH_AXES, batch_shard_count
 
 from grpo_runner_gsm8k.assembly.build import micro_batches, rows_per_step
@@ -14,6 +15,7 @@ from grpo_runner_gsm8k.costs.capacity import GIB
 from grpo_runner_gsm8k.plan.abstract import PlanInputs, per_device_bytes, prompt_bucket, train_widths
 from grpo_runner_gsm8k.costs.memory import PhaseMemory
 from grpo_runner_gsm8k.plan.scheduler import CPU_MEMORY_SCHEDULER_FLAG
+from grpo_runner_gsm8k.samplers.partial import slot_count
 
 
 COLUMNS = ("arguments", "outputs", "aliased", "temp", "other", "total")
@@ -42,10 +44,16 @@ def header_lines(inputs: PlanInputs) -> list[str]:
         + f" on {mesh.size} {mesh.devices.flat[0].device_kind} device(s)",
         figures_line(inputs),
         f"rollout: {rows} rows x (prompt bucket {prompt_bucket(inputs)} + {cfg.rollout.max_new_tokens} new tokens), "
-        f"rollout.sharding={cfg.rollout.sharding}",
+        f"rollout.sharding={cfg.rollout.sharding}" + partial_text(cfg.rollout),
         f"train step: {rows} rows x {prompt_w + completion_w} tokens ({prompt_w} prompt + {completion_w} completion), "
         f"{micro} micro-batch(es) of {rows // micro // data_devices} row(s) per device",
     ] + teacher_lines(inputs) + reward_model_lines(inputs)
+
+
+def partial_text(rollout: RolloutConfig) -> str:
+    if not rollout.partial.enabled:
+        return ""
+    return f"; partial rollouts: {slot_count(rollout)} slots, rounds of {rollout.partial.budget} tokens"
 
 
 TEACHER_WORK = {"sampled": "scores every sampled token after the rollout",

@@ -1,8 +1,8 @@
 """The step's rollout batch from partial rollouts (rollout.partial, see grpo_rollout.partial).
 
-The pool has prompts_per_step x n decode slots, the rows of a synchronous rollout. Each
-step runs rounds until prompts_per_step groups are complete and trains on them, so the
-update has the shape of a synchronous step's. With several processes each draws from its
+The pool has prompts_per_step x n decode slots, the rows of a synchronous rollout, or a
+multiple of them (rollout.partial.slots). Each step runs rounds until prompts_per_step groups
+are complete and trains on them, so the update has the shape of a synchronous step's. With several processes each draws from its
 own data shard and the draws are gathered, so every process holds the same pool. The pool's
 carried rows are run state: the sampler is a `CarryingSampler`, saved and restored with the
 checkpoint.
@@ -70,12 +70,19 @@ def kv_cache_mode(rollout_cfg: RolloutConfig, backend: Any) -> str:
     return mode
 
 
+def slot_count(rollout_cfg: RolloutConfig) -> int:
+    """The pool's decode slots: rollout.partial.slots, or a step's rows (null, and `auto` until the
+    plan decides it: grpo_runner_gsm8k.plan.slots)."""
+    slots = rollout_cfg.partial.slots
+    return slots if isinstance(slots, int) else rollout_cfg.prompts_per_step * rollout_cfg.n
+
+
 def shared_prompt_table(rollout_cfg: RolloutConfig, backend: Any) -> int | None:
     """G, the prompt table's group slots, where the backend runs each group's prompt once in a round
     (rollout.options.shared_prompt; grpo_rollout.kept_shared); None where it does not."""
     if rollout_cfg.n < 2 or rollout_cfg.multi_turn.enabled or not getattr(backend, "shares_round_prompts", False):
         return None
-    return table_size(rollout_cfg.prompts_per_step * rollout_cfg.n, rollout_cfg.n)
+    return table_size(slot_count(rollout_cfg), rollout_cfg.n)
 
 
 class PartialSampler:
@@ -84,8 +91,11 @@ class PartialSampler:
 
     def __init__(self, run: Any):
         cfg = run.cfg.rollout
+        if cfg.partial.slots == "auto":
+            raise ValueError("rollout.partial.slots=auto reached the sampler undecided: decide it before the run "
+                             "is built (grpo_runner_gsm8k.plan.slots.decided_slots, as `grpo-run` does)")
         self.run = run
-        self.pool = PartialPool(cfg.prompts_per_step * cfg.n, cfg.n, cfg.partial.budget, cfg.max_new_tokens,
+        self.pool = PartialPool(slot_count(cfg), cfg.n, cfg.partial.budget, cfg.max_new_tokens,
                                 cfg.partial.max_staleness, cfg.partial.budget_quantile,
                                 kv_cache_mode(cfg, run.rollout), shared_prompt_table(cfg, run.rollout))
         if cfg.partial.kv_cache == "auto":
