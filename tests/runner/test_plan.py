@@ -255,3 +255,15 @@ def test_multi_turn_rows_carried_across_steps_plan_a_reprefilled_round_of_the_wh
     assert shapes.prompts == rollout.prompts_per_step * rollout.n and shapes.sampling.max_new_tokens == 2
     assert (shapes.kept_prefix, shapes.max_prompt_length) == (0, rollout.max_prompt_length + 40 - 1)
     assert plan.abstract_update_batch(inputs).targets.shape[1] == 40
+
+
+def test_an_8bit_cache_kept_across_steps_is_planned_at_its_8bit_size(plan_config):
+    """int8 keys and values with an f32 scale per (row, slot, KV head) beside them, the kept cache's
+    shapes as above (no shared prompt): the cache held through the update is planned at that size."""
+    cfg = plan_config(*PARTIAL_PLAN, "rollout.partial.kv_cache=across_steps", "rollout.options.shared_prompt=false",
+                      "rollout.kv_cache_dtype=int8")
+    inputs = plan.build_plan_inputs(cfg, default_registry())
+    q, width = inputs.run.qcfg, 32 + 16 + 3
+    rows = rollout_shapes(inputs).batch_sharding.shard_shape((cfg.rollout.prompts_per_step * cfg.rollout.n, 1))[0]
+    stores = q.num_hidden_layers * rows * width * q.num_key_value_heads * 2  # k and v
+    assert kept_cache_bytes(inputs) == stores * q.head_dim + stores * 4 + rows * width + 4

@@ -24,8 +24,10 @@ def _abstract_cache(rollout, shapes: RolloutShapes, rows: int, width: int, shard
     cache = jax.eval_shape(lambda: model.init_cache(rows, width, rollout.cache_dtype))
     if sharding is None:
         return cache
-    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                        cache, cache_shardings(cache, sharding))
+    def placed(leaf_sharding, part):  # the shardings are a prefix: one covers an 8-bit store's values and scales
+        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=leaf_sharding), part)
+
+    return jax.tree.map(placed, cache_shardings(cache, sharding), cache)
 
 
 def _replicated(sharding):
