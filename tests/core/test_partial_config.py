@@ -19,6 +19,8 @@ def test_a_valid_partial_config_loads():
     cfg = load_config(None, [*ON, "rollout.partial.budget=16", "rollout.partial.max_staleness=3"])
     assert (cfg.rollout.partial.budget, cfg.rollout.partial.max_staleness) == (16, 3)
     assert load_config(None, [*ON, "rollout.partial.budget_quantile=0.75"]).rollout.partial.budget_quantile == 0.75
+    assert [load_config(None, [*ON, f"rollout.partial.slots={s}"]).rollout.partial.slots
+            for s in (128, "auto", "null")] == [128, "auto", None]
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -33,6 +35,10 @@ def test_a_valid_partial_config_loads():
     (["rollout.partial.budget_quantile=0.5", "rollout.partial.max_staleness=5"],
      r"max_staleness with rollout.partial.budget_quantile.*set one of them to null"),
     (["rollout.partial.budget_quantile=1.5"], r"rollout.partial.budget_quantile"),
+    (["rollout.partial.slots=100"], r"slots = 100 is not a multiple of the 64 rows of a step.*set it to 64 or 128"),
+    (["rollout.partial.slots=32"], r"slots = 32 is not a multiple of the 64 rows.*set it to 64 \(or null\)"),
+    (["rollout.partial.slots=auto", "rollout.multi_turn.enabled=true", "rollout.multi_turn.tools=[calculator]"],
+     r"slots = 'auto' with rollout.multi_turn.enabled.*set rollout.partial.slots=null"),
 ])
 def test_inconsistent_settings_are_one_line_errors(overrides, message):
     with pytest.raises(ConfigError, match=message) as error:

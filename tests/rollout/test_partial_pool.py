@@ -126,6 +126,16 @@ def test_the_pool_continues_identically_after_a_json_round_trip():
     assert as_records(after_a) == as_records(after_b)
 
 
+def test_a_pool_of_other_slots_refuses_the_saved_rows_naming_the_count_to_resume_with():
+    generate, _ = fake_generate()
+    draw, _ = drawer()
+    saved = PartialPool(2 * SLOTS, N, BUDGET, MAX_NEW)
+    run_steps(saved, 2, generate, draw)
+    with pytest.raises(ValueError, match=f"has {2 * SLOTS} slots, this run {SLOTS}; resume with "
+                                         f"rollout.partial.slots={2 * SLOTS}"):
+        PartialPool(SLOTS, N, BUDGET, MAX_NEW).restore(saved.state())
+
+
 def test_a_quantile_budget_follows_the_trained_lengths_in_powers_of_two():
     generate, calls = fake_generate(stop_p=0.3)
     draw, _ = drawer()

@@ -257,6 +257,20 @@ def test_multi_turn_rows_carried_across_steps_plan_a_reprefilled_round_of_the_wh
     assert plan.abstract_update_batch(inputs).targets.shape[1] == 40
 
 
+def test_auto_slots_without_a_chip_to_project_on_are_a_steps_rows(plan_config, capsys):
+    """`rollout.partial.slots: auto` decided where no TPU chip projects the rounds (this CPU host, a plan
+    without --target): a step's rows, said in one line; the remat sweep asks for the slots first."""
+    from grpo_core.errors import UserError
+    from grpo_runner_gsm8k.plan.slots import decided_slots
+
+    cfg = plan_config(*PARTIAL_PLAN, "rollout.partial.slots=auto")
+    rows = cfg.rollout.prompts_per_step * cfg.rollout.n
+    assert decided_slots(cfg, default_registry()).rollout.partial.slots == rows
+    assert f"rollout.partial.slots=auto: {rows} slots (a step's rows): no TPU chip" in capsys.readouterr().out
+    with pytest.raises(UserError, match="--sweep model.remat with rollout.partial.slots=auto"):
+        plan.plan_command(cfg, default_registry(), sweep="model.remat")
+
+
 def test_an_8bit_cache_kept_across_steps_is_planned_at_its_8bit_size(plan_config):
     """int8 keys and values with an f32 scale per (row, slot, KV head) beside them, the kept cache's
     shapes as above (no shared prompt): the cache held through the update is planned at that size."""
@@ -267,3 +281,22 @@ def test_an_8bit_cache_kept_across_steps_is_planned_at_its_8bit_size(plan_config
     rows = rollout_shapes(inputs).batch_sharding.shard_shape((cfg.rollout.prompts_per_step * cfg.rollout.n, 1))[0]
     stores = q.num_hidden_layers * rows * width * q.num_key_value_heads * 2  # k and v
     assert kept_cache_bytes(inputs) == stores * q.head_dim + stores * 4 + rows * width + 4
+
+
+def test_a_run_on_chips_of_a_known_generation_decides_auto_slots_by_the_plans_rule(plan_config, capsys, monkeypatch):
+    """What `grpo-run` does before building a run on TPU chips (here these CPU devices priced as v5e
+    chips): the plan's candidates (64 rows, 128: a row of 8 tokens spans 3 rounds of 3, so 4x would
+    finish more rows a round than a step trains) compiled on the run's devices, the fastest taken."""
+    from grpo_runner_gsm8k.costs.tpu_target import GENERATIONS
+    from grpo_runner_gsm8k.plan import slots
+
+    monkeypatch.setattr(slots, "generation_of", lambda device: GENERATIONS["v5e"])
+    cfg = plan_config(*PARTIAL_PLAN, "rollout.partial.slots=auto", "rollout.partial.kv_cache=within_step",
+                      "rollout.options.shared_prompt=false")
+    assert slots.slot_candidates(cfg) == [64, 128]
+    decided = slots.decided_slots(cfg, default_registry()).rollout.partial.slots
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    listed = {int(n): float(t) * {"us": 1e-6, "ms": 1e-3, "s": 1.0}[unit]
+              for n, t, unit in re.findall(r"(\d+) slots ([\d.]+) (us|ms|s)\b", line)}
+    assert set(listed) == {64, 128} and decided == min(listed, key=listed.get), line
+    assert line.startswith(f"rollout.partial.slots=auto: {decided} slots, the fastest projected rollout")

@@ -14,7 +14,7 @@ from grpo_runner_gsm8k import plan
 from grpo_runner_gsm8k.costs import tpu_target
 from grpo_runner_gsm8k.costs import flops
 from grpo_runner_gsm8k.costs.roofline import phase_cost
-from grpo_runner_gsm8k.plan.projection import project, projection_json, projection_lines
+from grpo_runner_gsm8k.plan.projection import PartialRounds, project, projection_json, projection_lines
 
 pytest.importorskip("libtpu")
 
@@ -132,6 +132,58 @@ def test_auto_decode_is_the_fastest_layout_and_flips_when_collective_latency_is_
     costly, costly_times = auto_layout(tmp_path_factory, 1000)
     assert (free, costly) == ("model_parallel", "gathered"), (free_times, costly_times)
     assert costly_times["model_parallel"] - free_times["model_parallel"] > 16 * 1e-3  # >= 1 collective per token
+
+
+PARTIAL = ["rollout.partial.enabled=true", "loss.mismatch_correction=truncate", "rollout.partial.budget=4",
+           "rollout.partial.kv_cache=within_step"]
+
+
+def test_a_partial_step_is_its_rounds(tmp_path_factory):
+    """A row of 17 tokens holds its slot ceil(17 / 4) = 5 rounds: on 64 slots a step that trains 32
+    rows runs 32 x 5 / 64 = 2.5 rounds (grpo_rollout.partial's steady state, checked there), each
+    the prompt table, the compaction, the weights' gather and 4 decode steps; the carried rows are
+    admitted once per step under the new weights (within_step), and the update runs once. Rows of
+    3 tokens: 0.5 rounds of 3 steps."""
+    _, _, projection = planned(tmp_path_factory, *PARTIAL, "rollout.partial.slots=64")
+    p, decode = projection.phases, projection.phases["rollout decode"]
+    assert projection.partial == PartialRounds(slots=64, rows=ROWS, budget=4, carried_admission="step")
+    assert set(p) == {"rollout prompt table", "rollout compaction", "rollout admission of carried rows",
+                      "rollout decode", "train step"}
+    round_start = p["rollout prompt table"].seconds + p["rollout compaction"].seconds + decode.setup_seconds
+    once = p["rollout admission of carried rows"].seconds + p["train step"].seconds
+    assert projection.step_seconds(NEW) == pytest.approx(2.5 * (round_start + 4 * decode.seconds) + once)
+    assert projection.step_seconds(3) == pytest.approx(0.5 * (round_start + 3 * decode.seconds) + once)
+    assert "2.5 rounds of 4 decode steps" in projection_lines(projection, [NEW])[-2]
+
+
+def test_auto_slots_take_the_fastest_projected_rounds_that_fit(tmp_path_factory, capsys):
+    """Each decode step reads the gathered weights once for all its slots, so at SMALL more slots
+    make fewer rounds for little more per step: `auto` takes 4x a step's rows. With a capacity
+    below what 4x needs, the fastest that fits (the rollout's phases checked against it)."""
+    from grpo_runner_gsm8k.costs.capacity import Capacity
+    from grpo_runner_gsm8k.plan.slots import fastest_slots, slot_seconds
+
+    inputs, _, _ = planned(tmp_path_factory, *PARTIAL, "rollout.partial.slots=auto")
+    target = plan.parse_target("v5e-4")
+    capacity, chip = plan.device_capacity(None, target), target.generation
+    seconds = slot_seconds(inputs, capacity, chip, NEW)
+    assert list(seconds) == [32, 64, 128] and seconds[128] < seconds[64] < seconds[32], seconds
+    assert fastest_slots(inputs, capacity, chip, NEW) == 128
+    assert "rollout.partial.slots=auto: 128 slots, the fastest projected rollout" in capsys.readouterr().out
+    peaks = {slots: peak_of(inputs, slots, capacity) for slots in (64, 128)}
+    assert peaks[64] < peaks[128]
+    small = Capacity((peaks[64] + peaks[128]) // 2, "between", chip)
+    assert fastest_slots(inputs, small, chip, NEW) == 64
+    out = capsys.readouterr().out
+    assert "64 slots, the fastest" in out and "128 slots over the memory" in out
+
+
+def peak_of(inputs, slots: int, capacity) -> int:
+    from grpo_runner_gsm8k.costs.memory import peak
+    from grpo_runner_gsm8k.plan.phases import rollout_phases
+    from grpo_runner_gsm8k.plan.slots import inputs_with_slots
+
+    return peak(rollout_phases(inputs_with_slots(inputs, slots), capacity)).total
 
 
 def test_train_step_is_the_count_by_hand(projected):

@@ -27,7 +27,7 @@ from grpo_runner_gsm8k.costs.memory import PhaseMemory, peak
 from grpo_runner_gsm8k.costs.tpu_target import Generation, generation_of
 from grpo_runner_gsm8k.plan.abstract import PlanInputs, build_plan_inputs
 from grpo_runner_gsm8k.plan.phases import decide_lora_rollout, kept_cache_bytes, rollout_phases, train_phase
-from grpo_runner_gsm8k.plan.projection import project
+from grpo_runner_gsm8k.plan.projection import project, seconds_text
 
 SLOT_MULTIPLES = (1, 2, 4)
 
@@ -69,25 +69,27 @@ def rows_without_chip(cfg: RunConfig) -> int:
 
 def fastest_slots(inputs: PlanInputs, capacity: Capacity, chip: Generation, tokens: int) -> int:
     """The candidate whose rollout projects fastest among those that fit (a step's rows if none does)."""
-    cfg, fits = inputs.run.cfg, update_fit(inputs, capacity)
-    projected, left = {}, []
-    for slots in slot_candidates(cfg):
-        seconds = rounds_seconds(inputs_with_slots(inputs, slots), capacity, chip, tokens, fits)
-        if seconds is None:
-            left.append(slots)
-        else:
-            projected[slots] = seconds
-    rows = rows_per_step(cfg.rollout)
-    if not projected:
+    projected = slot_seconds(inputs, capacity, chip, tokens)
+    fitting = {slots: seconds for slots, seconds in projected.items() if seconds is not None}
+    rows = rows_per_step(inputs.run.cfg.rollout)
+    if not fitting:
         print(f"rollout.partial.slots=auto: {rows} slots (a step's rows): no count fits the device memory; "
               "the plan's table shows by how much", flush=True)
         return rows
-    best = min(projected, key=lambda s: (projected[s], s))
-    listed = ", ".join(f"{s} slots {projected[s]:.2f} s" for s in projected)
-    skipped = f"; {', '.join(map(str, left))} slots over the memory" if left else ""
+    best = min(fitting, key=lambda s: (fitting[s], s))
+    listed = ", ".join(f"{s} slots {seconds_text(t)}" for s, t in fitting.items())
+    left = [str(s) for s, t in projected.items() if t is None]
+    skipped = f"; {', '.join(left)} slots over the memory" if left else ""
     print(f"rollout.partial.slots=auto: {best} slots, the fastest projected rollout of a step at {tokens} tokens "
           f"per row ({listed}{skipped})", flush=True)
     return best
+
+
+def slot_seconds(inputs: PlanInputs, capacity: Capacity, chip: Generation, tokens: int) -> dict[int, Optional[float]]:
+    """{candidate slots: a step's projected rollout seconds, None where a phase does not fit}."""
+    fits = update_fit(inputs, capacity)
+    return {slots: rounds_seconds(inputs_with_slots(inputs, slots), capacity, chip, tokens, fits)
+            for slots in slot_candidates(inputs.run.cfg)}
 
 
 def rounds_seconds(inputs: PlanInputs, capacity: Capacity, chip: Generation, tokens: int,
