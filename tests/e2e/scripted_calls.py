@@ -27,9 +27,9 @@ def rest_of_call(tokenizer, call: list[int], prefix: list[int]) -> list[int]:
     return call[next(written, len(call)):]
 
 
-def scripted(run, policy, sampling, kv_cache):
+def scripted(run, backend, sampling, kv_cache):
     """`round_generator`, with the scripted rows' sampled tokens replaced by the rest of CALL."""
-    one_round, tokenizer = ORIGINAL(run, policy, sampling, kv_cache), run.inputs.tokenizer
+    one_round, tokenizer = ORIGINAL(run, backend, sampling, kv_cache), run.inputs.tokenizer
     call = tokenizer.encode(CALL, add_special_tokens=False)
 
     def rounds(prefixes, key, budget, cached):

@@ -19,6 +19,7 @@ from typing import Callable
 import jax
 
 from grpo_core.contracts import Example, Policy
+from grpo_core.step_samplers import loaded
 from grpo_rollout.kept_shared import table_size
 from grpo_rollout.partial import PartialPool, groups_result
 
@@ -48,19 +49,20 @@ def stream_questions(run, weights, task, examples: list[Example], key, sampling,
     shares = n > 1 and getattr(run.rollout, "shares_round_prompts", False)  # each question's prompt run once
     pool = PartialPool(slot_questions * n, n, max(1, -(-max_new // 4)), max_new, kv_cache=mode,
                        prompt_table=table_size(slot_questions * n, n) if shares else None)
-    generate = round_generator(run, Policy(run.policy_graphdef, weights, run.qcfg), sampling, mode)
     draw = _drawer(run_prompt_ids(run, task.use_chat_template, examples))
     left = len(examples)
-    for round_index in itertools.count():
-        groups, _ = pool.step(generate, draw, jax.random.fold_in(key, round_index), 0, 1)
-        groups += pool.take_complete(len(pool.groups))
-        real = [g for g in groups if g.example["position"] != FILLER]
-        if real:
-            positions = [g.example["position"] for g in real]
-            on_done(positions, _graded(run, task, [examples[p] for p in positions], real, max_new))
-            left -= len(real)
-        if left == 0:
-            break
+    with loaded(run.rollout, Policy(run.policy_graphdef, weights, run.qcfg)) as backend:
+        generate = round_generator(run, backend, sampling, mode)
+        for round_index in itertools.count():
+            groups, _ = pool.step(generate, draw, jax.random.fold_in(key, round_index), 0, 1)
+            groups += pool.take_complete(len(pool.groups))
+            real = [g for g in groups if g.example["position"] != FILLER]
+            if real:
+                positions = [g.example["position"] for g in real]
+                on_done(positions, _graded(run, task, [examples[p] for p in positions], real, max_new))
+                left -= len(real)
+            if left == 0:
+                break
     if mode != "reprefill":
         run.rollout.release_kept_cache()
 

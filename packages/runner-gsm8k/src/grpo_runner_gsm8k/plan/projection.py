@@ -101,9 +101,10 @@ def phase_time(inputs: PlanInputs, chip: Generation, phase: PhaseMemory) -> Phas
 
 
 # A partial-rollout round's phases besides its decode (grpo_rollout.kept_plan, backend.compile_phases):
-# each generate call loads (and quantizes) the weights, moves them to the decode layout, admits and compacts.
+# each generate call moves the weights to the decode layout, admits and compacts (the 8-bit copy,
+# `rollout quantize`, is made once per step).
 ROUND_PHASES = ("rollout prefill", "rollout compaction", "rollout admission", "rollout prompt table",
-                "rollout quantize", "rollout decode layout")
+                "rollout decode layout")
 CARRIED_ADMISSION = "rollout admission of carried rows"
 
 

@@ -19,6 +19,7 @@ import numpy as np
 from grpo_core.contracts import Example, Policy, SavedEnvironment
 from grpo_core.errors import UserError
 from grpo_core.rollout_records import Sampled, waste_metrics
+from grpo_core.step_samplers import loaded
 
 from grpo_runner_gsm8k.multihost import gather_objects
 from grpo_runner_gsm8k.samplers.multi_turn_pool import ConversationGroup, ConversationPool
@@ -65,8 +66,9 @@ class MultiTurnPartialSampler(MultiTurnSampler):
         """The complete groups of rounds decoded with `policy` (version `step`), scored."""
         start = time.monotonic()
         run, cfg = self.run, self.run.cfg.rollout
-        generate = round_generator(run, policy, self.turns.sampling, "reprefill")
-        groups, rounds, work = self.pool.step(generate, self.draw, key, step, cfg.prompts_per_step)
+        with loaded(run.rollout, policy) as backend:
+            generate = round_generator(run, backend, self.turns.sampling, "reprefill")
+            groups, rounds, work = self.pool.step(generate, self.draw, key, step, cfg.prompts_per_step)
         reward_start = time.monotonic()
         rows = [row.trajectory for group in groups for row in group.rows]
         result = trajectory_result(rows, cfg.n, self.turns.budget, run.inputs.tokenizer.pad_token_id)

@@ -34,24 +34,24 @@ from grpo_runner_gsm8k.tokens import decode_completions, tokenize_prompts
 HOST_FIELDS = ("completion_ids", "lengths", "sampler_logps", "finished")
 
 
-def round_generator(run: Any, policy: Policy, sampling, kv_cache: str):
+def round_generator(run: Any, backend: Any, sampling, kv_cache: str):
     """`one_round(prefixes, key, budget, cached) -> RolloutResult`: one round's decode of the pool's
-    slots with `policy`, loaded into the backend only for its duration (training and eval streams)."""
+    slots on `backend`, with the policy's weights loaded (`loaded`) around all of a step's rounds,
+    so an 8-bit copy (rollout.quantize) is made once per step."""
 
     def one_round(prefixes, key, budget: int, cached, groups=None) -> RolloutResult:
         round_sampling = dataclasses.replace(sampling, n=1, max_new_tokens=budget)
         kwargs = dict(batch_sharding=run.rollout_sharding, pad_token_id=run.inputs.tokenizer.pad_token_id)
         if groups is not None:  # the pool keeps a prompt table (shared_prompt_table)
             kwargs["groups"] = groups
-        with loaded(run.rollout, policy) as backend:
-            if kv_cache != "reprefill":
-                result = backend.generate_round(prefixes, cached, key, round_sampling, **kwargs)
-            elif groups is not None:  # re-prefilled on the prompt table: every slot admitted, nothing kept
-                result = backend.generate_round(prefixes, [False] * len(prefixes), key, round_sampling, **kwargs)
-                backend.release_kept_cache()
-            else:
-                result = backend.generate(prefixes, key, round_sampling, **kwargs)
-            return dataclasses.replace(result, **{name: host_array(getattr(result, name)) for name in HOST_FIELDS})
+        if kv_cache != "reprefill":
+            result = backend.generate_round(prefixes, cached, key, round_sampling, **kwargs)
+        elif groups is not None:  # re-prefilled on the prompt table: every slot admitted, nothing kept
+            result = backend.generate_round(prefixes, [False] * len(prefixes), key, round_sampling, **kwargs)
+            backend.release_kept_cache()
+        else:
+            result = backend.generate(prefixes, key, round_sampling, **kwargs)
+        return dataclasses.replace(result, **{name: host_array(getattr(result, name)) for name in HOST_FIELDS})
 
     return one_round
 
@@ -111,8 +111,9 @@ class PartialSampler:
         """The complete groups of rounds decoded with `policy` (version `step`), scored."""
         start = time.monotonic()
         cfg = self.run.cfg.rollout
-        generate = round_generator(self.run, policy, self.run.sampling, self.pool.kv_cache)
-        groups, stats = self.pool.step(generate, self.draw, key, step, cfg.prompts_per_step)
+        with loaded(self.run.rollout, policy) as backend:
+            generate = round_generator(self.run, backend, self.run.sampling, self.pool.kv_cache)
+            groups, stats = self.pool.step(generate, self.draw, key, step, cfg.prompts_per_step)
         if self.pool.kv_cache == "within_step":  # not needed again: free it before the update
             self.run.rollout.release_kept_cache()
         reward_start = time.monotonic()
