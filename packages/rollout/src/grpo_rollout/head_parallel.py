@@ -83,8 +83,11 @@ def weight_spec(names: tuple, shape: tuple, mesh: Mesh) -> PartitionSpec:
 
 
 def weight_specs(weights: nnx.State, mesh: Mesh) -> nnx.State:
-    return nnx.map_state(lambda _, v: v.replace(value_spec(v.get_value(), weight_spec(variable_names(v), v.shape, mesh), mesh)),
-                         weights)
+    def to_spec(_, variable):
+        spec = weight_spec(variable_names(variable), variable.shape, mesh)
+        return variable.replace(value_spec(variable.get_value(), spec, mesh))
+
+    return nnx.map_state(to_spec, weights)
 
 
 def cache_spec(cache: Any) -> Any:

@@ -77,7 +77,7 @@ def run_experts(model: nnx.Module, layout: Any) -> nnx.Module:
     """`model` with its experts run as `layout` holds them: whole experts per device in the
     expert-parallel variant (grpo_core.models.moe_parallel); other layouts leave it as it is."""
     if getattr(layout, "experts", False):
-        model.layers.mlp.expert_parallel = layout.expert_plan()
+        model.layers.mlp.run_experts_as(layout.expert_plan())
     return model
 
 
@@ -98,11 +98,11 @@ def weight_spec(names: tuple, shape: tuple, mesh: Mesh, axes: Any, experts: bool
     spec: list = [None] * len(shape)
     ways = mesh_ways(mesh, axes)
     if experts and is_expert_kernel(names):
-        count = shape[names.index("expert")]
-        if count % ways:
-            raise LayoutUnsupported(f"gather_weights=expert_parallel: {count} experts do not split over {ways} "
+        dim = names.index("expert")
+        if shape[dim] % ways:
+            raise LayoutUnsupported(f"gather_weights=expert_parallel: {shape[dim]} experts do not split over {ways} "
                                     "devices; set gather_weights to auto, model_parallel or head_parallel")
-        spec[names.index("expert")] = axes
+        spec[dim] = axes
         return PartitionSpec(*spec)
     for dim, (name, size) in enumerate(zip(names, shape)):
         if name in SPLIT_DIMENSIONS and size % ways == 0:

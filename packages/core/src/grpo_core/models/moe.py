@@ -89,7 +89,13 @@ class SparseMoE(nnx.Module):
     def set_expert_parallel(self, mesh, rules) -> None:
         """Expert parallelism when the activation `rules` map `expert` to a mesh axis that divides
         the experts (grpo_core.models.moe_parallel); otherwise the replicated-expert path."""
-        self.expert_parallel = expert_parallel_from_rules(mesh, rules, self.experts.gate_proj.shape[-3])  # [(L,) E, H, I]
+        experts = self.experts.gate_proj.shape[-3]  # [(L,) E, H, I]
+        self.run_experts_as(expert_parallel_from_rules(mesh, rules, experts))
+
+    def run_experts_as(self, plan) -> None:
+        """Run the experts as `plan` holds them (a moe_parallel.ExpertParallel; None: replicated),
+        e.g. the rollout's expert-parallel decode layout."""
+        self.expert_parallel = plan
 
     def route(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """x [N, H] -> `route`'s (probabilities, weights, experts) for each token."""
