@@ -113,7 +113,8 @@ def rollout_shapes(inputs: PlanInputs) -> RolloutShapes:
         # The widest round: every slot carries a prompt plus max_new_tokens - 1 tokens (a multi-turn
         # row: its budget over all turns, tool turns included, but one), kept in its cache (new
         # prompts admitted beside) or re-prefilled (multi-turn rows always are).
-        prompts, sampling = slot_count(rollout), dataclasses.replace(sampling, n=1, max_new_tokens=rollout.partial.budget)
+        prompts = slot_count(rollout)
+        sampling = dataclasses.replace(sampling, n=1, max_new_tokens=rollout.partial.budget)
         carried = prompt_length + (row_budget(rollout) if rollout.multi_turn.enabled else rollout.max_new_tokens) - 1
         groups = shared_prompt_table(rollout, plannable(run))
         if kv_cache_mode(run.cfg.rollout, plannable(run)) == "reprefill" and not groups:

@@ -314,7 +314,8 @@ def step_line(projection: Projection, tokens: int) -> str:
     steps = f"{tokens - 1} decode steps x {seconds_text(segments[0][2].seconds)}"
     if projection.partial is not None:
         partial = projection.partial
-        steps = (f"{partial.rounds(tokens):g} rounds of {projection.round_steps(tokens)} decode steps x "
+        rounds = partial.rounds(tokens)
+        steps = (f"{rounds:g} round{'' if rounds == 1 else 's'} of {projection.round_steps(tokens)} decode steps x "
                  f"{seconds_text(segments[0][2].seconds)} on {partial.slots} slots")
     elif len(segments) > 1:
         called = sum(first < max(tokens, 2) for first, _, _ in segments)

@@ -2,10 +2,10 @@
 
 The pool has prompts_per_step x n decode slots, the rows of a synchronous rollout, or a
 multiple of them (rollout.partial.slots). Each step runs rounds until prompts_per_step groups
-are complete and trains on them, so the update has the shape of a synchronous step's. With several processes each draws from its
-own data shard and the draws are gathered, so every process holds the same pool. The pool's
-carried rows are run state: the sampler is a `CarryingSampler`, saved and restored with the
-checkpoint.
+are complete and trains on them, so the update has the shape of a synchronous step's. With
+several processes each draws from its own data shard and the draws are gathered, so every
+process holds the same pool. The pool's carried rows are run state: the sampler is a
+`CarryingSampler`, saved and restored with the checkpoint.
 """
 
 from __future__ import annotations
