@@ -293,7 +293,7 @@ def test_a_run_on_chips_of_a_known_generation_decides_auto_slots_by_the_plans_ru
     monkeypatch.setattr(slots, "generation_of", lambda device: GENERATIONS["v5e"])
     cfg = plan_config(*PARTIAL_PLAN, "rollout.partial.slots=auto", "rollout.partial.kv_cache=within_step",
                       "rollout.options.shared_prompt=false")
-    assert slots.slot_candidates(cfg) == [64, 128]
+    assert slots.slot_candidates(cfg.rollout) == [64, 128]
     decided = slots.decided_slots(cfg, default_registry()).rollout.partial.slots
     line = capsys.readouterr().out.strip().splitlines()[-1]
     listed = {int(n): float(t) * {"us": 1e-6, "ms": 1e-3, "s": 1.0}[unit]

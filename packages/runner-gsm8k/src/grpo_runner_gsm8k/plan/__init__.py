@@ -74,7 +74,7 @@ def plan_command(cfg: RunConfig, registry: Registry, sweep: Optional[str] = None
     with memory_minimizing_cpu_scheduler():
         capacity = device_capacity(capacity_gib, parsed)
         if sweep == "model.remat":
-            if wants_decision(cfg):
+            if wants_decision(cfg.rollout):
                 raise UserError("--sweep model.remat with rollout.partial.slots=auto: the slots are decided per "
                                 "plan; plan without --sweep to decide them, then set rollout.partial.slots")
             return sweep_remat(cfg, registry, parsed, capacity)

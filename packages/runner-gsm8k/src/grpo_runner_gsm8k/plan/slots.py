@@ -18,7 +18,7 @@ from typing import Callable, Optional
 
 import jax
 
-from grpo_core.config import RunConfig
+from grpo_core.config import RolloutConfig, RunConfig
 from grpo_core.registry import Registry
 
 from grpo_runner_gsm8k.assembly.build import rows_per_step
@@ -41,27 +41,26 @@ def inputs_with_slots(inputs: PlanInputs, slots: int) -> PlanInputs:
     return dataclasses.replace(inputs, run=dataclasses.replace(inputs.run, cfg=with_slots(inputs.run.cfg, slots)))
 
 
-def slot_candidates(cfg: RunConfig) -> list[int]:
-    rollout = cfg.rollout
+def slot_candidates(rollout: RolloutConfig) -> list[int]:
     rounds = -(-rollout.max_new_tokens // rollout.partial.budget)
     return [rows_per_step(rollout) * m for m in SLOT_MULTIPLES if m == 1 or m <= rounds]
 
 
-def wants_decision(cfg: RunConfig) -> bool:
-    return cfg.rollout.partial.enabled and cfg.rollout.partial.slots == "auto"
+def wants_decision(rollout: RolloutConfig) -> bool:
+    return rollout.partial.enabled and rollout.partial.slots == "auto"
 
 
 def decide_slots(inputs: PlanInputs, capacity: Capacity, chip: Optional[Generation], tokens: int) -> PlanInputs:
     """`inputs` with rollout.partial.slots decided (unchanged unless it is `auto`); prints why."""
-    if not wants_decision(inputs.run.cfg):
+    if not wants_decision(inputs.run.cfg.rollout):
         return inputs
     if chip is None:
-        return inputs_with_slots(inputs, rows_without_chip(inputs.run.cfg))
+        return inputs_with_slots(inputs, rows_without_chip(inputs.run.cfg.rollout))
     return inputs_with_slots(inputs, fastest_slots(inputs, capacity, chip, tokens))
 
 
-def rows_without_chip(cfg: RunConfig) -> int:
-    rows = rows_per_step(cfg.rollout)
+def rows_without_chip(rollout: RolloutConfig) -> int:
+    rows = rows_per_step(rollout)
     print(f"rollout.partial.slots=auto: {rows} slots (a step's rows): no TPU chip of a known generation to "
           "project more on (grpo-run --plan --target SLICE shows what more would give)", flush=True)
     return rows
@@ -74,7 +73,7 @@ def fastest_slots(inputs: PlanInputs, capacity: Capacity, chip: Generation, toke
     rows = rows_per_step(inputs.run.cfg.rollout)
     if not fitting:
         print(f"rollout.partial.slots=auto: {rows} slots (a step's rows): no count fits the device memory; "
-              "the plan's table shows by how much", flush=True)
+              "grpo-run --plan shows by how much", flush=True)
         return rows
     best = min(fitting, key=lambda s: (fitting[s], s))
     listed = ", ".join(f"{s} slots {seconds_text(t)}" for s, t in fitting.items())
@@ -89,7 +88,7 @@ def slot_seconds(inputs: PlanInputs, capacity: Capacity, chip: Generation, token
     """{candidate slots: a step's projected rollout seconds, None where a phase does not fit}."""
     fits = update_fit(inputs, capacity)
     return {slots: rounds_seconds(inputs_with_slots(inputs, slots), capacity, chip, tokens, fits)
-            for slots in slot_candidates(inputs.run.cfg)}
+            for slots in slot_candidates(inputs.run.cfg.rollout)}
 
 
 def rounds_seconds(inputs: PlanInputs, capacity: Capacity, chip: Generation, tokens: int,
@@ -118,11 +117,11 @@ def update_fit(inputs: PlanInputs, capacity: Capacity) -> Callable[[PlanInputs],
 def decided_slots(cfg: RunConfig, registry: Registry) -> RunConfig:
     """A run's config with `auto` slots decided before it is built: on TPU chips of a known
     generation by the plan's rule on these devices, else a step's rows."""
-    if not wants_decision(cfg):
+    if not wants_decision(cfg.rollout):
         return cfg
     chip = generation_of(jax.devices()[0])
     if chip is None:
-        return with_slots(cfg, rows_without_chip(cfg))
+        return with_slots(cfg, rows_without_chip(cfg.rollout))
     stats = jax.local_devices()[0].memory_stats() or {}
     capacity = Capacity(int(stats.get("bytes_limit", chip.usable_hbm_gib * GIB)), "device bytes_limit", chip)
     inputs = decide_lora_rollout(build_plan_inputs(cfg, registry), capacity)
