@@ -39,7 +39,8 @@ from grpo_runner_gsm8k import loop
 from grpo_runner_gsm8k.multihost import gather_objects
 from grpo_core.config_io import load_config
 from grpo_core.registry import default_registry
-cfg = load_config(sys.argv[1], sys.argv[2:], registry=default_registry())
+from grpo_runner_gsm8k.plan.slots import decided_slots
+cfg = decided_slots(load_config(sys.argv[1], sys.argv[2:], registry=default_registry()), default_registry())  # as grpo-run
 trainer = loop.Trainer(loop.build_run(cfg, default_registry()))
 position = trainer.built.inputs.task.state()
 print("PROMPTS", json.dumps([ex.id for ex in gather_objects(trainer.built.inputs.task.train_batch(4))]), flush=True)
@@ -172,11 +173,12 @@ def distributed(port: int, process_id: int) -> list[str]:
 @pytest.mark.slow
 def test_two_process_partial_run_holds_one_pool_and_counts_every_prompt_once(tmp_path, start):
     """Each process draws one prompt per new group from its own shard and the draws are
-    gathered, so both hold the same carried rows and end with the same parameters."""
+    gathered, so both hold the same carried rows and end with the same parameters. `auto` slots
+    are decided as `grpo-run` does, after the processes join (here a step's rows: no TPU chip)."""
     port = free_port()
     partial = ["rollout.max_new_tokens=4", "rollout.partial.enabled=true", "rollout.partial.budget=1",
                "loss.mismatch_correction=truncate", "eval.every_steps=0", "loss.advantage_estimator=rloo",
-               "loss.dynamic_sampling=true"]
+               "loss.dynamic_sampling=true", "rollout.partial.slots=auto"]
     outs = finish([start(4, [*RUN, *partial, f"logging.dir={tmp_path}", *distributed(port, i)]) for i in range(2)])
     sums = [float(printed(out, "PARAMS")) for out in outs]
     assert sums[0] == sums[1]
@@ -186,6 +188,7 @@ def test_two_process_partial_run_holds_one_pool_and_counts_every_prompt_once(tmp
     saved = json.loads((checkpoint_dir(tmp_path) / "2" / "meta" / "metadata").read_text())
     waiting = len(saved["carried"]["groups"])
     assert saved["data"]["position"] * 2 == 2 * 8 + waiting  # each process drew its half of every group
+    assert all("rollout.partial.slots=auto: 32 slots (a step's rows)" in out for out in outs)
 
 
 @pytest.fixture(scope="session")

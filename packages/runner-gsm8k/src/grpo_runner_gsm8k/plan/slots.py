@@ -20,6 +20,7 @@ import jax
 
 from grpo_core.config import RolloutConfig, RunConfig
 from grpo_core.registry import Registry
+from grpo_meshes import setup_processes
 
 from grpo_runner_gsm8k.assembly.build import rows_per_step
 from grpo_runner_gsm8k.costs.capacity import GIB, Capacity
@@ -119,6 +120,7 @@ def decided_slots(cfg: RunConfig, registry: Registry) -> RunConfig:
     generation by the plan's rule on these devices, else a step's rows."""
     if not wants_decision(cfg.rollout):
         return cfg
+    setup_processes(cfg.mesh)  # a multi-host run joins before any device is read
     chip = generation_of(jax.devices()[0])
     if chip is None:
         return with_slots(cfg, rows_without_chip(cfg.rollout))
