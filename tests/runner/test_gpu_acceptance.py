@@ -16,7 +16,8 @@ from grpo_core.config_io import read_yaml
 from grpo_core.testing import cpu_test_xla_flags
 from grpo_core.models.presets import PRESETS
 from grpo_runner_gsm8k.commands.gpu_acceptance import PHASES, SHAPES
-from grpo_runner_gsm8k.commands.gpu_parts import EIGHT_BIT, fp8_missing
+from grpo_rollout.bench import QUANTIZED_SIDES
+from grpo_runner_gsm8k.commands.gpu_parts import fp8_missing
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -65,7 +66,7 @@ def test_cpu_run_prints_one_json_line_with_gpu_parts_skipped():
     assert decode["status"] == "ok" and decode["rows"] == 64 and decode["tokens_per_s"] > 0
     quantize = record["quantize"]  # XLA:CPU runs the fp8 sides too: the path, not a speed
     assert quantize["status"] == "ok" and quantize["full_precision"]["tokens_per_s"] > 0
-    assert all(quantize[side]["status"] == "ok" and quantize[side]["decode_speedup"] > 0 for side in EIGHT_BIT)
+    assert all(quantize[side]["status"] == "ok" and quantize[side]["decode_speedup"] > 0 for side in QUANTIZED_SIDES)
     loss = record["loss"]
     assert [loss[impl]["status"] for impl in ("jax", "fused", "pallas")] == ["ok", "ok", "skipped"]
     assert loss["fused"]["max_abs_diff_vs_jax"]["loss"] < 1e-2

@@ -275,6 +275,12 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+# The 8-bit sides of a decode comparison, by name: bench_jax's arguments (rollout.quantize,
+# rollout.kv_cache_dtype); `grpo-bench gpu`'s quantize part runs the same sides.
+QUANTIZED_SIDES = {"int8": {"quantize": "int8"}, "fp8": {"quantize": "fp8"}, "int8_kv_cache": {"kv_cache": "int8"},
+                   "fp8_kv_cache": {"kv_cache": "fp8"}}
+
+
 def comparison(args: argparse.Namespace) -> dict[str, Any] | None:
     """Both sides of --compare-segments, --compare-shared or --compare-quantize, timed in this one run;
     None without any."""
@@ -291,8 +297,7 @@ def comparison(args: argparse.Namespace) -> dict[str, Any] | None:
                 "tokens_per_s_speedup": shared["tokens_per_s"] / repeated["tokens_per_s"]}
     if args.compare_quantize:
         full = bench_jax(args)
-        sides = {"int8": bench_jax(args, quantize="int8"), "fp8": bench_jax(args, quantize="fp8"),
-                 "int8_kv_cache": bench_jax(args, kv_cache="int8"), "fp8_kv_cache": bench_jax(args, kv_cache="fp8")}
+        sides = {name: bench_jax(args, **options) for name, options in QUANTIZED_SIDES.items()}
         return {"full_precision": full, **sides,
                 "decode_speedup": {name: full["decode_ms_per_token"] / side["decode_ms_per_token"]
                                    for name, side in sides.items()}}

@@ -13,9 +13,6 @@ import jax.numpy as jnp
 
 
 DECODE_FIELDS = ("tokens_per_s", "prefill_ms", "decode_ms_per_token", "decode_steps")
-# The 8-bit sides of the quantize part: bench_jax's arguments (rollout.quantize, rollout.kv_cache_dtype).
-EIGHT_BIT = {"int8": {"quantize": "int8"}, "fp8": {"quantize": "fp8"}, "int8_kv_cache": {"kv_cache": "int8"},
-             "fp8_kv_cache": {"kv_cache": "fp8"}}
 FP8_CAPABILITY = 8.9  # NVIDIA compute capability with fp8 (e4m3) tensor cores: L4/Ada 8.9, H100/H200 9.0
 
 
@@ -54,13 +51,13 @@ def quantize_part(shapes: Any, gpu: bool) -> dict:
     """The decode part's measurement on 8-bit weights (rollout.quantize int8, fp8) and KV caches
     (rollout.kv_cache_dtype int8, fp8) beside full precision, in one run: each side's tokens/s and
     its decode speedup over full precision; fp8 sides skipped in one line on a GPU without fp8."""
-    from grpo_rollout.bench import bench_jax
+    from grpo_rollout.bench import QUANTIZED_SIDES, bench_jax
 
     args = decode_args(shapes)
     full = bench_jax(args)
     record: dict[str, Any] = {"rows": 64, "full_precision": {k: full[k] for k in DECODE_FIELDS}}
     missing = fp8_missing(jax.devices()[0], gpu)
-    for name, options in EIGHT_BIT.items():
+    for name, options in QUANTIZED_SIDES.items():
         if missing and name.startswith("fp8"):
             record[name] = {"status": "skipped", "reason": missing}
             continue

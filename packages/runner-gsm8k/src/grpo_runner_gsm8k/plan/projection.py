@@ -39,8 +39,7 @@ from grpo_rollout.segments import decode_phase_steps
 from grpo_runner_gsm8k.assembly.build import attention_impl, micro_batches, rows_per_step
 from grpo_runner_gsm8k.costs.flops import forward_flops
 from grpo_runner_gsm8k.plan.abstract import PlanInputs, plannable, train_widths
-from grpo_runner_gsm8k.plan.phases import rollout_shapes
-from grpo_runner_gsm8k.samplers.partial import kv_cache_mode
+from grpo_runner_gsm8k.samplers.partial import kv_cache_mode, slot_count
 from grpo_runner_gsm8k.costs.memory import PhaseMemory
 from grpo_runner_gsm8k.costs.roofline import NO_COLLECTIVES, PhaseCost, call_seconds, dcn_chip_gbps, setup_seconds
 from grpo_runner_gsm8k.assembly.teacher import TEACHER_PHASE
@@ -231,10 +230,9 @@ def partial_rounds(inputs: PlanInputs) -> Optional[PartialRounds]:
     rollout = inputs.run.cfg.rollout
     if not rollout.partial.enabled:
         return None
-    shapes = rollout_shapes(inputs)
     mode = kv_cache_mode(rollout, plannable(inputs.run))
     admission = "round" if mode == "reprefill" else "step" if mode == "within_step" else "never"
-    return PartialRounds(shapes.prompts, rows_per_step(rollout), rollout.partial.budget, admission)
+    return PartialRounds(slot_count(rollout), rows_per_step(rollout), rollout.partial.budget, admission)
 
 
 def projection_lines(projection: Projection, lengths: list[int]) -> list[str]:

@@ -23,7 +23,7 @@ from grpo_core.registry import Registry
 from grpo_meshes import setup_processes
 
 from grpo_runner_gsm8k.assembly.build import rows_per_step
-from grpo_runner_gsm8k.costs.capacity import GIB, Capacity
+from grpo_runner_gsm8k.costs.capacity import Capacity, device_capacity
 from grpo_runner_gsm8k.costs.memory import PhaseMemory, peak
 from grpo_runner_gsm8k.costs.tpu_target import Generation, generation_of
 from grpo_runner_gsm8k.plan.abstract import PlanInputs, build_plan_inputs
@@ -124,7 +124,6 @@ def decided_slots(cfg: RunConfig, registry: Registry) -> RunConfig:
     chip = generation_of(jax.devices()[0])
     if chip is None:
         return with_slots(cfg, rows_without_chip(cfg.rollout))
-    stats = jax.local_devices()[0].memory_stats() or {}
-    capacity = Capacity(int(stats.get("bytes_limit", chip.usable_hbm_gib * GIB)), "device bytes_limit", chip)
+    capacity = dataclasses.replace(device_capacity(None), chip=chip)  # the devices' limit, as `--plan` reads it
     inputs = decide_lora_rollout(build_plan_inputs(cfg, registry), capacity)
     return with_slots(cfg, fastest_slots(inputs, capacity, chip, cfg.rollout.max_new_tokens))
